@@ -1,0 +1,60 @@
+"""Shared helpers for the benchmark suites: timing, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mpi4py import MPI
+
+from ..comm import Communicator
+
+
+def median_seconds(fn: Callable[[], Any], comm: Communicator, repeats: int = 10,
+                   warmup: int = 2) -> float:
+    """Median over ``repeats`` of the slowest rank's time for ``fn()``.
+
+    Ranks start together (barrier); each run's time is the maximum over ranks, since a
+    collective is done only when its last rank is.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(comm.allreduce_value(time.perf_counter() - start, "max"))
+    return statistics.median(times)
+
+
+def machine() -> dict[str, Any]:
+    import os
+
+    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "ranks": MPI.COMM_WORLD.Get_size()}
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """Print ``rows`` as an aligned text table of ``columns``."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.3e}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)

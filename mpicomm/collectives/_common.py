@@ -1,0 +1,138 @@
+"""Plumbing shared by the collective algorithms: argument checks and the run context."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mpi4py import MPI
+
+from ..buffers import REDUCE_OPS, ArrayOps, BufferInfo
+from ..comm import Traffic
+
+# Tags of the library's own point-to-point traffic (on the communicator's private
+# duplicate, so they never meet a user's messages). Collectives on one communicator run
+# one at a time and MPI keeps messages between a pair in order, so tags only need to tell
+# the phases of one collective apart.
+TAG_ALLREDUCE = 11
+TAG_ALLGATHER = 12
+TAG_BCAST = 13
+TAG_REDUCE_SCATTER = 14
+TAG_FOLD = 15
+
+
+@dataclass
+class Ctx:
+    """Everything an algorithm needs: the private MPI communicator, array kernels, and the
+    communicator's traffic counter (every send and receive below is counted)."""
+
+    mpi: MPI.Intracomm
+    rank: int
+    size: int
+    ops: ArrayOps
+    traffic: Traffic
+
+    @classmethod
+    def of(cls, comm: Any, ops: ArrayOps) -> Ctx:
+        """The context for running an algorithm on ``comm`` (an mpicomm Communicator)."""
+        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic)
+
+    def _nbytes(self, a: Any) -> int:
+        return int(a.shape[0]) * self.ops.itemsize(a)
+
+    def _count(self, sent: Any = None, received: Any = None) -> None:
+        t = self.traffic
+        if sent is not None:
+            t.sent_bytes += self._nbytes(sent)
+            t.messages += 1
+        if received is not None:
+            t.recv_bytes += self._nbytes(received)
+
+    def sendrecv(self, send: Any, dest: int, recv: Any, source: int, tag: int) -> None:
+        """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``."""
+        self._count(send, recv)
+        self.mpi.Sendrecv(self.ops.msg(send), dest, tag, self.ops.msg(recv), source, tag)
+
+    def send(self, data: Any, dest: int, tag: int) -> None:
+        self._count(sent=data)
+        self.mpi.Send(self.ops.msg(data), dest, tag)
+
+    def recv(self, data: Any, source: int, tag: int) -> None:
+        self._count(received=data)
+        self.mpi.Recv(self.ops.msg(data), source, tag)
+
+    def isend(self, data: Any, dest: int, tag: int) -> MPI.Request:
+        self._count(sent=data)
+        return self.mpi.Isend(self.ops.msg(data), dest, tag)
+
+    def irecv(self, data: Any, source: int, tag: int) -> MPI.Request:
+        self._count(received=data)
+        return self.mpi.Irecv(self.ops.msg(data), source, tag)
+
+
+def check_op(op: Any) -> str:
+    if not isinstance(op, str) or op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {', '.join(REDUCE_OPS)}, got {op!r}")
+    return op
+
+
+def check_op_dtype(op: str, info: BufferInfo) -> None:
+    if op == "avg" and not info.is_float:
+        raise TypeError(
+            f"op='avg' needs a floating dtype, got {info.dtype} (use op='sum' and divide)"
+        )
+
+
+def check_algorithm(collective: str, algorithm: Any, known: Sequence[str]) -> str:
+    names = ("auto", *known)
+    if not isinstance(algorithm, str) or algorithm not in names:
+        raise ValueError(
+            f"unknown {collective} algorithm {algorithm!r}; choose one of {', '.join(names)}"
+        )
+    return algorithm
+
+
+def check_root(root: Any, size: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise TypeError(f"root must be an int, got {type(root).__name__}")
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} is out of range for {size} ranks")
+    return root
+
+
+def block_bounds(n: int, parts: int) -> list[int]:
+    """Boundaries splitting ``n`` elements into ``parts`` near-equal contiguous blocks."""
+    return [(i * n) // parts for i in range(parts + 1)]
+
+
+def fold_layout(size: int) -> tuple[int, int]:
+    """``(p2, rem)``: the largest power of two ``p2 <= size`` and ``rem = size - p2``.
+
+    Algorithms that need a power of two fold the first ``2*rem`` ranks pairwise: the even
+    rank of each pair hands its data to the odd one and sits out, leaving ``p2`` active
+    ranks whose *virtual* rank is ``rank // 2`` (paired) or ``rank - rem`` (unpaired).
+    """
+    p2 = 1 << (size.bit_length() - 1)
+    return p2, size - p2
+
+
+def virtual_rank(rank: int, rem: int) -> int:
+    """Virtual rank after folding, or -1 for a rank that sits out (see fold_layout)."""
+    if rank < 2 * rem:
+        return rank // 2 if rank % 2 else -1
+    return rank - rem
+
+
+def real_rank(vrank: int, rem: int) -> int:
+    """The real rank that plays virtual rank ``vrank`` after folding."""
+    return 2 * vrank + 1 if vrank < rem else vrank + rem
+
+
+def first_real_block(vrank: int, rem: int) -> int:
+    """Index of the first real rank whose data virtual rank ``vrank`` represents.
+
+    Virtual rank ``v < rem`` stands for real ranks ``2v, 2v+1``; the others for ``v+rem``.
+    So a contiguous range of virtual ranks maps to a contiguous range of real ranks.
+    """
+    return 2 * vrank if vrank < rem else vrank + rem

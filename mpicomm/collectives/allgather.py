@@ -1,0 +1,188 @@
+"""Allgather and allgatherv: every rank gets all ranks' buffers concatenated along axis 0.
+
+Algorithms for :func:`allgather` (equal shapes on every rank):
+
+``ring``
+    ``p-1`` steps, each forwarding one block to the right neighbour (segmented and
+    pipelined). (p-1)α + (p-1)/p·nβ, n = total bytes. Large messages.
+``bruck``
+    ``⌈lg p⌉`` steps for any ``p``: in step j a rank sends everything it holds so far to
+    ``rank - 2^j`` and receives as much from ``rank + 2^j``, then rotates the result into
+    rank order. Few messages: small messages, any rank count.
+``recursive_doubling``
+    ``lg p`` exchanges with ``rank XOR 2^j`` of aligned, contiguous ranges. Non-powers of
+    two fold the first ``2(p - p2)`` ranks pairwise (the pair's two blocks are adjacent,
+    so every range stays contiguous), adding two messages.
+``mpi``
+    ``MPI_Allgather``.
+
+:func:`allgatherv` lets every rank contribute a different number of rows; it first
+gathers each rank's row count and trailing shape (one small allgather, which also
+verifies that trailing shapes and dtypes agree on every rank), then runs a ring over
+unequal blocks or ``MPI_Allgatherv``.
+
+A 0-d input is treated as one element: the result has shape ``(p,)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..buffers import Buffer
+from ..comm import Communicator, resolve
+from . import cost, native
+from ._common import (
+    TAG_ALLGATHER,
+    TAG_FOLD,
+    Ctx,
+    check_algorithm,
+    first_real_block,
+    fold_layout,
+    real_rank,
+    virtual_rank,
+)
+from ._ring import allgather_pass
+
+__all__ = ["allgather", "allgatherv", "ALGORITHMS"]
+
+
+def ring(res: Any, m: int, ctx: Ctx) -> None:
+    bounds = [i * m for i in range(ctx.size + 1)]
+    allgather_pass(res, bounds, ctx.rank, ctx, TAG_ALLGATHER)
+
+
+def bruck(res: Any, m: int, ctx: Ctx) -> None:
+    p, r, ops = ctx.size, ctx.rank, ctx.ops
+    tmp = ops.empty_like(res, p * m)
+    ops.copy_(tmp[:m], res[r * m:(r + 1) * m])
+    held, dist = 1, 1
+    while dist < p:
+        count = min(dist, p - held)
+        ctx.sendrecv(tmp[:count * m], (r - dist) % p,
+                     tmp[held * m:(held + count) * m], (r + dist) % p, TAG_ALLGATHER)
+        held += count
+        dist <<= 1
+    # tmp holds the blocks of ranks r, r+1, ..., r+p-1 (mod p): rotate into rank order.
+    ops.copy_(res[r * m:], tmp[:(p - r) * m])
+    if r:
+        ops.copy_(res[:r * m], tmp[(p - r) * m:])
+
+
+def recursive_doubling(res: Any, m: int, ctx: Ctx) -> None:
+    p, r = ctx.size, ctx.rank
+    p2, rem = fold_layout(p)
+    if r < 2 * rem:
+        if r % 2 == 0:
+            ctx.send(res[r * m:(r + 1) * m], r + 1, TAG_FOLD)
+        else:
+            ctx.recv(res[(r - 1) * m:r * m], r - 1, TAG_FOLD)
+    v = virtual_rank(r, rem)
+    if v >= 0:
+        mask = 1
+        while mask < p2:
+            partner = v ^ mask
+            mine, theirs = (v // mask) * mask, (partner // mask) * mask
+            a0, a1 = first_real_block(mine, rem) * m, first_real_block(mine + mask, rem) * m
+            b0, b1 = (first_real_block(theirs, rem) * m,
+                      first_real_block(theirs + mask, rem) * m)
+            peer = real_rank(partner, rem)
+            ctx.sendrecv(res[a0:a1], peer, res[b0:b1], peer, TAG_ALLGATHER)
+            mask <<= 1
+    if r < 2 * rem:
+        if r % 2 == 0:
+            ctx.recv(res, r + 1, TAG_FOLD)
+        else:
+            ctx.send(res, r - 1, TAG_FOLD)
+
+
+ALGORITHMS = {"ring": ring, "bruck": bruck, "recursive_doubling": recursive_doubling}
+
+
+def _gathered_shape(shape: tuple[int, ...], rows_total: int) -> tuple[int, ...]:
+    return (rows_total, *shape[1:])
+
+
+def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = None,
+              out: Any = None) -> Any:
+    """Concatenate every rank's ``buf`` along axis 0, in rank order, on every rank.
+
+    ``buf`` must have the same shape and dtype on every rank (checked mode verifies it;
+    use :func:`allgatherv` for different lengths). Shape ``(n, *rest)`` gives
+    ``(p*n, *rest)``. ``algorithm``: ``"auto"``, ``"ring"``, ``"bruck"``,
+    ``"recursive_doubling"`` or ``"mpi"``. ``out``: optional contiguous destination.
+    """
+    comm = resolve(comm)
+    algorithm = check_algorithm("allgather", algorithm, (*ALGORITHMS, "mpi"))
+    b = Buffer(buf, comm.resources)
+    shape = b.info.shape if b.info.shape else (1,)
+    out_shape = _gathered_shape(shape, comm.size * shape[0])
+    b.check_out(out, out_shape)
+    comm.check_collective("allgather", shape=b.info.shape, dtype=b.info.dtype,
+                          algorithm=algorithm)
+    m, p = b.info.numel, comm.size
+    if algorithm == "auto":
+        algorithm = cost.choose("allgather", b.info.nbytes * p, p,
+                                comm.resources.get("cost_params"))
+    res = b.result_array(m * p, out)
+    src = b.input_view()
+    own = res[comm.rank * m:(comm.rank + 1) * m]
+    if m and b.ops.data_ptr(own) != b.ops.data_ptr(src):
+        b.ops.copy_(own, src)
+    if p > 1 and m > 0:
+        ctx = Ctx.of(comm, b.ops)
+        if algorithm == "mpi":
+            native.allgather(res, ctx)
+        else:
+            ALGORITHMS[algorithm](res, m, ctx)
+    return b.deliver(res, out_shape, out)
+
+
+def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
+               algorithm: str = "auto", return_counts: bool = False) -> Any:
+    """Concatenate along axis 0 buffers whose first dimension differs between ranks.
+
+    Trailing dimensions and dtype must agree on every rank; a mismatch raises the same
+    ``ValueError`` on every rank (checked whatever the mode, since the row counts are
+    exchanged anyway). ``algorithm``: ``"auto"`` (ring), ``"ring"`` or ``"mpi"``.
+    With ``return_counts=True`` returns ``(result, rows_per_rank)``.
+    """
+    comm = resolve(comm)
+    algorithm = check_algorithm("allgatherv", algorithm, ("ring", "mpi"))
+    b = Buffer(buf, comm.resources)
+    shape = b.info.shape if b.info.shape else (1,)
+    everyone = comm.allgather_object((shape[0], shape[1:], b.info.dtype, algorithm))
+    for rank, (_, rest, dtype, algo) in enumerate(everyone):
+        if (rest, dtype, algo) != (shape[1:], b.info.dtype, algorithm):
+            raise ValueError(
+                f"allgatherv: rank {rank} has trailing shape {rest} {dtype} (algorithm "
+                f"{algo!r}) but rank {comm.rank} has {shape[1:]} {b.info.dtype} "
+                f"(algorithm {algorithm!r}); only the first dimension may differ"
+            )
+    rows = [e[0] for e in everyone]
+    row_numel = _prod(shape[1:])
+    out_shape = _gathered_shape(shape, sum(rows))
+    b.check_out(out, out_shape)
+    counts = [r * row_numel for r in rows]
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    res = b.result_array(bounds[-1], out)
+    src = b.input_view()
+    own = res[bounds[comm.rank]:bounds[comm.rank + 1]]
+    if counts[comm.rank] and b.ops.data_ptr(own) != b.ops.data_ptr(src):
+        b.ops.copy_(own, src)
+    if comm.size > 1 and bounds[-1] > 0:
+        ctx = Ctx.of(comm, b.ops)
+        if algorithm == "mpi":
+            native.allgatherv(res, counts, b.info.itemsize, ctx)
+        else:
+            allgather_pass(res, bounds, comm.rank, ctx, TAG_ALLGATHER)
+    result = b.deliver(res, out_shape, out)
+    return (result, rows) if return_counts else result
+
+
+def _prod(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n

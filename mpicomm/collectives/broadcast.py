@@ -1,0 +1,99 @@
+"""Broadcast: every rank gets a copy of the root's buffer.
+
+``binomial``
+    A binomial tree rooted at ``root``: ``⌈lg p⌉`` rounds, each rank receives once from
+    its parent and forwards to its children. ⌈lg p⌉(α + nβ). Small messages.
+``scatter_allgather``
+    Van de Geijn: a binomial scatter of ``p`` chunks followed by a ring allgather.
+    (⌈lg p⌉ + p - 1)α + 2(p-1)/p·nβ, so nearly independent of ``p`` in bandwidth.
+    Large messages.
+``mpi``
+    ``MPI_Bcast``.
+
+On non-root ranks ``buf`` only supplies the shape and dtype (its contents are ignored),
+as with ``MPI_Bcast``; the result is a new array unless ``out`` is given (``out=buf``
+broadcasts in place, like ``torch.distributed.broadcast``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..buffers import Buffer
+from ..comm import Communicator, resolve
+from . import cost, native
+from ._common import TAG_BCAST, Ctx, block_bounds, check_algorithm, check_root
+from ._ring import allgather_pass
+
+__all__ = ["broadcast", "ALGORITHMS"]
+
+
+def binomial(work: Any, root: int, ctx: Ctx) -> None:
+    p = ctx.size
+    rel = (ctx.rank - root) % p
+    mask = 1
+    while mask < p:
+        if rel & mask:
+            ctx.recv(work, (ctx.rank - mask) % p, TAG_BCAST)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask:
+        if rel + mask < p:
+            ctx.send(work, (ctx.rank + mask) % p, TAG_BCAST)
+        mask >>= 1
+
+
+def scatter_allgather(work: Any, root: int, ctx: Ctx) -> None:
+    p = ctx.size
+    rel = (ctx.rank - root) % p
+    bounds = block_bounds(work.shape[0], p)  # chunk j belongs to relative rank j
+
+    def chunks(first: int, count: int) -> Any:
+        return work[bounds[first]:bounds[min(first + count, p)]]
+
+    mask = 1
+    while mask < p:
+        if rel & mask:
+            ctx.recv(chunks(rel, mask), (ctx.rank - mask) % p, TAG_BCAST)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask:
+        if rel + mask < p:
+            ctx.send(chunks(rel + mask, mask), (ctx.rank + mask) % p, TAG_BCAST)
+        mask >>= 1
+    allgather_pass(work, bounds, rel, ctx, TAG_BCAST)
+
+
+ALGORITHMS = {"binomial": binomial, "scatter_allgather": scatter_allgather}
+
+
+def broadcast(buf: Any, root: int = 0, comm: Communicator | None = None,
+              algorithm: str = "auto", out: Any = None) -> Any:
+    """Return the ``root`` rank's ``buf`` on every rank.
+
+    ``buf`` must have the same shape and dtype on every rank. ``algorithm``: ``"auto"``,
+    ``"binomial"``, ``"scatter_allgather"`` or ``"mpi"``.
+    """
+    comm = resolve(comm)
+    algorithm = check_algorithm("broadcast", algorithm, (*ALGORITHMS, "mpi"))
+    root = check_root(root, comm.size)
+    b = Buffer(buf, comm.resources)
+    b.check_out(out, b.info.shape)
+    comm.check_collective("broadcast", shape=b.info.shape, dtype=b.info.dtype, root=root,
+                          algorithm=algorithm)
+    if algorithm == "auto":
+        algorithm = cost.choose("broadcast", b.info.nbytes, comm.size,
+                                comm.resources.get("cost_params"))
+    if comm.rank == root:
+        work = b.writable_copy(out)
+    else:
+        work = b.result_array(b.info.numel, out)
+    if comm.size > 1 and b.info.numel > 0:
+        ctx = Ctx.of(comm, b.ops)
+        if algorithm == "mpi":
+            native.broadcast(work, root, ctx)
+        else:
+            ALGORITHMS[algorithm](work, root, ctx)
+    return b.deliver(work, b.info.shape, out)

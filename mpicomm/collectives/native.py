@@ -1,0 +1,103 @@
+"""The MPI library's own collectives (``algorithm="mpi"``), the baseline for ours.
+
+MPI has no portable 16-bit float type, so float16 and bfloat16 reductions use a
+user-defined MPI operation over 16-bit words that reinterprets them (numpy for float16,
+torch for bfloat16). Those operations run on host memory only; device buffers of those
+dtypes need one of mpicomm's own algorithms. The created operations are cached for the
+life of the process, like the MPI world itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ._common import Ctx
+
+_MPI_TYPES = {
+    "float32": MPI.FLOAT,
+    "float64": MPI.DOUBLE,
+    "int8": MPI.INT8_T,
+    "uint8": MPI.UINT8_T,
+    "int16": MPI.INT16_T,
+    "int32": MPI.INT32_T,
+    "int64": MPI.INT64_T,
+    "float16": MPI.UINT16_T,
+    "bfloat16": MPI.UINT16_T,
+}
+_BUILTIN_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_HALF_OPS: dict[tuple[str, str], MPI.Op] = {}
+
+
+def _half_op(dtype: str, op: str) -> MPI.Op:
+    key = (dtype, "sum" if op == "avg" else op)
+    found = _HALF_OPS.get(key)
+    if found is not None:
+        return found
+    if dtype == "float16":
+        ufunc = {"sum": np.add, "max": np.maximum, "min": np.minimum}[key[1]]
+
+        def reduce_half(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            acc = np.frombuffer(inoutbuf, dtype=np.float16)
+            ufunc(acc, np.frombuffer(inbuf, dtype=np.float16), out=acc)
+    else:
+        import torch
+
+        def reduce_half(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            acc = torch.frombuffer(inoutbuf, dtype=torch.bfloat16)
+            other = torch.frombuffer(inbuf, dtype=torch.bfloat16)
+            if key[1] == "sum":
+                acc.add_(other)
+            elif key[1] == "max":
+                torch.maximum(acc, other, out=acc)
+            else:
+                torch.minimum(acc, other, out=acc)
+
+    created = MPI.Op.Create(reduce_half, commute=True)
+    _HALF_OPS[key] = created
+    return created
+
+
+def mpi_type(dtype: str) -> MPI.Datatype:
+    return _MPI_TYPES[dtype]
+
+
+def mpi_op(dtype: str, op: str, on_device: bool) -> MPI.Op:
+    if dtype in ("float16", "bfloat16"):
+        if on_device:
+            raise TypeError(
+                f"the MPI library cannot reduce {dtype} device buffers; "
+                "use one of mpicomm's own algorithms (e.g. algorithm='ring')"
+            )
+        return _half_op(dtype, op)
+    return _BUILTIN_OPS[op]
+
+
+def allreduce(work: Any, op: str, ctx: Ctx, dtype: str) -> None:
+    """In-place ``MPI_Allreduce`` of the flat work array."""
+    ctx.mpi.Allreduce(MPI.IN_PLACE, [work, mpi_type(dtype)],
+                      op=mpi_op(dtype, op, ctx.ops.device))
+
+
+def allgather(res: Any, ctx: Ctx) -> None:
+    """In-place ``MPI_Allgather`` of equal blocks (this rank's block already in ``res``)."""
+    ctx.mpi.Allgather(MPI.IN_PLACE, ctx.ops.msg(res))
+
+
+def allgatherv(res: Any, counts: list[int], itemsize: int, ctx: Ctx) -> None:
+    """In-place ``MPI_Allgatherv`` with per-rank element ``counts``."""
+    byte_counts = [c * itemsize for c in counts]
+    displs = [sum(byte_counts[:i]) for i in range(len(byte_counts))]
+    ctx.mpi.Allgatherv(MPI.IN_PLACE, [res, byte_counts, displs, MPI.BYTE])
+
+
+def broadcast(work: Any, root: int, ctx: Ctx) -> None:
+    ctx.mpi.Bcast(ctx.ops.msg(work), root=root)
+
+
+def reduce_scatter(send: Any, recv: Any, op: str, ctx: Ctx, dtype: str) -> None:
+    """``MPI_Reduce_scatter_block``: rank r receives reduced block r."""
+    ctx.mpi.Reduce_scatter_block([send, mpi_type(dtype)], [recv, mpi_type(dtype)],
+                                 op=mpi_op(dtype, op, ctx.ops.device))

@@ -1,0 +1,376 @@
+"""The :class:`Communicator`: the one object every mpicomm call takes.
+
+A ``Communicator`` wraps an mpi4py communicator and adds what the rest of the library
+needs:
+
+* topology: ``rank``/``size``, ``local_rank``/``local_size`` (ranks sharing memory with
+  this one, i.e. the same node), ``node`` (index of this node) and ``nodes``;
+* private duplicates of the wrapped communicator, so that the library's own
+  point-to-point traffic never matches a user's message (``p2p``) and so that checked
+  mode and small control reductions do not interleave with it (``ctl``);
+* checked mode (``MPICOMM_CHECK=1`` or ``init(check=True)``): before every collective
+  the ranks exchange a short description of the call (operation, shape, dtype, options)
+  and raise ``ValueError`` on *every* rank naming the first disagreement, instead of
+  deadlocking or silently reducing mismatched buffers;
+* the error policy: :func:`install_abort_handler` makes an uncaught exception on any rank
+  print that rank's traceback and call ``MPI_Abort``, so the job ends within seconds.
+
+Creating a communicator is collective (it duplicates and splits the wrapped one), so
+every rank of the wrapped communicator must construct it, in the same order.
+
+Thread safety: a ``Communicator`` runs one collective at a time. Two threads that both
+communicate (a training loop and a background gradient thread, say) must each use their
+own ``comm.dup()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mpi4py import MPI
+
+from .config import env_flag
+
+__all__ = [
+    "Communicator",
+    "Roles",
+    "Traffic",
+    "init",
+    "world",
+    "resolve",
+    "install_abort_handler",
+]
+
+log = logging.getLogger("mpicomm")
+
+_SCALAR_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM}
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank moved through the library's own point-to-point collectives.
+
+    Counted at every send/receive the algorithms post (not for ``algorithm="mpi"``,
+    whose internals MPI does not expose, nor for checked-mode and control messages).
+    Use :meth:`snapshot` before and after a call to measure one operation.
+    """
+
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    messages: int = 0
+
+    def snapshot(self) -> Traffic:
+        return Traffic(self.sent_bytes, self.recv_bytes, self.messages)
+
+    def __sub__(self, other: Traffic) -> Traffic:
+        return Traffic(self.sent_bytes - other.sent_bytes, self.recv_bytes - other.recv_bytes,
+                       self.messages - other.messages)
+
+
+@dataclass(frozen=True)
+class Roles:
+    """This rank's place in a parameter-server split (see :meth:`Communicator.split_roles`).
+
+    ``group`` holds the ranks with the same role (all servers, or all workers); ``index``
+    is this rank's position in it; ``servers``/``workers`` list the ranks of the parent
+    communicator by role.
+    """
+
+    role: str
+    group: Communicator
+    index: int
+    servers: tuple[int, ...]
+    workers: tuple[int, ...]
+
+    @property
+    def is_server(self) -> bool:
+        return self.role == "server"
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role == "worker"
+
+
+class Communicator:
+    """A group of ranks that run mpicomm collectives together.
+
+    Parameters
+    ----------
+    mpi_comm:
+        The mpi4py intra-communicator to wrap (default ``MPI.COMM_WORLD``). It is not
+        freed by :meth:`free`; only the duplicates made here are.
+    check:
+        Checked mode; ``None`` reads ``MPICOMM_CHECK`` (default off). Costs one small
+        allgather per collective; use it while developing and in tests.
+    """
+
+    def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None):
+        base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if not isinstance(base, MPI.Intracomm):
+            raise TypeError(f"expected an mpi4py Intracomm, got {type(base).__name__}")
+        if base == MPI.COMM_NULL:
+            raise ValueError("cannot wrap MPI.COMM_NULL")
+        self.mpi: MPI.Intracomm = base
+        self.rank: int = base.Get_rank()
+        self.size: int = base.Get_size()
+        self.check: bool = env_flag("MPICOMM_CHECK", False) if check is None else bool(check)
+        self.p2p: MPI.Intracomm = base.Dup()
+        self.ctl: MPI.Intracomm = base.Dup()
+        self.local_mpi: MPI.Intracomm = base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank: int = self.local_mpi.Get_rank()
+        self.local_size: int = self.local_mpi.Get_size()
+        leaders = base.Split(0 if self.local_rank == 0 else MPI.UNDEFINED, key=self.rank)
+        here = (leaders.Get_rank(), leaders.Get_size()) if leaders != MPI.COMM_NULL else None
+        if leaders != MPI.COMM_NULL:
+            leaders.Free()
+        self.node, self.nodes = self.local_mpi.bcast(here, root=0)
+        #: Per-communicator caches owned by lower layers (e.g. pinned staging buffers).
+        self.resources: dict[str, Any] = {}
+        #: Bytes moved by mpicomm's own algorithms on this communicator.
+        self.traffic = Traffic()
+        self._freed = False
+
+    # ------------------------------------------------------------------ structure
+    def __repr__(self) -> str:
+        return (
+            f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
+            f"local_size={self.local_size}, node={self.node}, nodes={self.nodes}, "
+            f"check={self.check})"
+        )
+
+    def dup(self) -> Communicator:
+        """A new communicator over the same ranks (collective)."""
+        return Communicator(self.mpi.Dup(), check=self.check)
+
+    def split(self, color: int | None, key: int | None = None) -> Communicator | None:
+        """Partition the ranks by ``color`` (collective); ``None`` opts this rank out.
+
+        Ranks with the same color form one new communicator, ordered by ``key`` (default:
+        the current rank). Returns ``None`` on ranks that passed ``color=None``.
+        """
+        if color is not None and (not isinstance(color, int) or color < 0):
+            raise ValueError(f"color must be a non-negative int or None, got {color!r}")
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color,
+                             self.rank if key is None else key)
+        if sub == MPI.COMM_NULL:
+            return None
+        return Communicator(sub, check=self.check)
+
+    def split_roles(self, num_servers: int, placement: str = "first") -> Roles:
+        """Split the ranks into ``num_servers`` parameter servers and the rest workers.
+
+        ``placement="first"`` makes ranks ``0..S-1`` the servers; ``"spread"`` spreads the
+        servers evenly over the rank range (one per node when ``S`` equals the number of
+        nodes and ranks are placed by node). Every rank must pass the same arguments.
+        """
+        if not isinstance(num_servers, int) or isinstance(num_servers, bool):
+            raise TypeError(f"num_servers must be an int, got {type(num_servers).__name__}")
+        if not 1 <= num_servers < self.size:
+            raise ValueError(
+                f"num_servers must be in [1, size-1] = [1, {self.size - 1}] so that at least "
+                f"one worker remains, got {num_servers}"
+            )
+        if placement == "first":
+            servers = tuple(range(num_servers))
+        elif placement == "spread":
+            servers = tuple(sorted({(i * self.size) // num_servers for i in range(num_servers)}))
+        else:
+            raise ValueError(f"placement must be 'first' or 'spread', got {placement!r}")
+        self.check_collective("split_roles", num_servers=num_servers, placement=placement)
+        workers = tuple(r for r in range(self.size) if r not in servers)
+        role = "server" if self.rank in servers else "worker"
+        group = self.split(0 if role == "server" else 1)
+        assert group is not None
+        return Roles(role, group, group.rank, servers, workers)
+
+    # ------------------------------------------------------------------ control
+    def barrier(self) -> None:
+        self.ctl.Barrier()
+
+    def allreduce_value(self, value: float | int | bool, op: str = "sum") -> Any:
+        """Reduce one Python scalar over the ranks (for control decisions, not tensors).
+
+        ``op`` is ``sum``, ``avg``, ``max`` or ``min``; the result is identical on every rank.
+        """
+        if op not in _SCALAR_OPS:
+            raise ValueError(f"op must be one of {sorted(_SCALAR_OPS)}, got {op!r}")
+        result = self.ctl.allreduce(value, op=_SCALAR_OPS[op])
+        return result / self.size if op == "avg" else result
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Gather one small picklable object from every rank, in rank order."""
+        return self.ctl.allgather(obj)
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast one small picklable object from ``root``."""
+        return self.ctl.bcast(obj, root=root)
+
+    def check_collective(self, name: str, **description: Any) -> None:
+        """In checked mode, verify that every rank is making the same call.
+
+        ``description`` holds what must agree (shape, dtype, op, root, k, ...). When the
+        ranks disagree, every rank raises the same ``ValueError`` naming the first
+        mismatching field and the ranks involved. Does nothing outside checked mode.
+        """
+        if not self.check or self.size == 1:
+            return
+        mine = (name, tuple(sorted(description.items())))
+        everyone = self.ctl.allgather(mine)
+        problem = describe_mismatch(everyone)
+        if problem is not None:
+            raise ValueError(f"mpicomm checked mode: {problem}")
+
+    def abort(self, message: str = "", code: int = 1) -> None:
+        """Print ``message`` with this rank's id and end the whole job."""
+        if message:
+            sys.stderr.write(f"[mpicomm rank {MPI.COMM_WORLD.Get_rank()}] {message}\n")
+            sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)
+
+    def free(self) -> None:
+        """Release the duplicates this object made (collective). The wrapped comm stays."""
+        if self._freed or MPI.Is_finalized():
+            return
+        for c in (self.p2p, self.ctl, self.local_mpi):
+            c.Free()
+        self._freed = True
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+
+def describe_mismatch(calls: Sequence[tuple[str, tuple[tuple[str, Any], ...]]]) -> str | None:
+    """Explain the first difference between the per-rank call descriptions, or ``None``."""
+    ref_name, ref_fields = calls[0]
+    for rank, (name, fields) in enumerate(calls):
+        if name != ref_name:
+            return f"rank 0 calls {ref_name} but rank {rank} calls {name}"
+        if fields == ref_fields:
+            continue
+        ref, other = dict(ref_fields), dict(fields)
+        for key in sorted(set(ref) | set(other)):
+            if ref.get(key) != other.get(key):
+                return (
+                    f"ranks disagree on {name}: {key} is {ref.get(key)!r} on rank 0 "
+                    f"but {other.get(key)!r} on rank {rank}"
+                )
+    return None
+
+
+# ---------------------------------------------------------------------- error policy
+_abort_lock = threading.Lock()
+_abort_installed = False
+
+
+def _abort_with_traceback(kind: str, exc_type, exc, tb, thread_name: str | None = None) -> None:
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    where = f" in thread {thread_name!r}" if thread_name else ""
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(
+        f"[mpicomm rank {rank}/{size}] uncaught {kind}{where}; aborting the job.\n{text}"
+    )
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
+def install_abort_handler() -> None:
+    """Make an uncaught exception on this rank (any thread) abort the whole MPI job.
+
+    Without it, one rank dying while the others wait in a collective hangs the job
+    forever. The handler prints the traceback prefixed with the rank, then calls
+    ``MPI_Abort(MPI_COMM_WORLD, 1)``; ``mpiexec`` then ends every rank with a non-zero
+    status. It is not installed in an interactive single-process session, where an
+    exception at the prompt must not kill the interpreter. Idempotent.
+    """
+    global _abort_installed
+    with _abort_lock:
+        if _abort_installed:
+            return
+        interactive = hasattr(sys, "ps1") or bool(sys.flags.interactive)
+        if interactive and MPI.COMM_WORLD.Get_size() == 1:
+            return
+        previous = sys.excepthook
+
+        def excepthook(exc_type, exc, tb):
+            if issubclass(exc_type, KeyboardInterrupt) and MPI.COMM_WORLD.Get_size() == 1:
+                previous(exc_type, exc, tb)
+                return
+            _abort_with_traceback("exception", exc_type, exc, tb)
+
+        def thread_hook(args: threading.ExceptHookArgs) -> None:
+            if args.exc_type is SystemExit:
+                return
+            name = args.thread.name if args.thread is not None else None
+            _abort_with_traceback("exception", args.exc_type, args.exc_value,
+                                  args.exc_traceback, name)
+
+        sys.excepthook = excepthook
+        threading.excepthook = thread_hook
+        _abort_installed = True
+
+
+# ---------------------------------------------------------------------- the world
+_world: Communicator | None = None
+_world_lock = threading.Lock()
+
+
+def world() -> Communicator:
+    """The communicator over ``MPI.COMM_WORLD`` used when a call gets ``comm=None``."""
+    global _world
+    with _world_lock:
+        if _world is None:
+            _world = Communicator(MPI.COMM_WORLD)
+        return _world
+
+
+def init(
+    mpi_comm: MPI.Intracomm | None = None,
+    *,
+    check: bool | None = None,
+    abort_on_error: bool | None = None,
+) -> Communicator:
+    """Start using mpicomm on this rank and return a :class:`Communicator`.
+
+    With no ``mpi_comm`` this returns the world communicator, which is also what every
+    collective uses when given ``comm=None``; ``check=True`` turns checked mode on for it.
+    With an mpi4py communicator it returns a new ``Communicator`` wrapping that one.
+    ``abort_on_error`` (default ``MPICOMM_ABORT_ON_ERROR``, on) installs
+    :func:`install_abort_handler`. Collective over the ranks of the communicator.
+    """
+    if abort_on_error is None:
+        abort_on_error = env_flag("MPICOMM_ABORT_ON_ERROR", True)
+    if abort_on_error:
+        install_abort_handler()
+    if mpi_comm is None:
+        comm = world()
+        if check is not None:
+            comm.check = bool(check)
+        return comm
+    return Communicator(mpi_comm, check=check)
+
+
+def resolve(comm: Communicator | MPI.Intracomm | None) -> Communicator:
+    """Turn a ``comm=`` argument into a :class:`Communicator` (``None`` -> the world).
+
+    A raw mpi4py communicator is refused with a ``TypeError``: wrapping is collective, so
+    it is done once, explicitly, with :func:`init`.
+    """
+    if comm is None:
+        return world()
+    if isinstance(comm, Communicator):
+        return comm
+    if isinstance(comm, MPI.Intracomm):
+        raise TypeError(
+            "pass an mpicomm.Communicator (mpicomm.init(mpi_comm) wraps an mpi4py "
+            "communicator once; wrapping on every call would be collective and slow)"
+        )
+    raise TypeError(f"comm must be an mpicomm.Communicator or None, got {type(comm).__name__}")

@@ -1,0 +1,49 @@
+"""Run-time settings read from ``MPICOMM_*`` environment variables.
+
+Every setting is also a keyword argument of the function that uses it; the environment
+variable only supplies the default, so a job can be reconfigured from ``mpiexec -x`` /
+``mpiexec -genv`` without editing the training script.
+
+=========================  ==========================================================
+variable                   meaning
+=========================  ==========================================================
+``MPICOMM_CHECK``          ``1``: checked mode (ranks cross-check every collective's
+                           operation, shape and dtype before running it).
+``MPICOMM_CUDA_AWARE``     ``auto`` (default), ``1`` or ``0``: pass CUDA pointers to
+                           MPI directly, or stage through pinned host memory.
+``MPICOMM_ABORT_ON_ERROR`` ``1`` (default): an uncaught exception on any rank calls
+                           ``MPI_Abort`` so that the job ends instead of hanging.
+``MPICOMM_LOG_LEVEL``      level of the ``mpicomm`` logger (default ``WARNING``).
+=========================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """Read a boolean ``MPICOMM_*`` variable; raise ``ValueError`` on an unreadable value."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Read an enumerated ``MPICOMM_*`` variable; raise ``ValueError`` outside ``choices``."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return value

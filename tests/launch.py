@@ -1,0 +1,55 @@
+"""Run a child ``mpiexec`` job from a (serial) test and capture what happened."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Variables a parent MPI launcher sets; a child job must not inherit them.
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "OMPI_COMM_", "OMPI_MCA_orte_", "MPI_LOCAL",
+                      "PRTE_MCA_ess", "MPIR_CVAR_CH3_INTERFACE")
+
+
+def mpiexec() -> str:
+    """``MPICOMM_MPIEXEC``, else the mpiexec beside this Python, else the one on PATH."""
+    explicit = os.environ.get("MPICOMM_MPIEXEC")
+    if explicit:
+        return explicit
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("no mpiexec found; set MPICOMM_MPIEXEC")
+    return found
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+               PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+    seconds: float
+
+
+def run_job(ranks: int, args: list[str], timeout: float = 120, **env: str) -> Result:
+    """``mpiexec -n ranks <args>`` with a clean environment; stdout+stderr together."""
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec(), "-n", str(ranks), *args], cwd=ROOT, env=clean_env(**env),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    return Result(proc.returncode, proc.stdout, time.monotonic() - start)
