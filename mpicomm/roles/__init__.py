@@ -1,0 +1,2 @@
+"""How ranks cooperate: peers (synchronous, local SGD, gossip) and, later, parameter
+servers + workers."""

@@ -1,0 +1,31 @@
+"""PyTorch integration: make any training loop distributed with a few lines.
+
+``GradientSync``            averages gradients during backward (buckets, overlap, no_sync)
+``DistributedOptimizer``    the same, shaped as a wrapper around your optimizer
+``LocalSGD``                periodic parameter averaging, fixed period or AdaComm
+``GossipAveraging``         decentralized neighbour averaging (ring / exponential graph)
+
+Imported lazily so that ``import mpicomm`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "GradientSync": "mpicomm.torch.gradsync",
+    "DistributedOptimizer": "mpicomm.torch.optimizer",
+    "broadcast_module": "mpicomm.torch.gradsync",
+    "LocalSGD": "mpicomm.torch.localsgd",
+    "GossipAveraging": "mpicomm.torch.gossip",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mpicomm.torch' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
