@@ -1,0 +1,74 @@
+"""Compressors and error feedback: pure tensor -> payload -> tensor maps, no MPI.
+
+A compressor (:class:`Compressor`) turns a numpy array, torch tensor (CPU/CUDA) or cupy
+array into a :class:`Payload` (the arrays to put on the wire, in the input's framework
+and device, plus local context) and back, and declares whether its payloads can be
+summed by an Allreduce (``allreduce_compatible``) and whether their sizes depend only on
+the tensor size (``fixed_size``). It never communicates: strategies pair it with a
+collective. :class:`ErrorFeedback` is the separate residual memory keyed by tensor name.
+
+>>> import numpy as np
+>>> from mpicomm.compress import make
+>>> c = make("topk", density=0.25)
+>>> p = c.compress(np.array([0.1, -3.0, 2.0, 0.5]), name="w")
+>>> p.arrays["indices"].tolist(), c.decompress(p).tolist()
+([1], [0.0, -3.0, 0.0, 0.0])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .base import Compressor, Payload
+from .cast import BF16, FP16, Cast, NoCompression
+from .feedback import ErrorFeedback
+from .powersgd import PowerSGD
+from .qsgd import QSGD
+from .randomk import RandomK
+from .sampled_topk import SampledTopK, recall
+from .sign import SignSGD
+from .topk import TopK, k_for
+
+__all__ = [
+    "Payload",
+    "Compressor",
+    "TopK",
+    "SampledTopK",
+    "RandomK",
+    "QSGD",
+    "Cast",
+    "FP16",
+    "BF16",
+    "PowerSGD",
+    "SignSGD",
+    "NoCompression",
+    "ErrorFeedback",
+    "REGISTRY",
+    "make",
+    "k_for",
+    "recall",
+]
+
+#: Compressor classes by their registry name (``Compressor.name``).
+REGISTRY: dict[str, Callable[..., Compressor]] = {
+    cls.name: cls
+    for cls in (TopK, SampledTopK, RandomK, QSGD, FP16, BF16, PowerSGD, SignSGD,
+                NoCompression)
+}
+
+
+def make(name: str, **kwargs: Any) -> Compressor:
+    """The compressor called ``name`` (see :data:`REGISTRY`) built with ``kwargs``.
+
+    ``ValueError`` for an unknown name or invalid arguments.
+    """
+    try:
+        cls = REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown compressor {name!r}; choose one of {', '.join(sorted(REGISTRY))}"
+        ) from None
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # unexpected keyword: a configuration error
+        raise ValueError(f"bad arguments for compressor {name!r}: {e}") from None

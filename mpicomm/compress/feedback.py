@@ -1,0 +1,154 @@
+"""Error feedback: a residual memory keyed by tensor name, separate from compressors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..buffers import from_torch, inspect, to_torch
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Keeps, per tensor name, what compression has not yet transmitted.
+
+    One step of error-fed compression (EF-SGD; also the residual of DGC, EF-SignSGD,
+    PowerSGD and AR-Top-k)::
+
+        g_c = ef.compensate(name, g)              # g + e      (e = 0 the first time)
+        payload = compressor.compress(g_c, name=name, step=step)
+        sent = compressor.decompress(payload)     # what this rank contributed
+        ef.update(name, g_c, sent)                # e <- g_c - sent
+
+    For sparse compressors, ``ef.update_sparse(name, g_c, indices)`` does the update
+    without building the dense ``sent``: it zeros the sent positions of ``g_c`` and keeps
+    ``g_c`` itself as the residual.
+
+    Residuals live in the framework, device, dtype and shape of the tensors they belong
+    to; a tensor that reappears under the same name with another shape, dtype, framework
+    or device raises ``ValueError``.
+
+    Conservation: ``compensated == sent + residual`` holds exactly for sparsifiers (each
+    entry is either sent unchanged or kept) and, by Sterbenz's lemma, whenever each sent
+    entry is within a factor 2 of the compensated one (casts); otherwise up to one
+    rounding of the subtraction.
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ the loop
+    def compensate(self, name: str, x: Any) -> Any:
+        """``x + residual[name]`` as a new array/tensor (a copy of ``x`` the first time)."""
+        t = to_torch(x).detach()
+        held = self._residuals.get(name)
+        if held is None:
+            out = t.clone()
+        else:
+            _check_same(name, held, x, "residual", "tensor")
+            out = t + to_torch(held)
+        return from_torch(out, like=x)
+
+    def update(self, name: str, compensated: Any, transmitted: Any) -> None:
+        """Store ``compensated - transmitted`` (``transmitted`` dense, same shape)."""
+        _check_same(name, compensated, transmitted, "compensated", "transmitted",
+                    dtype=False)
+        c = to_torch(compensated).detach()
+        sent = to_torch(transmitted).detach().to(device=c.device)
+        residual = (c - sent).to(c.dtype)
+        self._store(name, from_torch(residual, like=compensated))
+
+    def update_sparse(self, name: str, compensated: Any, indices: Any, *,
+                      inplace: bool = True) -> None:
+        """Residual = ``compensated`` with the flat positions ``indices`` set to zero.
+
+        With ``inplace=True`` (default) ``compensated`` itself is zeroed at ``indices``
+        and kept as the residual (no copy): gather the values to send *before* calling
+        this, and do not reuse ``compensated`` afterwards. ``inplace=False`` copies.
+        """
+        info = inspect(compensated)
+        c = to_torch(compensated).detach()
+        if not inplace or not c.is_contiguous():
+            c = c.clone()
+        i = to_torch(indices).reshape(-1).to(device=c.device, dtype=torch.int64)
+        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= info.numel):
+            raise ValueError(
+                f"update_sparse: index out of range for tensor {name!r} of {info.numel} "
+                "elements"
+            )
+        c.view(-1)[i] = 0
+        self._store(name, from_torch(c, like=compensated))
+
+    # ------------------------------------------------------------------ access
+    def residual(self, name: str) -> Any:
+        """The residual kept for ``name`` (``KeyError`` if none was stored yet)."""
+        try:
+            return self._residuals[name]
+        except KeyError:
+            raise KeyError(f"no residual stored for tensor {name!r}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._residuals
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+    def names(self) -> list[str]:
+        """Names with a stored residual, in insertion order."""
+        return list(self._residuals)
+
+    def reset(self, name: str | None = None) -> None:
+        """Drop the residual of ``name`` (all residuals when None)."""
+        if name is None:
+            self._residuals.clear()
+        else:
+            self._residuals.pop(name, None)
+
+    def norm(self, name: str | None = None) -> float:
+        """L2 norm of one residual, or of all residuals together (a diagnostic)."""
+        items = [self.residual(name)] if name is not None else self._residuals.values()
+        total = 0.0
+        for r in items:
+            total += float(torch.sum(to_torch(r).detach().double() ** 2))
+        return math.sqrt(total)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``{"residuals": {name: copy}}`` with copies in each tensor's own framework."""
+        return {"residuals": {k: from_torch(to_torch(v).detach().clone(), like=v)
+                              for k, v in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace all residuals by copies of those in ``state`` (from :meth:`state_dict`)."""
+        residuals = state["residuals"]
+        for k, v in residuals.items():
+            inspect(v)  # TypeError for anything that is not an array/tensor
+            if not isinstance(k, str):
+                raise ValueError(f"residual names must be strings, got {k!r}")
+        self._residuals = {k: from_torch(to_torch(v).detach().clone(), like=v)
+                           for k, v in residuals.items()}
+
+    def _store(self, name: str, residual: Any) -> None:
+        held = self._residuals.get(name)
+        if held is not None:
+            _check_same(name, held, residual, "residual", "new residual")
+        self._residuals[name] = residual
+
+
+def _check_same(name: str, a: Any, b: Any, what_a: str, what_b: str, *,
+                dtype: bool = True) -> None:
+    ia, ib = inspect(a), inspect(b)
+    if ia.shape != ib.shape:
+        raise ValueError(
+            f"tensor {name!r}: {what_b} has shape {ib.shape}, {what_a} has {ia.shape}"
+        )
+    fields = ["framework", "device"] + (["dtype"] if dtype else [])
+    for f in fields:
+        if getattr(ia, f) != getattr(ib, f):
+            raise ValueError(
+                f"tensor {name!r}: {what_b} is {f} {getattr(ib, f)}, {what_a} is "
+                f"{getattr(ia, f)}"
+            )
