@@ -1,0 +1,162 @@
+"""``DistributedOptimizer``: gradient averaging shaped as a wrapper around your optimizer.
+
+For code written against the Horovod/DDP habit of "wrap the optimizer"::
+
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()     # buckets are averaged while this runs
+        opt.step()                          # waits for the averages, then steps
+
+It is a wrapper by *composition*: it holds the optimizer you built and a
+:class:`~mpicomm.torch.GradientSync`, and forwards to them. Unlike Horovod's
+``DistributedOptimizer`` it never creates a subclass of your optimizer's class at run
+time, so ``type(opt.optimizer)``, pickling and ``super()`` calls inside your optimizer all
+keep working; the price is that ``isinstance(opt, torch.optim.Optimizer)`` is false. Hand
+``opt.optimizer`` to code that insists on a real optimizer, e.g. learning-rate schedulers
+(``StepLR(opt.optimizer, ...)``); they share the same ``param_groups``, so the wrapper
+sees their changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..strategies import Strategy
+from .gradsync import GradientSync
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer:
+    """Average gradients across ranks, then step the wrapped ``optimizer``.
+
+    Parameters
+    ----------
+    optimizer:
+        Any ``torch.optim.Optimizer`` over (a subset of) ``model``'s parameters. Every
+        parameter it holds must belong to ``model``, so that its gradient is averaged;
+        otherwise ``ValueError``.
+    model:
+        The module whose gradients are synchronized (see :class:`GradientSync`).
+    strategy:
+        How gradients are averaged (default: dense allreduce).
+    **sync_kwargs:
+        Passed to :class:`GradientSync`: ``bucket_mb``, ``comm``, ``broadcast``,
+        ``on_nonfinite``, ``timeline``.
+
+    Construction is collective (it builds a :class:`GradientSync`, which checks the model
+    on every rank and broadcasts rank 0's weights). ``step``, ``zero_grad``,
+    ``param_groups``, ``state``, ``defaults``, ``state_dict``, ``load_state_dict`` and
+    ``add_param_group`` act on the wrapped optimizer; any other attribute is looked up on
+    it too. ``state_dict`` holds the optimizer's state only: a compressing strategy's
+    per-rank state (error-feedback residuals) is ``opt.sync.strategy.state_dict()``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                 strategy: Strategy | str | None = None, **sync_kwargs: Any):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._model_params = {id(p) for p in model.parameters()}
+        self._check_params(optimizer.param_groups)
+        self.sync = GradientSync(model, strategy, **sync_kwargs)
+        #: ``False`` after a step skipped for a non-finite gradient (``on_nonfinite="skip"``).
+        self.last_step_ok = True
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({type(self.optimizer).__name__}, {self.sync!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for attributes not found normally; "optimizer" is guarded so that a
+        # half-constructed object does not recurse.
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Wait for the averaged gradients, then step the wrapped optimizer.
+
+        With a ``closure`` (L-BFGS and friends), each evaluation of it - a forward and a
+        backward - is followed by a wait, so the optimizer always sees averaged
+        gradients. Returns what the optimizer's ``step`` returns, or ``None`` when a
+        non-finite gradient made every rank skip the step (``on_nonfinite="skip"``;
+        :attr:`last_step_ok` is then ``False``). With a closure the optimizer decides
+        how often to evaluate it, so a skipped evaluation cannot skip the step: it leaves
+        zero gradients for that evaluation and sets :attr:`last_step_ok` to ``False``.
+        """
+        self.last_step_ok = self.sync.wait()
+        if closure is None:
+            return self.optimizer.step() if self.last_step_ok else None
+
+        def synchronized_closure() -> Any:
+            with torch.enable_grad():
+                loss = closure()
+            self.last_step_ok = self.sync.wait() and self.last_step_ok
+            return loss
+
+        return self.optimizer.step(synchronized_closure)
+
+    def synchronize(self) -> bool:
+        """Wait until the gradients of the last backward are averaged (see
+        :meth:`GradientSync.wait`); useful before clipping or inspecting them."""
+        return self.sync.wait()
+
+    def no_sync(self) -> Any:
+        """Accumulate gradients locally in this block (see :meth:`GradientSync.no_sync`)."""
+        return self.sync.no_sync()
+
+    def close(self) -> None:
+        """Detach from the model (collective; see :meth:`GradientSync.close`)."""
+        self.sync.close()
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.sync.__exit__(*exc)
+
+    # ------------------------------------------------------------------ delegation
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; its parameters must belong to the model."""
+        self._check_params([param_group])
+        self.optimizer.add_param_group(param_group)
+
+    def _check_params(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
+            params = group["params"]
+            if isinstance(params, torch.Tensor):
+                params = [params]
+            elif not isinstance(params, list):  # a generator would be used up here
+                params = group["params"] = list(params)
+            for p in params:
+                if id(p) not in self._model_params:
+                    raise ValueError(
+                        f"the optimizer holds a parameter of shape {tuple(p.shape)} that is "
+                        "not in the model; its gradient would not be averaged")
