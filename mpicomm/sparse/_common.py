@@ -1,0 +1,350 @@
+"""Plumbing shared by the sparse collectives: argument checks, cross-rank agreement on
+errors, the sparse union/truncation kernel and the wire format.
+
+A *sparse set* here is a pair of 1-D torch tensors ``(idx, val)`` on one device with
+``idx`` int64, strictly increasing (no duplicates), and ``val`` of a floating dtype. That
+is the canonical form inside :mod:`mpicomm.sparse`; callers' arrays (numpy, torch, cupy,
+any order) are converted to it on entry and back on exit.
+
+Selection always uses :func:`mpicomm.selection.topk_indices` on the magnitudes of a
+set's values; since a set is sorted by index, "smaller position" is "smaller index", so
+the tie-break is the library-wide total order (``|v|`` desc, then index asc). A NaN
+magnitude (possible only with ``allow_nonfinite=True``, or after an overflow produced
+``inf - inf``) ranks as ``+inf`` so that the order stays total and deterministic.
+
+Wire format: one message per set, raw bytes: the ``n`` indices as int32 (int64 when the
+index space has 2^31 or more entries), then the ``n`` values in their own dtype. The
+receiver learns ``n`` from the message length (``MPI_Mprobe`` + ``MPI_Get_count``), so no
+header message is needed; ``s = index bytes + value bytes`` bytes per pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from ..buffers import BufferInfo, cuda_aware, framework_of, from_torch, staging_pool, to_torch
+from ..comm import Communicator, describe_mismatch
+from ..selection import index_dtype_for, topk_indices
+
+__all__ = [
+    "Pairs",
+    "SparseInput",
+    "Wire",
+    "agree",
+    "all_finite",
+    "check_int",
+    "check_k",
+    "merge_truncate",
+    "pack",
+    "pair_bytes",
+    "read_pairs",
+    "selection_key",
+    "truncate",
+    "union",
+    "unpack",
+    "wire_index_dtype",
+    "to_caller",
+]
+
+# Tags on the communicator's private p2p duplicate (the dense collectives use 11-15).
+TAG_GTOPK_FOLD = 21
+TAG_GTOPK_ROUND = 22
+
+FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_TORCH = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+#: Largest index space for which int32 wire indices are used when no ``size`` is given.
+INT32_LIMIT = 2**31
+
+Pairs = tuple[torch.Tensor, torch.Tensor]
+
+
+# ---------------------------------------------------------------------- checks
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]``; ``ValueError`` otherwise (bool refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return int(value)
+
+
+def check_k(k: Any, limit: int | None, what: str = "size") -> int:
+    """``k >= 1`` and, when ``limit`` is known, ``k <= limit``."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if limit is not None and k > limit:
+        raise ValueError(f"k={k} exceeds {what}={limit}")
+    return int(k)
+
+
+def wire_index_dtype(size: int | None) -> torch.dtype:
+    """int32 on the wire when every index fits in 31 bits (``size`` unknown: int32)."""
+    if size is None:
+        return torch.int32
+    return torch.int32 if index_dtype_for(size) == "int32" else torch.int64
+
+
+@dataclass
+class SparseInput:
+    """A caller's (indices, values) after validation, in canonical form.
+
+    ``idx``/``val`` are sorted by index; ``idx_in`` is the caller's index tensor converted
+    to int64 in the caller's order (for the dropped mask) and ``idx_dtype`` its original
+    dtype; ``like_idx``/``like_val`` are the caller's original objects (to convert results
+    back to their framework).
+    """
+
+    idx: torch.Tensor
+    val: torch.Tensor
+    idx_in: torch.Tensor
+    idx_dtype: torch.dtype
+    like_idx: Any
+    like_val: Any
+
+    @property
+    def device(self) -> torch.device:
+        return self.val.device
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite. A finite sum proves it (NaN and inf cannot cancel
+    out of a sum), which costs a fraction of an elementwise test; only when the sum is not
+    finite (a non-finite element, or a legitimate overflow) is every element tested."""
+    if t.numel() == 0 or bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def read_pairs(indices: Any, values: Any, size: int | None, allow_nonfinite: bool) -> SparseInput:
+    """Validate one rank's (indices, values) and sort them by index.
+
+    Raises ``TypeError`` for unsupported frameworks or dtypes, ``ValueError`` for
+    mismatched lengths, non-1-D inputs, indices outside ``[0, size)`` (``[0, 2^31)`` when
+    ``size`` is None), duplicate indices, or non-finite values (unless allowed).
+    """
+    fi, fv = framework_of(indices), framework_of(values)
+    if fi != fv:
+        raise TypeError(f"indices are a {fi} array but values are a {fv} array")
+    ti, tv = to_torch(indices), to_torch(values)
+    if ti.device != tv.device:
+        raise TypeError(f"indices are on {ti.device} but values on {tv.device}")
+    if ti.dtype not in INT_TORCH:
+        raise TypeError(f"indices must have an integer dtype, got {ti.dtype}")
+    if tv.dtype not in FLOAT_TORCH:
+        raise TypeError(f"values must have a floating dtype, got {tv.dtype}")
+    if ti.dim() != 1 or tv.dim() != 1:
+        raise ValueError(f"indices and values must be 1-D, got shapes {tuple(ti.shape)} and "
+                         f"{tuple(tv.shape)}")
+    if ti.shape[0] != tv.shape[0]:
+        raise ValueError(f"indices ({ti.shape[0]}) and values ({tv.shape[0]}) differ in length")
+    idx_in = ti.detach().to(torch.int64)
+    n = idx_in.shape[0]
+    limit = INT32_LIMIT if size is None else size
+    if n:
+        lo, hi = int(idx_in.min()), int(idx_in.max())
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            where = (f"[0, size={size})" if size is not None
+                     else "[0, 2^31) (pass size= for larger index spaces)")
+            raise ValueError(f"index {bad} is outside {where}")
+    val = tv.detach()
+    if not allow_nonfinite and not all_finite(val):
+        raise ValueError("values contain NaN or infinity (pass allow_nonfinite=True to allow)")
+    if n < 2 or bool((idx_in[1:] > idx_in[:-1]).all()):  # already canonical: O(n)
+        return SparseInput(idx_in, val.contiguous(), idx_in, ti.dtype, indices, values)
+    idx, order = torch.sort(idx_in, stable=True)
+    same = idx[1:] == idx[:-1]
+    if bool(same.any()):
+        raise ValueError(f"duplicate index {int(idx[1:][same][0])} in this rank's input")
+    return SparseInput(idx, val[order].contiguous(), idx_in, ti.dtype, indices, values)
+
+
+def agree(comm: Communicator, name: str, error: Exception | None, **description: Any) -> None:
+    """Raise ``error`` (if any) in a way that cannot leave other ranks hanging.
+
+    In checked mode (``comm.check``) the ranks exchange their local verdicts together
+    with ``description`` (k, size, dtype, ...) in one small allgather on the control
+    communicator: a local error on any rank raises the same exception type on *every*
+    rank, naming that rank; otherwise the descriptions are compared as in
+    :meth:`Communicator.check_collective`. Outside checked mode a local error is raised
+    on its own rank only (cross-rank disagreements cannot be detected without
+    communicating; the abort handler then ends the job).
+    """
+    if comm.check and comm.size > 1:
+        verdict = None if error is None else (type(error).__name__, str(error))
+        everyone = comm.ctl.allgather((verdict, name, tuple(sorted(description.items()))))
+        for rank, (v, _, _) in enumerate(everyone):
+            if v is not None:
+                if rank == comm.rank and error is not None:
+                    raise error
+                kind = TypeError if v[0] == "TypeError" else ValueError
+                raise kind(f"{name}: rank {rank} rejected its arguments: {v[1]}")
+        problem = describe_mismatch([(n, d) for _, n, d in everyone])
+        if problem is not None:
+            raise ValueError(f"mpicomm checked mode: {problem}")
+    elif error is not None:
+        raise error
+
+
+# ---------------------------------------------------------------------- kernels
+def selection_key(val: torch.Tensor) -> torch.Tensor:
+    """Magnitudes to rank by: ``|v|`` (half types widened exactly), NaN as ``+inf``."""
+    key = val.abs()
+    if key.dtype in (torch.float16, torch.bfloat16):
+        key = key.float()
+    # a sum of non-negative numbers is NaN exactly when one of them is NaN
+    if key.numel() and bool(torch.isnan(key.sum())):
+        key = torch.where(torch.isnan(key), torch.full_like(key, float("inf")), key)
+    return key
+
+
+def truncate(idx: torch.Tensor, val: torch.Tensor, k: int) -> Pairs:
+    """The ``k`` pairs of a sparse set with the largest ``|value|`` (ties: smaller index)."""
+    if idx.shape[0] <= k:
+        return idx, val
+    pos = topk_indices(selection_key(val), k)
+    return idx[pos], val[pos]
+
+
+def union(a: Pairs, b: Pairs) -> Pairs:
+    """True sparse union: indices of both sets once, values added where both have one.
+
+    ``a``'s value is the left operand of every addition (``a + b``), so a caller that
+    always passes the lower-ranked operand first computes the same bits on every rank
+    (IEEE addition is commutative anyway; the fixed order documents the association).
+    """
+    ai, av = a
+    bi, bv = b
+    if ai.shape[0] == 0 or bi.shape[0] == 0:
+        return (bi, bv) if ai.shape[0] == 0 else (ai, av)
+    ci = torch.cat([ai, bi])
+    cv = torch.cat([av, bv])
+    si, order = torch.sort(ci, stable=True)  # equal indices: a's entry first
+    sv = cv[order]
+    first = torch.nonzero(si[1:] == si[:-1]).view(-1)  # each index occurs at most twice
+    if first.shape[0]:
+        sv[first] = sv[first] + sv[first + 1]
+        keep = torch.ones(si.shape[0], dtype=torch.bool, device=si.device)
+        keep[first + 1] = False
+        si, sv = si[keep], sv[keep]
+    return si, sv
+
+
+def merge_truncate(a: Pairs, b: Pairs, k: int) -> Pairs:
+    """MERGE_TRUNCATE of algorithms.md A.4: sparse union, then the top-k of it."""
+    return truncate(*union(a, b), k)
+
+
+# ---------------------------------------------------------------------- wire format
+def pack(idx: torch.Tensor, val: torch.Tensor, index_dtype: torch.dtype) -> torch.Tensor:
+    """One uint8 tensor: the indices as ``index_dtype``, then the values (raw bytes)."""
+    if idx.shape[0] == 0:
+        return torch.empty(0, dtype=torch.uint8, device=val.device)
+    wi = idx.to(index_dtype).contiguous().view(torch.uint8)
+    wv = val.contiguous().view(torch.uint8)
+    return torch.cat([wi, wv])
+
+
+def pair_bytes(index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
+    """``s``: bytes per (index, value) pair on the wire."""
+    return (torch.empty(0, dtype=index_dtype).element_size()
+            + torch.empty(0, dtype=value_dtype).element_size())
+
+
+def unpack(buf: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype) -> Pairs:
+    """Inverse of :func:`pack`; the pair count follows from the byte length."""
+    ib = torch.empty(0, dtype=index_dtype).element_size()
+    s = pair_bytes(index_dtype, value_dtype)
+    nbytes = buf.shape[0]
+    if nbytes % s:
+        raise RuntimeError(f"received {nbytes} bytes, not a multiple of the {s}-byte pair "
+                           "size: the ranks disagree on the value dtype or index space")
+    n = nbytes // s
+    if n == 0:
+        return (torch.empty(0, dtype=torch.int64, device=buf.device),
+                torch.empty(0, dtype=value_dtype, device=buf.device))
+    # clone() gives each part its own, suitably aligned storage before the dtype view
+    idx = buf[:n * ib].clone().view(index_dtype).to(torch.int64)
+    val = buf[n * ib:].clone().view(value_dtype)
+    return idx, val
+
+
+class Wire:
+    """Point-to-point transfer of packed sets whose length the receiver does not know.
+
+    Host tensors go to MPI as they are. CUDA tensors go as device pointers when the MPI
+    library is CUDA-aware (after synchronizing the current stream); otherwise they are
+    staged through the communicator's reusable pinned host buffers
+    (:class:`mpicomm.buffers.StagingPool`, slots ``sparse-send``/``sparse-recv``) and
+    moved back to the device after receipt. Every message is counted in
+    ``comm.traffic`` (bytes sent, bytes received, messages sent).
+    """
+
+    def __init__(self, comm: Communicator, device: torch.device):
+        self.mpi = comm.p2p
+        self.traffic = comm.traffic
+        self.device = device
+        self.staged = device.type == "cuda" and not cuda_aware()
+        self.direct = device.type == "cuda" and not self.staged
+        self._resources = comm.resources
+
+    def _host(self, numel: int, slot: str) -> torch.Tensor:
+        info = BufferInfo("torch", "uint8", (numel,), str(self.device), 1)
+        return staging_pool(self._resources).get(info, numel, slot)
+
+    def _outgoing(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t
+        torch.cuda.current_stream(t.device).synchronize()
+        if self.direct:
+            return t
+        host = self._host(t.shape[0], "sparse-send")
+        host.copy_(t)
+        return host
+
+    def _count_send(self, t: torch.Tensor) -> None:
+        self.traffic.sent_bytes += int(t.shape[0])
+        self.traffic.messages += 1
+
+    def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        out = self._outgoing(t)
+        self._count_send(out)
+        self.mpi.Send([out, MPI.BYTE], dest, tag)
+
+    def recv(self, source: int, tag: int) -> torch.Tensor:
+        status = MPI.Status()
+        message = self.mpi.Mprobe(source, tag, status)
+        n = status.Get_count(MPI.BYTE)
+        if self.staged:
+            buf = self._host(n, "sparse-recv")
+        else:
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        message.Recv([buf, MPI.BYTE])
+        self.traffic.recv_bytes += n
+        return buf.to(self.device) if self.staged else buf
+
+    def exchange(self, t: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        """Send ``t`` to ``peer`` while receiving ``peer``'s message of unknown length."""
+        out = self._outgoing(t)
+        self._count_send(out)
+        request = self.mpi.Isend([out, MPI.BYTE], peer, tag)
+        try:
+            got = self.recv(peer, tag)
+        finally:
+            request.Wait()
+        return got
+
+
+# ---------------------------------------------------------------------- results
+def to_caller(t: torch.Tensor, like: Any, dtype: torch.dtype | None = None) -> Any:
+    """``t`` (optionally cast to ``dtype``) in the framework of ``like``."""
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return from_torch(t, like)

@@ -1,0 +1,166 @@
+r"""gTop-k: an approximate global top-k of the sum of every rank's sparse vector.
+
+Algorithm (butterfly recursive doubling; Shi et al., ICDCS 2019, in the butterfly form of
+algorithms.md A.5). Each rank holds a sparse set S_r (typically its local top-k of an
+error-fed gradient). It first keeps its own top-k of S_r. Then, over ``lg p2`` rounds,
+virtual rank ``v`` swaps its current set with virtual rank ``v XOR 2^j`` and both replace
+their set by MERGE_TRUNCATE(lower, higher, k): the true sparse union (values *added* at
+indices both sets hold, so no index ever appears twice) followed by the top-k of the
+union in the library's total order (``|v|`` desc, then index asc). Both partners merge
+the same two sets with the lower-ranked operand on the left of every ``+``, so they get
+the same bits; after the last round all ranks hold one identical set and no broadcast is
+needed. A value's association is fixed by the butterfly: after round j a value is
+``(group_lo) + (group_hi)`` of two 2^j-rank groups, identical on every rank and in
+:func:`mpicomm.sparse.reference.simulate_gtopk`.
+
+Rank counts that are not a power of two: with ``p2`` the largest power of two <= P and
+``rem = P - p2``, ranks ``2r`` (r < rem) first send their set to rank ``2r+1``, which
+merges and truncates (fold-in); the butterfly runs over the p2 remaining ranks; rank
+``2r+1`` then sends the result back to ``2r`` (fold-out).
+
+What it computes: with at most k pairs per rank and P <= 2, or whenever no truncation
+(local or in a merge) ever has to drop anything, the exact top-k of the sum. For P > 2 in
+general it is *not* the exact top-k (algorithms.md A.6): an index small in one subtree
+can be dropped before the rest of its mass arrives, and a kept value may miss
+contributions dropped earlier. The exact version is :func:`mpicomm.sparse.exact_topk`.
+
+Per-rank traffic (s = index bytes + value bytes per pair; index bytes 4, or 8 for an
+index space of 2^31 or more; ``m`` = pairs a message holds, ``m <= k``):
+
+* a rank inside the power-of-two group: one message per round, ``lg p2`` messages; the
+  odd rank of a folded pair sends one more (the fold-out);
+* a folded-out rank (even r < 2 rem): exactly one message (its own truncated set);
+* every message holds ``min(k, |set|)`` pairs: k once every set involved has at least k
+  entries; fewer when the union of the supports so far is smaller than k.
+
+With every rank holding >= k pairs and every union >= k: ``lg p2 * k * s`` bytes sent per
+rank in the group (+ ``k*s`` for fold partners), ``k*s`` for the folded-out ranks.
+
+Cost (critical path): (lg p2 + 2·fold)·(α + k·s·β) + merge compute O(k log k) per round,
+``fold`` = 1 when P is not a power of two (:func:`mpicomm.collectives.cost.gtopk`).
+Versus the ring Allgather Top-k, (P-1)(α + k·s·β) and (P-1)·k·s bytes per rank: gTop-k
+sends the same at P = 2, 2/3 of it at P = 4, 3/7 at P = 8 and 4/15 at P = 16 (the
+busiest rank of a non-power-of-two P sends one message more: 3/4 at P = 5).
+
+Tuning: gTop-k pays off when ``k·s·β`` dominates ``α`` and P is large; for P = 2 it
+equals the Allgather Top-k in bytes. Non-powers of two pay two extra message latencies;
+prefer power-of-two rank counts. Each round also merges: a sort of <= 2k indices and a
+top-k selection on the input's device (about 0.1 µs per pair on one CPU core, e.g.
+~0.5 s per round at k = 2.5e6), so on a fast link with large k the merges, not the
+bytes, dominate; keep the values on the GPU for large k, and compare with
+:func:`mpicomm.sparse.artopk`, whose only per-step compute is the source's selection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..collectives._common import fold_layout, real_rank, virtual_rank
+from ..comm import Communicator, resolve
+from ._common import (
+    TAG_GTOPK_FOLD,
+    TAG_GTOPK_ROUND,
+    Pairs,
+    Wire,
+    agree,
+    check_int,
+    check_k,
+    merge_truncate,
+    pack,
+    read_pairs,
+    to_caller,
+    truncate,
+    unpack,
+    wire_index_dtype,
+)
+
+__all__ = ["gtopk"]
+
+
+def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
+          return_dropped: bool = False, *, size: int | None = None,
+          allow_nonfinite: bool = False) -> tuple[Any, ...]:
+    """Approximate global top-k of the sum of every rank's sparse (indices, values).
+
+    Parameters
+    ----------
+    indices, values:
+        This rank's sparse vector: 1-D arrays of equal length (numpy, torch CPU/CUDA or
+        cupy; same framework and device), integer indices without duplicates, floating
+        values (same dtype on every rank). Any order; any count (a rank may hold more or
+        fewer than k pairs, or none).
+    k:
+        Entries kept, same on every rank, ``1 <= k`` (``<= size`` when size is given).
+    comm:
+        :class:`~mpicomm.Communicator` (default: the world).
+    return_dropped:
+        Also return a boolean mask over this rank's input pairs (the caller's order):
+        True where the pair's index is *not* in the global result, i.e. the local picks
+        that go back into the error-feedback residual (algorithms.md A.3).
+    size:
+        Length of the dense vector the indices address. Indices must lie in
+        ``[0, size)``; it also picks the wire index type (int64 from 2^31 on). When
+        omitted, indices must be below 2^31.
+    allow_nonfinite:
+        Skip the check that values are finite (NaN then ranks as the largest magnitude).
+
+    Returns ``(indices, values)`` sorted by index ascending, identical on every rank, in
+    the caller's framework and device, with the caller's index and value dtypes (plus
+    the dropped mask when asked). The result holds ``min(k, |union of supports|)``
+    entries: fewer than k when the ranks' supports together have fewer than k indices.
+
+    Raises ``ValueError``/``TypeError`` before communicating on bad arguments (see
+    :func:`mpicomm.sparse._common.read_pairs`); in checked mode on every rank.
+    """
+    comm = resolve(comm)
+    error: Exception | None = None
+    desc: dict[str, Any] = {"k": k, "size": size}
+    try:
+        if size is not None:
+            size = check_int("size", size, 1)
+        k = check_k(k, size)
+        sp = read_pairs(indices, values, size, allow_nonfinite)
+        desc["dtype"] = str(sp.val.dtype)
+    except (ValueError, TypeError) as exc:
+        error = exc
+    agree(comm, "gtopk", error, **desc)
+
+    index_dtype = wire_index_dtype(size)
+    idx, val = _butterfly(truncate(sp.idx, sp.val, k), k, comm, index_dtype)
+    result = (to_caller(idx, sp.like_idx, dtype=sp.idx_dtype),
+              to_caller(val, sp.like_val))
+    if not return_dropped:
+        return result
+    dropped = ~torch.isin(sp.idx_in, idx)
+    return (*result, to_caller(dropped, sp.like_val))
+
+
+def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype) -> Pairs:
+    """Fold-in, lg p2 butterfly rounds, fold-out; returns the common final set."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        return mine
+    value_dtype = mine[1].dtype
+    wire = Wire(comm, mine[1].device)
+    p2, rem = fold_layout(p)
+    if r < 2 * rem:
+        if r % 2 == 0:  # folded out: hand over the set, wait for the answer
+            wire.send(pack(*mine, index_dtype), r + 1, TAG_GTOPK_FOLD)
+            return unpack(wire.recv(r + 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
+        theirs = unpack(wire.recv(r - 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
+        mine = merge_truncate(theirs, mine, k)  # rank r-1 is the lower operand
+    v = virtual_rank(r, rem)
+    mask = 1
+    while mask < p2:
+        partner = v ^ mask
+        got = wire.exchange(pack(*mine, index_dtype), real_rank(partner, rem),
+                            TAG_GTOPK_ROUND)
+        theirs = unpack(got, index_dtype, value_dtype)
+        mine = merge_truncate(mine, theirs, k) if v < partner else merge_truncate(theirs,
+                                                                                  mine, k)
+        mask <<= 1
+    if r < 2 * rem:  # odd rank of a folded pair: return the result
+        wire.send(pack(*mine, index_dtype), r - 1, TAG_GTOPK_FOLD)
+    return mine
