@@ -1,0 +1,361 @@
+r"""Local SGD (periodic parameter averaging, "PASGD"), with a fixed period or AdaComm.
+
+Every rank trains its own replica with its own optimizer; every ``tau`` local steps the
+replicas are replaced by their average::
+
+    x_i <- x_i - eta * grad f(x_i; own minibatch)          (each local step)
+    x_i <- (1/P) * sum_j x_j                                (every tau steps: allreduce)
+
+``tau = 1`` is synchronous SGD: for plain SGD (no momentum, no weight decay differences)
+it is mathematically identical to averaging gradients, since
+``mean_j(x - eta g_j) = x - eta mean_j(g_j)``.
+
+Cost per averaging round: one allreduce of all averaged tensors fused into one flat
+buffer per (dtype, device): about ``2(P-1)/P * n`` bytes per rank with the ring
+algorithm, i.e. ``1/tau`` of synchronous SGD's traffic per step, plus (with AdaComm) one
+small control message (``allgather`` of two floats) when a decision needs the loss.
+
+Example::
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = LocalSGD(model, AdaComm(tau0=16, interval_rounds=10), opt)
+    for x, y in loader:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        local.step(loss)          # averages when tau local steps have passed
+    local.average()               # leave every rank with the same final model
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Union
+
+import torch
+
+from ..collectives import ALGORITHMS, allreduce, broadcast
+from ..comm import Communicator, Traffic, resolve
+from ..control.adacomm import AdaComm
+
+__all__ = ["LocalSGD"]
+
+Delay = Union[float, Callable[[int], float]]
+
+
+class FusedTensors:
+    """Tensors of one or more dtypes/devices packed into one flat buffer per group.
+
+    ``pack()`` copies the tensors into the flat buffers, ``unpack()`` copies them back;
+    the flat buffers are cached and reused while the group's size is unchanged. The order
+    of tensors (and so the layout) is the order given, which must be the same on every
+    rank.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[Any, Any], torch.Tensor] = {}
+        self.groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+
+    def pack(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Group ``tensors`` by (dtype, device), fill one flat buffer per group, return them."""
+        by_key: dict[tuple[Any, Any], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_key.setdefault((t.dtype, t.device), []).append(t)
+        self.groups = []
+        for key, ts in by_key.items():
+            numel = sum(t.numel() for t in ts)
+            flat = self._cache.get(key)
+            if flat is None or flat.numel() != numel:
+                flat = torch.empty(numel, dtype=key[0], device=key[1])
+                self._cache[key] = flat
+            offset = 0
+            with torch.no_grad():
+                for t in ts:
+                    n = t.numel()
+                    flat[offset:offset + n].copy_(t.detach().reshape(-1))
+                    offset += n
+            self.groups.append((ts, flat))
+        return [flat for _, flat in self.groups]
+
+    def unpack(self) -> None:
+        """Copy the flat buffers back into the tensors they were packed from."""
+        with torch.no_grad():
+            for ts, flat in self.groups:
+                offset = 0
+                for t in ts:
+                    n = t.numel()
+                    t.copy_(flat[offset:offset + n].view_as(t))
+                    offset += n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for _, f in self.groups)
+
+
+def _check_model(model: Any) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not any(True for _ in model.parameters()):
+        raise ValueError("model has no parameters to average")
+    return model
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Communicator,
+                      root: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with ``root``'s values (fused, collective)."""
+    fused = FusedTensors()
+    for flat in fused.pack(tensors):
+        broadcast(flat, root=root, comm=comm, out=flat)
+    fused.unpack()
+
+
+class LocalSGD:
+    """Average a model's replicas every ``period`` local steps.
+
+    Call :meth:`step` once after each ``optimizer.step()``; it counts the local step and,
+    when ``period`` steps have passed since the last averaging, replaces the parameters
+    (and the floating-point buffers, and optionally the momentum) on every rank by their
+    average over the ranks. The constructor broadcasts rank 0's parameters and buffers,
+    so all replicas start equal (collective: every rank must construct it).
+
+    What is averaged
+    ----------------
+    * All parameters (frozen ones too: they are equal anyway, and skipping them would
+      make the layout depend on ``requires_grad``).
+    * Floating-point buffers (BatchNorm running statistics) when ``average_buffers``
+      (default): otherwise each replica keeps statistics of its own data shard only and
+      the replicas are not identical after averaging. Integer buffers (BatchNorm's
+      ``num_batches_tracked``) are left alone: they count local steps and are already
+      equal on all ranks.
+    * With ``average_momentum=True`` and an optimizer, the SGD momentum buffers
+      (``optimizer.state[p]["momentum_buffer"]``; missing or ``None`` entries are
+      skipped). Momentum stays local by default (as in the paper's experiments, as far
+      as is known); averaging it doubles the traffic per round but removes the momentum
+      drift between replicas.
+
+    All of it goes into one flat buffer per (dtype, device), reduced with
+    ``mpicomm.allreduce(op="avg", algorithm=algorithm)``.
+
+    The period
+    ----------
+    ``period`` is an int >= 1 (fixed) or an :class:`~mpicomm.control.AdaComm`. With
+    AdaComm, :meth:`step` needs the loss of each local step. At the first step, ``F_0``
+    is that step's loss averaged over the ranks and ``eta_0`` the learning rate then
+    (unless ``period.start()`` was already called). At each averaging round the loss fed
+    to the rule is the mean of this rank's losses since the last averaging, averaged
+    over the ranks (an ``allgather`` of two floats, so identical on every rank; made
+    only when a decision needs it); the learning rate is
+    ``optimizer.param_groups[0]["lr"]`` (so an optimizer is required). With
+    ``interval_s``, the elapsed time is ``clock()`` since construction, agreed as the
+    maximum over the ranks, so every rank takes the same decision. The interval length
+    is counted in averaging rounds or seconds as configured; a new period takes effect
+    from the next local step.
+
+    Benchmarking hook
+    -----------------
+    ``delay_s`` injects a communication delay: after every averaging round each rank
+    sleeps ``delay_s`` seconds (a float), or ``delay_s(round_index)`` seconds (a
+    callable, e.g. for a random or growing delay). It emulates a slow network (the
+    runtime model's ``D``) on a fast machine; leave it at 0 in real training.
+
+    Parameters
+    ----------
+    model:
+        The ``torch.nn.Module`` replica.
+    period:
+        Fixed period (int >= 1) or an :class:`AdaComm` controller.
+    optimizer:
+        The local optimizer; needed for AdaComm (learning rate) and momentum averaging.
+    average_momentum:
+        Also average SGD momentum buffers (default ``False``).
+    average_buffers:
+        Also average floating-point buffers (default ``True``).
+    comm:
+        :class:`~mpicomm.Communicator` (default: the world).
+    algorithm:
+        Allreduce algorithm: ``"auto"``, ``"ring"``, ``"recursive_doubling"``,
+        ``"rabenseifner"`` or ``"mpi"`` (uncounted in ``traffic``).
+    delay_s:
+        Injected delay per averaging round (see above).
+    clock:
+        Seconds clock for ``interval_s`` (default ``time.perf_counter``); tests and
+        benchmarks that exclude evaluation time pass their own.
+
+    Tuning: with communication time ``D`` per round and ``Y`` per local step, a fixed
+    period speeds each step up by ``(1 + D/Y) / (1 + D/(tau Y))``; gains flatten once
+    ``tau >> D/Y``, while the replicas' drift (and so the loss floor) grows with ``tau``.
+    Start around ``tau = D/Y`` or use AdaComm.
+    """
+
+    def __init__(self, model: torch.nn.Module, period: int | AdaComm,
+                 optimizer: torch.optim.Optimizer | None = None, *,
+                 average_momentum: bool = False, average_buffers: bool = True,
+                 comm: Communicator | None = None, algorithm: str = "auto",
+                 delay_s: Delay = 0.0, clock: Callable[[], float] = time.perf_counter):
+        self.model = _check_model(model)
+        if isinstance(period, AdaComm):
+            self.adacomm: AdaComm | None = period
+            self._fixed = period.tau
+        elif isinstance(period, bool) or not isinstance(period, int):
+            raise TypeError(f"period must be an int or an AdaComm, got {type(period).__name__}")
+        elif period < 1:
+            raise ValueError(f"period must be >= 1, got {period}")
+        else:
+            self.adacomm = None
+            self._fixed = period
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if self.adacomm is not None:
+            if optimizer is None:
+                raise ValueError("AdaComm needs the optimizer (it reads the learning rate "
+                                 "from optimizer.param_groups[0]['lr'])")
+            if "lr" not in optimizer.param_groups[0]:
+                raise ValueError("optimizer.param_groups[0] has no 'lr'")
+        if average_momentum and optimizer is None:
+            raise ValueError("average_momentum=True needs the optimizer")
+        if algorithm not in ("auto", *ALGORITHMS["allreduce"]):
+            raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of "
+                             f"auto, {', '.join(ALGORITHMS['allreduce'])}")
+        if not callable(delay_s):
+            if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)):
+                raise TypeError(f"delay_s must be seconds or a callable, got "
+                                f"{type(delay_s).__name__}")
+            if not (delay_s >= 0 and math.isfinite(delay_s)):
+                raise ValueError(f"delay_s must be finite and >= 0, got {delay_s}")
+        self.optimizer = optimizer
+        self.average_momentum = bool(average_momentum)
+        self.average_buffers = bool(average_buffers)
+        self.comm = resolve(comm)
+        self.algorithm = algorithm
+        self.delay_s = delay_s
+        self.clock = clock
+        #: Averaging rounds done (scheduled ones and :meth:`average` calls).
+        self.rounds = 0
+        #: Calls to :meth:`step` (local steps taken).
+        self.local_steps = 0
+        #: Local steps since the last averaging.
+        self.steps_since_average = 0
+        #: Bytes this object's averaging moved through mpicomm's own algorithms
+        #: (not the initial broadcast; nothing for ``algorithm="mpi"``).
+        self.traffic = Traffic()
+        self._fused = FusedTensors()
+        self._loss_sum: Any = 0.0
+        self._loss_count = 0
+        broadcast_tensors(list(self.model.parameters()) + list(self.model.buffers()),
+                          self.comm)
+        self._start = clock()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def period(self) -> int:
+        """The averaging period in force (AdaComm's current ``tau``, or the fixed one)."""
+        return self.adacomm.tau if self.adacomm is not None else self._fixed
+
+    @property
+    def bytes_per_round(self) -> int:
+        """Bytes of the fused buffers one averaging round reduces (0 before the first)."""
+        return self._fused.nbytes
+
+    @property
+    def history(self) -> list[Any]:
+        """AdaComm's decisions (:class:`~mpicomm.control.adacomm.AdaCommDecision`), or []."""
+        return list(self.adacomm.history) if self.adacomm is not None else []
+
+    def __repr__(self) -> str:
+        return (f"LocalSGD(period={self.period}, rounds={self.rounds}, "
+                f"local_steps={self.local_steps}, adacomm={self.adacomm!r})")
+
+    # ------------------------------------------------------------------ training
+    def step(self, loss: Any = None) -> bool:
+        """Count one local step; average if the period is reached. Returns whether it did.
+
+        ``loss`` (a float or a scalar tensor, this step's training loss) is required with
+        AdaComm and ignored otherwise. Collective at averaging steps (and, with AdaComm,
+        at the first step, which agrees on ``F_0``).
+        """
+        if loss is not None:
+            self._loss_sum = self._loss_sum + (loss.detach() if torch.is_tensor(loss)
+                                               else float(loss))
+            self._loss_count += 1
+        elif self.adacomm is not None:
+            raise ValueError("LocalSGD with AdaComm needs step(loss)")
+        if self.adacomm is not None and not self.adacomm.started:
+            self._start_adacomm()
+        self.local_steps += 1
+        self.steps_since_average += 1
+        if self.steps_since_average < self.period:
+            return False
+        self.average()
+        self.steps_since_average = 0
+        if self.adacomm is not None:
+            self._adapt()
+        self._loss_sum, self._loss_count = 0.0, 0
+        return True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What an averaging round reduces, in layout order."""
+        out = list(self.model.parameters())
+        if self.average_buffers:
+            out += [b for b in self.model.buffers() if b.is_floating_point()]
+        if self.average_momentum and self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+                    if buf is not None:
+                        out.append(buf)
+        return out
+
+    def average(self) -> None:
+        """Average now (collective), without changing the schedule or AdaComm's state.
+
+        Used by :meth:`step`; call it directly at the end of training (or before an
+        evaluation) to leave every rank with the same model.
+        """
+        before = self.comm.traffic.snapshot()
+        for flat in self._fused.pack(self.tensors()):
+            allreduce(flat, op="avg", algorithm=self.algorithm, comm=self.comm, out=flat)
+        self._fused.unpack()
+        moved = self.comm.traffic.snapshot() - before
+        self.traffic.sent_bytes += moved.sent_bytes
+        self.traffic.recv_bytes += moved.recv_bytes
+        self.traffic.messages += moved.messages
+        delay = self.delay_s(self.rounds) if callable(self.delay_s) else self.delay_s
+        if delay > 0:
+            time.sleep(delay)
+        self.rounds += 1
+
+    # ------------------------------------------------------------------ AdaComm
+    def _agree(self) -> tuple[float, float]:
+        """(loss averaged over ranks, elapsed = max over ranks): identical everywhere."""
+        local = float(self._loss_sum) / max(self._loss_count, 1)
+        everyone = self.comm.allgather_object((local, self.clock() - self._start))
+        return (sum(v[0] for v in everyone) / len(everyone), max(v[1] for v in everyone))
+
+    def _lr(self) -> float:
+        assert self.optimizer is not None
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _start_adacomm(self) -> None:
+        """F_0 = the first local step's loss averaged over the ranks (one control message):
+        the replicas are identical then, so this is a minibatch estimate of F(x_0) from
+        P minibatches, as in the paper."""
+        assert self.adacomm is not None
+        loss, elapsed = self._agree()
+        self.adacomm.start(loss, self._lr(), elapsed)
+
+    def _adapt(self) -> None:
+        ada = self.adacomm
+        assert ada is not None
+        lr = self._lr()
+        if ada.interval_s is not None:
+            loss, elapsed = self._agree()
+            ada.observe(loss, lr, elapsed)
+        elif ada.due():
+            loss, _ = self._agree()
+            ada.observe(loss, lr)
+        else:
+            ada.observe()
