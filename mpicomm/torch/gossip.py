@@ -23,7 +23,8 @@ import torch
 
 from ..comm import Communicator, Traffic, resolve
 from ..roles.gossip import Topology, consensus_distance, make_topology, neighbor_average
-from .localsgd import FusedTensors, _check_model, broadcast_tensors
+from .gradsync import broadcast_module
+from .localsgd import FusedTensors, _check_model
 
 __all__ = ["GossipAveraging"]
 
@@ -62,7 +63,7 @@ class GossipAveraging:
         self.traffic = Traffic()
         self._fused = FusedTensors()
         if broadcast:
-            broadcast_tensors(self._params(), self.comm)
+            broadcast_module(self.model, 0, self.comm)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for p in self.model.parameters() if p.is_floating_point()]

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import torch
 
-from ..collectives import ALGORITHMS, allreduce, broadcast
+from ..collectives import ALGORITHMS, allreduce
 from ..comm import Communicator, Traffic, resolve
 from ..control.adacomm import AdaComm
+from .gradsync import broadcast_module
 
 __all__ = ["LocalSGD"]
 
@@ -101,15 +102,6 @@ def _check_model(model: Any) -> torch.nn.Module:
     if not any(True for _ in model.parameters()):
         raise ValueError("model has no parameters to average")
     return model
-
-
-def broadcast_tensors(tensors: Sequence[torch.Tensor], comm: Communicator,
-                      root: int = 0) -> None:
-    """Overwrite ``tensors`` on every rank with ``root``'s values (fused, collective)."""
-    fused = FusedTensors()
-    for flat in fused.pack(tensors):
-        broadcast(flat, root=root, comm=comm, out=flat)
-    fused.unpack()
 
 
 class LocalSGD:
@@ -245,8 +237,7 @@ class LocalSGD:
         self._fused = FusedTensors()
         self._loss_sum: Any = 0.0
         self._loss_count = 0
-        broadcast_tensors(list(self.model.parameters()) + list(self.model.buffers()),
-                          self.comm)
+        broadcast_module(self.model, 0, self.comm)
         self._start = clock()
 
     # ------------------------------------------------------------------ state
