@@ -45,14 +45,12 @@ from mpi4py import MPI
 
 from ..buffers import Buffer
 from ..collectives import allreduce
-from ..collectives._common import Ctx
+from ..collectives._common import TAG_GOSSIP, Ctx
 from ..comm import Communicator, resolve
 
 __all__ = ["Topology", "TOPOLOGIES", "make_topology", "mixing_matrix", "neighbor_average",
            "consensus_distance"]
 
-#: Tag of gossip messages on the communicator's private point-to-point duplicate.
-TAG_GOSSIP = 21
 
 TOPOLOGIES = ("ring", "exponential")
 
