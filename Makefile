@@ -68,7 +68,7 @@ test-mpi: $(STAMP)
 	done
 
 demo: $(STAMP)
-	$(MPIEXEC) -n $(NP) $(PY) examples/train.py
+	$(MPIEXEC) -n $(NP) $(PY) examples/train.py --strategy gtopk --density 0.01
 
 bench: $(STAMP)
 	@mkdir -p bench-results

@@ -1,0 +1,425 @@
+"""Data-parallel training of an MLP on real data with mpicomm, ending with a summary.
+
+Run under MPI (each rank trains on its own disjoint shard of the training set)::
+
+    mpiexec -n 4 python examples/train.py --strategy gtopk --density 0.01
+    mpiexec -n 4 python examples/train.py --strategy dense
+    mpiexec -n 4 python examples/train.py --local-sgd fixed --period 8
+    mpiexec -n 4 python examples/train.py --local-sgd adacomm --tau0 8 --json out.json
+
+Task: scikit-learn's bundled ``load_digits`` (1797 8x8 images of handwritten digits, 10
+classes; ships with the package, nothing is downloaded), a fixed stratified 80/20
+train/test split, features standardized with the training split's statistics, and an
+MLP 64-H-H-10. Every epoch the training set is permuted with a seed shared by all ranks
+and cut into ``size`` disjoint equal shards, so the ranks never see the same example in
+one epoch and all take the same number of steps.
+
+Two ways to synchronize:
+
+* default: :class:`mpicomm.torch.GradientSync` averages the gradients of every step
+  during ``backward`` with the chosen strategy (``--strategy``: dense allreduce or a
+  compressing one such as gTop-k; ``--density``, ``--bits``, ``--rank``, ``--source`` go
+  to the strategies whose constructor takes them).
+* ``--local-sgd fixed|adacomm``: every rank takes local optimizer steps and
+  :class:`mpicomm.torch.LocalSGD` averages the *parameters* every ``tau`` steps (fixed
+  ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``). The
+  gradient strategy is not used in this mode (parameters are averaged densely).
+
+Rank 0 shows a tqdm bar and prints the summary: test accuracy and loss (the test split is
+sharded over the ranks and the sums allreduced), wall time, the bytes each rank sent
+through mpicomm's collectives, the bytes a dense allreduce of the gradients at every
+step would have sent (measured with the same traffic counters: one real dense allreduce
+of the gradient buffers, times the number of steps), the strategy's settings, and
+AdaComm's period history. ``--json PATH`` writes the same summary as JSON.
+"""
+
+from __future__ import annotations
+
+import time
+
+_START = time.perf_counter()  # before the heavy imports: the wall time includes them
+
+import argparse  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import mpicomm  # noqa: E402
+from mpicomm import strategies  # noqa: E402
+from mpicomm.control import AdaComm  # noqa: E402
+from mpicomm.strategies import Dense, Strategy  # noqa: E402
+from mpicomm.torch import GradientSync, LocalSGD  # noqa: E402
+
+log = logging.getLogger("train")
+
+#: Command-line options handed to a strategy whose constructor has a parameter of that name.
+STRATEGY_OPTIONS = ("density", "bits", "rank", "source")
+
+
+# ---------------------------------------------------------------------- options
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description="Train an MLP on scikit-learn's digits with mpicomm "
+                    "(run under mpiexec; rank 0 prints the summary).")
+    ap.add_argument("--epochs", type=int, default=30, help="passes over the training set")
+    ap.add_argument("--batch-size", type=int, default=32, help="minibatch size per rank")
+    ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    ap.add_argument("--weight-decay", type=float, default=1e-3,
+                    help="SGD weight decay")
+    ap.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the weights and of the per-epoch shuffles (shared by ranks)")
+    ap.add_argument("--strategy", default="dense",
+                    help="gradient strategy (mpicomm.strategies.available(): "
+                         f"{', '.join(strategies.available())}); unused with --local-sgd")
+    ap.add_argument("--density", type=float, default=None,
+                    help="fraction of gradient entries sent, for sparsifying strategies "
+                         "(default: theirs, 0.01)")
+    ap.add_argument("--bits", type=int, default=None,
+                    help="bits per value, for quantizing strategies (default: theirs)")
+    ap.add_argument("--rank", type=int, default=None,
+                    help="PowerSGD's low rank (default: the strategy's)")
+    ap.add_argument("--source", default=None,
+                    help="AR-Top-k's index source (default: the strategy's)")
+    ap.add_argument("--local-sgd", choices=("none", "fixed", "adacomm"), default="none",
+                    help="average parameters every tau local steps instead of gradients "
+                         "every step (fixed: --period; adacomm: AdaComm from --tau0)")
+    ap.add_argument("--period", type=int, default=8, help="averaging period of --local-sgd fixed")
+    ap.add_argument("--tau0", type=int, default=32,
+                    help="initial period of --local-sgd adacomm (large: the training loss "
+                         "falls ~300x here, and the period follows its square root)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads per rank (0: usable cores / ranks on this node)")
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="write the summary as JSON here (rank 0)")
+    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar on rank 0")
+    args = ap.parse_args(argv)
+    for name in ("epochs", "batch_size", "hidden", "period", "tau0"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.strategy not in strategies.available():
+        ap.error(f"unknown strategy {args.strategy!r}; available: "
+                 f"{', '.join(strategies.available())}")
+    return args
+
+
+def strategy_class(name: str) -> type[Strategy] | None:
+    """The :class:`Strategy` subclass called ``name`` in :mod:`mpicomm.strategies` or one
+    of its modules (``None``: not found; the strategy then gets no options)."""
+    places = [strategies] + [m for m in vars(strategies).values() if inspect.ismodule(m)]
+    for place in places:
+        for obj in vars(place).values():
+            if inspect.isclass(obj) and issubclass(obj, Strategy) and obj.name == name:
+                return obj
+    return None
+
+
+def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The options of :data:`STRATEGY_OPTIONS` that strategy ``name``'s constructor takes.
+
+    Options not given (``None``) are not passed, so the strategy's defaults hold; a given
+    option the strategy does not take is reported and ignored.
+    """
+    cls = strategy_class(name)
+    params = inspect.signature(cls).parameters if cls is not None else {}
+    given = {opt: getattr(args, opt) for opt in STRATEGY_OPTIONS
+             if getattr(args, opt) is not None}
+    unused = sorted(set(given) - set(params))
+    if unused:
+        log.warning("strategy %r takes no %s; ignored", name,
+                    ", ".join(f"--{opt}" for opt in unused))
+    return {opt: value for opt, value in given.items() if opt in params}
+
+
+def default_threads(comm: mpicomm.Communicator) -> int:
+    """Usable cores of this process divided by the ranks on this node (at least 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // comm.local_size)
+
+
+def setup_logging(rank: int) -> None:
+    """This script logs on rank 0 (its messages are the same on every rank); mpicomm's own
+    warnings show on any rank. Every line carries the rank."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("mpicomm").setLevel(logging.WARNING)
+
+
+# ---------------------------------------------------------------------- data and model
+@dataclass
+class Digits:
+    """The whole train and test splits (every rank holds them; shards are index sets)."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+def load_data(test_fraction: float = 0.2) -> Digits:
+    """scikit-learn's bundled digits: fixed stratified split, standardized by the train split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=0,
+                                              stratify=y)
+    mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
+    std[std == 0] = 1.0  # constant border pixels
+
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        return torch.tensor((a - mean) / std, dtype=torch.float32)
+
+    return Digits(tensor(x_tr), torch.tensor(y_tr), tensor(x_te), torch.tensor(y_te))
+
+
+def epoch_shard(n: int, epoch: int, seed: int, comm: mpicomm.Communicator) -> torch.Tensor:
+    """This rank's training indices for ``epoch``: a block of a permutation shared by all
+    ranks, so shards are disjoint and equal in size (the last ``n % size`` examples of
+    each permutation are left out for that epoch)."""
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    per_rank = n // comm.size
+    return torch.from_numpy(perm[comm.rank * per_rank:(comm.rank + 1) * per_rank])
+
+
+def build_model(hidden: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10))
+
+
+# ---------------------------------------------------------------------- metrics
+def global_mean(comm: mpicomm.Communicator, loss_sum: float, correct: float,
+                count: float) -> tuple[float, float]:
+    """(mean loss, accuracy) over all ranks' examples: one allreduce of three sums."""
+    total = mpicomm.allreduce(np.array([loss_sum, correct, count], dtype=np.float64),
+                              op="sum", comm=comm)
+    return float(total[0] / total[2]), float(total[1] / total[2])
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+             comm: mpicomm.Communicator) -> tuple[float, float]:
+    """Loss and accuracy on (x, y), each rank evaluating every ``size``-th example."""
+    xs, ys = x[comm.rank::comm.size], y[comm.rank::comm.size]
+    out = model(xs)
+    loss = torch.nn.functional.cross_entropy(out, ys, reduction="sum")
+    return global_mean(comm, float(loss), float((out.argmax(1) == ys).sum()), len(ys))
+
+
+def dense_bytes_per_step(model: torch.nn.Module, comm: mpicomm.Communicator) -> int:
+    """Bytes this rank sends in one dense allreduce (``Dense``, algorithm ``auto``) of the
+    model's gradients, measured with the same traffic counters as the run (collective)."""
+    probe = Dense().bind(comm)
+    grads = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
+    probe.aggregate(grads, [f"g{i}" for i in range(len(grads))])
+    return probe.stats.sent_bytes
+
+
+# ---------------------------------------------------------------------- training
+@dataclass
+class Outcome:
+    """What one training run did on this rank."""
+
+    steps: int
+    sent_bytes: int
+    describe: dict[str, Any]
+    history: list[dict[str, float]]
+    tau_history: list[int] | None = None
+    sync: dict[str, float] | None = None
+
+
+def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
+               args: argparse.Namespace, comm: mpicomm.Communicator,
+               update: Callable[[torch.Tensor], Any]) -> tuple[int, list[dict[str, float]]]:
+    """The training loop of both modes; ``update(loss)``, called after ``backward``,
+    synchronizes and steps the optimizer as the mode does. Returns the number of steps and
+    the per-epoch training metrics (averaged over all ranks)."""
+    per_rank = len(data.y_train) // comm.size
+    steps_per_epoch = -(-per_rank // args.batch_size)
+    bar = tqdm(total=args.epochs * steps_per_epoch, unit="step", file=sys.stderr,
+               disable=comm.rank != 0 or args.no_progress, mininterval=0.5)
+    steps, history = 0, []
+    for epoch in range(args.epochs):
+        idx = epoch_shard(len(data.y_train), epoch, args.seed, comm)
+        loss_sum = correct = 0.0
+        for start in range(0, len(idx), args.batch_size):
+            batch = idx[start:start + args.batch_size]
+            x, y = data.x_train[batch], data.y_train[batch]
+            opt.zero_grad()
+            out = model(x)
+            loss = torch.nn.functional.cross_entropy(out, y)
+            loss.backward()
+            update(loss)
+            loss_sum += loss.item() * len(batch)
+            correct += float((out.argmax(1) == y).sum())
+            steps += 1
+            bar.update(1)
+        train_loss, train_acc = global_mean(comm, loss_sum, correct, len(idx))
+        history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc})
+        bar.set_postfix(epoch=epoch + 1, loss=f"{train_loss:.3f}", acc=f"{train_acc:.3f}")
+    bar.close()
+    return steps, history
+
+
+def train_gradient_sync(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
+                        args: argparse.Namespace, comm: mpicomm.Communicator) -> Outcome:
+    """Average gradients every step with the chosen strategy (GradientSync)."""
+    strategy = strategies.make(args.strategy, **strategy_kwargs(args.strategy, args))
+    with GradientSync(model, strategy, comm=comm) as sync:
+        steps, history = run_epochs(model, opt, data, args, comm,
+                                    lambda loss: sync.step(opt))  # wait, then opt.step()
+        stats = sync.stats
+        return Outcome(steps, stats.strategy.sent_bytes, sync.strategy.describe(), history,
+                       sync={"steps": stats.steps, "comm_s": stats.comm_seconds,
+                             "wait_s": stats.wait_seconds})
+
+
+def train_local_sgd(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
+                    args: argparse.Namespace, comm: mpicomm.Communicator) -> Outcome:
+    """Local optimizer steps; LocalSGD averages the parameters every tau steps."""
+    steps_total = args.epochs * -(-(len(data.y_train) // comm.size) // args.batch_size)
+    if args.local_sgd == "adacomm":
+        # about ten decisions if the period stayed at tau0 (more as it shrinks), at least
+        # two averaging rounds apart so that each sees a loss averaged over 2 tau steps
+        interval = max(2, steps_total // (args.tau0 * 10))
+        period: int | AdaComm = AdaComm(args.tau0, interval_rounds=interval)
+    else:
+        period = args.period
+    local = LocalSGD(model, period, opt, comm=comm)
+
+    def update(loss: torch.Tensor) -> None:
+        opt.step()  # a local step
+        local.step(loss)  # averages the parameters when the period is reached
+
+    steps, history = run_epochs(model, opt, data, args, comm, update)
+    local.average()  # every rank ends with the same (averaged) model
+    describe = {"mode": f"local-sgd {args.local_sgd}", "algorithm": local.algorithm,
+                "rounds": local.rounds, "final_period": local.period,
+                "note": "parameters averaged by dense allreduce; --strategy not used"}
+    if local.adacomm is not None:
+        describe["adacomm"] = repr(local.adacomm)
+    taus = [d.tau for d in local.history] if local.adacomm is not None else None
+    return Outcome(steps, local.traffic.sent_bytes, describe, history, tau_history=taus)
+
+
+# ---------------------------------------------------------------------- summary
+def summarize(outcome: Outcome, test: tuple[float, float], dense_step: int,
+              train_s: float, args: argparse.Namespace,
+              comm: mpicomm.Communicator) -> dict[str, Any]:
+    """The run's summary (collective: gathers every rank's byte count)."""
+    sent = comm.allgather_object(outcome.sent_bytes)
+    dense = dense_step * outcome.steps
+    mean_sent = sum(sent) / len(sent)
+    return {
+        "ranks": comm.size,
+        "mode": "gradient-sync" if args.local_sgd == "none" else f"local-sgd {args.local_sgd}",
+        "strategy": args.strategy if args.local_sgd == "none" else None,
+        "describe": outcome.describe,
+        "test_accuracy": test[1],
+        "test_loss": test[0],
+        "train_loss": outcome.history[-1]["train_loss"],
+        "train_accuracy": outcome.history[-1]["train_acc"],
+        "epochs": args.epochs,
+        "steps": outcome.steps,
+        "wall_s": time.perf_counter() - _START,
+        "train_s": train_s,
+        "sent_bytes_per_rank": mean_sent,
+        "sent_bytes_max_rank": max(sent),
+        "dense_bytes_per_rank": dense,
+        "dense_bytes_per_step": dense_step,
+        "compression": dense / mean_sent if mean_sent else None,
+        "tau_history": outcome.tau_history,
+        "sync": outcome.sync,
+        "history": outcome.history,
+        "args": vars(args),
+    }
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.3f} MB"
+
+
+def format_taus(taus: list[int], head: int = 12, tail: int = 4) -> str:
+    """AdaComm's periods as ``32 -> 27 -> 3 (x4) -> ...``: repeats folded, middle elided."""
+    runs: list[list[int]] = []
+    for t in taus:
+        if runs and runs[-1][0] == t:
+            runs[-1][1] += 1
+        else:
+            runs.append([t, 1])
+    parts = [f"{t} (x{n})" if n > 1 else str(t) for t, n in runs]
+    if len(parts) > head + tail:
+        parts = parts[:head] + [f"... {len(parts) - head - tail} more ..."] + parts[-tail:]
+    return " -> ".join(parts) + f"   ({len(taus)} decisions)"
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    ratio = f"{s['compression']:.1f}x less" if s["compression"] else "n/a"
+    lines = [
+        f"== mpicomm examples/train.py: {s['ranks']} ranks, {s['mode']}, "
+        f"{s['epochs']} epochs, {s['steps']} steps",
+        f"settings          {json.dumps(s['describe'])}",
+        f"test accuracy     {s['test_accuracy']:.4f}   test loss {s['test_loss']:.4f}",
+        f"train accuracy    {s['train_accuracy']:.4f}   train loss {s['train_loss']:.4f}",
+        f"wall time         {s['wall_s']:.1f} s (training {s['train_s']:.1f} s; "
+        "imports and set-up included)",
+        f"sent per rank     {_mb(s['sent_bytes_per_rank'])} (max rank "
+        f"{_mb(s['sent_bytes_max_rank'])})",
+        f"dense allreduce   {_mb(s['dense_bytes_per_rank'])} per rank for the same steps "
+        f"({_mb(s['dense_bytes_per_step'])} per step): {ratio}",
+    ]
+    if s["tau_history"] is not None:
+        lines.append(f"AdaComm tau       {format_taus(s['tau_history'])}")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    comm = mpicomm.init()
+    setup_logging(comm.rank)
+    torch.set_num_threads(args.threads or default_threads(comm))
+    if args.local_sgd != "none" and args.strategy != "dense":
+        log.warning("--local-sgd %s averages parameters densely; --strategy %s is not used",
+                    args.local_sgd, args.strategy)
+    # rank 0 reads the data set and broadcasts it: one scikit-learn import instead of one
+    # per rank (the ranks share the cores)
+    data = comm.bcast_object(load_data() if comm.rank == 0 else None)
+    model = build_model(args.hidden, args.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                          weight_decay=args.weight_decay)
+    log.info("%d ranks x %d torch thread(s); %d train / %d test examples; %d parameters",
+             comm.size, torch.get_num_threads(), len(data.y_train), len(data.y_test),
+             sum(p.numel() for p in model.parameters()))
+    comm.barrier()
+    start = time.perf_counter()
+    trainer = train_gradient_sync if args.local_sgd == "none" else train_local_sgd
+    outcome = trainer(model, opt, data, args, comm)
+    train_s = comm.allreduce_value(time.perf_counter() - start, "max")
+    test = evaluate(model, data.x_test, data.y_test, comm)
+    summary = summarize(outcome, test, dense_bytes_per_step(model, comm), train_s, args, comm)
+    if comm.rank == 0:
+        print_summary(summary)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""``python -m mpicomm``: what this installation is, and a launcher that picks the right mpiexec.
+
+``python -m mpicomm info``
+    Versions (mpicomm, Python, numpy, torch, mpi4py), the MPI library, the thread level,
+    whether CUDA is available, the CUDA-aware decision with its reason, and the default
+    alpha-beta-gamma cost parameters. Runs as a single process.
+
+``python -m mpicomm run -n N [--] command ...``
+    Runs ``mpiexec -n N command ...`` with the ``mpiexec`` of the MPI library that mpi4py
+    is linked against and exits with its status. Same logic as ``launchers/mpicomm-run``:
+
+    * ``mpiexec``: ``$MPICOMM_MPIEXEC``, else the one beside this Python (an MPI wheel in a
+      virtual environment puts it there), else the first on ``PATH``;
+    * for Open MPI it sets, unless already set: ``OMPI_ALLOW_RUN_AS_ROOT=1`` and
+      ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` when running as root (containers),
+      ``PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe`` when ``N`` exceeds the
+      usable cores, and ``OMPI_MCA_btl=^ofi`` (skips the slow OFI probe on machines
+      without such a network). MPICH needs none of these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "mpi_flavor", "find_mpiexec", "launcher_env", "info"]
+
+_THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
+
+
+# ---------------------------------------------------------------------- run
+def library_version() -> str:
+    """``MPI_Get_library_version()`` of the MPI that mpi4py uses, without initializing MPI."""
+    import mpi4py
+
+    if not _mpi_imported():
+        mpi4py.rc.initialize = False  # the query is legal before MPI_Init
+    from mpi4py import MPI
+
+    return MPI.Get_library_version()
+
+
+def _mpi_imported() -> bool:
+    return "mpi4py.MPI" in sys.modules
+
+
+def mpi_flavor(version: str) -> str:
+    """``"openmpi"``, ``"mpich"`` (MPICH and its derivatives) or ``"other"``."""
+    if "Open MPI" in version:
+        return "openmpi"
+    if "MPICH" in version or "Intel(R) MPI" in version or "MVAPICH" in version:
+        return "mpich"
+    return "other"
+
+
+def find_mpiexec(python: str | None = None) -> str:
+    """``$MPICOMM_MPIEXEC``, else the ``mpiexec`` beside ``python`` (default: this one),
+    else the one on ``PATH``; ``FileNotFoundError`` when there is none."""
+    explicit = os.environ.get("MPICOMM_MPIEXEC")
+    if explicit:
+        return explicit
+    beside = Path(python or sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("no mpiexec beside this Python nor on PATH; install an MPI "
+                                "(pip install mpich) or set MPICOMM_MPIEXEC")
+    return found
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def launcher_env(flavor: str, ranks: int, base: dict[str, str] | None = None
+                 ) -> dict[str, str]:
+    """The environment for ``mpiexec``: ``base`` (default ``os.environ``) plus, for Open
+    MPI, the settings of the module docstring; variables already set are kept."""
+    env = dict(os.environ if base is None else base)
+    if flavor != "openmpi":
+        return env
+    wanted = {"OMPI_MCA_btl": "^ofi"}
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        wanted.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if ranks > usable_cores():
+        wanted["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
+    for key, value in wanted.items():
+        env.setdefault(key, value)
+    return env
+
+
+def run(ranks: int, command: Sequence[str]) -> int:
+    """``mpiexec -n ranks command...`` for mpi4py's MPI; returns the exit status."""
+    if ranks < 1:
+        raise ValueError(f"-n must be >= 1, got {ranks}")
+    if not command:
+        raise ValueError("no command to run")
+    flavor = mpi_flavor(library_version())
+    argv = [find_mpiexec(), "-n", str(ranks), *command]
+    try:
+        return subprocess.call(argv, env=launcher_env(flavor, ranks))
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---------------------------------------------------------------------- info
+def _version(module: str) -> str:
+    try:
+        mod = __import__(module)
+    except ImportError:
+        return "not installed"
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def info() -> dict[str, Any]:
+    """What ``python -m mpicomm info`` prints, as a dict (initializes MPI: one process)."""
+    from mpi4py import MPI
+
+    from . import __version__
+    from .buffers import _probe_cuda_aware
+    from .collectives.cost import CostParams
+
+    cuda = "torch not installed"
+    try:
+        import torch
+
+        cuda = (f"yes ({torch.cuda.device_count()} device(s))" if torch.cuda.is_available()
+                else "no")
+    except ImportError:
+        pass
+    aware, reason = _probe_cuda_aware()
+    params = CostParams()
+    level = MPI.Query_thread()
+    return {
+        "mpicomm": __version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "numpy": _version("numpy"),
+        "torch": _version("torch"),
+        "mpi4py": _version("mpi4py"),
+        "MPI library": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+        "MPI standard": "{}.{}".format(*MPI.Get_version()),
+        "thread level": f"MPI_THREAD_{_THREAD_LEVELS[level].upper()}"
+        if 0 <= level < len(_THREAD_LEVELS) else str(level),
+        "CUDA available": cuda,
+        "CUDA-aware MPI": f"{'yes' if aware else 'no'} ({reason})",
+        "cost defaults": f"alpha={params.alpha:.3g} s, beta={params.beta:.3g} s/B "
+                         f"({1 / params.beta / 1e9:.3g} GB/s), gamma={params.gamma:.3g} s/B",
+        "mpiexec": _mpiexec_or_none(),
+    }
+
+
+def _mpiexec_or_none() -> str:
+    try:
+        return find_mpiexec()
+    except FileNotFoundError as exc:
+        return str(exc)
+
+
+# ---------------------------------------------------------------------- entry point
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m mpicomm",
+                                 description="mpicomm command-line tools.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, MPI library, thread level, CUDA-awareness, "
+                                "cost-model defaults")
+    rp = sub.add_parser("run", help="mpiexec for mpi4py's MPI (Open MPI settings included)",
+                        description="Run `mpiexec -n N command...` with the mpiexec of the "
+                                    "MPI library mpi4py uses; exits with its status.")
+    rp.add_argument("-n", "-np", dest="ranks", type=int, required=True,
+                    help="number of ranks")
+    rp.add_argument("cmd", nargs=argparse.REMAINDER,
+                    help="the command each rank runs (a leading -- is optional)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "info":
+        for key, value in info().items():
+            print(f"{key:16s} {value}")
+        return 0
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    try:
+        return run(args.ranks, cmd)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"python -m mpicomm run: {exc}", file=sys.stderr)
+        return 2

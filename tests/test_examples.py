@@ -1,0 +1,124 @@
+"""The examples and the command line, run as child MPI jobs from a serial test.
+
+``examples/train.py`` at 2 ranks for a couple of epochs (dense, gTop-k, local SGD with
+AdaComm): exit status, the printed summary, and the JSON summary's values;
+``examples/custom_loop.py``; ``python -m mpicomm info`` and ``python -m mpicomm run``
+(including a failing rank's status reaching the caller). The whole file takes well under
+a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mpicomm import cli, strategies
+
+from .launch import ROOT, clean_env, run_job
+
+TRAIN = ["--epochs", "2", "--threads", "1"]
+
+
+def train(tmp_path: Path, *args: str) -> tuple[str, dict[str, Any]]:
+    """Run examples/train.py on 2 ranks; return its output and JSON summary."""
+    out = tmp_path / "summary.json"
+    res = run_job(2, [sys.executable, "examples/train.py", *TRAIN, *args, "--json", str(out)],
+                  timeout=90)
+    assert res.returncode == 0, res.output
+    assert "test accuracy" in res.output and "dense allreduce" in res.output, res.output
+    return res.output, json.loads(out.read_text())
+
+
+def check_summary(s: dict[str, Any]) -> None:
+    for key in ("ranks", "mode", "describe", "test_accuracy", "test_loss", "train_loss",
+                "steps", "wall_s", "sent_bytes_per_rank", "dense_bytes_per_rank",
+                "compression", "history", "tau_history", "args"):
+        assert key in s, key
+    assert s["ranks"] == 2
+    assert 0.0 <= s["test_accuracy"] <= 1.0 and 0.0 <= s["train_accuracy"] <= 1.0
+    assert s["test_loss"] > 0 and s["wall_s"] > 0 and s["steps"] > 0
+    assert s["sent_bytes_per_rank"] > 0 and s["dense_bytes_per_rank"] > 0
+    assert len(s["history"]) == s["args"]["epochs"]
+
+
+def test_train_dense(tmp_path: Path) -> None:
+    output, s = train(tmp_path, "--strategy", "dense")
+    check_summary(s)
+    assert s["describe"]["strategy"] == "dense"
+    # dense is its own yardstick: the same counters, the same bytes
+    assert s["sent_bytes_per_rank"] == s["dense_bytes_per_rank"]
+    assert s["test_accuracy"] > 0.5  # two epochs already learn the digits
+    assert "%|" in output  # rank 0's tqdm bar
+
+
+def test_train_gtopk(tmp_path: Path) -> None:
+    if "gtopk" not in strategies.available():
+        pytest.skip("the gtopk strategy is not registered in mpicomm.strategies yet")
+    _, s = train(tmp_path, "--strategy", "gtopk", "--density", "0.01", "--no-progress")
+    check_summary(s)
+    assert s["describe"]["strategy"] == "gtopk" and s["describe"]["density"] == 0.01
+    assert s["sent_bytes_per_rank"] < s["dense_bytes_per_rank"]
+    assert s["compression"] > 5
+
+
+def test_train_local_sgd_adacomm(tmp_path: Path) -> None:
+    output, s = train(tmp_path, "--local-sgd", "adacomm", "--tau0", "4", "--no-progress")
+    check_summary(s)
+    assert s["mode"] == "local-sgd adacomm" and s["strategy"] is None
+    assert s["tau_history"][0] == 4 and all(t >= 1 for t in s["tau_history"])
+    assert s["sent_bytes_per_rank"] < s["dense_bytes_per_rank"]
+    assert "AdaComm tau" in output
+
+
+def test_custom_loop() -> None:
+    res = run_job(2, [sys.executable, "examples/custom_loop.py"], timeout=90)
+    assert res.returncode == 0, res.output
+    lines = [line for line in res.output.splitlines() if line.startswith("test accuracy")]
+    assert len(lines) == 1, res.output  # printed by rank 0 only
+    assert float(lines[0].split()[2]) > 0.8
+
+
+def python_m_mpicomm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpicomm", *args], cwd=ROOT, env=clean_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=60)
+
+
+def test_cli_info() -> None:
+    res = python_m_mpicomm("info")
+    assert res.returncode == 0, res.stdout
+    for field in ("mpicomm", "mpi4py", "MPI library", "thread level", "CUDA-aware MPI",
+                  "cost defaults"):
+        assert field in res.stdout, res.stdout
+
+
+def test_cli_run_and_exit_status() -> None:
+    code = ("import sys; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+            "sys.stdout.write(f'rank {{c.Get_rank()}} of {{c.Get_size()}}\\n'); sys.exit({})")
+    ok = python_m_mpicomm("run", "-n", "2", "--", sys.executable, "-c", code.format(0))
+    assert ok.returncode == 0, ok.stdout
+    assert "rank 0 of 2" in ok.stdout and "rank 1 of 2" in ok.stdout
+    bad = python_m_mpicomm("run", "-n", "2", sys.executable, "-c",
+                           code.format("3 if c.Get_rank() == 1 else 0"))
+    assert bad.returncode == 3, bad.stdout
+    assert python_m_mpicomm("run", "-n", "2").returncode == 2  # no command
+
+
+def test_launcher_env_for_open_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cli.mpi_flavor("Open MPI v5.0.8, package: Open MPI") == "openmpi"
+    assert cli.mpi_flavor("MPICH Version: 5.0.2") == "mpich"
+    assert cli.launcher_env("mpich", 64, {"A": "1"}) == {"A": "1"}
+    monkeypatch.setattr(cli, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cli.os, "geteuid", lambda: 0)
+    env = cli.launcher_env("openmpi", 4, {"OMPI_MCA_btl": "tcp,self"})
+    assert env["OMPI_MCA_btl"] == "tcp,self"  # the user's setting wins
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert env["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe"
+    monkeypatch.setattr(cli.os, "geteuid", lambda: 1000)
+    env = cli.launcher_env("openmpi", 2, {})
+    assert env == {"OMPI_MCA_btl": "^ofi"}  # not root, not oversubscribed
