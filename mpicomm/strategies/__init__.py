@@ -1,21 +1,73 @@
 """Gradient aggregation strategies: error feedback + compressor + collective.
 
 Every strategy implements ``aggregate(tensors, names=None) -> tensors`` (see
-:class:`~mpicomm.strategies.base.Strategy`). :func:`make` builds one by name, for
-command lines and configuration files.
+:class:`~mpicomm.strategies.base.Strategy`): every rank passes its local gradients and
+gets back their average over ranks (or the strategy's compressed estimate of it), same
+shapes, dtypes, framework and devices, identical on every rank. :func:`make` builds one
+by name, for command lines and configuration files.
+
+==========  =========================  ==================================================
+name        class                      per fused buffer (d elements, k kept, s pair bytes)
+==========  =========================  ==================================================
+dense       :class:`Dense`             allreduce (avg); ≈ 2(P-1)/P·d·itemsize bytes
+topk        :class:`TopKAllgather`     EF + top-k + sparse allgather; (P-1)·k·s bytes
+gtopk       :class:`GTopK`             EF + top-k + butterfly gTop-k; lg p2·k·s (+fold)
+artopk      :class:`ARTopK`            EF + source's top-k indices (bcast) + allreduce
+                                       of k values; ≈ children·4k + 2(P-1)/P·k·itemsize
+randomk     :class:`RandomKAllreduce`  EF + shared random indices + allreduce of k
+                                       values; ≈ 2(P-1)/P·k·itemsize
+qsgd        :class:`QSGDAllgather`     QSGD (salt = rank) + allgather of packed
+                                       payloads; (P-1)·payload bytes
+powersgd    :class:`PowerSGDAllreduce` EF + rank-r factors per matrix: one allreduce of
+                                       all P, one of all Q, one dense for the rest
+fp16, bf16  :class:`FP16Allreduce`,    cast (after / P), allreduce, cast back;
+            :class:`BF16Allreduce`     ≈ 2(P-1)/P·2d bytes
+sign        :class:`SignAllgather`     EF + scaled sign per tensor + allgather;
+                                       (P-1)·Σ(ceil(d_t/8) + 4) bytes
+==========  =========================  ==================================================
+
+Exact per-rank byte formulas, cost-model entries and tuning advice are in each class's
+docstring; ``strategy.stats`` reports the bytes actually moved (from the communicator's
+traffic counters) and ``describe()`` / ``state_dict()`` the settings and the state
+(residuals, counters, warm starts) to log and checkpoint.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .artopk import ARTopK
 from .base import Strategy, StrategyStats
+from .cast import BF16Allreduce, FP16Allreduce
 from .dense import Dense
+from .gtopk import GTopK
+from .powersgd import PowerSGDAllreduce
+from .qsgd import QSGDAllgather
+from .randomk import RandomKAllreduce
+from .sign import SignAllgather
+from .topk import TopKAllgather
 
-__all__ = ["Strategy", "StrategyStats", "Dense", "make", "available"]
+__all__ = [
+    "Strategy",
+    "StrategyStats",
+    "Dense",
+    "TopKAllgather",
+    "GTopK",
+    "ARTopK",
+    "RandomKAllreduce",
+    "QSGDAllgather",
+    "PowerSGDAllreduce",
+    "FP16Allreduce",
+    "BF16Allreduce",
+    "SignAllgather",
+    "make",
+    "available",
+]
 
 _BY_NAME: dict[str, type[Strategy]] = {
-    "dense": Dense,
+    cls.name: cls
+    for cls in (Dense, TopKAllgather, GTopK, ARTopK, RandomKAllreduce, QSGDAllgather,
+                PowerSGDAllreduce, FP16Allreduce, BF16Allreduce, SignAllgather)
 }
 
 

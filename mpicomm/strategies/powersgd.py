@@ -1,0 +1,182 @@
+"""PowerSGD: rank-r factors of every matrix, all P factors in one allreduce, all Q in one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..buffers import from_torch, to_torch
+from ..collectives import allreduce, cost
+from ..compress import PowerSGD
+from ..compress.powersgd import matrix_shape
+from ._compressed import CompressedStrategy, check_allreduce_algorithm, check_floating, measure
+from .base import DEFAULT_FUSION_BYTES, fuse
+
+__all__ = ["PowerSGDAllreduce"]
+
+
+class PowerSGDAllreduce(CompressedStrategy):
+    r"""Error-fed PowerSGD (Vogels et al., 2019) with batched factor allreduces ("powersgd").
+
+    Not fused into one vector: each tensor of shape ``(n, ...)`` is an ``n x m`` matrix
+    (``m = prod(shape[1:])``). Tensors with ``(n + m)·r·min_compression_rate < n·m``
+    (``r = min(rank, n, m)``; PyTorch's rule) are compressed; the others (vectors, small
+    matrices) are fused and averaged by one dense allreduce. For the compressed ones, on
+    rank i, per call (PyTorch's ``powerSGD_hook`` / epfml ``powersgd``)::
+
+        M_i  = G_i + E_i                         # error feedback per tensor name
+        P_i  = M_i Q                             # Q: warm start (previous step's Q)
+        P    = allreduce-sum(P_i)                # ALL tensors' P in ONE allreduce
+        P^   = orthonormalize(P)                 # Householder QR, sign-canonical
+        Q_i  = M_i^T P^
+        Q    = allreduce-sum(Q_i)                # ALL tensors' Q in ONE allreduce
+        U    = P^ Q^T / world_size               # = P^ P^^T mean_i(M_i), every rank
+        E_i  = M_i - U                           # residual: compensated - global approx
+        Q   <- Q / world_size                    # warm start of the next call
+
+    (the phases of :class:`~mpicomm.compress.PowerSGD`). Exact whenever ``r`` >= the rank
+    of the mean's column space spanned by ``P`` (e.g. rank-1 gradients sharing a column
+    space with ``rank=1``). The first ``start_iter`` calls with a given list of tensors
+    (counted per call key, ``names[0]..names[-1]``) are plain dense allreduces of every
+    tensor, without error feedback, as PyTorch's ``start_powerSGD_iter``. The initial Q of
+    each tensor is drawn from ``(seed, name)`` on the CPU, identical on every rank.
+    Factors are computed in float32 (float64 for float64 input).
+
+    Bytes sent per rank with ``algorithm="ring"`` (the default), where
+    ``ring(N, w) = (2N - |B_{r+1}| - |B_{r+2}|)·w`` for P near-equal blocks B_j of N:
+    ``ring(Σ n_t·r_t, w) + ring(Σ m_t·r_t, w) + ring(D, itemsize)`` over compressed
+    tensors t (w = 4, or 8 for float64) and D dense elements, i.e. ≈ 2(P-1)/P of
+    ``Σ (n_t + m_t)·r_t·w + D·itemsize`` in 4 + 2 = 6 ring passes. Before ``start_iter``:
+    ``ring(total, itemsize)``. Tensors of different dtypes/devices form separate batches.
+
+    Cost model: :func:`mpicomm.collectives.cost.allreduce_ring` twice (``Σ n_t r_t w`` and
+    ``Σ m_t r_t w``) plus once for the dense part (:meth:`predict`); compute: per tensor
+    two ``n·m·r`` products, two ``n x r`` QRs and one ``n·m·r`` reconstruction.
+
+    Tuning (after PyTorch's hook): start with ``rank=1`` and double it until accuracy
+    matches the dense run (1-4 for many vision models, 16-64 for transformers);
+    ``start_iter`` around 10% of training lets the early, fast-changing gradients through
+    uncompressed; keep ``warm_start``; ``min_compression_rate=2`` leaves matrices where
+    the factors would save less than half of the bytes dense.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank: int = 4, min_compression_rate: float = 2, start_iter: int = 0,
+                 error_feedback: bool = True, *, warm_start: bool = True, seed: int = 0,
+                 algorithm: str = "ring", comm: Any = None,
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES):
+        self.compressor = PowerSGD(rank, min_compression_rate, warm_start, seed)
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+        self.rank = rank
+        self.min_compression_rate = float(min_compression_rate)
+        self.start_iter = start_iter
+        self.algorithm = check_allreduce_algorithm(algorithm)
+        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)
+
+    # ------------------------------------------------------------------ interface
+    def aggregate(self, tensors: Sequence[Any], names: Sequence[str] | None = None
+                  ) -> list[Any]:
+        tensors, names = self._validate(tensors, names)
+        check_floating(tensors, names)
+        as_torch = [to_torch(t) for t in tensors]
+        key = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        it = self._step(key)
+        results: list[Any] = [None] * len(tensors)
+        with measure(self, as_torch):
+            if it < self.start_iter:
+                low: list[int] = []
+            else:
+                low = [i for i, t in enumerate(as_torch)
+                       if self.compressor.should_compress(tuple(t.shape))]
+            chosen = set(low)
+            dense = [i for i in range(len(as_torch)) if i not in chosen]
+            self._dense(as_torch, names, dense, results)
+            self._low_rank(as_torch, names, low, it, results)
+        self.stats.extra["compressed_tensors"] = len(low)
+        return [from_torch(r, like=t) for r, t in zip(results, tensors)]
+
+    def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """A flat vector is never compressed: a dense allreduce (average)."""
+        return allreduce(flat, op="avg", algorithm=self.algorithm, comm=self.comm, out=flat)
+
+    # ------------------------------------------------------------------ parts
+    def _dense(self, tensors: list[torch.Tensor], names: list[str], which: list[int],
+               results: list[Any]) -> None:
+        if not which:
+            return
+        for buf in fuse([tensors[i] for i in which], [names[i] for i in which],
+                        self.fusion_bytes):
+            averaged = self.aggregate_flat(buf.flat, buf.name)
+            for j, part in zip(buf.indices, buf.split(averaged)):
+                results[which[j]] = part
+
+    def _low_rank(self, tensors: list[torch.Tensor], names: list[str], which: list[int],
+                  it: int, results: list[Any]) -> None:
+        batches: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i in which:
+            work = torch.float64 if tensors[i].dtype == torch.float64 else torch.float32
+            batches.setdefault((work, tensors[i].device), []).append(i)
+        psgd, p = self.compressor, self.comm.size
+        for batch in batches.values():
+            mats = {i: self._compensate(names[i], tensors[i].detach()) for i in batch}
+            ps = [psgd.p_phase(mats[i], names[i], it) for i in batch]
+            p_sums = self._allreduce_sum(ps)
+            qs = [psgd.q_phase(mats[i], names[i], ps_i) for i, ps_i in zip(batch, p_sums)]
+            q_sums = self._allreduce_sum(qs)
+            for i, p_sum, q_sum in zip(batch, p_sums, q_sums):
+                approx = psgd.reconstruct(names[i], p_sum, q_sum, p)
+                if self.memory is not None:
+                    self.memory.update(names[i], mats[i], approx)
+                results[i] = approx
+
+    def _allreduce_sum(self, factors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sum every rank's factors with ONE allreduce of their concatenation."""
+        flat = torch.cat([f.reshape(-1) for f in factors])
+        allreduce(flat, op="sum", algorithm=self.algorithm, comm=self.comm, out=flat)
+        out, offset = [], 0
+        for f in factors:
+            out.append(flat[offset:offset + f.numel()].view(f.shape))
+            offset += f.numel()
+        return out
+
+    # ------------------------------------------------------------------ info / state
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "rank": self.rank,
+                "min_compression_rate": self.min_compression_rate,
+                "start_iter": self.start_iter, "warm_start": self.compressor.warm_start,
+                "collective": f"allreduce({self.algorithm}) x2 (P, Q) + dense"}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals, the warm-start Q of every tensor, and the call counters (``steps``,
+        keyed by call key: they decide when ``start_iter`` is reached)."""
+        return {**super().state_dict(), "q": self.compressor.state_dict()["q"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.compressor.load_state_dict({"q": state.get("q", {})})
+
+    def predict(self, shapes: Sequence[tuple[int, ...]], itemsize: int = 4,
+                p: int | None = None, params: cost.CostParams | None = None) -> float:
+        """Modelled seconds for one call on tensors of ``shapes`` over ``p`` ranks."""
+        p = self.comm.size if p is None else p
+        c = params or cost.CostParams()
+        w = 8 if itemsize == 8 else 4
+        n_r = m_r = dense = 0
+        for shape in shapes:
+            shape = tuple(shape)
+            if self.compressor.should_compress(shape):
+                n, m = matrix_shape(shape)
+                r = self.compressor.rank_for(shape)
+                n_r, m_r = n_r + n * r, m_r + m * r
+            else:
+                dense += int(torch.Size(shape).numel())
+        algorithm = "mpi" if self.algorithm == "auto" else self.algorithm
+        total = 0.0
+        for nbytes in (n_r * w, m_r * w, dense * itemsize):
+            if nbytes:
+                total += cost.predict("allreduce", algorithm, nbytes, p, c)
+        return total
