@@ -115,22 +115,30 @@ class BufferInfo:
         return self.dtype in FLOAT_DTYPES
 
 
+@functools.lru_cache(maxsize=128)
+def _dtype_name(dtype: Any) -> str:
+    """The name of a numpy/cupy or torch dtype (cached: numpy computes ``dtype.name`` in
+    Python, a few microseconds that every collective call would otherwise pay)."""
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else str(dtype).replace("torch.", "")
+
+
 def inspect(x: Any) -> BufferInfo:
     """Describe ``x``; ``TypeError`` for an unsupported framework or dtype."""
     fw = framework_of(x)
     if fw == "torch":
-        dtype = str(x.dtype).replace("torch.", "")
+        dtype = _dtype_name(x.dtype)
         device = str(x.device)
         itemsize = x.element_size()
     elif fw == "cupy":
-        dtype, device, itemsize = x.dtype.name, f"cuda:{x.device.id}", x.dtype.itemsize
+        dtype, device, itemsize = _dtype_name(x.dtype), f"cuda:{x.device.id}", x.dtype.itemsize
     else:
-        dtype, device, itemsize = x.dtype.name, "cpu", x.dtype.itemsize
+        dtype, device, itemsize = _dtype_name(x.dtype), "cpu", x.dtype.itemsize
     if dtype not in DTYPES:
         raise TypeError(f"unsupported dtype {dtype} ({fw}); supported: {', '.join(DTYPES)}")
     if fw == "torch" and device not in ("cpu",) and not device.startswith("cuda"):
         raise TypeError(f"unsupported torch device {device}; use cpu or cuda tensors")
-    return BufferInfo(fw, dtype, tuple(int(s) for s in x.shape), device, int(itemsize))
+    return BufferInfo(fw, dtype, tuple(map(int, x.shape)), device, int(itemsize))
 
 
 # ---------------------------------------------------------------------- array ops
@@ -167,6 +175,14 @@ class ArrayOps:
         fn = {"sum": self.xp.add, "avg": self.xp.add, "max": self.xp.maximum,
               "min": self.xp.minimum}[op]
         fn(acc, other, out=acc)
+        self.sync()
+
+    def combine_(self, out: Any, a: Any, b: Any, op: str) -> None:
+        """``out = op(a, b)`` elementwise (``out`` may be ``a``): a reduction that leaves
+        its inputs alone, for algorithms that must not modify the caller's buffer."""
+        fn = {"sum": self.xp.add, "avg": self.xp.add, "max": self.xp.maximum,
+              "min": self.xp.minimum}[op]
+        fn(a, b, out=out)
         self.sync()
 
     def divide_(self, acc: Any, divisor: int) -> None:
@@ -229,6 +245,12 @@ class TorchOps(ArrayOps):
             self.torch.maximum(acc, other, out=acc)
         else:
             self.torch.minimum(acc, other, out=acc)
+        self.sync()
+
+    def combine_(self, out: Any, a: Any, b: Any, op: str) -> None:
+        fn = {"sum": self.torch.add, "avg": self.torch.add, "max": self.torch.maximum,
+              "min": self.torch.minimum}[op]
+        fn(a, b, out=out)
         self.sync()
 
     def divide_(self, acc: Any, divisor: int) -> None:
@@ -387,6 +409,7 @@ class Buffer:
 
     def __init__(self, x: Any, resources: dict[str, Any] | None = None):
         self.info = inspect(x)
+        self._given = x  # the caller's object, to recognise ``out=buf`` cheaply
         self.x = x.detach() if self.info.framework == "torch" else x
         self.staged = self.info.is_cuda and not cuda_aware()
         self.ops = ops_for(self.info.framework, self.info.is_cuda and not self.staged)
@@ -422,7 +445,8 @@ class Buffer:
         source = self.ops.flat(self.x)
         if out is not None:
             target = self.ops.flat(out)
-            if self.ops.data_ptr(target) != self.ops.data_ptr(source):
+            in_place = out is self._given  # contiguous (check_out), so target is source
+            if not in_place and self.ops.data_ptr(target) != self.ops.data_ptr(source):
                 self.ops.copy_(target, source)
             return target
         result = self.empty(self.info.numel)
@@ -450,7 +474,7 @@ class Buffer:
         """Validate an ``out=`` argument for a result of ``shape`` (before communicating)."""
         if out is None:
             return
-        o = inspect(out)
+        o = self.info if out is self._given else inspect(out)  # out=buf: already known
         if (o.framework, o.dtype, o.device) != (self.info.framework, self.info.dtype,
                                                   self.info.device):
             raise TypeError(

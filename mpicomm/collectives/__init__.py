@@ -14,10 +14,10 @@ from .reduce_scatter import reduce_scatter
 
 ALGORITHMS = {
     "allreduce": ("ring", "recursive_doubling", "rabenseifner", "mpi"),
-    "allgather": ("ring", "bruck", "recursive_doubling", "mpi"),
-    "allgatherv": ("ring", "mpi"),
+    "allgather": ("ring", "bruck", "recursive_doubling", "direct", "mpi"),
+    "allgatherv": ("ring", "direct", "mpi"),
     "broadcast": ("binomial", "scatter_allgather", "mpi"),
-    "reduce_scatter": ("ring", "recursive_halving", "mpi"),
+    "reduce_scatter": ("ring", "recursive_halving", "direct", "mpi"),
 }
 
 __all__ = ["allreduce", "allgather", "allgatherv", "broadcast", "reduce_scatter", "cost",

@@ -64,6 +64,48 @@ def reduce_scatter_pass(work: Any, bounds: list[int], final_block: int, op: str,
     MPI.Request.Waitall(sends)
 
 
+def reduce_scatter_copy_pass(src: Any, dst: Any, bounds: list[int], final_block: int,
+                             op: str, ctx: Ctx, tag: int,
+                             segment_bytes: int | None = None) -> None:
+    """:func:`reduce_scatter_pass` that reads ``src`` without writing it and leaves the
+    reduction of block ``final_block`` in ``dst`` (``len(dst)`` = that block's size).
+
+    The partial sums it forwards live in two scratch blocks used alternately (a block's
+    sends must finish before it is reused two steps later), so the caller needs no copy
+    of the whole input: the reduction of a received segment is computed straight from
+    ``src`` into the scratch block or, at the last step, into ``dst``. Same messages,
+    bytes and reduction order as :func:`reduce_scatter_pass`.
+    """
+    p, ops = ctx.size, ctx.ops
+    right, left = (ctx.rank + 1) % p, (ctx.rank - 1) % p
+    seg = _segment_elems(src, ctx, segment_bytes)
+    largest = max(bounds[j + 1] - bounds[j] for j in range(p))
+    received = ops.empty_like(src, largest)
+    partial = [ops.empty_like(src, largest), ops.empty_like(src, largest)]
+    in_flight: list[list[MPI.Request]] = [[], []]
+    sends = [ctx.isend(src[a:b], right, tag)
+             for a, b in _segments(bounds, (final_block - 1) % p, seg)]
+    for step in range(p - 1):
+        block = (final_block - 2 - step) % p
+        base = bounds[block]
+        last = step == p - 2
+        if last:
+            target = dst
+        else:
+            target = partial[step % 2]
+            MPI.Request.Waitall(in_flight[step % 2])
+            in_flight[step % 2] = []
+        segs = _segments(bounds, block, seg)
+        recvs = [ctx.irecv(received[a - base:b - base], left, tag) for a, b in segs]
+        for (a, b), req in zip(segs, recvs):
+            req.Wait()
+            out = target[a - base:b - base]
+            ops.combine_(out, src[a:b], received[a - base:b - base], op)
+            if not last:
+                in_flight[step % 2].append(ctx.isend(out, right, tag))
+    MPI.Request.Waitall(sends + in_flight[0] + in_flight[1])
+
+
 def allgather_pass(work: Any, bounds: list[int], own_block: int, ctx: Ctx, tag: int,
                    segment_bytes: int | None = None, right: int | None = None,
                    left: int | None = None) -> None:

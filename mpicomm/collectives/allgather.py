@@ -13,13 +13,21 @@ Algorithms for :func:`allgather` (equal shapes on every rank):
     ``lg p`` exchanges with ``rank XOR 2^j`` of aligned, contiguous ranges. Non-powers of
     two fold the first ``2(p - p2)`` ranks pairwise (the pair's two blocks are adjacent,
     so every range stays contiguous), adding two messages.
+``direct``
+    Every rank posts all ``p-1`` receives and sends its block straight to every other
+    rank at once (from the input itself; the copy into its own slot of the result
+    overlaps the transfers). Same bytes and message count as the ring but no forwarding chain: one
+    synchronization point instead of ``p-1`` dependent steps, which is what pays on one
+    node, above all with more ranks than cores (a rank that gets the CPU can move all its
+    data instead of waiting for its neighbour's previous step). Across a network, where
+    ``p-1`` simultaneous flows share a link, prefer the ring.
 ``mpi``
     ``MPI_Allgather``.
 
 :func:`allgatherv` lets every rank contribute a different number of rows; it first
 gathers each rank's row count and trailing shape (one small allgather, which also
 verifies that trailing shapes and dtypes agree on every rank), then runs a ring over
-unequal blocks or ``MPI_Allgatherv``.
+unequal blocks, the direct exchange, or ``MPI_Allgatherv``.
 
 A 0-d input is treated as one element: the result has shape ``(p,)``.
 """
@@ -27,6 +35,8 @@ A 0-d input is treated as one element: the result has shape ``(p,)``.
 from __future__ import annotations
 
 from typing import Any
+
+from mpi4py import MPI
 
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
@@ -95,7 +105,36 @@ def recursive_doubling(res: Any, m: int, ctx: Ctx) -> None:
             ctx.send(res, r - 1, TAG_FOLD)
 
 
-ALGORITHMS = {"ring": ring, "bruck": bruck, "recursive_doubling": recursive_doubling}
+def direct_pass(res: Any, bounds: list[int], ctx: Ctx, src: Any) -> None:
+    """Every rank sends its block (``src``, destined for ``bounds[r]:bounds[r+1]``) to
+    every other rank directly, and copies it into its own slot of ``res`` while the
+    transfers are in flight.
+
+    Receives are posted first; sends go to ``r+1, r+2, ...`` so that at any moment the
+    ranks target different destinations. Empty blocks are not sent.
+    """
+    p, r, ops = ctx.size, ctx.rank, ctx.ops
+    requests = []
+    for k in range(1, p):
+        q = (r - k) % p
+        if bounds[q + 1] > bounds[q]:
+            requests.append(ctx.irecv(res[bounds[q]:bounds[q + 1]], q, TAG_ALLGATHER))
+    if src.shape[0]:
+        requests.extend(ctx.isend(src, (r + k) % p, TAG_ALLGATHER) for k in range(1, p))
+        own = res[bounds[r]:bounds[r + 1]]
+        if ops.data_ptr(own) != ops.data_ptr(src):
+            ops.copy_(own, src)
+    MPI.Request.Waitall(requests)
+
+
+def direct(res: Any, m: int, ctx: Ctx) -> None:
+    """:func:`direct_pass` with this rank's block already in place in ``res``."""
+    r = ctx.rank
+    direct_pass(res, [i * m for i in range(ctx.size + 1)], ctx, res[r * m:(r + 1) * m])
+
+
+ALGORITHMS = {"ring": ring, "bruck": bruck, "recursive_doubling": recursive_doubling,
+              "direct": direct}
 
 
 def _gathered_shape(shape: tuple[int, ...], rows_total: int) -> tuple[int, ...]:
@@ -109,7 +148,8 @@ def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = Non
     ``buf`` must have the same shape and dtype on every rank (checked mode verifies it;
     use :func:`allgatherv` for different lengths). Shape ``(n, *rest)`` gives
     ``(p*n, *rest)``. ``algorithm``: ``"auto"``, ``"ring"``, ``"bruck"``,
-    ``"recursive_doubling"`` or ``"mpi"``. ``out``: optional contiguous destination.
+    ``"recursive_doubling"``, ``"direct"`` or ``"mpi"``. ``out``: optional contiguous
+    destination.
     """
     comm = resolve(comm)
     algorithm = check_algorithm("allgather", algorithm, (*ALGORITHMS, "mpi"))
@@ -125,6 +165,9 @@ def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = Non
                                 comm.resources.get("cost_params"))
     res = b.result_array(m * p, out)
     src = b.input_view()
+    if p > 1 and m > 0 and algorithm == "direct":  # sends from src, copies meanwhile
+        direct_pass(res, [i * m for i in range(p + 1)], Ctx.of(comm, b.ops), src)
+        return b.deliver(res, out_shape, out)
     own = res[comm.rank * m:(comm.rank + 1) * m]
     if m and b.ops.data_ptr(own) != b.ops.data_ptr(src):
         b.ops.copy_(own, src)
@@ -143,11 +186,12 @@ def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
 
     Trailing dimensions and dtype must agree on every rank; a mismatch raises the same
     ``ValueError`` on every rank (checked whatever the mode, since the row counts are
-    exchanged anyway). ``algorithm``: ``"auto"`` (ring), ``"ring"`` or ``"mpi"``.
+    exchanged anyway). ``algorithm``: ``"auto"`` (ring), ``"ring"``, ``"direct"`` or
+    ``"mpi"``.
     With ``return_counts=True`` returns ``(result, rows_per_rank)``.
     """
     comm = resolve(comm)
-    algorithm = check_algorithm("allgatherv", algorithm, ("ring", "mpi"))
+    algorithm = check_algorithm("allgatherv", algorithm, ("ring", "direct", "mpi"))
     b = Buffer(buf, comm.resources)
     shape = b.info.shape if b.info.shape else (1,)
     everyone = comm.allgather_object((shape[0], shape[1:], b.info.dtype, algorithm))
@@ -168,6 +212,10 @@ def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
         bounds.append(bounds[-1] + c)
     res = b.result_array(bounds[-1], out)
     src = b.input_view()
+    if comm.size > 1 and bounds[-1] > 0 and algorithm == "direct":
+        direct_pass(res, bounds, Ctx.of(comm, b.ops), src)
+        result = b.deliver(res, out_shape, out)
+        return (result, rows) if return_counts else result
     own = res[bounds[comm.rank]:bounds[comm.rank + 1]]
     if counts[comm.rank] and b.ops.data_ptr(own) != b.ops.data_ptr(src):
         b.ops.copy_(own, src)

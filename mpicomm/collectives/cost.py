@@ -17,21 +17,25 @@ allreduce ring                  2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ
 allreduce recursive doubling    lg p2·(α + nβ + nγ)                      fold: 2α + 2nβ + nγ
 allreduce Rabenseifner          2 lg p2·α + 2(p2-1)/p2·nβ + (p2-1)/p2·nγ  fold: 2α + 2nβ + nγ
 allgather ring                  (p-1)α + (p-1)/p·nβ
-allgather Bruck                 ⌈lg p⌉α + (p-1)/p·nβ
+allgather Bruck                 ⌈lg p⌉α + (p-1)/p·nβ + (n + n/p)γ     (local rotation copies)
 allgather recursive doubling    lg p2·α + (p-1)/p·nβ                     fold: 2α + (n/p + n)β
+allgather direct                (p-1)α + (p-1)/p·nβ       (as ring; all messages posted at once)
 broadcast binomial              ⌈lg p⌉(α + nβ)
 broadcast scatter + allgather   (⌈lg p⌉ + p - 1)α + 2(p-1)/p·nβ
 reduce-scatter ring             (p-1)α + (p-1)/p·n(β + γ)
 reduce-scatter rec. halving     lg p2·α + (p2-1)/p2·n(β + γ)        fold: 2α + n(β + γ) + n/p·β
+reduce-scatter direct           (p-1)α + (p-1)/p·n(β + γ)   (as ring; all messages posted at once)
 Top-k via allgather (ring)      (p-1)α + (p-1)·k·s·β
 gTop-k (butterfly)              lg p2·(α + k·s·β)                        fold: 2(α + k·s·β)
 AR-Top-k (ring)                 bcast of k indices + ring allreduce of k values
-AR-Top-k (tree)                 bcast of k indices + binomial reduce + bcast of k values
+AR-Top-k (tree)                 bcast of k indices + recursive-doubling allreduce of k values
 ==============================  ===============================================================
 
 Tuning: the defaults in :class:`CostParams` are rough figures for shared memory under
-Python; measure ``alpha``/``beta`` on the target machine (``python -m mpicomm.bench
-collectives`` fits them from ping-pong) before trusting ``algorithm="auto"`` there.
+Python; measure them on the target machine before trusting ``algorithm="auto"`` there:
+``mpicomm.collectives.calibrate.measure(comm, store=True)`` fits alpha/beta from a
+ping-pong and gamma from a numpy add, and puts them where ``auto`` looks
+(``python -m mpicomm.bench collectives`` prints the fit).
 """
 
 from __future__ import annotations
@@ -101,7 +105,22 @@ def allgather_ring(n: float, p: int, c: CostParams) -> float:
 
 
 def allgather_bruck(n: float, p: int, c: CostParams) -> float:
-    return math.ceil(_lg(p)) * c.alpha + (p - 1) / p * n * c.beta
+    """Bruck works in a rotated scratch buffer: it copies its own block in and the whole
+    result back out (n + n/p bytes, charged at the local memory rate gamma). Without that
+    term the model would prefer Bruck over ring for every large message from p = 4 on,
+    where it is measured 2-3x slower."""
+    if p == 1:
+        return 0.0
+    copies = (n + n / p) * c.gamma
+    return math.ceil(_lg(p)) * c.alpha + (p - 1) / p * n * c.beta + copies
+
+
+def allgather_direct(n: float, p: int, c: CostParams) -> float:
+    """Every rank sends its n/p bytes to the p-1 others, all at once. Under the model's
+    one-port assumption that serializes exactly like the ring (ties go to the ring); what
+    it saves, the ring's chain of dependent steps, shows on a busy or oversubscribed
+    node, not in alpha and beta."""
+    return allgather_ring(n, p, c)
 
 
 def allgather_recursive_doubling(n: float, p: int, c: CostParams) -> float:
@@ -121,6 +140,12 @@ def broadcast_scatter_allgather(n: float, p: int, c: CostParams) -> float:
 
 def reduce_scatter_ring(n: float, p: int, c: CostParams) -> float:
     return (p - 1) * c.alpha + (p - 1) / p * n * (c.beta + c.gamma)
+
+
+def reduce_scatter_direct(n: float, p: int, c: CostParams) -> float:
+    """Each block goes straight to its owner: one-port, the same as the ring (see
+    :func:`allgather_direct`)."""
+    return reduce_scatter_ring(n, p, c)
 
 
 def reduce_scatter_recursive_halving(n: float, p: int, c: CostParams) -> float:
@@ -153,10 +178,11 @@ def artopk_ring(k: float, index_bytes: float, value_bytes: float, p: int,
 
 def artopk_tree(k: float, index_bytes: float, value_bytes: float, p: int,
                 c: CostParams) -> float:
-    """AR-Top-k: broadcast of k indices, then a binomial reduce + broadcast of k values."""
-    n, rounds = k * value_bytes, math.ceil(_lg(p))
-    tree_allreduce = 2 * rounds * (c.alpha + n * c.beta) + rounds * n * c.gamma
-    return broadcast_binomial(k * index_bytes, p, c) + tree_allreduce
+    """AR-Top-k "tree": binomial broadcast of k indices + recursive-doubling allreduce of
+    k values, which is how :func:`mpicomm.sparse.artopk` realises the paper's Tree-AR
+    (the paper's binomial reduce + broadcast, 2 lg p rounds, is ``paper.artopk_tree``)."""
+    return (broadcast_binomial(k * index_bytes, p, c)
+            + allreduce_recursive_doubling(k * value_bytes, p, c))
 
 
 FORMULAS: dict[str, dict[str, Callable[[float, int, CostParams], float]]] = {
@@ -169,8 +195,9 @@ FORMULAS: dict[str, dict[str, Callable[[float, int, CostParams], float]]] = {
         "ring": allgather_ring,
         "bruck": allgather_bruck,
         "recursive_doubling": allgather_recursive_doubling,
+        "direct": allgather_direct,
     },
-    "allgatherv": {"ring": allgather_ring},
+    "allgatherv": {"ring": allgather_ring, "direct": allgather_direct},
     "broadcast": {
         "binomial": broadcast_binomial,
         "scatter_allgather": broadcast_scatter_allgather,
@@ -178,6 +205,7 @@ FORMULAS: dict[str, dict[str, Callable[[float, int, CostParams], float]]] = {
     "reduce_scatter": {
         "ring": reduce_scatter_ring,
         "recursive_halving": reduce_scatter_recursive_halving,
+        "direct": reduce_scatter_direct,
     },
 }
 
@@ -204,7 +232,9 @@ def predict(collective: str, algorithm: str, nbytes: float, p: int,
 def choose(collective: str, nbytes: float, p: int, params: CostParams | None = None) -> str:
     """The algorithm with the smallest predicted time (ties: the first listed)."""
     c = params or CostParams()
-    table = FORMULAS[collective]
+    table = FORMULAS.get(collective)
+    if table is None:
+        raise ValueError(f"no cost model for collective {collective!r}")
     return min(table, key=lambda name: table[name](nbytes, p, c))
 
 
