@@ -25,11 +25,12 @@ own ``comm.dup()``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,13 +219,55 @@ class Communicator:
         ranks disagree, every rank raises the same ``ValueError`` naming the first
         mismatching field and the ranks involved. Does nothing outside checked mode.
         """
+        self.agree(name, None, **description)
+
+    def agree(self, name: str, error: Exception | None, **description: Any) -> None:
+        """Raise a local argument ``error`` (if any) so that no rank is left hanging.
+
+        In checked mode the ranks exchange their local verdicts together with
+        ``description`` in one small allgather on the control communicator: an error on
+        any rank raises the same exception type on *every* rank (the rank that found it
+        re-raises its own; the others name that rank), and otherwise the descriptions
+        are compared as in :meth:`check_collective`. Outside checked mode a local error
+        is raised on its own rank only: a disagreement cannot be detected without
+        communicating, and the abort handler ends the job.
+        """
         if not self.check or self.size == 1:
+            if error is not None:
+                raise error
             return
-        mine = (name, tuple(sorted(description.items())))
-        everyone = self.ctl.allgather(mine)
-        problem = describe_mismatch(everyone)
+        verdict = None if error is None else (type(error).__name__, str(error))
+        everyone = self.ctl.allgather((verdict, name, tuple(sorted(description.items()))))
+        for rank, (theirs, _, _) in enumerate(everyone):
+            if theirs is None:
+                continue
+            if error is not None:
+                raise error
+            kind = TypeError if theirs[0] == "TypeError" else ValueError
+            raise kind(f"{name}: rank {rank} rejected its arguments: {theirs[1]}")
+        problem = describe_mismatch([(n, d) for _, n, d in everyone])
         if problem is not None:
             raise ValueError(f"mpicomm checked mode: {problem}")
+
+    @contextlib.contextmanager
+    def validating(self, name: str) -> Iterator[dict[str, Any]]:
+        """Run a collective's argument checks so that a failure cannot hang other ranks.
+
+        The body validates its arguments and fills the yielded dict with what must agree
+        across ranks; on leaving, :meth:`agree` runs with the body's ``ValueError`` or
+        ``TypeError`` (if any) and that description::
+
+            with comm.validating("allreduce") as desc:
+                op = check_op(op)
+                desc.update(shape=shape, dtype=dtype, op=op)
+        """
+        description: dict[str, Any] = {}
+        try:
+            yield description
+        except (ValueError, TypeError) as exc:
+            self.agree(name, exc, **description)
+            raise
+        self.agree(name, None, **description)
 
     def abort(self, message: str = "", code: int = 1) -> None:
         """Print ``message`` with this rank's id and end the whole job."""

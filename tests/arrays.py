@@ -56,15 +56,15 @@ class Backend:
 
 
 def _np_make(a: np.ndarray, dtype: str) -> Any:
-    return np.ascontiguousarray(a.astype(dtype))
+    return np.array(a, dtype=dtype, order="C")  # keeps 0-d (ascontiguousarray would not)
 
 
 def _torch_make(device: str) -> Callable[[np.ndarray, str], Any]:
     def make(a: np.ndarray, dtype: str) -> Any:
         import torch
 
-        return torch.from_numpy(np.ascontiguousarray(a.astype(np.float64 if dtype in
-                                ("bfloat16", "float16") else dtype))).to(
+        wide = np.float64 if dtype in ("bfloat16", "float16") else dtype
+        return torch.from_numpy(np.array(a, dtype=wide, order="C")).to(
             device=device, dtype=getattr(torch, dtype))
 
     return make

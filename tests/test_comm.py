@@ -191,3 +191,28 @@ def test_pytest_plugin_aborts_instead_of_hanging(tmp_path):
     assert result.returncode != 0
     assert "rank 1/3" in result.output and "rank one disagrees" in result.output
     assert result.seconds < 45, result
+
+
+@pytest.mark.mpi(min_size=2)
+def test_checked_mode_raises_everywhere_when_one_rank_has_a_bad_argument(comm):
+    last = comm.size - 1
+    x = np.ones(4, np.float32)
+    out = np.empty(5 if comm.rank == last else 4, np.float32)   # only the last rank errs
+    with pytest.raises(ValueError, match="out has shape" if comm.rank == last
+                       else f"rank {last} rejected its arguments"):
+        mpicomm.allreduce(x, comm=comm, out=out)
+    bad = [1.0, 2.0] if comm.rank == last else np.ones(2)
+    with pytest.raises(TypeError):
+        mpicomm.broadcast(bad, comm=comm)
+    assert mpicomm.allreduce(np.ones(1), comm=comm)[0] == comm.size   # still in step
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgatherv_raises_everywhere_even_unchecked():
+    plain = mpicomm.Communicator(MPI.COMM_WORLD.Dup(), check=False)
+    bad = "not an array" if plain.rank == 0 else np.ones(2)
+    with pytest.raises((TypeError, ValueError), match="numpy|rank 0 rejected"):
+        mpicomm.allgatherv(bad, comm=plain)
+    assert mpicomm.allgatherv(np.ones(plain.rank), comm=plain).shape == (
+        plain.size * (plain.size - 1) // 2,)
+    plain.free()

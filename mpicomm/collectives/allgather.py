@@ -152,13 +152,13 @@ def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = Non
     destination.
     """
     comm = resolve(comm)
-    algorithm = check_algorithm("allgather", algorithm, (*ALGORITHMS, "mpi"))
-    b = Buffer(buf, comm.resources)
-    shape = b.info.shape if b.info.shape else (1,)
-    out_shape = _gathered_shape(shape, comm.size * shape[0])
-    b.check_out(out, out_shape)
-    comm.check_collective("allgather", shape=b.info.shape, dtype=b.info.dtype,
-                          algorithm=algorithm)
+    with comm.validating("allgather") as agreed:
+        algorithm = check_algorithm("allgather", algorithm, (*ALGORITHMS, "mpi"))
+        b = Buffer(buf, comm.resources)
+        agreed.update(shape=b.info.shape, dtype=b.info.dtype, algorithm=algorithm)
+        shape = b.info.shape if b.info.shape else (1,)
+        out_shape = _gathered_shape(shape, comm.size * shape[0])
+        b.check_out(out, out_shape)
     m, p = b.info.numel, comm.size
     if algorithm == "auto":
         algorithm = cost.choose("allgather", b.info.nbytes * p, p,
@@ -191,21 +191,34 @@ def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
     With ``return_counts=True`` returns ``(result, rows_per_rank)``.
     """
     comm = resolve(comm)
-    algorithm = check_algorithm("allgatherv", algorithm, ("ring", "direct", "mpi"))
-    b = Buffer(buf, comm.resources)
-    shape = b.info.shape if b.info.shape else (1,)
-    everyone = comm.allgather_object((shape[0], shape[1:], b.info.dtype, algorithm))
-    for rank, (_, rest, dtype, algo) in enumerate(everyone):
+    error: Exception | None = None
+    try:
+        algorithm = check_algorithm("allgatherv", algorithm, ("ring", "direct", "mpi"))
+        b = Buffer(buf, comm.resources)
+        shape = b.info.shape if b.info.shape else (1,)
+        mine = (shape[0], shape[1:], b.info.dtype, algorithm)
+    except (ValueError, TypeError) as exc:
+        error, mine = exc, None
+    # The row counts must be exchanged anyway; each rank's verdict on its own arguments
+    # travels with them, so a bad argument on one rank raises on every rank.
+    everyone = comm.allgather_object((None if error is None else repr(error), mine))
+    for rank, (verdict, _) in enumerate(everyone):
+        if verdict is not None:
+            if error is not None:
+                raise error
+            raise ValueError(f"allgatherv: rank {rank} rejected its arguments: {verdict}")
+    for rank, (_, (_, rest, dtype, algo)) in enumerate(everyone):
         if (rest, dtype, algo) != (shape[1:], b.info.dtype, algorithm):
             raise ValueError(
                 f"allgatherv: rank {rank} has trailing shape {rest} {dtype} (algorithm "
                 f"{algo!r}) but rank {comm.rank} has {shape[1:]} {b.info.dtype} "
                 f"(algorithm {algorithm!r}); only the first dimension may differ"
             )
-    rows = [e[0] for e in everyone]
+    rows = [e[1][0] for e in everyone]
     row_numel = _prod(shape[1:])
     out_shape = _gathered_shape(shape, sum(rows))
-    b.check_out(out, out_shape)
+    with comm.validating("allgatherv out"):
+        b.check_out(out, out_shape)
     counts = [r * row_numel for r in rows]
     bounds = [0]
     for c in counts:

@@ -112,13 +112,13 @@ def allreduce(buf: Any, op: str = "sum", algorithm: str = "auto",
     Raises ``ValueError``/``TypeError`` on bad arguments before communicating.
     """
     comm = resolve(comm)
-    op = check_op(op)
-    algorithm = check_algorithm("allreduce", algorithm, (*ALGORITHMS, "mpi"))
-    b = Buffer(buf, comm.resources)
-    check_op_dtype(op, b.info)
-    b.check_out(out, b.info.shape)
-    comm.check_collective("allreduce", shape=b.info.shape, dtype=b.info.dtype, op=op,
-                          algorithm=algorithm)
+    with comm.validating("allreduce") as agreed:
+        op = check_op(op)
+        algorithm = check_algorithm("allreduce", algorithm, (*ALGORITHMS, "mpi"))
+        b = Buffer(buf, comm.resources)
+        check_op_dtype(op, b.info)
+        agreed.update(shape=b.info.shape, dtype=b.info.dtype, op=op, algorithm=algorithm)
+        b.check_out(out, b.info.shape)
     if algorithm == "auto":
         algorithm = cost.choose("allreduce", b.info.nbytes, comm.size,
                                 comm.resources.get("cost_params"))

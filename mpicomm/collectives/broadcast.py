@@ -77,12 +77,12 @@ def broadcast(buf: Any, root: int = 0, comm: Communicator | None = None,
     ``"binomial"``, ``"scatter_allgather"`` or ``"mpi"``.
     """
     comm = resolve(comm)
-    algorithm = check_algorithm("broadcast", algorithm, (*ALGORITHMS, "mpi"))
-    root = check_root(root, comm.size)
-    b = Buffer(buf, comm.resources)
-    b.check_out(out, b.info.shape)
-    comm.check_collective("broadcast", shape=b.info.shape, dtype=b.info.dtype, root=root,
-                          algorithm=algorithm)
+    with comm.validating("broadcast") as agreed:
+        algorithm = check_algorithm("broadcast", algorithm, (*ALGORITHMS, "mpi"))
+        root = check_root(root, comm.size)
+        b = Buffer(buf, comm.resources)
+        agreed.update(shape=b.info.shape, dtype=b.info.dtype, root=root, algorithm=algorithm)
+        b.check_out(out, b.info.shape)
     if algorithm == "auto":
         algorithm = cost.choose("broadcast", b.info.nbytes, comm.size,
                                 comm.resources.get("cost_params"))

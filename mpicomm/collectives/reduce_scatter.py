@@ -109,20 +109,20 @@ def reduce_scatter(buf: Any, op: str = "sum", algorithm: str = "auto",
     ``"recursive_halving"``, ``"direct"`` or ``"mpi"``.
     """
     comm = resolve(comm)
-    op = check_op(op)
-    algorithm = check_algorithm("reduce_scatter", algorithm, (*ALGORITHMS, "mpi"))
-    b = Buffer(buf, comm.resources)
-    check_op_dtype(op, b.info)
-    shape = b.info.shape
-    if not shape or shape[0] % comm.size:
-        raise ValueError(
-            f"reduce_scatter needs a first dimension divisible by the {comm.size} ranks, "
-            f"got shape {shape}"
-        )
-    out_shape = (shape[0] // comm.size, *shape[1:])
-    b.check_out(out, out_shape)
-    comm.check_collective("reduce_scatter", shape=shape, dtype=b.info.dtype, op=op,
-                          algorithm=algorithm)
+    with comm.validating("reduce_scatter") as agreed:
+        op = check_op(op)
+        algorithm = check_algorithm("reduce_scatter", algorithm, (*ALGORITHMS, "mpi"))
+        b = Buffer(buf, comm.resources)
+        check_op_dtype(op, b.info)
+        shape = b.info.shape
+        agreed.update(shape=shape, dtype=b.info.dtype, op=op, algorithm=algorithm)
+        if not shape or shape[0] % comm.size:
+            raise ValueError(
+                f"reduce_scatter needs a first dimension divisible by the {comm.size} "
+                f"ranks, got shape {shape}"
+            )
+        out_shape = (shape[0] // comm.size, *shape[1:])
+        b.check_out(out, out_shape)
     if algorithm == "auto":
         algorithm = cost.choose("reduce_scatter", b.info.nbytes, comm.size,
                                 comm.resources.get("cost_params"))

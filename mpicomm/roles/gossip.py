@@ -146,13 +146,14 @@ def neighbor_average(buf: Any, topology: str | Topology = "ring",
     ``degree * buf.nbytes`` sent and received per call.
     """
     comm = resolve(comm)
-    topo = _resolve_topology(topology, comm.size)
-    b = Buffer(buf, comm.resources)
-    if not b.info.is_float:
-        raise TypeError(f"neighbor_average needs a floating dtype, got {b.info.dtype}")
-    b.check_out(out, b.info.shape)
-    comm.check_collective("neighbor_average", shape=b.info.shape, dtype=b.info.dtype,
-                          topology=topo.name, offsets=topo.offsets)
+    with comm.validating("neighbor_average") as agreed:
+        topo = _resolve_topology(topology, comm.size)
+        b = Buffer(buf, comm.resources)
+        agreed.update(shape=b.info.shape, dtype=b.info.dtype, topology=topo.name,
+                      offsets=topo.offsets)
+        if not b.info.is_float:
+            raise TypeError(f"neighbor_average needs a floating dtype, got {b.info.dtype}")
+        b.check_out(out, b.info.shape)
     work = b.writable_copy(out)
     n, m = b.info.numel, topo.degree
     if m and n:

@@ -27,14 +27,13 @@ import torch
 from mpi4py import MPI
 
 from ..buffers import BufferInfo, cuda_aware, framework_of, from_torch, staging_pool, to_torch
-from ..comm import Communicator, describe_mismatch
+from ..comm import Communicator
 from ..selection import index_dtype_for, topk_indices
 
 __all__ = [
     "Pairs",
     "SparseInput",
     "Wire",
-    "agree",
     "all_finite",
     "check_int",
     "check_k",
@@ -164,33 +163,6 @@ def read_pairs(indices: Any, values: Any, size: int | None, allow_nonfinite: boo
     if bool(same.any()):
         raise ValueError(f"duplicate index {int(idx[1:][same][0])} in this rank's input")
     return SparseInput(idx, val[order].contiguous(), idx_in, ti.dtype, indices, values)
-
-
-def agree(comm: Communicator, name: str, error: Exception | None, **description: Any) -> None:
-    """Raise ``error`` (if any) in a way that cannot leave other ranks hanging.
-
-    In checked mode (``comm.check``) the ranks exchange their local verdicts together
-    with ``description`` (k, size, dtype, ...) in one small allgather on the control
-    communicator: a local error on any rank raises the same exception type on *every*
-    rank, naming that rank; otherwise the descriptions are compared as in
-    :meth:`Communicator.check_collective`. Outside checked mode a local error is raised
-    on its own rank only (cross-rank disagreements cannot be detected without
-    communicating; the abort handler then ends the job).
-    """
-    if comm.check and comm.size > 1:
-        verdict = None if error is None else (type(error).__name__, str(error))
-        everyone = comm.ctl.allgather((verdict, name, tuple(sorted(description.items()))))
-        for rank, (v, _, _) in enumerate(everyone):
-            if v is not None:
-                if rank == comm.rank and error is not None:
-                    raise error
-                kind = TypeError if v[0] == "TypeError" else ValueError
-                raise kind(f"{name}: rank {rank} rejected its arguments: {v[1]}")
-        problem = describe_mismatch([(n, d) for _, n, d in everyone])
-        if problem is not None:
-            raise ValueError(f"mpicomm checked mode: {problem}")
-    elif error is not None:
-        raise error
 
 
 # ---------------------------------------------------------------------- kernels

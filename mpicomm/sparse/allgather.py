@@ -37,7 +37,6 @@ from ..comm import Communicator, resolve
 from ._common import (
     Pairs,
     SparseInput,
-    agree,
     check_int,
     check_k,
     read_pairs,
@@ -95,7 +94,7 @@ def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
         desc["dtype"] = str(sp.val.dtype)
     except (ValueError, TypeError) as exc:
         error = exc
-    agree(comm, "topk_allgather", error, **desc)
+    comm.agree("topk_allgather", error, **desc)
 
     sets = gather_sets(sp, comm, wire_index_dtype(size))
     dense = torch.zeros(size, dtype=sp.val.dtype, device=sp.device)
@@ -126,7 +125,7 @@ def exact_topk(indices: Any, values: Any, k: int, comm: Communicator | None = No
         desc["dtype"] = str(sp.val.dtype)
     except (ValueError, TypeError) as exc:
         error = exc
-    agree(comm, "exact_topk", error, **desc)
+    comm.agree("exact_topk", error, **desc)
 
     sets = gather_sets(sp, comm, wire_index_dtype(size))
     support = torch.unique(torch.cat([s[0] for s in sets]))  # sorted ascending

@@ -59,7 +59,6 @@ from ..comm import Communicator, resolve
 from ..selection import topk_indices
 from ._common import (
     FLOAT_TORCH,
-    agree,
     all_finite,
     check_int,
     check_k,
@@ -181,7 +180,7 @@ def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator |
                  else _check_source_indices(source_indices, k, numel, xf.device))
     except (ValueError, TypeError) as exc:
         error = exc
-    agree(comm, "artopk", error, **desc)
+    comm.agree("artopk", error, **desc)
 
     if source == "star":
         src = step % comm.size

@@ -64,7 +64,6 @@ from ._common import (
     TAG_GTOPK_ROUND,
     Pairs,
     Wire,
-    agree,
     check_int,
     check_k,
     merge_truncate,
@@ -125,7 +124,7 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
         desc["dtype"] = str(sp.val.dtype)
     except (ValueError, TypeError) as exc:
         error = exc
-    agree(comm, "gtopk", error, **desc)
+    comm.agree("gtopk", error, **desc)
 
     index_dtype = wire_index_dtype(size)
     idx, val = _butterfly(truncate(sp.idx, sp.val, k), k, comm, index_dtype)
