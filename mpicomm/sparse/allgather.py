@@ -38,8 +38,8 @@ from ._common import (
     Pairs,
     SparseInput,
     check_int,
-    check_k,
     read_pairs,
+    read_topk_args,
     to_caller,
     truncate,
     unpack,
@@ -84,17 +84,13 @@ def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
     framework and on their device, identical on every rank.
     """
     comm = resolve(comm)
-    error: Exception | None = None
-    desc: dict[str, Any] = {"size": size, "op": op}
-    try:
+    with comm.validating("topk_allgather") as agreed:
+        agreed.update(size=size, op=op)
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         size = check_int("size", size, 1)
         sp = read_pairs(indices, values, size, allow_nonfinite)
-        desc["dtype"] = str(sp.val.dtype)
-    except (ValueError, TypeError) as exc:
-        error = exc
-    comm.agree("topk_allgather", error, **desc)
+        agreed["dtype"] = str(sp.val.dtype)
 
     sets = gather_sets(sp, comm, wire_index_dtype(size))
     dense = torch.zeros(size, dtype=sp.val.dtype, device=sp.device)
@@ -115,17 +111,7 @@ def exact_topk(indices: Any, values: Any, k: int, comm: Communicator | None = No
     values)`` sorted by index, identical on every rank, ``min(k, |union|)`` entries.
     """
     comm = resolve(comm)
-    error: Exception | None = None
-    desc: dict[str, Any] = {"k": k, "size": size}
-    try:
-        if size is not None:
-            size = check_int("size", size, 1)
-        k = check_k(k, size)
-        sp = read_pairs(indices, values, size, allow_nonfinite)
-        desc["dtype"] = str(sp.val.dtype)
-    except (ValueError, TypeError) as exc:
-        error = exc
-    comm.agree("exact_topk", error, **desc)
+    sp, k, size = read_topk_args(comm, "exact_topk", indices, values, k, size, allow_nonfinite)
 
     sets = gather_sets(sp, comm, wire_index_dtype(size))
     support = torch.unique(torch.cat([s[0] for s in sets]))  # sorted ascending

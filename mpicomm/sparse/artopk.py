@@ -154,15 +154,14 @@ def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator |
     rank, in ``x``'s framework and device.
     """
     comm = resolve(comm)
-    error: Exception | None = None
-    desc: dict[str, Any] = {"k": k, "step": step, "source": source, "algorithm": algorithm}
-    try:
+    with comm.validating("artopk") as agreed:
+        agreed.update(k=k, step=step, source=source, algorithm=algorithm)
         framework_of(x)
         xt = to_torch(x).detach()
         if xt.dtype not in FLOAT_TORCH:
             raise TypeError(f"x must have a floating dtype, got {xt.dtype}")
         numel = xt.numel()
-        desc.update(numel=numel, dtype=str(xt.dtype))
+        agreed.update(numel=numel, dtype=str(xt.dtype))
         k = check_k(k, numel, "numel of x")
         step = check_int("step", step, 0)
         if source not in SOURCES:
@@ -178,9 +177,6 @@ def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator |
             raise ValueError("x contains NaN or infinity (pass allow_nonfinite=True to allow)")
         given = (None if source_indices is None
                  else _check_source_indices(source_indices, k, numel, xf.device))
-    except (ValueError, TypeError) as exc:
-        error = exc
-    comm.agree("artopk", error, **desc)
 
     if source == "star":
         src = step % comm.size

@@ -64,11 +64,9 @@ from ._common import (
     TAG_GTOPK_ROUND,
     Pairs,
     Wire,
-    check_int,
-    check_k,
     merge_truncate,
     pack,
-    read_pairs,
+    read_topk_args,
     to_caller,
     truncate,
     unpack,
@@ -114,17 +112,7 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
     :func:`mpicomm.sparse._common.read_pairs`); in checked mode on every rank.
     """
     comm = resolve(comm)
-    error: Exception | None = None
-    desc: dict[str, Any] = {"k": k, "size": size}
-    try:
-        if size is not None:
-            size = check_int("size", size, 1)
-        k = check_k(k, size)
-        sp = read_pairs(indices, values, size, allow_nonfinite)
-        desc["dtype"] = str(sp.val.dtype)
-    except (ValueError, TypeError) as exc:
-        error = exc
-    comm.agree("gtopk", error, **desc)
+    sp, k, size = read_topk_args(comm, "gtopk", indices, values, k, size, allow_nonfinite)
 
     index_dtype = wire_index_dtype(size)
     idx, val = _butterfly(truncate(sp.idx, sp.val, k), k, comm, index_dtype)

@@ -14,9 +14,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,7 +24,7 @@ from ..compress import ErrorFeedback
 from ..compress.topk import check_density, check_k, k_for
 from .base import DEFAULT_FUSION_BYTES, Strategy
 
-__all__ = ["CompressedStrategy", "DEFAULT_DENSITY", "sparsity", "k_of", "measure",
+__all__ = ["CompressedStrategy", "DEFAULT_DENSITY", "sparsity", "k_of",
            "check_allreduce_algorithm", "check_flag", "pack_bytes", "unpack_bytes"]
 
 #: Density used when neither ``density`` nor ``k`` is given.
@@ -77,21 +75,6 @@ def check_floating(tensors: Sequence[Any], names: Sequence[str]) -> None:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"tensor {n!r}: compressed aggregation needs floating-point "
                             f"gradients, got {dtype}")
-
-
-@contextlib.contextmanager
-def measure(strategy: Strategy, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Count the traffic, time and dense-equivalent bytes of one aggregation (on success)."""
-    comm = strategy.comm
-    before, start = comm.traffic.snapshot(), time.perf_counter()
-    yield
-    moved = comm.traffic - before
-    stats = strategy.stats
-    stats.calls += 1
-    stats.sent_bytes += moved.sent_bytes
-    stats.recv_bytes += moved.recv_bytes
-    stats.dense_bytes += sum(t.numel() * t.element_size() for t in tensors)
-    stats.seconds += time.perf_counter() - start
 
 
 def pack_bytes(arrays: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -23,16 +23,17 @@ Strategies are not thread-safe; give each thread its own (and its own communicat
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..buffers import from_torch, inspect, to_torch
 from ..comm import Communicator, resolve
 
-__all__ = ["Strategy", "StrategyStats", "FusedBuffer", "fuse", "DEFAULT_FUSION_BYTES"]
+__all__ = ["Strategy", "StrategyStats", "FusedBuffer", "fuse", "measure", "DEFAULT_FUSION_BYTES"]
 
 DEFAULT_FUSION_BYTES = 64 << 20
 
@@ -101,6 +102,21 @@ def fuse(tensors: Sequence[Any], names: Sequence[str], fusion_bytes: int) -> lis
     return fused
 
 
+@contextlib.contextmanager
+def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
+    """Count the traffic, time and dense-equivalent bytes of one aggregation (on success)."""
+    comm = strategy.comm
+    before, start = comm.traffic.snapshot(), time.perf_counter()
+    yield
+    moved = comm.traffic - before
+    stats = strategy.stats
+    stats.calls += 1
+    stats.sent_bytes += moved.sent_bytes
+    stats.recv_bytes += moved.recv_bytes
+    stats.dense_bytes += sum(t.numel() * t.element_size() for t in tensors)
+    stats.seconds += time.perf_counter() - start
+
+
 class Strategy(ABC):
     """Base class: validation, fusion, traffic accounting. Subclasses aggregate one
     flat vector in :meth:`aggregate_flat` (or override :meth:`aggregate` entirely)."""
@@ -135,20 +151,13 @@ class Strategy(ABC):
         parameter names so residuals survive a change in the list's composition.
         """
         tensors, names = self._validate(tensors, names)
-        comm = self.comm
-        before, start = comm.traffic.snapshot(), time.perf_counter()
         as_torch = [to_torch(t) for t in tensors]
         results: list[Any] = [None] * len(tensors)
-        for buf in fuse(as_torch, names, self.fusion_bytes):
-            averaged = self.aggregate_flat(buf.flat, buf.name)
-            for i, part in zip(buf.indices, buf.split(averaged)):
-                results[i] = from_torch(part, like=tensors[i])
-        moved = comm.traffic - before
-        self.stats.calls += 1
-        self.stats.sent_bytes += moved.sent_bytes
-        self.stats.recv_bytes += moved.recv_bytes
-        self.stats.dense_bytes += sum(t.numel() * t.element_size() for t in as_torch)
-        self.stats.seconds += time.perf_counter() - start
+        with measure(self, as_torch):
+            for buf in fuse(as_torch, names, self.fusion_bytes):
+                averaged = self.aggregate_flat(buf.flat, buf.name)
+                for i, part in zip(buf.indices, buf.split(averaged)):
+                    results[i] = from_torch(part, like=tensors[i])
         return results
 
     @abstractmethod

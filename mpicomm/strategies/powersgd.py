@@ -11,8 +11,8 @@ from ..buffers import from_torch, to_torch
 from ..collectives import allreduce, cost
 from ..compress import PowerSGD
 from ..compress.powersgd import matrix_shape
-from ._compressed import CompressedStrategy, check_allreduce_algorithm, check_floating, measure
-from .base import DEFAULT_FUSION_BYTES, fuse
+from ._compressed import CompressedStrategy, check_allreduce_algorithm, check_floating
+from .base import DEFAULT_FUSION_BYTES, fuse, measure
 
 __all__ = ["PowerSGDAllreduce"]
 

@@ -11,8 +11,8 @@ from ..buffers import from_torch, to_torch
 from ..collectives import cost
 from ..compress import SignSGD
 from ..compress.base import Payload
-from ._compressed import CompressedStrategy, check_floating, measure, pack_bytes, unpack_bytes
-from .base import DEFAULT_FUSION_BYTES, fuse
+from ._compressed import CompressedStrategy, check_floating, pack_bytes, unpack_bytes
+from .base import DEFAULT_FUSION_BYTES, fuse, measure
 from .qsgd import check_allgather_algorithm, gather_payloads
 
 __all__ = ["SignAllgather"]
