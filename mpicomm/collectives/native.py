@@ -46,6 +46,8 @@ def _half_op(dtype: str, op: str) -> MPI.Op:
         import torch
 
         def reduce_half(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            if not len(memoryview(inoutbuf)):  # Open MPI may call ops with count 0;
+                return                         # torch.frombuffer rejects empty buffers
             acc = torch.frombuffer(inoutbuf, dtype=torch.bfloat16)
             other = torch.frombuffer(inbuf, dtype=torch.bfloat16)
             if key[1] == "sum":
