@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -97,10 +98,7 @@ class BufferInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -275,8 +276,7 @@ class Communicator:
         """Print ``message`` with this rank's id and end the whole job."""
         if message:
             sys.stderr.write(f"[mpicomm rank {MPI.COMM_WORLD.Get_rank()}] {message}\n")
-            sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(code)
+        abort_after_flush(code)
 
     def free(self) -> None:
         """Release the duplicates this object made (collective). The wrapped comm stays."""
@@ -323,8 +323,22 @@ def _abort_with_traceback(kind: str, exc_type, exc, tb, thread_name: str | None 
     sys.stderr.write(
         f"[mpicomm rank {rank}/{size}] uncaught {kind}{where}; aborting the job.\n{text}"
     )
-    sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(1)
+    abort_after_flush(1)
+
+
+#: Seconds between printing a fatal message and ``MPI_Abort``: launchers forward each
+#: rank's output asynchronously and may kill the job before a message that was already
+#: written reaches the terminal (seen with MPICH's hydra when a rank fails at start-up).
+ABORT_GRACE_S = 0.5
+
+
+def abort_after_flush(code: int = 1) -> None:
+    """Flush stdout/stderr, give the launcher a moment to forward them, then abort."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream
+            stream.flush()
+    time.sleep(ABORT_GRACE_S)
+    MPI.COMM_WORLD.Abort(code)
 
 
 def install_abort_handler() -> None:

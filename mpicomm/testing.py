@@ -80,8 +80,9 @@ class _FailFast:
             f"\n[mpicomm.testing] rank {world.Get_rank()}/{world.Get_size()}: {what} failed;"
             f" aborting all ranks.\n{text}\n"
         )
-        sys.stderr.flush()
-        world.Abort(1)
+        from .comm import abort_after_flush
+
+        abort_after_flush(1)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item,

@@ -34,6 +34,7 @@ A 0-d input is treated as one element: the result has shape ``(p,)``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mpi4py import MPI
@@ -215,7 +216,7 @@ def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
                 f"(algorithm {algorithm!r}); only the first dimension may differ"
             )
     rows = [e[1][0] for e in everyone]
-    row_numel = _prod(shape[1:])
+    row_numel = math.prod(shape[1:])
     out_shape = _gathered_shape(shape, sum(rows))
     with comm.validating("allgatherv out"):
         b.check_out(out, out_shape)
@@ -241,9 +242,3 @@ def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
     result = b.deliver(res, out_shape, out)
     return (result, rows) if return_counts else result
 
-
-def _prod(dims: tuple[int, ...]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n

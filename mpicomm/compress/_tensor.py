@@ -9,6 +9,7 @@ needed to rebuild a result of the caller's shape, dtype, framework and device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +34,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:

@@ -126,9 +126,14 @@ class CompressedStrategy(Strategy):
     # ------------------------------------------------------------------ interface
     def aggregate(self, tensors: Sequence[Any], names: Sequence[str] | None = None
                   ) -> list[Any]:
+        return super().aggregate(*self._floating_inputs(tensors, names))
+
+    def _floating_inputs(self, tensors: Sequence[Any], names: Sequence[str] | None
+                         ) -> tuple[list[Any], list[str]]:
+        """:meth:`Strategy._validate`, then ``TypeError`` for non-floating tensors."""
         tensors, names = self._validate(tensors, names)
         check_floating(tensors, names)
-        return super().aggregate(tensors, names)
+        return tensors, names
 
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.name, "error_feedback": self.error_feedback}

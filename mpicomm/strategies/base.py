@@ -24,6 +24,7 @@ Strategies are not thread-safe; give each thread its own (and its own communicat
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -68,9 +69,7 @@ class FusedBuffer:
         """Cut an aggregated flat vector back into tensors of the original shapes."""
         out, offset = [], 0
         for shape in self.shapes:
-            n = 1
-            for s in shape:
-                n *= s
+            n = math.prod(shape)
             out.append(flat[offset:offset + n].view(shape))
             offset += n
         return out

@@ -11,7 +11,7 @@ from ..buffers import from_torch, to_torch
 from ..collectives import allreduce, cost
 from ..compress import PowerSGD
 from ..compress.powersgd import matrix_shape
-from ._compressed import CompressedStrategy, check_allreduce_algorithm, check_floating
+from ._compressed import CompressedStrategy, check_allreduce_algorithm
 from .base import DEFAULT_FUSION_BYTES, fuse, measure
 
 __all__ = ["PowerSGDAllreduce"]
@@ -80,8 +80,7 @@ class PowerSGDAllreduce(CompressedStrategy):
     # ------------------------------------------------------------------ interface
     def aggregate(self, tensors: Sequence[Any], names: Sequence[str] | None = None
                   ) -> list[Any]:
-        tensors, names = self._validate(tensors, names)
-        check_floating(tensors, names)
+        tensors, names = self._floating_inputs(tensors, names)
         as_torch = [to_torch(t) for t in tensors]
         key = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
         it = self._step(key)

@@ -11,7 +11,7 @@ from ..buffers import from_torch, to_torch
 from ..collectives import cost
 from ..compress import SignSGD
 from ..compress.base import Payload
-from ._compressed import CompressedStrategy, check_floating, pack_bytes, unpack_bytes
+from ._compressed import CompressedStrategy, pack_bytes, unpack_bytes
 from .base import DEFAULT_FUSION_BYTES, fuse, measure
 from .qsgd import check_allgather_algorithm, gather_payloads
 
@@ -57,8 +57,7 @@ class SignAllgather(CompressedStrategy):
 
     def aggregate(self, tensors: Sequence[Any], names: Sequence[str] | None = None
                   ) -> list[Any]:
-        tensors, names = self._validate(tensors, names)
-        check_floating(tensors, names)
+        tensors, names = self._floating_inputs(tensors, names)
         as_torch = [to_torch(t) for t in tensors]
         results: list[Any] = [None] * len(tensors)
         with measure(self, as_torch):
