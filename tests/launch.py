@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from mpicomm.cli import find_mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
 # Variables a parent MPI launcher sets; a child job must not inherit them.
@@ -17,17 +17,9 @@ _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "OMPI_COMM_", "OMPI_MCA_orte_",
 
 
 def mpiexec() -> str:
-    """``MPICOMM_MPIEXEC``, else the mpiexec beside this Python, else the one on PATH."""
-    explicit = os.environ.get("MPICOMM_MPIEXEC")
-    if explicit:
-        return explicit
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise RuntimeError("no mpiexec found; set MPICOMM_MPIEXEC")
-    return found
+    """The launcher ``python -m mpicomm run`` would use (``MPICOMM_MPIEXEC``, else the one
+    beside this Python, else the one on PATH)."""
+    return find_mpiexec()
 
 
 def clean_env(**extra: str) -> dict[str, str]:

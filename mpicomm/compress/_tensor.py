@@ -38,7 +38,7 @@ class TensorMeta:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 def torch_dtype(name: str) -> torch.dtype:

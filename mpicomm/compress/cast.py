@@ -39,7 +39,7 @@ class Cast(Compressor):
 
     def wire_bytes(self, numel: int, itemsize: int = 4, *,
                    shape: tuple[int, ...] | None = None) -> int:
-        return numel * torch.empty(0, dtype=self.wire_dtype).element_size()
+        return numel * self.wire_dtype.itemsize
 
 
 class FP16(Cast):

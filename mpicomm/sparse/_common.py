@@ -20,6 +20,7 @@ header message is needed; ``s = index bytes + value bytes`` bytes per pair.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "check_k",
     "merge_truncate",
     "pack",
+    "pack_bytes",
     "pair_bytes",
     "read_pairs",
     "read_topk_args",
@@ -46,6 +48,7 @@ __all__ = [
     "truncate",
     "union",
     "unpack",
+    "unpack_bytes",
     "wire_index_dtype",
     "to_caller",
 ]
@@ -234,37 +237,54 @@ def merge_truncate(a: Pairs, b: Pairs, k: int) -> Pairs:
 
 
 # ---------------------------------------------------------------------- wire format
+def pack_bytes(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The raw bytes of several tensors (one device) back to back, as uint8.
+
+    Empty tensors contribute nothing (torch cannot byte-view them).
+    """
+    parts = [a.contiguous().reshape(-1).view(torch.uint8) for a in arrays if a.numel()]
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8, device=arrays[0].device)
+    return torch.cat(parts)
+
+
+def unpack_bytes(buf: torch.Tensor, layout: Sequence[tuple[torch.dtype, int]]
+                 ) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_bytes` for ``layout`` = ``[(dtype, numel), ...]``.
+
+    Each part is copied into its own (suitably aligned) storage before the dtype view.
+    """
+    out, offset = [], 0
+    for dtype, numel in layout:
+        nbytes = numel * dtype.itemsize
+        out.append(buf[offset:offset + nbytes].clone().view(dtype))
+        offset += nbytes
+    if offset != buf.shape[0]:
+        raise RuntimeError(f"payload of {buf.shape[0]} bytes, expected {offset}: the ranks "
+                           "disagree on the tensors being aggregated")
+    return out
+
+
 def pack(idx: torch.Tensor, val: torch.Tensor, index_dtype: torch.dtype) -> torch.Tensor:
     """One uint8 tensor: the indices as ``index_dtype``, then the values (raw bytes)."""
-    if idx.shape[0] == 0:
-        return torch.empty(0, dtype=torch.uint8, device=val.device)
-    wi = idx.to(index_dtype).contiguous().view(torch.uint8)
-    wv = val.contiguous().view(torch.uint8)
-    return torch.cat([wi, wv])
+    return pack_bytes([idx.to(index_dtype), val])
 
 
 def pair_bytes(index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
     """``s``: bytes per (index, value) pair on the wire."""
-    return (torch.empty(0, dtype=index_dtype).element_size()
-            + torch.empty(0, dtype=value_dtype).element_size())
+    return index_dtype.itemsize + value_dtype.itemsize
 
 
 def unpack(buf: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype) -> Pairs:
     """Inverse of :func:`pack`; the pair count follows from the byte length."""
-    ib = torch.empty(0, dtype=index_dtype).element_size()
     s = pair_bytes(index_dtype, value_dtype)
     nbytes = buf.shape[0]
     if nbytes % s:
         raise RuntimeError(f"received {nbytes} bytes, not a multiple of the {s}-byte pair "
                            "size: the ranks disagree on the value dtype or index space")
     n = nbytes // s
-    if n == 0:
-        return (torch.empty(0, dtype=torch.int64, device=buf.device),
-                torch.empty(0, dtype=value_dtype, device=buf.device))
-    # clone() gives each part its own, suitably aligned storage before the dtype view
-    idx = buf[:n * ib].clone().view(index_dtype).to(torch.int64)
-    val = buf[n * ib:].clone().view(value_dtype)
-    return idx, val
+    idx, val = unpack_bytes(buf, [(index_dtype, n), (value_dtype, n)])
+    return idx.to(torch.int64), val
 
 
 class Wire:

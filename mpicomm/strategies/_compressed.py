@@ -22,6 +22,7 @@ import torch
 from ..buffers import FLOAT_DTYPES, inspect
 from ..compress import ErrorFeedback
 from ..compress.topk import check_density, check_k, k_for
+from ..sparse._common import pack_bytes, unpack_bytes
 from .base import DEFAULT_FUSION_BYTES, Strategy
 
 __all__ = ["CompressedStrategy", "DEFAULT_DENSITY", "sparsity", "k_of",
@@ -75,28 +76,6 @@ def check_floating(tensors: Sequence[Any], names: Sequence[str]) -> None:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"tensor {n!r}: compressed aggregation needs floating-point "
                             f"gradients, got {dtype}")
-
-
-def pack_bytes(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The raw bytes of several contiguous tensors (one device) back to back, as uint8."""
-    return torch.cat([a.contiguous().reshape(-1).view(torch.uint8) for a in arrays])
-
-
-def unpack_bytes(buf: torch.Tensor, layout: Sequence[tuple[torch.dtype, int]]
-                 ) -> list[torch.Tensor]:
-    """Inverse of :func:`pack_bytes` for ``layout`` = ``[(dtype, numel), ...]``.
-
-    Each part is copied into its own (suitably aligned) storage before the dtype view.
-    """
-    out, offset = [], 0
-    for dtype, numel in layout:
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        out.append(buf[offset:offset + nbytes].clone().view(dtype))
-        offset += nbytes
-    if offset != buf.shape[0]:
-        raise RuntimeError(f"payload of {buf.shape[0]} bytes, expected {offset}: the ranks "
-                           "disagree on the tensors being aggregated")
-    return out
 
 
 class CompressedStrategy(Strategy):
