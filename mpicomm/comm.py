@@ -108,13 +108,17 @@ class Communicator:
     ----------
     mpi_comm:
         The mpi4py intra-communicator to wrap (default ``MPI.COMM_WORLD``). It is not
-        freed by :meth:`free`; only the duplicates made here are.
+        freed by :meth:`free` unless ``owns`` is true; the duplicates made here always are.
     check:
         Checked mode; ``None`` reads ``MPICOMM_CHECK`` (default off). Costs one small
         allgather per collective; use it while developing and in tests.
+    owns:
+        Free ``mpi_comm`` too in :meth:`free` (set by :meth:`dup` and :meth:`split`, whose
+        new MPI communicators belong to the object they return).
     """
 
-    def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None):
+    def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None,
+                 owns: bool = False):
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"expected an mpi4py Intracomm, got {type(base).__name__}")
@@ -138,6 +142,7 @@ class Communicator:
         self.resources: dict[str, Any] = {}
         #: Bytes moved by mpicomm's own algorithms on this communicator.
         self.traffic = Traffic()
+        self._owns = bool(owns) and base != MPI.COMM_WORLD and base != MPI.COMM_SELF
         self._freed = False
 
     # ------------------------------------------------------------------ structure
@@ -150,7 +155,7 @@ class Communicator:
 
     def dup(self) -> Communicator:
         """A new communicator over the same ranks (collective)."""
-        return Communicator(self.mpi.Dup(), check=self.check)
+        return Communicator(self.mpi.Dup(), check=self.check, owns=True)
 
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Partition the ranks by ``color`` (collective); ``None`` opts this rank out.
@@ -164,7 +169,7 @@ class Communicator:
                              self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
             return None
-        return Communicator(sub, check=self.check)
+        return Communicator(sub, check=self.check, owns=True)
 
     def split_roles(self, num_servers: int, placement: str = "first") -> Roles:
         """Split the ranks into ``num_servers`` parameter servers and the rest workers.
@@ -279,12 +284,14 @@ class Communicator:
         abort_after_flush(code)
 
     def free(self) -> None:
-        """Release the duplicates this object made (collective). The wrapped comm stays."""
+        """Release the duplicates this object made (collective), and the wrapped
+        communicator when this object owns it (made by :meth:`dup` or :meth:`split`)."""
         if self._freed or MPI.Is_finalized():
             return
-        for c in (self.p2p, self.ctl, self.local_mpi):
-            c.Free()
         self._freed = True
+        owned = [self.p2p, self.ctl, self.local_mpi] + ([self.mpi] if self._owns else [])
+        for c in owned:
+            c.Free()
 
     def __enter__(self) -> Communicator:
         return self

@@ -10,17 +10,13 @@ from mpi4py import MPI
 
 from ..buffers import REDUCE_OPS, ArrayOps, BufferInfo
 from ..comm import Traffic
-
-# Tags of the library's own point-to-point traffic (on the communicator's private
-# duplicate, so they never meet a user's messages). Collectives on one communicator run
-# one at a time and MPI keeps messages between a pair in order, so tags only need to tell
-# the phases of one collective apart.
-TAG_ALLREDUCE = 11
-TAG_ALLGATHER = 12
-TAG_BCAST = 13
-TAG_REDUCE_SCATTER = 14
-TAG_FOLD = 15
-TAG_GOSSIP = 21
+from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the algorithms)
+    TAG_ALLGATHER,
+    TAG_ALLREDUCE,
+    TAG_BCAST,
+    TAG_FOLD,
+    TAG_REDUCE_SCATTER,
+)
 
 
 @dataclass

@@ -45,8 +45,9 @@ from mpi4py import MPI
 
 from ..buffers import Buffer
 from ..collectives import allreduce
-from ..collectives._common import TAG_GOSSIP, Ctx
+from ..collectives._common import Ctx
 from ..comm import Communicator, resolve
+from ..tags import TAG_GOSSIP
 
 __all__ = ["Topology", "TOPOLOGIES", "make_topology", "mixing_matrix", "neighbor_average",
            "consensus_distance"]

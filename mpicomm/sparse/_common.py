@@ -30,6 +30,7 @@ from mpi4py import MPI
 from ..buffers import BufferInfo, cuda_aware, framework_of, from_torch, staging_pool, to_torch
 from ..comm import Communicator
 from ..selection import index_dtype_for, topk_indices
+from ..tags import TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401  (re-exported)
 
 __all__ = [
     "Pairs",
@@ -53,9 +54,6 @@ __all__ = [
     "to_caller",
 ]
 
-# Tags on the communicator's private p2p duplicate (the dense collectives use 11-15).
-TAG_GTOPK_FOLD = 21
-TAG_GTOPK_ROUND = 22
 
 FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_TORCH = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
