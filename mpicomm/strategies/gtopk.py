@@ -42,6 +42,12 @@ class GTopK(CompressedStrategy):
     the odd rank of a folded pair (ranks 1, 3, .., 2rem-1); ``k·s`` for the folded-out
     even ranks 0, 2, .., 2rem-2. Nothing at P = 1.
 
+    ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
+    ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
+    error-feedback memory: then use an optimizer without momentum) and ``clip_norm``
+    (local clipping at ``clip_norm / sqrt(P)``): see
+    :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
+
     Cost model: :func:`mpicomm.collectives.cost.gtopk` ``(k, s, P)`` =
     (lg p2 + 2·fold)(α + k·s·β) (:meth:`predict`), plus a merge (sort of <= 2k indices,
     top-k) per round and the O(d) local selection.
@@ -56,14 +62,19 @@ class GTopK(CompressedStrategy):
 
     def __init__(self, density: float | None = None, k: int | None = None, *,
                  error_feedback: bool = True, comm: Any = None,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES):
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
+                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: float | None = None):
         self.density, self.k = sparsity(density, k)
-        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)
+        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
+                         schedule=schedule,
+                         momentum_correction=momentum_correction,
+                         momentum_masking=momentum_masking, clip_norm=clip_norm)
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        self._step(name)
+        step = self._step(name)
         numel = flat.shape[0]
-        k = k_of(numel, self.density, self.k)
+        k = self._k(numel, step, self.density, self.k)
         c = self._compensate(name, flat)
         payload = TopK(k=k).compress(c, name=name)
         picks, values = payload.arrays["indices"], payload.arrays["values"]
