@@ -56,7 +56,7 @@ BASES = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}
 #: Schedules a label can name (``mpicomm.control.parse_schedule`` forms).
 SCHEDULES = {"gtopkwu": "gtopk", "dgc": "dgc", "linear": "linear:5", "linear2": "linear:2"}
 #: Label modifiers besides the schedules.
-FLAGS = ("ef", "noef", "mc", "mcnomask", "clip")
+FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own")
 
 #: The labels run by default: the original five, then the corrected recipes.
 DEFAULT_LABELS = ["dense", "gtopk+ef", "artopk+ef", "gtopk-noef", "artopk-noef",
@@ -78,7 +78,9 @@ def recipe(label: str, cfg: Config, steps_per_epoch: int) -> Recipe:
     ``artopk`` and modifiers ``ef`` (error feedback; the default), ``noef`` (without it),
     ``mc`` (DGC momentum correction with momentum factor masking in the error-feedback
     memory, the optimizer then runs without momentum), ``mcnomask`` (momentum correction
-    without masking), ``clip`` (local gradient clipping at ``cfg.clip_norm / sqrt(P)``) and
+    without masking), ``clip`` (local gradient clipping at ``cfg.clip_norm / sqrt(P)``),
+    ``own`` (gTop-k only: ``own_contribution=True``, picks whose value was truncated on
+    the way go back to the residual) and
     a warm-up schedule by epochs: ``gtopkwu`` (0.004 for epoch 0), ``dgc`` (0.25, 0.0625,
     0.015625, 0.004, one epoch each), ``linear`` / ``linear2`` (dense to final over 5 / 2
     epochs). ``ValueError`` for anything else.
@@ -99,6 +101,10 @@ def recipe(label: str, cfg: Config, steps_per_epoch: int) -> Recipe:
         "momentum_masking": "mcnomask" not in mods,
         "clip_norm": cfg.clip_norm if "clip" in mods else None,
     }
+    if "own" in mods:
+        if base != "gtopk":
+            raise ValueError(f"{label!r}: the 'own' modifier is for gtopk only")
+        kwargs["own_contribution"] = True
     return Recipe(BASES[base](**kwargs), 0.0 if mc else cfg.momentum)
 
 

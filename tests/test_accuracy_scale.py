@@ -25,8 +25,8 @@ from .launch import run_job
 def test_momentum_correction_fixes_the_artopk_collapse_at_8_ranks(tmp_path):
     out = tmp_path / "acc.json"
     res = run_job(8, [sys.executable, "examples/compression_accuracy.py", "--seeds", "2",
-                      "--no-dense", "--strategies", "artopk+ef", "artopk+mc",
-                      "--json", str(out)], timeout=400)
+                      "--epochs", "12", "--lr-decay", "0", "--no-dense", "--strategies",
+                      "artopk+ef", "artopk+mc", "--json", str(out)], timeout=400)
     assert res.returncode == 0, res.output[-3000:]
     runs = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
     plain, corrected = runs["artopk+ef"], runs["artopk+mc"]

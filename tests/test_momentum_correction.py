@@ -167,3 +167,23 @@ def test_masking_at_density_one_is_plain_sgd_and_clipping_uses_sqrt_p(comm, whic
         np.testing.assert_allclose(out.numpy(), np.mean(clipped, axis=0), rtol=1e-12,
                                    atol=1e-12)
         assert float(strategy.memory.velocity("w").abs().max()) == 0.0  # all masked
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("seed", [50, 51, 52])
+def test_gtopk_own_contribution_puts_truncated_picks_back(comm, seed):
+    """Picks whose own value was truncated on the butterfly path go back to the residual
+    (a subset of the index rule's zeroed positions); on a power of two, mass is then
+    conserved: Σ_r g_r = P·u + Σ_r e_r (first step: the compensated vector is g)."""
+    p = comm.size
+    everyone = _rank_grads(p, seed, n=24)
+    g = torch.from_numpy(everyone[comm.rank])
+    own, ref = GTopK(k=3, own_contribution=True).bind(comm), GTopK(k=3).bind(comm)
+    out = own.aggregate([g], ["w"])[0]
+    np.testing.assert_array_equal(out.numpy(), ref.aggregate([g], ["w"])[0].numpy())
+    zero_own, zero_ref = own.residual("w") == 0, ref.residual("w") == 0
+    assert bool((zero_own <= zero_ref).all())
+    if p & (p - 1) == 0:
+        total_e = np.sum(comm.allgather_object(own.residual("w").numpy()), axis=0)
+        np.testing.assert_allclose(p * out.numpy() + total_e, np.sum(everyone, axis=0),
+                                   rtol=1e-12, atol=1e-12)

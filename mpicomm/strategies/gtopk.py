@@ -10,7 +10,7 @@ from ..collectives import cost
 from ..compress import TopK
 from ..compress.topk import index_itemsize
 from ..sparse import gtopk
-from ._compressed import CompressedStrategy, k_of, sparsity
+from ._compressed import CompressedStrategy, check_flag, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["GTopK"]
@@ -32,9 +32,14 @@ class GTopK(CompressedStrategy):
     Per-rank bookkeeping is exact: ``c_r = e_r + c_r·1[L_r ∩ I]``. The global update is
     *not* the exact top-k of the sum for P > 2 (A.6): a value in V may miss
     contributions of ranks whose pair was truncated in an intermediate merge, and those
-    ranks still count the index as consumed (A.3's note). ``k = max(1, ceil(density·d))``
-    (or the given ``k``), capped at ``d``; neither given means ``density=0.01``. With
-    ``density=1`` no merge truncates and ``u`` is the exact mean.
+    ranks still count the index as consumed (A.3's note), so that mass is lost.
+    ``own_contribution=True`` (ours, not the paper's) zeroes only the picks whose *own
+    value* reached V (tracked locally along the butterfly, no extra traffic; folded-out
+    ranks of a non-power-of-two P keep the index rule) and puts the rest back, so that
+    on a power of two ``Σ_r c_r = P·u + Σ_r e_r`` holds (up to the rounding of the
+    merges' sums), as for AR-Top-k. ``k = max(1, ceil(density·d))`` (or the given
+    ``k``), capped at ``d``; neither given means ``density=0.01``. With ``density=1`` no
+    merge truncates and ``u`` is the exact mean.
 
     Bytes sent per rank (s = 4 + itemsize; p2 = largest power of two <= P,
     rem = P - p2; every message holds k pairs as soon as every rank has k picks):
@@ -61,11 +66,13 @@ class GTopK(CompressedStrategy):
     name = "gtopk"
 
     def __init__(self, density: float | None = None, k: int | None = None, *,
-                 error_feedback: bool = True, comm: Any = None,
+                 error_feedback: bool = True, own_contribution: bool = False,
+                 comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
                  momentum_correction: float = 0.0, momentum_masking: bool = True,
                  clip_norm: float | None = None):
         self.density, self.k = sparsity(density, k)
+        self.own_contribution = check_flag("own_contribution", own_contribution)
         super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
                          schedule=schedule,
                          momentum_correction=momentum_correction,
@@ -79,7 +86,7 @@ class GTopK(CompressedStrategy):
         payload = TopK(k=k).compress(c, name=name)
         picks, values = payload.arrays["indices"], payload.arrays["values"]
         idx, val, dropped = gtopk(picks, values, k, self.comm, return_dropped=True,
-                                  size=numel)
+                                  size=numel, own_contribution=self.own_contribution)
         if self.memory is not None:
             survived = picks[~dropped]
             self.memory.update_sparse(name, c, survived)  # dropped picks stay in c
@@ -92,6 +99,7 @@ class GTopK(CompressedStrategy):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "density": self.density, "k": self.k,
+                "own_contribution": self.own_contribution,
                 "compressor": "topk", "collective": "gtopk(butterfly)"}
 
     def predict(self, numel: int, itemsize: int = 4, p: int | None = None,
