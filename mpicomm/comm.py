@@ -39,6 +39,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .config import env_flag
+from .validate import NotAnIntegerError, check_int
 
 __all__ = [
     "Communicator",
@@ -55,6 +56,10 @@ log = logging.getLogger("mpicomm")
 
 _SCALAR_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM}
 
+#: Argument errors re-raised with the same type on the ranks that did not find them.
+_ARGUMENT_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (ValueError, TypeError, NotAnIntegerError)}
+
 
 @dataclass
 class Traffic:
@@ -62,7 +67,11 @@ class Traffic:
 
     Counted at every send/receive the algorithms post (not for ``algorithm="mpi"``,
     whose internals MPI does not expose, nor for checked-mode and control messages).
-    Use :meth:`snapshot` before and after a call to measure one operation.
+    :meth:`measure` counts what one block of code moved (the one way to do it)::
+
+        with comm.traffic.measure(into=my_totals) as moved:
+            mpicomm.allreduce(x, comm=comm)
+        print(moved.sent_bytes)
     """
 
     sent_bytes: int = 0
@@ -75,6 +84,31 @@ class Traffic:
     def __sub__(self, other: Traffic) -> Traffic:
         return Traffic(self.sent_bytes - other.sent_bytes, self.recv_bytes - other.recv_bytes,
                        self.messages - other.messages)
+
+    def add(self, other: Traffic) -> None:
+        """Add ``other``'s counts to these (in place)."""
+        self.sent_bytes += other.sent_bytes
+        self.recv_bytes += other.recv_bytes
+        self.messages += other.messages
+
+    @contextlib.contextmanager
+    def measure(self, into: Traffic | None = None) -> Iterator[Traffic]:
+        """Count what this counter gains inside the ``with`` block.
+
+        Yields a :class:`Traffic` that holds the difference once the block ends (also when
+        it raises: those bytes did move); ``into``, if given, is incremented by the same
+        amounts (an object's running total). Only this counter's own communicator is
+        seen, so measure on the communicator the work runs on.
+        """
+        moved = Traffic()
+        before = self.snapshot()
+        try:
+            yield moved
+        finally:
+            delta = self - before
+            moved.add(delta)
+            if into is not None:
+                into.add(delta)
 
 
 @dataclass(frozen=True)
@@ -163,8 +197,8 @@ class Communicator:
         Ranks with the same color form one new communicator, ordered by ``key`` (default:
         the current rank). Returns ``None`` on ranks that passed ``color=None``.
         """
-        if color is not None and (not isinstance(color, int) or color < 0):
-            raise ValueError(f"color must be a non-negative int or None, got {color!r}")
+        if color is not None:
+            color = check_int("color", color, 0)
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else color,
                              self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
@@ -178,8 +212,7 @@ class Communicator:
         servers evenly over the rank range (one per node when ``S`` equals the number of
         nodes and ranks are placed by node). Every rank must pass the same arguments.
         """
-        if not isinstance(num_servers, int) or isinstance(num_servers, bool):
-            raise TypeError(f"num_servers must be an int, got {type(num_servers).__name__}")
+        num_servers = check_int("num_servers", num_servers)
         if not 1 <= num_servers < self.size:
             raise ValueError(
                 f"num_servers must be in [1, size-1] = [1, {self.size - 1}] so that at least "
@@ -251,7 +284,7 @@ class Communicator:
                 continue
             if error is not None:
                 raise error
-            kind = TypeError if theirs[0] == "TypeError" else ValueError
+            kind = _ARGUMENT_ERRORS.get(theirs[0], ValueError)
             raise kind(f"{name}: rank {rank} rejected its arguments: {theirs[1]}")
         problem = describe_mismatch([(n, d) for _, n, d in everyone])
         if problem is not None:
