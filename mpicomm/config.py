@@ -4,20 +4,22 @@ Every setting is also a keyword argument of the function that uses it; the envir
 variable only supplies the default, so a job can be reconfigured from ``mpiexec -x`` /
 ``mpiexec -genv`` without editing the training script.
 
-=========================  ==========================================================
-variable                   meaning
-=========================  ==========================================================
-``MPICOMM_CHECK``          ``1``: checked mode (ranks cross-check every collective's
-                           operation, shape and dtype before running it).
-``MPICOMM_CUDA_AWARE``     ``auto`` (default), ``1`` or ``0``: pass CUDA pointers to
-                           MPI directly, or stage through pinned host memory.
-``MPICOMM_ABORT_ON_ERROR`` ``1`` (default): an uncaught exception on any rank calls
-                           ``MPI_Abort`` so that the job ends instead of hanging.
-``MPICOMM_LOG_LEVEL``      level of the ``mpicomm`` logger (default ``WARNING``).
-``MPICOMM_RING_SEGMENT_    bytes per pipelined segment of the ring passes (default
-BYTES``                    1 MiB, an integer >= 1). Must be the same on every rank:
-                           checked mode compares it before each collective.
-=========================  ==========================================================
+===============================  ==========================================================
+variable                         meaning
+===============================  ==========================================================
+``MPICOMM_CHECK``                ``1``: checked mode (ranks cross-check every collective's
+                                 operation, shape and dtype before running it).
+``MPICOMM_CUDA_AWARE``           ``auto`` (default), ``1`` or ``0``: pass CUDA pointers to
+                                 MPI directly, or stage through pinned host memory.
+``MPICOMM_ABORT_ON_ERROR``       ``1`` (default): an uncaught exception on any rank calls
+                                 ``MPI_Abort`` so that the job ends instead of hanging.
+``MPICOMM_LOG_LEVEL``            level of the ``mpicomm`` logger (default ``WARNING``).
+``MPICOMM_RING_SEGMENT_BYTES``   bytes per pipelined segment of the ring passes (default
+                                 1 MiB, an integer >= 1). Must be the same on every rank:
+                                 checked mode compares it before each collective.
+``MPICOMM_MPIEXEC``              the launcher ``python -m mpicomm run`` and the tests use
+                                 (default: the ``mpiexec`` beside this Python, else PATH).
+===============================  ==========================================================
 
 Every value is checked where it is read: an unreadable one raises ``ValueError`` naming
 the variable (inside a collective's argument checks, so on every rank in checked mode).
