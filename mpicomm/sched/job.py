@@ -82,9 +82,11 @@ class Job(ABC):
 
     def finish(self) -> None:
         """Local work after the last sync (under the token); default: nothing."""
+        return None
 
     def close(self) -> None:
         """Release what :meth:`setup` created (collective when it frees communicators)."""
+        return None
 
 
 class FunctionJob(Job):
