@@ -33,11 +33,15 @@ Ours (the abstract gives no mechanism; this follows the inferred design of secti
 Cost and expected gain
 ----------------------
 With ``n`` identical jobs of compute time ``C`` and sync time ``S`` per iteration,
-running them one after the other takes ``n(C + S)`` per round of iterations. Under the
-token a round takes ``max(nC, C + S)`` (each job's sync must fit in the other jobs'
-compute phases), so the ideal speedup is
+running them one after the other takes ``n(C + S)`` per round of iterations. When the
+compute resource and the network each serve one job at a time (section E.4's model), a
+round takes at least ``n max(C, S)``, so the ideal speedup is
 
-.. math::  \frac{n(C+S)}{\max(nC,\ C+S)}, \qquad n = 2:\ \frac{C+S}{\max(C,S)} \le 2.
+.. math::  \frac{C+S}{\max(C,S)} \le 2 .
+
+When the syncs of different jobs do not compete with each other (latency-bound
+communication, e.g. an injected delay), only the token is exclusive: a round takes
+``max(nC, C + S)`` and the bound is ``n(C+S) / max(nC, C+S)``; both agree for ``S <= C``.
 
 The scheduler's own overhead is a thread wake-up and a condition-variable wait per
 phase (tens of microseconds). Real gains are lower wherever the sync phase *uses* the
