@@ -188,9 +188,8 @@ def test_trace_shows_one_compute_at_a_time_and_sync_behind_compute(comm):
     with tempfile.TemporaryDirectory() as tmp:  # a valid Chrome trace file
         saved = json.loads(sched.timeline.save(f"{tmp}/trace.json", events).read_text())
     assert len(saved["traceEvents"]) == len(events) + comm.size  # + process names
-    rows = {e["tid"] for e in events}
-    assert {"job A", "job B"} <= rows
-    for pid in range(comm.size):
+    for pid in range(comm.size):  # one row per job on every rank
+        assert {"job A", "job B"} <= {e["tid"] for e in events if e["pid"] == pid}
         comp = {j: spans(events, pid, f"job {j}", "compute") + spans(events, pid, f"job {j}",
                                                                     "finish") for j in "AB"}
         sync = {j: spans(events, pid, f"job {j}", "sync") for j in "AB"}
@@ -341,3 +340,16 @@ def test_an_error_on_one_rank_ends_the_multi_rank_run():
     assert "sync exploded" in result.output
     assert "never reached" not in result.output
     assert result.seconds < 45, result
+
+
+def test_example_trains_two_jobs_and_writes_a_trace(tmp_path):
+    trace = tmp_path / "trace.json"
+    result = run_job(2, [sys.executable, "examples/crossover.py", "--steps", "40",
+                         "--trace", str(trace)], timeout=150)
+    assert result.returncode == 0, result.output
+    for name in ("wide", "narrow"):
+        line = next(ln for ln in result.output.splitlines() if ln.startswith(f"job {name}:"))
+        assert float(line.split("test accuracy ")[1].split(",")[0]) > 0.5, line
+    rows = {(e["pid"], e.get("tid")) for e in json.loads(trace.read_text())["traceEvents"]
+            if e["ph"] == "X"}
+    assert {(r, f"job {n}") for r in (0, 1) for n in ("wide", "narrow")} <= rows
