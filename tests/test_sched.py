@@ -353,3 +353,23 @@ def test_example_trains_two_jobs_and_writes_a_trace(tmp_path):
     rows = {(e["pid"], e.get("tid")) for e in json.loads(trace.read_text())["traceEvents"]
             if e["ph"] == "X"}
     assert {(r, f"job {n}") for r in (0, 1) for n in ("wide", "narrow")} <= rows
+
+
+def test_a_sync_phase_that_never_returns_cannot_hang_a_failed_run():
+    release = threading.Event()
+
+    def stuck(step, comm):
+        release.wait(30)
+
+    def compute(step):
+        if step == 1:
+            raise ValueError("broke while the other job was stuck")
+
+    # broken computes step 0, stuck computes step 0 and never ends its sync, broken fails
+    sched = CrossoverScheduler([FunctionJob("broken", compute, lambda s, c: None, 3),
+                                FunctionJob("stuck", lambda s: None, stuck, 3)])
+    start = time.perf_counter()
+    with pytest.raises(CrossoverError, match="'broken'"), sched:
+        sched.run()
+    assert time.perf_counter() - start < 15
+    release.set()

@@ -81,7 +81,7 @@ log = logging.getLogger("mpicomm.sched")
 #: Seconds between checks for other jobs' failures while waiting for a sync.
 _POLL_S = 0.05
 #: Seconds to let synchronization threads end after a failure before giving up on them.
-_STOP_GRACE_S = 2.0
+_STOP_GRACE_S = 1.0
 #: The timeline row of the token (waits for a job's sync, i.e. communication not hidden).
 TOKEN_ROW = "token"
 
@@ -428,7 +428,13 @@ class CrossoverScheduler:
         return ended
 
     def _release(self, collective: bool) -> None:
-        ended = self._stop_threads(None if collective else _STOP_GRACE_S)
+        # after a failure a thread may be blocked for good (_fail already gave it the
+        # grace period): do not wait for it again
+        if self._failed:
+            timeout: float | None = 0.05
+        else:
+            timeout = None if collective else _STOP_GRACE_S
+        ended = self._stop_threads(timeout)
         if not ended:  # a thread is stuck in communication: its communicator stays
             log.warning("a crossover sync thread did not stop; its communicator is not freed")
             return
