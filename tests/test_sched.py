@@ -29,7 +29,14 @@ from mpicomm.torch import GradientSync, LocalSGD, TorchJob
 from .launch import run_job
 
 torch.set_num_threads(1)
-torch.use_deterministic_algorithms(True)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_kernels():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
 
 
 def digest(model: torch.nn.Module) -> str:
