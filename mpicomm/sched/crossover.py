@@ -89,9 +89,13 @@ TOKEN_ROW = "token"
 class CrossoverError(RuntimeError):
     """One job of a Crossover run failed; the message names the job, phase, step, rank."""
 
-    def __init__(self, message: str, job: str):
+    def __init__(self, message: str, job: str = ""):
         super().__init__(message)
+        #: The failed job's name.
         self.job = job
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable with its job name
+        return (type(self), (str(self), self.job))
 
 
 @dataclass
