@@ -8,6 +8,7 @@ import torch
 
 from ..collectives import allreduce, cost
 from ..compress import RandomK
+from ..validate import check_int
 from ._compressed import CompressedStrategy, check_allreduce_algorithm, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
@@ -62,8 +63,7 @@ class RandomKAllreduce(CompressedStrategy):
                  schedule: Any = None, momentum_correction: float = 0.0,
                  momentum_masking: bool = True, clip_norm: float | None = None,):
         self.density, self.k = sparsity(density, k)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        seed = check_int("seed", seed)
         self.seed = seed
         self.algorithm = check_allreduce_algorithm(algorithm)
         super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
