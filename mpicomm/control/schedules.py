@@ -51,6 +51,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..validate import check_choice, check_int
+
 __all__ = ["Schedule", "gtopk_warmup", "dgc_warmup", "linear_warmup", "parse_schedule",
            "KINDS", "UNITS", "SPECS"]
 
@@ -72,12 +74,6 @@ def _density(name: str, value: Any) -> float:
     return float(value)
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class Schedule:
     """A density schedule: ``schedule(step, final)`` -> the density of ``step``.
@@ -96,18 +92,16 @@ class Schedule:
     start: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.unit not in UNITS:
-            raise ValueError(f"unit must be one of {UNITS}, got {self.unit!r}")
-        _positive_int("length", self.length)
+        check_choice("kind", self.kind, KINDS)
+        check_choice("unit", self.unit, UNITS)
+        check_int("length", self.length, 1)
         if self.unit == "epoch":
             if self.steps_per_epoch is None:
                 raise ValueError("unit='epoch' needs steps_per_epoch (minibatches per "
                                  "rank per epoch)")
-            _positive_int("steps_per_epoch", self.steps_per_epoch)
+            check_int("steps_per_epoch", self.steps_per_epoch, 1)
         elif self.steps_per_epoch is not None:
-            _positive_int("steps_per_epoch", self.steps_per_epoch)
+            check_int("steps_per_epoch", self.steps_per_epoch, 1)
         if not isinstance(self.values, tuple):
             raise ValueError(f"values must be a tuple of densities, got {self.values!r}")
         for v in self.values:
@@ -130,8 +124,7 @@ class Schedule:
 
     def __call__(self, step: int, final: float) -> float:
         """Density of step ``step`` (>= 0) for a strategy whose own density is ``final``."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        step = check_int("step", step, 0)
         final = _density("final density", final)
         if step >= self.warmup_steps:
             return final
