@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "@step: gtopk (0.004 for epoch 0), dgc (0.25, 0.0625, 0.015625, "
                          "0.004), linear[:N] (dense to final over N epochs), "
                          "warmup:V1,V2[/N]; default none")
-    ap.add_argument("--momentum-correction", action="store_true",
+    ap.add_argument("--momentum-correction", action="store_const", const=True, default=None,
                     help="DGC momentum correction: the strategy keeps the velocity "
                          "(--momentum) in its error-feedback memory, the optimizer runs "
                          "without momentum, weight decay is added to the loss")
@@ -155,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.local_sgd != "none":
-        given = [f"--{opt}" for opt in ("strategy", *STRATEGY_OPTIONS)
+        given = [f"--{opt.replace('_', '-')}" for opt in ("strategy", *STRATEGY_OPTIONS)
                  if getattr(args, opt) is not None]
         if given:
             ap.error(f"--local-sgd {args.local_sgd} averages parameters densely and takes no "
@@ -171,11 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parse_schedule(args.schedule, steps_per_epoch=1)
     except ValueError as exc:
         ap.error(str(exc))
-    if args.momentum_correction:
-        if args.local_sgd != "none":
-            ap.error("--momentum-correction needs gradient synchronization (no --local-sgd)")
-        if not 0.0 < args.momentum < 1.0:
-            ap.error("--momentum-correction needs 0 < --momentum < 1")
+    if args.momentum_correction and not 0.0 < args.momentum < 1.0:
+        ap.error("--momentum-correction needs 0 < --momentum < 1")
     # the value handed to the strategy (None: not given, the strategy's default)
     args.momentum_correction = args.momentum if args.momentum_correction else None
     try:  # constructing a strategy validates its options without communicating
@@ -217,7 +214,8 @@ def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
              if getattr(args, opt) is not None}
     for opt in sorted(set(given) - takes):
         users = [s for s in strategies.available() if opt in strategy_options(s)]
-        raise ValueError(f"takes no --{opt} (strategies that do: {', '.join(users)})")
+        raise ValueError(f"takes no --{opt.replace('_', '-')} (strategies that do: "
+                         f"{', '.join(users)})")
     return given
 
 
