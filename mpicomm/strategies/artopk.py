@@ -59,7 +59,13 @@ class ARTopK(CompressedStrategy):
     Tuning: the ring version's bandwidth barely grows with P, so it beats the sparse
     Allgather from P ≈ 3-4 on when bandwidth dominates; ``"tree"`` wins for small k or
     high latency. STAR spreads index ownership evenly (the paper found VAR concentrates
-    it and loses accuracy); ``smoothing`` is VAR's EWMA weight.
+    it and loses accuracy); ``smoothing`` is VAR's EWMA weight. With few steps per epoch
+    (digits at 8 ranks: 10) and SGD momentum in the optimizer, plain error feedback makes
+    the updates residual bursts (~5x dense's norm: one rank's top-k drains the global
+    residual poorly) that the momentum amplifies into late oscillations (one seed ended
+    12 pp below dense, issue 13): decay the learning rate at the end, warm the density up
+    (``schedule``), or use ``momentum_correction`` (no amplification, slower in very few
+    steps); tests/test_accuracy_scale.py replays that run.
     """
 
     name = "artopk"
