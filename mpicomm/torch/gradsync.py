@@ -266,6 +266,21 @@ def _nonfinite(grads: list[torch.Tensor], names: list[str]) -> list[str]:
     return [n for n in names if n in bad]
 
 
+def _bind_thread_device(buckets: list[_Bucket]) -> torch.device | None:
+    """Make the first CUDA device of the model the calling thread's current device.
+
+    A new thread starts on device 0 whatever the model uses, so without this the
+    communication thread would open a context on GPU 0 on every rank and its
+    device-less calls (``torch.cuda.current_stream()``, allocations) would target GPU 0
+    rather than the model's ``cuda:N``. Returns the device, ``None`` for a host model."""
+    devices = [d for b in buckets for d in b.cuda_devices]
+    if not devices:
+        return None
+    device = devices[0]
+    torch.cuda.set_device(device)
+    return device
+
+
 def _record_events(devices: list[torch.device]) -> list[Any]:
     events = []
     for dev in devices:
@@ -447,6 +462,7 @@ class GradientSync:
         self._last_ok = True
         self._closed = False
         self._stopping = False
+        self._thread_error: BaseException | None = None
         self._stats = SyncStats(strategy=self.strategy.stats)
 
         self._handles: list[Any] = []
@@ -590,6 +606,10 @@ class GradientSync:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        try:
+            _bind_thread_device(self._buckets)
+        except BaseException as exc:  # reported by the first wait(), like any thread error
+            self._thread_error = exc
         while True:
             with self._cond:
                 while not self._stopping and (self._step is None or self._step.finished):
@@ -610,6 +630,8 @@ class GradientSync:
 
     def _process(self, step: _Step, b: int) -> None:
         bucket = self._buckets[b]
+        if self._thread_error is not None and step.error is None:
+            step.error = self._thread_error
         # Once a bucket was non-finite every rank knows it (the flag was reduced), so all
         # of them skip the rest identically. After a local error, skipping lets wait()
         # raise it promptly; the other ranks then end with the abort handler.
