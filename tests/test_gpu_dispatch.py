@@ -227,3 +227,22 @@ def test_a_failing_device_binding_is_raised_by_wait(comm, monkeypatch):
             sync.wait()
     finally:
         sync._shutdown(free=True)
+
+
+# ---------------------------------------------------------------------- markers
+def test_every_cuda_case_carries_the_gpu_marker():
+    """``pytest -m gpu`` must select every CUDA parameter (run on a GPU machine)."""
+    from . import arrays
+    from .test_buffers import needs_cuda, needs_cupy
+
+    for param in arrays.cases():
+        backend = param.values[0]
+        names = {m.name for m in param.marks}
+        assert ("gpu" in names) == (backend.name in ("torch-cuda", "cupy")), param.id
+
+    def probe() -> None:
+        pass
+
+    for wrap in (needs_cuda, needs_cupy):
+        marks = {m.name for m in getattr(wrap(probe), "pytestmark", [])}
+        assert {"gpu", "skipif"} <= marks
