@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import fusion
 from ..collectives import allreduce, broadcast
 from ..comm import Communicator, resolve
 from ..strategies import Dense, Strategy, StrategyStats, make
@@ -129,18 +130,10 @@ def check_same_module(module: torch.nn.Module, comm: Communicator | None = None,
 
 
 def _groups_by_device(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
-    by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
-    sizes: dict[torch.device, int] = {}
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        groups = by_device.setdefault(t.device, [])
-        if groups and sizes[t.device] + n <= cap:
-            groups[-1].append(t)
-            sizes[t.device] += n
-        else:
-            groups.append([t])
-            sizes[t.device] = n
-    return [g for groups in by_device.values() for g in groups]
+    """Tensors of one device each, at most ``cap`` bytes per group (any dtypes)."""
+    plan = fusion.group([t.numel() * t.element_size() for t in tensors],
+                 [t.device for t in tensors], cap, consecutive=False)
+    return [[tensors[i] for i in idx] for idx in plan]
 
 
 def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -235,16 +228,11 @@ class _Step:
 
 
 def _make_buckets(named: list[tuple[str, torch.nn.Parameter]], cap: int) -> list[_Bucket]:
-    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
-    size = 0
-    for name, p in reversed(named):
-        n = p.numel() * p.element_size()
-        if groups and size + n <= cap:
-            groups[-1].append((name, p))
-            size += n
-        else:
-            groups.append([(name, p)])
-            size = n
+    """Buckets of at most ``cap`` bytes in reverse registration order (any dtype or
+    device: the strategy fuses each bucket per dtype and device)."""
+    order = list(reversed(named))
+    plan = fusion.group([p.numel() * p.element_size() for _, p in order], None, cap)
+    groups = [[order[i] for i in idx] for idx in plan]
     buckets = []
     for i, group in enumerate(groups):
         devices = sorted({p.device for _, p in group if p.device.type == "cuda"}, key=str)
@@ -669,14 +657,13 @@ class GradientSync:
             step.nonfinite = (f"non-finite gradient (NaN or Inf) in bucket {bucket.index} "
                               f"[{bucket.label}] on rank(s) {ranks}{here}")
             return
-        averaged = self.strategy.aggregate(grads, bucket.names)
-        for p, avg, used in zip(bucket.params, averaged, agreed[1:]):
-            if not used:  # no rank has a gradient: keep None, as a single process would
-                continue
-            if p.grad is None:
-                p.grad = avg.detach().clone(memory_format=torch.contiguous_format)
-            else:
-                p.grad.copy_(avg)
+        # In place: the strategy fuses into its persistent buffers, aggregates there and
+        # writes the averages back into the gradients themselves (no fresh buffers).
+        self.strategy.aggregate_into(grads, bucket.names)
+        for p, avg, used, had in zip(bucket.params, grads, agreed[1:], present):
+            if used and not had:  # a zero stand-in that now holds the average
+                p.grad = avg
+            # no rank has a gradient: keep None, as a single process would
         for dev in bucket.cuda_devices:
             torch.cuda.current_stream(dev).synchronize()
 
