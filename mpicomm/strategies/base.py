@@ -18,8 +18,9 @@ In place: :meth:`Strategy.aggregate_into` writes the averages into the given ten
 (what :class:`~mpicomm.torch.GradientSync` uses for ``.grad``). Its fusion buffers are
 *persistent* (:class:`mpicomm.fusion.LayoutCache`, one per strategy): filled in place at
 every call, aggregated in place where the strategy allows (dense allreduce does), and
-copied back into the tensors; a buffer of a single contiguous tensor is the tensor itself,
-with no copy at all. No fresh buffer is allocated per step, which on the host saves about
+copied back into the tensors; a buffer of a single contiguous tensor, or of tensors that
+already lie back to back in one storage (GradientSync's gradients), is that memory
+itself, with no copy at all. No fresh buffer is allocated per step, which on the host saves about
 as much time as the reduction itself for large buffers (page faults of fresh memory; see
 :mod:`mpicomm.fusion`), at the price of one persistent copy of the fused tensors.
 :meth:`Strategy.aggregate` keeps returning fresh tensors that never alias a persistent
@@ -95,8 +96,9 @@ def fuse(tensors: Sequence[Any], names: Sequence[str], fusion_bytes: int,
 
     Without ``cache`` every buffer is fresh memory (a clone for a single tensor). With a
     :class:`~mpicomm.fusion.LayoutCache` the buffers are the cache's persistent ones,
-    refilled in place, and a buffer of one contiguous tensor is a view of that tensor
-    (so aggregating it in place writes the tensor).
+    refilled in place, and a buffer of one contiguous tensor, or of tensors that already
+    lie back to back in one storage, is a view of that memory (so aggregating it in
+    place writes the tensors, with no copy).
     """
     import torch
 
@@ -110,12 +112,30 @@ def fuse(tensors: Sequence[Any], names: Sequence[str], fusion_bytes: int,
         if cache is None:
             flats = [t.detach().reshape(-1) for t in parts]
             flat = flats[0].clone() if len(flats) == 1 else torch.cat(flats)
-        elif len(parts) == 1 and parts[0].is_contiguous():
-            flat = parts[0].detach().view(-1)
+        elif _adjacent(parts):  # already one flat range (e.g. GradientSync's grads)
+            first = parts[0].detach()
+            flat = torch.as_strided(first, (sum(t.numel() for t in parts),), (1,),
+                                    first.storage_offset())
         else:
             flat = cache.get(name, parts).pack(parts)
         fused.append(FusedBuffer(name, idx, flat, shapes))
     return fused
+
+
+def _adjacent(parts: Sequence[Any]) -> bool:
+    """Whether contiguous ``parts`` lie back to back in one storage, in order (then their
+    fused buffer is a view of that memory and needs no copy)."""
+    if not all(t.is_contiguous() for t in parts):
+        return False
+    if len(parts) == 1:
+        return True
+    storage = parts[0].untyped_storage().data_ptr()
+    end = parts[0].data_ptr() + parts[0].numel() * parts[0].element_size()
+    for t in parts[1:]:
+        if t.untyped_storage().data_ptr() != storage or t.data_ptr() != end:
+            return False
+        end += t.numel() * t.element_size()
+    return True
 
 
 @contextlib.contextmanager

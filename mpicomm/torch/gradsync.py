@@ -451,6 +451,7 @@ class GradientSync:
         self._closed = False
         self._stopping = False
         self._thread_error: BaseException | None = None
+        self._grad_layouts: dict[int, list[tuple[list[int], fusion.Layout]]] = {}
         self._stats = SyncStats(strategy=self.strategy.stats)
 
         self._handles: list[Any] = []
@@ -657,17 +658,46 @@ class GradientSync:
             step.nonfinite = (f"non-finite gradient (NaN or Inf) in bucket {bucket.index} "
                               f"[{bucket.label}] on rank(s) {ranks}{here}")
             return
-        # In place: the strategy fuses into its persistent buffers, aggregates there and
-        # writes the averages back into the gradients themselves (no fresh buffers).
-        self.strategy.aggregate_into(grads, bucket.names)
-        for p, avg, used, had in zip(bucket.params, grads, agreed[1:], present):
-            if used and not had:  # a zero stand-in that now holds the average
-                p.grad = avg
+        # In place, with no copy where possible: the gradients live in the bucket's
+        # persistent flat buffers (copied there once if autograd made a fresh tensor), the
+        # strategy aggregates that memory in place, and .grad stays a view of it.
+        views = self._bucket_views(bucket, grads)
+        self.strategy.aggregate_into(views, bucket.names)
+        for p, view, used in zip(bucket.params, views, agreed[1:]):
+            if used and p.grad is not view:
+                p.grad = view
             # no rank has a gradient: keep None, as a single process would
         for dev in bucket.cuda_devices:
             torch.cuda.current_stream(dev).synchronize()
 
     # ------------------------------------------------------------------ helpers
+    def _bucket_views(self, bucket: _Bucket, grads: list[torch.Tensor]
+                      ) -> list[torch.Tensor]:
+        """``grads`` as views of the bucket's persistent flat buffers (one per run of
+        same-dtype, same-device parameters), copying only those that are not views yet.
+
+        Like DDP's ``gradient_as_bucket_view``: after the first step ``.grad`` *is* the
+        view, so with ``zero_grad(set_to_none=False)`` autograd accumulates straight into
+        the buffer and the step copies nothing; with ``set_to_none=True`` (PyTorch's
+        default) each gradient is copied in once. Costs one persistent copy of the
+        trainable parameters' size."""
+        layouts = self._grad_layouts.get(bucket.index)
+        if layouts is None:
+            plan = fusion.group([g.numel() * g.element_size() for g in grads],
+                                [fusion.kind_of(g) for g in grads], None, consecutive=True)
+            layouts = [(idx, fusion.Layout([tuple(grads[i].shape) for i in idx],
+                                           grads[idx[0]].dtype, grads[idx[0]].device))
+                       for idx in plan]
+            self._grad_layouts[bucket.index] = layouts
+        views = list(grads)
+        with torch.no_grad():
+            for idx, layout in layouts:
+                for i, view in zip(idx, layout.views()):
+                    if grads[i].data_ptr() != view.data_ptr():
+                        view.copy_(grads[i])
+                    views[i] = view
+        return views
+
     def _conclude(self, step: _Step) -> bool:
         if step.error is not None:
             self._last_ok = False
