@@ -79,6 +79,7 @@ bench: $(STAMP)
 	    --json bench-results/sparse-$$n.json || exit 1; \
 	done
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json bench-results/localsgd-4.json
+	$(PY) -m mpicomm.bench selection --json bench-results/selection.json
 	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
 
 lint: $(STAMP)

@@ -3,7 +3,7 @@
 Every place in mpicomm that turns many tensors into few flat vectors uses this module:
 the strategies' fusion buffers (:func:`mpicomm.strategies.fuse`), GradientSync's buckets
 and its packed broadcast, and the parameter averaging of LocalSGD and gossip
-(:class:`mpicomm.torch.FusedTensors`).
+(:class:`mpicomm.torch.localsgd.FusedTensors`).
 
 Grouping (:func:`group`) decides *which* tensors share a buffer: in order, a tensor joins
 the open group of its kind while the group stays within ``cap`` bytes (a tensor larger

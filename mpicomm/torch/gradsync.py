@@ -682,6 +682,9 @@ class GradientSync:
         default) each gradient is copied in once. Costs one persistent copy of the
         trainable parameters' size."""
         layouts = self._grad_layouts.get(bucket.index)
+        if layouts is not None and not all(layout.matches([grads[i] for i in idx])
+                                           for idx, layout in layouts):
+            layouts = None  # a gradient changed dtype or device: lay the bucket out anew
         if layouts is None:
             plan = fusion.group([g.numel() * g.element_size() for g in grads],
                                 [fusion.kind_of(g) for g in grads], None, consecutive=True)
