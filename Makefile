@@ -80,6 +80,7 @@ bench: $(STAMP)
 	done
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json bench-results/localsgd-4.json
 	$(PY) -m mpicomm.bench selection --json bench-results/selection.json
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench fusion --json bench-results/fusion-2.json
 	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
 
 lint: $(STAMP)

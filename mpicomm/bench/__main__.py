@@ -15,6 +15,7 @@ SUITES = {
     "sparse": "mpicomm.bench.sparse",
     "localsgd": "mpicomm.bench.localsgd",
     "selection": "mpicomm.bench.selection",
+    "fusion": "mpicomm.bench.fusion",
 }
 
 
