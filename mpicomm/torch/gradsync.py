@@ -18,8 +18,12 @@ Parameters that require a gradient are grouped into *buckets* of about ``bucket_
 megabytes, in reverse registration order (backward produces gradients roughly from the
 last layer to the first). A post-accumulate-grad hook on every parameter counts the
 gradients of its bucket; when a bucket is complete it is handed to a background
-*communication thread*, which averages it with ``strategy.aggregate`` on a private
-duplicate of the communicator and writes the result into each ``param.grad``. The thread
+*communication thread*, which averages it in place with ``strategy.aggregate_into`` on
+a private duplicate of the communicator. The gradients of a bucket live in persistent
+flat buffers (``param.grad`` becomes a view of them after the first step, as with DDP's
+``gradient_as_bucket_view``), so a dense strategy reduces that memory directly, without
+fusion copies or fresh allocations; the thread makes the model's CUDA device its current
+one. The thread
 takes buckets strictly in index order (a bucket that is ready early waits for the earlier
 ones), so every rank issues the same collectives in the same order, and the communication
 of the last layers runs while backward is still computing the first ones.
