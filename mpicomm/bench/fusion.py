@@ -4,8 +4,8 @@ Run under MPI, e.g. ``mpiexec -n 2 python -m mpicomm.bench fusion --json out.jso
 
 A "model" of ``--buckets`` buckets, each one weight of ``--bucket-mb`` megabytes and a
 small bias (float32), is averaged with :class:`~mpicomm.strategies.Dense` four ways,
-each timed as the median over ``--repeats`` runs of the slowest rank
-(:func:`mpicomm.bench._util.median_seconds`):
+interleaved (every repetition times each once, so drifting load hits them alike), each
+reported as the median over ``--repeats`` of the slowest rank's time:
 
 * ``fresh``: ``strategy.aggregate`` (a new fused buffer per bucket) and a copy of the
   results back into the gradients: the path GradientSync took before issue 14;
@@ -24,6 +24,7 @@ the buckets.
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any, Callable
 
 import torch
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="megabytes per bucket (default 8: 128 MB in all)")
     parser.add_argument("--algorithm", default="auto", help="allreduce algorithm")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per method")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per method")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per method, before timing")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,8 +80,16 @@ def run(args: argparse.Namespace) -> int:
 
     methods: dict[str, Callable[[], Any]] = {"fresh": fresh, "packed": packed,
                                              "views": in_views, "raw": raw}
-    times = {name: median_seconds(fn, comm, args.repeats, args.warmup)
-             for name, fn in methods.items()}
+    # interleaved: every repetition times each method once, so drifting machine load
+    # hits them alike
+    runs: dict[str, list[float]] = {name: [] for name in methods}
+    for fn in methods.values():
+        for _ in range(args.warmup):
+            fn()
+    for _ in range(args.repeats):
+        for name, fn in methods.items():
+            runs[name].append(median_seconds(fn, comm, 1, 0))
+    times = {name: statistics.median(v) for name, v in runs.items()}
     rows = [{"ranks": comm.size, "buckets": args.buckets, "bucket_mb": args.bucket_mb,
              "method": name, "time_ms": round(t * 1e3, 2),
              "x_raw": round(t / times["raw"], 3)} for name, t in times.items()]
