@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="megabytes per bucket (default 8: 128 MB in all)")
     parser.add_argument("--algorithm", default="auto", help="allreduce algorithm")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per method")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per method, before timing")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed runs per method, before timing")
 
 
 def run(args: argparse.Namespace) -> int:
