@@ -16,6 +16,7 @@ SUITES = {
     "localsgd": "mpicomm.bench.localsgd",
     "selection": "mpicomm.bench.selection",
     "fusion": "mpicomm.bench.fusion",
+    "crossover": "mpicomm.bench.crossover",
 }
 
 
