@@ -152,9 +152,9 @@ class CompressedStrategy(Strategy):
         self._slots: dict[str, int] = {}
 
     # ------------------------------------------------------------------ interface
-    def aggregate(self, tensors: Sequence[Any], names: Sequence[str] | None = None
-                  ) -> list[Any]:
-        return super().aggregate(*self._floating_inputs(tensors, names))
+    def _inputs(self, tensors: Sequence[Any], names: Sequence[str] | None
+                ) -> tuple[list[Any], list[str]]:
+        return self._floating_inputs(tensors, names)
 
     def _floating_inputs(self, tensors: Sequence[Any], names: Sequence[str] | None
                          ) -> tuple[list[Any], list[str]]:

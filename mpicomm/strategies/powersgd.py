@@ -13,7 +13,7 @@ from ..compress import PowerSGD
 from ..compress.powersgd import matrix_shape
 from ..validate import check_int
 from ._compressed import CompressedStrategy, check_allreduce_algorithm
-from .base import DEFAULT_FUSION_BYTES, fuse, measure
+from .base import DEFAULT_FUSION_BYTES, buffer_name, fuse, measure
 
 __all__ = ["PowerSGDAllreduce"]
 
@@ -94,7 +94,7 @@ class PowerSGDAllreduce(CompressedStrategy):
                   ) -> list[Any]:
         tensors, names = self._floating_inputs(tensors, names)
         as_torch = [to_torch(t) for t in tensors]
-        key = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        key = buffer_name(names)
         it = self._step(key)
         results: list[Any] = [None] * len(tensors)
         with measure(self, as_torch):
