@@ -53,6 +53,10 @@ __all__ = [
 
 log = logging.getLogger("mpicomm")
 
+#: Resource keys a dup/split inherits (= mpicomm.collectives.cost.CALIBRATION_KEYS; the
+#: comm layer cannot import the cost model, a test keeps the two equal).
+_CALIBRATION_KEYS = ("cost_params", "compute_params")
+
 _SCALAR_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM}
 
 
@@ -154,8 +158,16 @@ class Communicator:
         )
 
     def dup(self) -> Communicator:
-        """A new communicator over the same ranks (collective)."""
-        return Communicator(self.mpi.Dup(), check=self.check, owns=True)
+        """A new communicator over the same ranks (collective); it keeps this one's
+        calibration (the cost-model parameters in :attr:`resources`)."""
+        return self._inherit(Communicator(self.mpi.Dup(), check=self.check, owns=True))
+
+    def _inherit(self, child: Communicator) -> Communicator:
+        """Copy the calibrated cost-model parameters (immutable values) into ``child``."""
+        for key in _CALIBRATION_KEYS:
+            if key in self.resources:
+                child.resources[key] = self.resources[key]
+        return child
 
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Partition the ranks by ``color`` (collective); ``None`` opts this rank out.
@@ -169,7 +181,7 @@ class Communicator:
                              self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
             return None
-        return Communicator(sub, check=self.check, owns=True)
+        return self._inherit(Communicator(sub, check=self.check, owns=True))
 
     def split_roles(self, num_servers: int, placement: str = "first") -> Roles:
         """Split the ranks into ``num_servers`` parameter servers and the rest workers.

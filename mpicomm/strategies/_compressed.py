@@ -156,6 +156,10 @@ class CompressedStrategy(Strategy):
     def _slot(self, name: str) -> int:
         return self._slots[name]
 
+    def _feedback_seconds(self, numel: int, itemsize: int, compute: Any) -> float:
+        """Modelled time of the error-feedback add (0 without error feedback)."""
+        return numel * itemsize * compute.copy if self.memory is not None else 0.0
+
     def _compensate(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``x + residual`` (a new tensor) with error feedback, else ``x`` itself."""
         return self.memory.compensate(name, x) if self.memory is not None else x
