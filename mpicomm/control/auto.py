@@ -391,8 +391,11 @@ class AutoStrategy(Strategy):
             if len(set(counts)) != 1:
                 raise RuntimeError(f"auto strategy: ranks aggregated different numbers of "
                                    f"buckets this step: {counts}")
-            gains = comm.ctl.allreduce(seconds[-2:].copy(), op=MPI.SUM)
-            seconds = comm.ctl.allreduce(seconds, op=MPI.MAX)
+            gains = np.empty(2)
+            comm.ctl.Allreduce(seconds[-2:].copy(), gains, op=MPI.SUM)
+            agreed = np.empty_like(seconds)
+            comm.ctl.Allreduce(seconds, agreed, op=MPI.MAX)
+            seconds = agreed
             seconds[-2:] = gains
         params = self.online.params
         for r, t in zip(pending, seconds[:-2]):

@@ -24,9 +24,10 @@ from the strategy's own formula) and whose measured time, minus its modelled com
 is ``y_i``. In relative units ``u = alpha/alpha_0``, ``v = beta/beta_0`` each row is
 ``x_i = (a_i·alpha_0, b_i·beta_0)/y_i`` with target 1 (relative error, so small and large
 messages weigh the same). With weights ``decay^age``, plus a ridge ``lam·|(u, v) - (1, 1)|²``
-that keeps the direction no observation determines at the ping-pong value::
+(the ping-pong fit as a pseudo-observation, aging like the others) that keeps a direction
+no recent observation determines near the ping-pong value::
 
-    (u, v) = argmin Σ_i decay^(n-i)·(x_i·(u, v) - 1)² + lam·|(u, v) - 1|²
+    (u, v) = argmin Σ_i decay^(n-i)·(x_i·(u, v) - 1)² + decay^n·lam·|(u, v) - 1|²
 
 This is the EWMA of the sufficient statistics (``decay`` = 1 - EWMA weight). Tuning:
 ``decay`` 0.8-0.95 (lower follows a changing network faster, noisier); ``drift`` 0.25-0.5
@@ -223,8 +224,8 @@ class OnlineCalibration:
         self.params = params
         self.reference = params
         self.decay, self.drift, self.ridge = float(decay), float(drift), float(ridge)
-        self._gram = np.zeros((2, 2))
-        self._rhs = np.zeros(2)
+        self._gram = self.ridge * np.eye(2)   # the ping-pong fit as a pseudo-observation
+        self._rhs = self.ridge * np.ones(2)
         self._pending: list[tuple[float, float, float]] = []
         self.updates = 0
 
@@ -233,16 +234,19 @@ class OnlineCalibration:
         ``seconds`` of communication (compute already subtracted)."""
         self._pending.append((float(a), float(b), float(seconds)))
 
-    def refine(self, comm: Communicator) -> bool:
-        """Agree on the pending observations (max over ranks), update, test for drift."""
-        if comm.size > 1:
+    def refine(self, comm: Communicator | None) -> bool:
+        """Agree on the pending observations (max over ranks), update, test for drift.
+
+        ``comm=None``: the observations are already agreed (identical on every rank)."""
+        if comm is not None and comm.size > 1:
             counts = comm.allgather_object(len(self._pending))
             if len(set(counts)) != 1:
                 raise RuntimeError(f"OnlineCalibration: ranks observed different numbers "
                                    f"of collectives: {counts}")
             if self._pending:
                 local = np.array([s for _, _, s in self._pending])
-                agreed = comm.ctl.allreduce(local, op=MPI.MAX)
+                agreed = np.empty_like(local)
+                comm.ctl.Allreduce(local, agreed, op=MPI.MAX)
                 self._pending = [(a, b, float(s))
                                  for (a, b, _), s in zip(self._pending, agreed)]
         for a, b, seconds in self._pending:
@@ -263,8 +267,8 @@ class OnlineCalibration:
             return
         self._gram = self.decay * self._gram + np.outer(x, x)
         self._rhs = self.decay * self._rhs + x
-        lhs = self._gram + self.ridge * np.eye(2)
-        u, v = np.linalg.solve(lhs, self._rhs + self.ridge)
+        lhs = self._gram + 1e-9 * np.trace(self._gram) * np.eye(2)
+        u, v = np.linalg.solve(lhs, self._rhs)
         u, v = max(float(u), 1e-3), max(float(v), 1e-3)
         self.params = CostParams(alpha=u * self.base.alpha, beta=v * self.base.beta,
                                  gamma=self.base.gamma)
