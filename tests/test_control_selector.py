@@ -154,10 +154,11 @@ def test_cr_controller_explores_restores_and_picks_by_asf():
     points = [(times[c], 1 / gains[c]) for c in sorted(times, reverse=True)]
     assert cr.ratio == sorted(times, reverse=True)[asf_choice(points)]
     assert cr.history[-1].reason == "solve"
-    # a >= 10% gain change starts a new exploration
-    for _ in range(3):
+    # a steady gain never triggers; a sustained >= 10% change does, within a few steps
+    for _ in range(20):
         assert cr.observe(0.6) is None
-    assert cr.observe(0.2) == "save"
+    actions = [cr.observe(0.2) for _ in range(10)]
+    assert "save" in actions
 
 
 def test_cr_controller_resolves_on_network_change():

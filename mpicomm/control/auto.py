@@ -17,8 +17,10 @@ What happens, on every rank identically:
 * each bucket: the cached choice for (bucket, ratio), else :func:`~.selector.select`;
   its time (wall, including an emulated link's delay) is logged against the prediction;
 * :meth:`AutoStrategy.step_done` (after ``optimizer.step()``): the measured times are
-  agreed (max over ranks) and refine alpha/beta (:class:`~.calibration.OnlineCalibration`);
-  a drift clears the choices (re-decide) and tells the CR controller; one
+  agreed (max over ranks) and refine alpha/beta and each scheme's compute factor
+  (:class:`~.calibration.OnlineCalibration`); a drift of alpha/beta, or of a compute
+  factor by the same fraction, clears the choices (re-decide), and a network drift tells
+  the CR controller; one
   :class:`~.selector.Record` per bucket is appended to :attr:`records` and passed to each
   callback in :attr:`callbacks`; the step's compression gain (averaged over ranks) feeds
   the :class:`~.cr.CRController`, whose ``"save"``/``"restore"`` actions snapshot and
@@ -158,6 +160,7 @@ class AutoStrategy(Strategy):
         self._gain_sq = [0.0, 0.0]  # Σ||g_c||², Σ||g_e||² this step
         self._saved: Optional[dict[str, Any]] = None
         self._started = False
+        self._scales_used: dict[str, float] = {}
 
     # ------------------------------------------------------------------ state
     @property
@@ -285,10 +288,11 @@ class AutoStrategy(Strategy):
         params, compute = calibrated(self.comm)
         shapes, itemsize = self._layouts[buf.name]
         p = self.comm.size
+        scales = self.online.compute_scales() if self.online is not None else {}
         if choice is None:
             choice = select(shapes, ratio, itemsize, p, params, compute,
                             schemes=self.schemes, approximate=self.approximate,
-                            fusion_bytes=self.fusion_bytes)
+                            fusion_bytes=self.fusion_bytes, compute_scale=scales)
             self._choices[key] = choice
             self.decisions.append((self.steps, buf.name, choice.scheme, choice.ratio))
         sub = self._sub(choice.scheme, choice.ratio, shapes)
@@ -330,10 +334,12 @@ class AutoStrategy(Strategy):
                  .predict_parts(shapes, itemsize, p, c, compute)  # type: ignore[union-attr]
                  for c in (_ALPHA, _BETA, _GAMMA_ONLY)]
         work = coeff[0]["compute"] + params.gamma * coeff[2]["comm"]
+        a, b = coeff[0]["comm"], coeff[1]["comm"]
+        kappa = scales.get(choice.scheme, 1.0)
         self._pending.append({"bucket": buf.name, "scheme": choice.scheme,
-                              "ratio": choice.ratio, "predicted": choice.predicted,
-                              "seconds": seconds, "a": coeff[0]["comm"],
-                              "b": coeff[1]["comm"], "work": work})
+                              "ratio": choice.ratio, "seconds": seconds, "a": a, "b": b,
+                              "work": work,
+                              "predicted": a * params.alpha + b * params.beta + kappa * work})
         return [o.reshape(-1) for o in out]
 
     # ------------------------------------------------------------------ L-GreCo path
@@ -399,7 +405,7 @@ class AutoStrategy(Strategy):
             seconds[-2:] = gains
         params = self.online.params
         for r, t in zip(pending, seconds[:-2]):
-            self.online.observe(r["a"], r["b"], max(float(t) - r["work"], 0.1 * float(t)))
+            self.online.observe(r["a"], r["b"], float(t), r["work"], r["scheme"])
             rec = Record(self.steps, r["bucket"], r["scheme"], r["ratio"], r["predicted"],
                          float(t), params.alpha, params.beta)
             self.records.append(rec)
@@ -407,8 +413,12 @@ class AutoStrategy(Strategy):
                 cb(rec)
         drift = self.online.refine(None)
         comm.resources["cost_params"] = self.online.params
-        if drift:
+        scales = self.online.compute_scales()
+        moved = any(abs(v - self._scales_used.get(k, 1.0)) > self._drift *
+                    self._scales_used.get(k, 1.0) for k, v in scales.items())
+        if drift or moved:  # re-decide every bucket with the refined model
             self._choices.clear()
+            self._scales_used = scales
         gain = math.sqrt(seconds[-2] / seconds[-1]) if seconds[-1] > 0 else 1.0
         self.steps += 1
         if self.controller is not None:

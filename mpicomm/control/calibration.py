@@ -14,20 +14,25 @@ Three parts, every one ending with numbers that are identical on every rank:
   ``comm.resources`` where :meth:`mpicomm.strategies.Strategy.predict` and ``auto``
   algorithms read it (``dup``/``split`` inherit it).
 * :class:`OnlineCalibration`: exponentially weighted least squares on the measured times
-  of real collectives (agreed across ranks by a max-allreduce), refining alpha and beta
-  while training, and a drift test: when either moves by more than ``drift`` (a fraction)
-  from the values of the last decision, :meth:`OnlineCalibration.refine` says so.
+  of real collectives (agreed across ranks by a max-allreduce), refining alpha, beta and
+  one factor per scheme on its modelled compute (the issue's measured 1.5-4x gap comes
+  from compute and overheads the kernels' rates miss) while training, and a drift test:
+  when alpha or beta moves by more than ``drift`` (a fraction) from the values of the
+  last decision, :meth:`OnlineCalibration.refine` says so.
 
 The refinement in detail: observation ``i`` is a collective whose model is
 ``t_i = a_i·alpha + b_i·beta`` (``a_i`` messages and ``b_i`` bytes on the critical path,
-from the strategy's own formula) and whose measured time, minus its modelled compute,
-is ``y_i``. In relative units ``u = alpha/alpha_0``, ``v = beta/beta_0`` each row is
-``x_i = (a_i·alpha_0, b_i·beta_0)/y_i`` with target 1 (relative error, so small and large
-messages weigh the same). With weights ``decay^age``, plus a ridge ``lam·|(u, v) - (1, 1)|²``
-(the ping-pong fit as a pseudo-observation, aging like the others) that keeps a direction
-no recent observation determines near the ping-pong value::
+from the strategy's own formula) plus ``w_i`` seconds of modelled compute of scheme
+``k_i``, and whose measured time is ``y_i``. Unknowns: ``u = alpha/alpha_0``,
+``v = beta/beta_0`` and one ``κ_k`` per scheme. In units of the prior prediction
+``s_i = a_i·alpha_0 + b_i·beta_0 + w_i`` each row is
+``x_i = (a_i·alpha_0, b_i·beta_0, w_i at k_i)/s_i`` (entries summing to 1) with target
+``y_i/s_i``, so every collective weighs the same whatever its size. With weights
+``decay^age`` and a ridge ``lam·|θ - 1|²`` (the calibration as a pseudo-observation,
+aging like the others) that keeps a direction no recent observation determines near the
+calibrated value::
 
-    (u, v) = argmin Σ_i decay^(n-i)·(x_i·(u, v) - 1)² + decay^n·lam·|(u, v) - 1|²
+    θ = argmin Σ_i decay^(n-i)·(x_i·θ - y_i/s_i)² + decay^n·lam·|θ - 1|²
 
 This is the EWMA of the sufficient statistics (``decay`` = 1 - EWMA weight). Tuning:
 ``decay`` 0.8-0.95 (lower follows a changing network faster, noisier); ``drift`` 0.25-0.5
@@ -202,14 +207,15 @@ def calibrate(comm: Communicator | None = None, links: int = 3,
 
 
 class OnlineCalibration:
-    """EWMA least-squares refinement of alpha and beta from measured collectives, with
-    drift detection (see the module docstring for the estimator).
+    """EWMA least-squares refinement of alpha, beta and per-scheme compute from measured
+    collectives, with drift detection (see the module docstring for the estimator).
 
-    Feed :meth:`observe` on every rank with the same ``(a, b)`` model coefficients (they
-    come from deterministic formulas) and this rank's measured seconds; :meth:`refine`
-    (collective) agrees on the slowest rank's times, updates the fit, and returns True
+    Feed :meth:`observe` on every rank with the same model coefficients (they come from
+    deterministic formulas) and the measured seconds; :meth:`refine` (collective unless
+    ``comm=None``) agrees on the slowest rank's times, updates the fit, and returns True
     when alpha or beta moved more than ``drift`` from the reference, which then becomes
-    the new reference. ``params`` is the current estimate (gamma unchanged).
+    the new reference. ``params`` is the current estimate (gamma unchanged);
+    :meth:`compute_scale` the factor on a scheme's modelled compute (1 until observed).
     """
 
     def __init__(self, params: CostParams, *, decay: float = 0.9, drift: float = 0.3,
@@ -224,15 +230,27 @@ class OnlineCalibration:
         self.params = params
         self.reference = params
         self.decay, self.drift, self.ridge = float(decay), float(drift), float(ridge)
+        self.kinds: list[str] = []                 # compute unknowns after (u, v)
         self._gram = self.ridge * np.eye(2)   # the ping-pong fit as a pseudo-observation
         self._rhs = self.ridge * np.ones(2)
-        self._pending: list[tuple[float, float, float]] = []
+        self._theta = np.ones(2)
+        self._pending: list[tuple[float, float, float, float, str]] = []
         self.updates = 0
 
-    def observe(self, a: float, b: float, seconds: float) -> None:
-        """One collective: ``a`` messages and ``b`` bytes on its critical path, measured
-        ``seconds`` of communication (compute already subtracted)."""
-        self._pending.append((float(a), float(b), float(seconds)))
+    def compute_scale(self, kind: str) -> float:
+        """Fitted factor on the modelled compute of ``kind`` (a scheme name)."""
+        if kind not in self.kinds:
+            return 1.0
+        return float(self._theta[2 + self.kinds.index(kind)])
+
+    def compute_scales(self) -> dict[str, float]:
+        return {k: self.compute_scale(k) for k in self.kinds}
+
+    def observe(self, a: float, b: float, seconds: float, work: float = 0.0,
+                kind: str = "") -> None:
+        """One collective: ``a`` messages and ``b`` bytes on its critical path, ``work``
+        seconds of modelled compute of scheme ``kind``, ``seconds`` measured in all."""
+        self._pending.append((float(a), float(b), float(seconds), float(work), str(kind)))
 
     def refine(self, comm: Communicator | None) -> bool:
         """Agree on the pending observations (max over ranks), update, test for drift.
@@ -244,13 +262,13 @@ class OnlineCalibration:
                 raise RuntimeError(f"OnlineCalibration: ranks observed different numbers "
                                    f"of collectives: {counts}")
             if self._pending:
-                local = np.array([s for _, _, s in self._pending])
+                local = np.array([p[2] for p in self._pending])
                 agreed = np.empty_like(local)
                 comm.ctl.Allreduce(local, agreed, op=MPI.MAX)
-                self._pending = [(a, b, float(s))
-                                 for (a, b, _), s in zip(self._pending, agreed)]
-        for a, b, seconds in self._pending:
-            self._update(a, b, seconds)
+                self._pending = [(a, b, float(t), w, k)
+                                 for (a, b, _, w, k), t in zip(self._pending, agreed)]
+        for a, b, seconds, work, kind in self._pending:
+            self._update(a, b, seconds, work, kind)
         self._pending = []
         ref = self.reference
         moved = (_relative(self.params.alpha, ref.alpha) > self.drift
@@ -259,17 +277,35 @@ class OnlineCalibration:
             self.reference = self.params
         return moved
 
-    def _update(self, a: float, b: float, seconds: float) -> None:
+    def _grow(self, kind: str) -> int:
+        if kind not in self.kinds:
+            self.kinds.append(kind)
+            n = self._gram.shape[0]
+            gram = np.zeros((n + 1, n + 1))
+            gram[:n, :n] = self._gram
+            gram[n, n] = self.ridge
+            self._gram = gram
+            self._rhs = np.append(self._rhs, self.ridge)
+            self._theta = np.append(self._theta, 1.0)
+        return 2 + self.kinds.index(kind)
+
+    def _update(self, a: float, b: float, seconds: float, work: float, kind: str) -> None:
         if not seconds > 0:
             return
-        x = np.array([a * self.base.alpha, b * self.base.beta]) / seconds
-        if not np.any(x > 0):
+        col = self._grow(kind) if work > 0 and kind else None
+        x = np.zeros(self._gram.shape[0])
+        x[0], x[1] = a * self.base.alpha, b * self.base.beta
+        if col is not None:
+            x[col] = work
+        prior = float(x.sum())
+        if not prior > 0:
             return
+        x /= prior  # the row in units of the prior prediction; target = measured/that
         self._gram = self.decay * self._gram + np.outer(x, x)
-        self._rhs = self.decay * self._rhs + x
-        lhs = self._gram + 1e-9 * np.trace(self._gram) * np.eye(2)
-        u, v = np.linalg.solve(lhs, self._rhs)
-        u, v = max(float(u), 1e-3), max(float(v), 1e-3)
+        self._rhs = self.decay * self._rhs + x * (seconds / prior)
+        lhs = self._gram + 1e-9 * np.trace(self._gram) * np.eye(x.size)
+        self._theta = np.maximum(np.linalg.solve(lhs, self._rhs), 1e-3)
+        u, v = float(self._theta[0]), float(self._theta[1])
         self.params = CostParams(alpha=u * self.base.alpha, beta=v * self.base.beta,
                                  gamma=self.base.gamma)
         self.updates += 1

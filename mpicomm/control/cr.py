@@ -13,8 +13,10 @@ form) is measured during *exploration*:
    (action ``"save"``), every candidate runs ``window`` steps (largest first) while the
    mean gain is logged, then the caller restores the state (action ``"restore"``) and the
    MOO solve picks ``c``.
-3. **Triggers**: an EWMA (``gain_smoothing``) of the relative change of the smoothed gain
-   reaching ``trigger`` (10%) starts a new exploration; a network change (drift of the
+3. **Triggers**: the smoothed gain (EWMA, ``gain_smoothing``) moving by ``trigger``
+   (10%) relative to its value right after the last solve starts a new exploration (the
+   code smooths the step-to-step relative change instead; that reacts to noise, not to
+   a sustained change, at the few hundred steps of a small job); a network change (drift of the
    calibration, :meth:`CRController.network_changed`) re-solves with the known gains.
 4. **Solve** (deviation from the code, which fits t_sync and gain with curve_fit and runs
    NSGA-II over the continuous interval): the candidates are discrete, so we take the
@@ -108,7 +110,7 @@ class CRController:
     def __init__(self, sync_time: Callable[[float], float],
                  ratios: Sequence[float] = DEFAULT_RATIOS, *, weights: tuple[float, float]
                  = (0.6, 0.4), choice: str = "asf", window: int = 10, trigger: float = 0.1,
-                 gain_smoothing: float = 0.5, change_smoothing: float = 0.5,
+                 gain_smoothing: float = 0.2,
                  warmup_steps: int = 0, explore: bool = True):
         ratios = sorted({float(c) for c in ratios}, reverse=True)
         if not ratios or any(not 0 < c <= 1 for c in ratios):
@@ -121,20 +123,20 @@ class CRController:
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "window"
                                                                     else 0):
                 raise ValueError(f"{name} must be an int >= {int(name == 'window')}, got {v!r}")
-        for name, v in (("trigger", trigger), ("gain_smoothing", gain_smoothing),
-                        ("change_smoothing", change_smoothing)):
+        for name, v in (("trigger", trigger), ("gain_smoothing", gain_smoothing)):
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
         self.sync_time = sync_time
         self.ratios = tuple(ratios)
         self.weights = (float(weights[0]), float(weights[1]))
         self.choice, self.window, self.trigger = choice, window, float(trigger)
-        self.gain_smoothing, self.change_smoothing = gain_smoothing, change_smoothing
+        self.gain_smoothing = gain_smoothing
+        self._gain_ref = 0.0
         self.warmup_steps, self.explore = warmup_steps, explore
         self.step = 0
         self.gains: dict[float, float] = {}
         self.gain: Optional[float] = None          # EWMA of the gain in exploitation
-        self.change: float = 0.0                   # EWMA of its relative change
+        self.change: float = 0.0                   # its relative change since the solve
         self._exploring: Optional[int] = None      # steps into the current exploration
         self._explore_sums: dict[float, list[float]] = {}
         self.history: list[CRDecision] = []
@@ -179,12 +181,11 @@ class CRController:
                     return self._begin()
             return None
         if self.gain is None:
-            self.gain = gain
+            self.gain = self._gain_ref = gain
             return None
-        previous = self.gain
         self.gain = (1 - self.gain_smoothing) * self.gain + self.gain_smoothing * gain
-        rel = abs(self.gain - previous) / previous if previous > 0 else 0.0
-        self.change = (1 - self.change_smoothing) * self.change + self.change_smoothing * rel
+        ref = self._gain_ref
+        self.change = abs(self.gain - ref) / ref if ref > 0 else 0.0
         if self.explore and self.change >= self.trigger:
             return self._begin()
         return None

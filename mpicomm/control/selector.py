@@ -114,8 +114,13 @@ def select(shapes: Sequence[tuple[int, ...]], ratio: float, itemsize: int, p: in
            params: CostParams, compute: ComputeParams, *,
            schemes: Sequence[str] = SCHEMES, approximate: bool = True,
            gains: Optional[Mapping[str, float]] = None, min_gain: float = 0.0,
-           fusion_bytes: Optional[int] = None) -> Choice:
-    """The cheapest admissible scheme for one fused bucket of ``shapes`` at ``ratio``."""
+           fusion_bytes: Optional[int] = None,
+           compute_scale: Optional[Mapping[str, float]] = None) -> Choice:
+    """The cheapest admissible scheme for one fused bucket of ``shapes`` at ``ratio``.
+
+    ``compute_scale[scheme]`` multiplies that scheme's modelled compute (the online
+    calibration's fitted factor, :meth:`~.calibration.OnlineCalibration.compute_scale`).
+    """
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown or not schemes:
         raise ValueError(f"schemes must be a non-empty subset of {SCHEMES}, got {schemes}")
@@ -136,7 +141,9 @@ def select(shapes: Sequence[tuple[int, ...]], ratio: float, itemsize: int, p: in
                          fusion_bytes=fusion_bytes if fusion_bytes else 2 * size)
         if strategy is None:
             continue
-        candidates[scheme] = strategy.predict(shapes, itemsize, p, params, compute)
+        parts = strategy.predict_parts(shapes, itemsize, p, params, compute)
+        kappa = (compute_scale or {}).get(scheme, 1.0)
+        candidates[scheme] = parts["comm"] + kappa * parts["compute"]
     if not candidates:  # nothing compressed is admissible: dense always is
         candidates["dense"] = build("dense", 1.0, fusion_bytes=2 * size).predict(  # type: ignore
             shapes, itemsize, p, params, compute)
