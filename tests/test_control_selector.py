@@ -142,7 +142,7 @@ def test_pareto_front_asf_and_knee():
 def test_cr_controller_explores_restores_and_picks_by_asf():
     times = {0.1: 10.0, 0.033: 4.0, 0.011: 2.0, 0.004: 1.5, 0.001: 1.4}
     gains = {0.1: 0.9, 0.033: 0.8, 0.011: 0.6, 0.004: 0.3, 0.001: 0.1}
-    cr = CRController(times.__getitem__, window=2, warmup_steps=2)
+    cr = CRController(times.__getitem__, window=2, warmup_steps=2, cooldown=5)
     assert cr.ratio == 1.0 and cr.start() is None  # warm-up from dense first
     assert cr.observe(1.0) is None and 0.1 < cr.ratio < 1.0
     assert cr.observe(1.0) == "save"               # warm-up over: explore
@@ -154,7 +154,8 @@ def test_cr_controller_explores_restores_and_picks_by_asf():
     points = [(times[c], 1 / gains[c]) for c in sorted(times, reverse=True)]
     assert cr.ratio == sorted(times, reverse=True)[asf_choice(points)]
     assert cr.history[-1].reason == "solve"
-    # a steady gain never triggers; a sustained >= 10% change does, within a few steps
+    # a steady gain never triggers; a sustained >= 10% change does, within a few steps,
+    # once the cooldown after the solve is over
     for _ in range(20):
         assert cr.observe(0.6) is None
     actions = [cr.observe(0.2) for _ in range(10)]

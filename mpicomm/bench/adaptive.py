@@ -9,7 +9,8 @@ Run under MPI with 4+ ranks, e.g.
   :func:`mpicomm.strategies.base.link_delay`): after each aggregation every rank sleeps
   ``alpha·messages + beta·bytes`` of the traffic it really sent, i.e. the alpha-beta time
   of a slower link on top of shared memory. ``--schedule`` changes it during the run
-  (``"EPOCH:GBPS:ALPHA_US,..."``, default 1 Gbit/s and 50 us throughout; the emulated
+  (``"EPOCH:GBPS:ALPHA_US,..."``, default 1 Gbit/s and 50 us, from epoch 6 on 0.25
+  Gbit/s and 200 us; the emulated
   cluster with tc-shaped veth links is issue 9's and can replace this).
 * Methods: ``dense``; each static ``scheme@ratio`` of ``--static``; ``auto``
   (:class:`mpicomm.control.AutoStrategy`: calibrated selector + CR controller with
@@ -54,11 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--target", type=float, default=0.93, help="test accuracy target")
-    parser.add_argument("--schedule", default="0:1:50",
+    parser.add_argument("--schedule", default="0:1:50,6:0.25:200",
                         help="EPOCH:GBPS:ALPHA_US,... emulated link from that epoch on")
     parser.add_argument("--static", default=",".join(DEFAULT_STATIC),
                         help="comma-separated scheme@ratio static baselines")
-    parser.add_argument("--window", type=int, default=3, help="auto: exploration window")
+    parser.add_argument("--window", type=int, default=1,
+                        help="auto: exploration window (steps per candidate ratio)")
     parser.add_argument("--lgreco-ratio", type=float, default=0.01)
     parser.add_argument("--lgreco-steps", type=int, default=120)
 
@@ -168,7 +170,7 @@ def lgreco_rows(data: tuple[torch.Tensor, ...], comm: Communicator,
     quick = argparse.Namespace(**{**vars(args), "epochs": max(1, args.lgreco_steps // max(
         1, data[0].shape[0] // args.batch))})
     for lgreco in (False, True):
-        s = AutoStrategy(ratio=args.lgreco_ratio, lgreco=lgreco, lgreco_every=20,
+        s = AutoStrategy(ratio=args.lgreco_ratio, lgreco=lgreco, lgreco_every=10,
                          lgreco_acc_steps=5, schemes=("allgather_topk",))
         row = train(f"lgreco={lgreco}", data, comm, quick, strategy=s)
         if lgreco and s.lgreco is not None and s.lgreco.history:

@@ -95,8 +95,12 @@ class AutoStrategy(Strategy):
         The schemes the selector may pick (default all of :data:`~.selector.SCHEMES`).
     approximate, min_gain:
         Accuracy constraints of the selector (see :func:`~.selector.select`).
-    weights, choice, window, trigger, warmup_steps, explore:
+    weights, choice, window, trigger, warmup_steps, explore, cooldown:
         The CR controller's (:class:`~.cr.CRController`).
+    switch_margin:
+        Hysteresis of a re-decision: the running scheme stays unless another is
+        predicted cheaper by more than this fraction (noise on a shared host otherwise
+        flips schemes, each switch costing a cold start).
     calibrate_links:
         Ping-pong links of the start-up calibration; ``0`` keeps the communicator's
         calibration (or the defaults) without measuring.
@@ -118,6 +122,7 @@ class AutoStrategy(Strategy):
                  explore: bool = True, calibrate_links: int = 3, drift: float = 0.3,
                  decay: float = 0.9, lgreco: bool = False, lgreco_every: int = 50,
                  lgreco_acc_steps: int = 5, history: int = 10_000,
+                 switch_margin: float = 0.1, cooldown: int = 50,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         schemes = tuple(schemes)
@@ -138,7 +143,8 @@ class AutoStrategy(Strategy):
         if ratio is None:
             self.controller = CRController(self.sync_time, ratios, weights=weights,
                                            choice=choice, window=window, trigger=trigger,
-                                           warmup_steps=warmup_steps, explore=explore)
+                                           warmup_steps=warmup_steps, explore=explore,
+                                           cooldown=cooldown)
         self._fixed_ratio = None if ratio is None else float(ratio)
         self.lgreco: Optional[LGreco] = None
         if lgreco:
@@ -161,6 +167,8 @@ class AutoStrategy(Strategy):
         self._saved: Optional[dict[str, Any]] = None
         self._started = False
         self._scales_used: dict[str, float] = {}
+        self._current: dict[tuple[str, float], str] = {}
+        self.switch_margin = float(switch_margin)
 
     # ------------------------------------------------------------------ state
     @property
@@ -265,7 +273,7 @@ class AutoStrategy(Strategy):
             return
         comm = self.comm
         if self.calibrate_links and "compute_params" not in comm.resources:
-            calibrate(comm, links=self.calibrate_links)
+            calibrate(comm, links=self.calibrate_links, compute_numel=1 << 19)
         self.online = OnlineCalibration(calibrated(comm)[0], decay=self._decay,
                                         drift=self._drift)
 
@@ -293,7 +301,15 @@ class AutoStrategy(Strategy):
             choice = select(shapes, ratio, itemsize, p, params, compute,
                             schemes=self.schemes, approximate=self.approximate,
                             fusion_bytes=self.fusion_bytes, compute_scale=scales)
+            current = self._current.get(key)
+            if current is not None and current in choice.candidates and current != \
+                    choice.scheme and choice.candidates[current] <= \
+                    (1 + self.switch_margin) * choice.predicted:
+                # hysteresis: keep the running scheme unless the new one is clearly cheaper
+                choice = Choice(current, 1.0 if current == "dense" else ratio,
+                                choice.candidates[current], choice.candidates)
             self._choices[key] = choice
+            self._current[key] = choice.scheme
             self.decisions.append((self.steps, buf.name, choice.scheme, choice.ratio))
         sub = self._sub(choice.scheme, choice.ratio, shapes)
         comm = self.comm
@@ -393,10 +409,11 @@ class AutoStrategy(Strategy):
         seconds = np.array([r["seconds"] for r in pending] + self._gain_sq, dtype=np.float64)
         self._gain_sq = [0.0, 0.0]
         if comm.size > 1:
-            counts = comm.allgather_object(len(pending))
-            if len(set(counts)) != 1:
-                raise RuntimeError(f"auto strategy: ranks aggregated different numbers of "
-                                   f"buckets this step: {counts}")
+            if comm.check:  # checked mode: the ranks aggregated the same buckets
+                counts = comm.allgather_object(len(pending))
+                if len(set(counts)) != 1:
+                    raise RuntimeError(f"auto strategy: ranks aggregated different numbers "
+                                       f"of buckets this step: {counts}")
             gains = np.empty(2)
             comm.ctl.Allreduce(seconds[-2:].copy(), gains, op=MPI.SUM)
             agreed = np.empty_like(seconds)
@@ -456,7 +473,7 @@ class AutoStrategy(Strategy):
 
 
 def _sq(t: torch.Tensor) -> float:
-    return float(torch.sum(t.detach().double() ** 2))
+    return float(torch.linalg.vector_norm(t.detach())) ** 2
 
 
 def _groups(shapes: list[tuple[int, ...]], itemsize: int, fusion_bytes: int

@@ -14,7 +14,8 @@ form) is measured during *exploration*:
    mean gain is logged, then the caller restores the state (action ``"restore"``) and the
    MOO solve picks ``c``.
 3. **Triggers**: the smoothed gain (EWMA, ``gain_smoothing``) moving by ``trigger``
-   (10%) relative to its value right after the last solve starts a new exploration (the
+   (10%) relative to its value at the end of a ``cooldown`` (steps after the last solve
+   during which no exploration starts) starts a new exploration (the
    code smooths the step-to-step relative change instead; that reacts to noise, not to
    a sustained change, at the few hundred steps of a small job); a network change (drift of the
    calibration, :meth:`CRController.network_changed`) re-solves with the known gains.
@@ -111,7 +112,7 @@ class CRController:
                  ratios: Sequence[float] = DEFAULT_RATIOS, *, weights: tuple[float, float]
                  = (0.6, 0.4), choice: str = "asf", window: int = 10, trigger: float = 0.1,
                  gain_smoothing: float = 0.2,
-                 warmup_steps: int = 0, explore: bool = True):
+                 warmup_steps: int = 0, explore: bool = True, cooldown: int = 50):
         ratios = sorted({float(c) for c in ratios}, reverse=True)
         if not ratios or any(not 0 < c <= 1 for c in ratios):
             raise ValueError(f"ratios must be in (0, 1], got {ratios}")
@@ -119,7 +120,8 @@ class CRController:
             raise ValueError(f"choice must be 'asf' or 'knee', got {choice!r}")
         if len(weights) != 2 or any(w <= 0 for w in weights):
             raise ValueError(f"weights must be two positive numbers, got {weights!r}")
-        for name, v in (("window", window), ("warmup_steps", warmup_steps)):
+        for name, v in (("window", window), ("warmup_steps", warmup_steps),
+                        ("cooldown", cooldown)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "window"
                                                                     else 0):
                 raise ValueError(f"{name} must be an int >= {int(name == 'window')}, got {v!r}")
@@ -131,7 +133,9 @@ class CRController:
         self.weights = (float(weights[0]), float(weights[1]))
         self.choice, self.window, self.trigger = choice, window, float(trigger)
         self.gain_smoothing = gain_smoothing
+        self.cooldown = cooldown
         self._gain_ref = 0.0
+        self._solved_at = 0
         self.warmup_steps, self.explore = warmup_steps, explore
         self.step = 0
         self.gains: dict[float, float] = {}
@@ -168,6 +172,7 @@ class CRController:
                 return None
             self.gains = {c: sum(v) / len(v) for c, v in self._explore_sums.items()}
             self._exploring = None
+            self._solved_at = self.step
             self.gain, self.change = None, 0.0
             self._solve("solve")
             return "restore"
@@ -181,9 +186,12 @@ class CRController:
                     return self._begin()
             return None
         if self.gain is None:
-            self.gain = self._gain_ref = gain
+            self.gain = gain
             return None
         self.gain = (1 - self.gain_smoothing) * self.gain + self.gain_smoothing * gain
+        if self.step - self._solved_at <= self.cooldown:
+            self._gain_ref = self.gain  # the level the trigger compares against
+            return None
         ref = self._gain_ref
         self.change = abs(self.gain - ref) / ref if ref > 0 else 0.0
         if self.explore and self.change >= self.trigger:
