@@ -202,6 +202,19 @@ def test_online_calibration_tracks_a_bandwidth_change_and_flags_drift():
     assert cal.params.alpha == pytest.approx(base.alpha, rel=0.5)
 
 
+def test_link_delay_is_the_alpha_beta_time_of_the_traffic_sent():
+    from mpicomm.comm import Traffic
+    from mpicomm.strategies.base import link_delay
+
+    class Fake:
+        resources: dict = {}
+
+    fake = Fake()
+    assert link_delay(fake, Traffic(1000, 0, 3)) == 0.0
+    fake.resources = {"emulated_link": (1e-4, 1e-8)}
+    assert link_delay(fake, Traffic(1000, 500, 3)) == pytest.approx(3e-4 + 1e-5)
+
+
 def test_calibration_keys_match_the_communicator():
     from mpicomm import comm as comm_module
 

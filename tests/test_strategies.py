@@ -239,6 +239,9 @@ def test_predict_uses_the_cost_model():
     assert comm_s(PowerSGDAllreduce(rank=4), shapes) == pytest.approx(
         cost.allreduce_ring(400 * 4, p, c) + cost.allreduce_ring(800 * 4, p, c)
         + cost.allreduce_ring(800, p, c))
+    sign = SignAllgather()
+    wire = sign.compressor.wire_bytes(10) + sign.compressor.wire_bytes(20)
+    assert comm_s(sign, [(10,), (20,)]) == pytest.approx(cost.allgather_ring(wire * p, p, c))
     # shapes are fused as aggregate fuses them: two small tensors = one buffer
     assert comm_s(TopKAllgather(k=k), [(d // 2,), (d // 2,)]) == pytest.approx(
         comm_s(TopKAllgather(k=k), d))

@@ -68,7 +68,7 @@ from ..compress import ErrorFeedback
 from ..selection import topk_indices
 from ..sparse import artopk, topk_allgather
 from ..strategies._compressed import CompressedStrategy, check_floating
-from ..strategies.base import DEFAULT_FUSION_BYTES, Strategy, fuse, link_delay
+from ..strategies.base import DEFAULT_FUSION_BYTES, Strategy, fuse, fused_groups, link_delay
 from .calibration import OnlineCalibration, calibrate
 from .cr import DEFAULT_RATIOS, CRController
 from .lgreco import LGreco
@@ -217,7 +217,8 @@ class AutoStrategy(Strategy):
                         params: CostParams, compute: Any) -> dict[str, float]:
         """The selector's cheapest scheme at the current ratio, per fused buffer."""
         comm_s = work = 0.0
-        for group in _groups(shapes, itemsize, self.fusion_bytes):
+        for positions in fused_groups(shapes, itemsize, self.fusion_bytes):
+            group = [shapes[i] for i in positions]
             choice = select(group, self.ratio, itemsize, p, params, compute,
                             schemes=self.schemes, approximate=self.approximate)
             sub = build(choice.scheme, choice.ratio, group, fusion_bytes=self.fusion_bytes)
@@ -475,17 +476,3 @@ class AutoStrategy(Strategy):
 def _sq(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t.detach())) ** 2
 
-
-def _groups(shapes: list[tuple[int, ...]], itemsize: int, fusion_bytes: int
-            ) -> list[list[tuple[int, ...]]]:
-    out: list[list[tuple[int, ...]]] = []
-    size = 0
-    for s in shapes:
-        n = math.prod(s) * itemsize
-        if out and size + n <= fusion_bytes:
-            out[-1].append(s)
-            size += n
-        else:
-            out.append([s])
-            size = n
-    return out

@@ -114,25 +114,26 @@ def fuse(tensors: Sequence[Any], names: Sequence[str], fusion_bytes: int) -> lis
 
 def fused_groups(shapes: Sequence[tuple[int, ...]], itemsize: int, fusion_bytes: int
                  ) -> list[list[int]]:
-    """The element counts of the tensors of each flat buffer :func:`fuse` makes of
-    same-dtype tensors of ``shapes`` (the model of fusion :meth:`Strategy.predict` uses)."""
+    """Positions in ``shapes`` of the tensors of each flat buffer :func:`fuse` makes of
+    same-dtype tensors (the model of fusion :meth:`Strategy.predict` uses)."""
     out: list[list[int]] = []
     size = 0
-    for shape in shapes:
-        n = math.prod(shape)
-        if out and size + n * itemsize <= fusion_bytes:
-            out[-1].append(n)
-            size += n * itemsize
+    for i, shape in enumerate(shapes):
+        n = math.prod(shape) * itemsize
+        if out and size + n <= fusion_bytes:
+            out[-1].append(i)
+            size += n
         else:
-            out.append([n])
-            size = n * itemsize
+            out.append([i])
+            size = n
     return out
 
 
 def fused_sizes(shapes: Sequence[tuple[int, ...]], itemsize: int, fusion_bytes: int
                 ) -> list[int]:
     """Element counts of the flat buffers of :func:`fused_groups`."""
-    return [sum(g) for g in fused_groups(shapes, itemsize, fusion_bytes)]
+    return [sum(math.prod(shapes[i]) for i in g)
+            for g in fused_groups(shapes, itemsize, fusion_bytes)]
 
 
 def link_delay(comm: Communicator, moved: Traffic) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,7 +108,8 @@ class SignAllgather(CompressedStrategy):
         compute: compensation, encode, decode of P payloads."""
         algorithm = "mpi" if self.algorithm == "auto" else self.algorithm
         comm_s = work = 0.0
-        for numels in fused_groups(shapes, itemsize, self.fusion_bytes):
+        for group in fused_groups(shapes, itemsize, self.fusion_bytes):
+            numels = [math.prod(shapes[i]) for i in group]
             m = sum(self.compressor.wire_bytes(n) for n in numels)
             comm_s += cost.predict("allgather", algorithm, m * p, p, params)
             work += (2 + p) * sum(numels) * itemsize * compute.copy
