@@ -322,8 +322,8 @@ def test_auto_in_gradsync_decides_identically_and_restores_after_exploring(comm)
         mine = (auto.decisions, [(h.step, h.reason, h.ratio) for h in auto.controller.history],
                 [(r.bucket, r.scheme, r.ratio, r.measured) for r in auto.records], seen)
         assert comm.allgather_object(mine) == [mine] * comm.size
-        # one record per bucket per step, predicted and measured both positive
-        assert len(auto.records) == 9 * len({r.bucket for r in auto.records})
+        # one record per bucket per step (the last step is agreed at the next one)
+        assert len(auto.records) == 8 * len({r.bucket for r in auto.records})
         assert all(r.measured > 0 for r in auto.records)
         # exploration ran the three ratios once and then solved
         assert [h.reason for h in auto.controller.history][:1] == ["solve"]
@@ -339,8 +339,9 @@ def test_auto_in_gradsync_decides_identically_and_restores_after_exploring(comm)
 
 @pytest.mark.mpi
 def test_auto_exploration_restores_the_saved_model(comm):
-    """With window=2 and two ratios: the state is saved after step 0, steps 1-4 explore,
-    and after step 4 the model is restored to the saved state; step 5 trains on."""
+    """window=2, two ratios, decisions one step behind the measurements: exploration
+    starts with step 1 and the state is saved after it; steps 1-4 are measured, the
+    restore comes after step 5, back to the state saved after step 1; step 6 trains on."""
     from mpicomm.control import AutoStrategy
     from mpicomm.torch import GradientSync
 
@@ -350,13 +351,13 @@ def test_auto_exploration_restores_the_saved_model(comm):
     auto = AutoStrategy(calibrate_links=1, window=2, ratios=(0.5, 0.2))
     states = []
     with GradientSync(model, strategy=auto, comm=comm) as sync:
-        for step in range(6):
+        for step in range(7):
             opt.zero_grad()
             model(torch.full((4, 6), float(step + comm.rank))).sum().backward()
             sync.step(opt)
             states.append(copy_state(model))
-    assert states[4] == states[0]
-    assert states[1] != states[0] and states[5] != states[4]
+    assert states[5] == states[1]
+    assert states[2] != states[1] and states[6] != states[5]
     assert [h.reason for h in auto.controller.history] == ["solve"]
 
 
@@ -366,7 +367,7 @@ def copy_state(model):
 
 @pytest.mark.mpi
 def test_auto_lgreco_densities_identical_and_no_larger_than_uniform(comm):
-    auto, _, _ = _train_auto(comm, 6, ratio=0.1, lgreco=True, lgreco_every=3,
+    auto, _, _ = _train_auto(comm, 7, ratio=0.1, lgreco=True, lgreco_every=3,
                              lgreco_acc_steps=2, schemes=("allgather_topk", "artopk_ring"))
     assert len(auto.lgreco.history) == 2
     mine = [sorted(h["densities"].items()) for h in auto.lgreco.history]

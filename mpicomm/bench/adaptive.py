@@ -184,6 +184,8 @@ def lgreco_rows(data: tuple[torch.Tensor, ...], comm: Communicator,
 def run(args: argparse.Namespace) -> int:
     comm = init()
     data = load(comm)
+    warm = make_model(8)  # the first optimizer step imports torch._dynamo (seconds): not
+    torch.optim.SGD(warm.parameters(), lr=0.1).step()  # in any method's time
     methods = ["dense", *[m for m in args.static.split(",") if m], "auto"]
     rows = [train(m, data, comm, args) for m in methods]
     dense = rows[0]

@@ -16,8 +16,10 @@ What happens, on every rank identically:
   several links + compute kernels) unless the communicator is calibrated already;
 * each bucket: the cached choice for (bucket, ratio), else :func:`~.selector.select`;
   its time (wall, including an emulated link's delay) is logged against the prediction;
-* :meth:`AutoStrategy.step_done` (after ``optimizer.step()``): the measured times are
-  agreed (max over ranks) and refine alpha/beta and each scheme's compute factor
+* :meth:`AutoStrategy.step_done` (after ``optimizer.step()``) closes the step; at the
+  start of the next aggregation (inside the collective sequence, so no extra wait) the
+  step's measured times are agreed (max over ranks) and refine alpha/beta and each
+  scheme's compute factor
   (:class:`~.calibration.OnlineCalibration`); a drift of alpha/beta, or of a compute
   factor by the same fraction, clears the choices (re-decide), and a network drift tells
   the CR controller; one
@@ -25,7 +27,10 @@ What happens, on every rank identically:
   callback in :attr:`callbacks`; the step's compression gain (averaged over ranks) feeds
   the :class:`~.cr.CRController`, whose ``"save"``/``"restore"`` actions snapshot and
   restore the model, the optimizer and the error-feedback memory around exploration
-  windows; every ``lgreco_every`` steps :class:`~.lgreco.LGreco` re-solves per-layer
+  windows at the next ``step_done`` (decisions lag the measurements by one step: the
+  step that runs while a decision is agreed already uses it, and the update of the
+  first exploration step is kept — ours; the paper's loop is synchronous); every
+  ``lgreco_every`` steps :class:`~.lgreco.LGreco` re-solves per-layer
   densities on rank 0 and broadcasts them.
 
 Error feedback: one memory shared by every scheme, keyed by bucket name, so a switch
@@ -166,6 +171,8 @@ class AutoStrategy(Strategy):
         self._gain_sq = [0.0, 0.0]  # Σ||g_c||², Σ||g_e||² this step
         self._saved: Optional[dict[str, Any]] = None
         self._started = False
+        self._done: list[tuple[list[dict[str, Any]], list[float]]] = []
+        self._action: Optional[str] = None
         self._scales_used: dict[str, float] = {}
         self._current: dict[tuple[str, float], str] = {}
         self.switch_margin = float(switch_margin)
@@ -243,6 +250,8 @@ class AutoStrategy(Strategy):
         tensors, names = self._validate(tensors, names)
         check_floating(tensors, names)
         self._ensure_calibrated()
+        if self._done:
+            self._agree()
         as_torch = [to_torch(t) for t in tensors]
         results: list[Any] = [None] * len(tensors)
         comm = self.comm
@@ -353,7 +362,8 @@ class AutoStrategy(Strategy):
         work = coeff[0]["compute"] + params.gamma * coeff[2]["comm"]
         a, b = coeff[0]["comm"], coeff[1]["comm"]
         kappa = scales.get(choice.scheme, 1.0)
-        self._pending.append({"bucket": buf.name, "scheme": choice.scheme,
+        self._pending.append({"step": self.steps, "bucket": buf.name,
+                              "scheme": choice.scheme,
                               "ratio": choice.ratio, "seconds": seconds, "a": a, "b": b,
                               "work": work,
                               "predicted": a * params.alpha + b * params.beta + kappa * work})
@@ -400,21 +410,39 @@ class AutoStrategy(Strategy):
 
     # ------------------------------------------------------------------ the step
     def step_done(self, model: Any = None, optimizer: Any = None) -> None:
-        """Agree, log, refine, and let the controllers decide (collective; see the module
-        docstring). ``model``/``optimizer`` are saved and restored around CR exploration
-        windows (without them the windows run but nothing is restored)."""
-        self._ensure_calibrated()
+        """End of a training step (no communication here; see the module docstring).
+
+        The step's measurements are queued for agreement, and an action the controllers
+        decided earlier is carried out now, at this safe point: ``model``/``optimizer``
+        (and the error-feedback memory) are saved or restored around CR exploration
+        windows (without them the windows run but only the memory is restored)."""
+        self._done.append((self._pending, self._gain_sq))
+        self._pending, self._gain_sq = [], [0.0, 0.0]
+        self.steps += 1
+        action, self._action = self._action, None
+        self._act(action, model, optimizer)
+
+    def _agree(self) -> None:
+        """Agree on the finished steps' measurements and decide (collective; runs at the
+        start of the next aggregation, inside the collective sequence every rank is in,
+        so the ranks' waiting for each other is absorbed by the bucket's own exchange).
+        Decisions therefore lag the measurements by one step."""
         assert self.online is not None
         comm = self.comm
-        pending, self._pending = self._pending, []
-        seconds = np.array([r["seconds"] for r in pending] + self._gain_sq, dtype=np.float64)
-        self._gain_sq = [0.0, 0.0]
+        for pending, gain_sq in self._done:
+            self._agree_step(comm, pending, gain_sq)
+        self._done = []
+
+    def _agree_step(self, comm: Any, pending: list[dict[str, Any]],
+                    gain_sq: list[float]) -> None:
+        assert self.online is not None
+        seconds = np.array([r["seconds"] for r in pending] + gain_sq, dtype=np.float64)
         if comm.size > 1:
             if comm.check:  # checked mode: the ranks aggregated the same buckets
                 counts = comm.allgather_object(len(pending))
                 if len(set(counts)) != 1:
                     raise RuntimeError(f"auto strategy: ranks aggregated different numbers "
-                                       f"of buckets this step: {counts}")
+                                       f"of buckets in a step: {counts}")
             gains = np.empty(2)
             comm.ctl.Allreduce(seconds[-2:].copy(), gains, op=MPI.SUM)
             agreed = np.empty_like(seconds)
@@ -424,7 +452,7 @@ class AutoStrategy(Strategy):
         params = self.online.params
         for r, t in zip(pending, seconds[:-2]):
             self.online.observe(r["a"], r["b"], float(t), r["work"], r["scheme"])
-            rec = Record(self.steps, r["bucket"], r["scheme"], r["ratio"], r["predicted"],
+            rec = Record(r["step"], r["bucket"], r["scheme"], r["ratio"], r["predicted"],
                          float(t), params.alpha, params.beta)
             self.records.append(rec)
             for cb in self.callbacks:
@@ -438,7 +466,7 @@ class AutoStrategy(Strategy):
             self._choices.clear()
             self._scales_used = scales
         gain = math.sqrt(seconds[-2] / seconds[-1]) if seconds[-1] > 0 else 1.0
-        self.steps += 1
+        step = pending[0]["step"] + 1 if pending else self.steps
         if self.controller is not None:
             before = self.controller.ratio
             if drift:
@@ -448,12 +476,13 @@ class AutoStrategy(Strategy):
                 action = self.controller.start()
             else:
                 action = self.controller.observe(min(gain, 1.0))
-            self._act(action, model, optimizer)
+            if action is not None:
+                self._action = action
             if self.controller.ratio != before:
                 self._choices = {k: v for k, v in self._choices.items()
                                  if k[1] == self.controller.ratio}
         lg = self.lgreco
-        if lg is not None and self.steps % lg.every == 0:
+        if lg is not None and step % lg.every == 0:
             numels = {layer: n for segs in self._segments.values() for layer, n in segs}
             lg.adjust(comm, numels)
 

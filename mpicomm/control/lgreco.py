@@ -55,6 +55,13 @@ def lgreco_solve(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[flo
     ``sizes[l][j]`` and ``errors[l][j]`` for layer l, candidate j (non-negative; errors
     may be ``inf``/``nan`` for unusable candidates). ``ValueError`` when the shapes
     differ, a value is negative, or no assignment fits the discretized budget.
+
+    Discretization: ``budget`` is cut into ``buckets`` units; an error costs
+    ``max(1, ceil(err / (budget / buckets)))`` units and the DP is exact over those
+    integers (optimal among assignments whose rounded units sum to <= ``buckets``).
+    Rounding up keeps the true total error <= ``budget``; an assignment within the budget
+    but over it after rounding (at most one unit of slack per layer) is not found. Ties
+    in size go to fewer error units, then to lower candidate indices.
     """
     if len(sizes) != len(errors):
         raise ValueError(f"sizes has {len(sizes)} layers but errors has {len(errors)}")
