@@ -18,7 +18,8 @@ What happens, on every rank identically:
   its time (wall, including an emulated link's delay) is logged against the prediction;
 * :meth:`AutoStrategy.step_done` (after ``optimizer.step()``) closes the step; at the
   start of the next aggregation (inside the collective sequence, so no extra wait) the
-  step's measured times are agreed (max over ranks) and refine alpha/beta and each
+  step's measured times are agreed (mean over ranks, one small allreduce with the
+  gains) and refine alpha/beta and each
   scheme's compute factor
   (:class:`~.calibration.OnlineCalibration`); a drift of alpha/beta, or of a compute
   factor by the same fraction, clears the choices (re-decide), and a network drift tells
@@ -341,10 +342,14 @@ class AutoStrategy(Strategy):
                 averaged = sub.aggregate_flat(flat, buf.name)
             else:
                 held = self.memory.residual(buf.name) if buf.name in self.memory else None
-                c = flat if held is None else flat + to_torch(held)
-                e_sq = _sq(c)
-                self._accumulate(buf.name, c)
+                h = None if held is None else to_torch(held)
+                # ||g + e||² without forming g + e (the strategy forms it once itself)
+                e_sq = _sq(flat) if h is None else max(
+                    _sq(flat) + 2 * float(torch.dot(flat.reshape(-1), h.reshape(-1)))
+                    + _sq(h), 0.0)
                 if self.lgreco is not None:
+                    c = flat if h is None else flat + h
+                    self._accumulate(buf.name, c)
                     averaged = self._segmented(choice.scheme, choice.ratio, c, buf.name)
                 else:
                     averaged = sub.aggregate_flat(flat, buf.name)
@@ -443,12 +448,10 @@ class AutoStrategy(Strategy):
                 if len(set(counts)) != 1:
                     raise RuntimeError(f"auto strategy: ranks aggregated different numbers "
                                        f"of buckets in a step: {counts}")
-            gains = np.empty(2)
-            comm.ctl.Allreduce(seconds[-2:].copy(), gains, op=MPI.SUM)
-            agreed = np.empty_like(seconds)
-            comm.ctl.Allreduce(seconds, agreed, op=MPI.MAX)
+            agreed = np.empty_like(seconds)  # ONE small allreduce per step
+            comm.ctl.Allreduce(seconds, agreed, op=MPI.SUM)
             seconds = agreed
-            seconds[-2:] = gains
+            seconds[:-2] /= comm.size
         params = self.online.params
         for r, t in zip(pending, seconds[:-2]):
             self.online.observe(r["a"], r["b"], float(t), r["work"], r["scheme"])

@@ -57,8 +57,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class Record:
-    """Predicted against measured time of one bucket's aggregation (agreed: the slowest
-    rank's time), for logs, traces and metrics (:attr:`AutoStrategy.records`)."""
+    """Predicted against measured time of one bucket's aggregation (agreed: the mean
+    over ranks), for logs, traces and metrics (:attr:`AutoStrategy.records`)."""
 
     step: int
     bucket: str
