@@ -77,7 +77,7 @@ from ..strategies._compressed import CompressedStrategy, check_floating
 from ..strategies.base import DEFAULT_FUSION_BYTES, Strategy, fuse, fused_groups, link_delay
 from .calibration import OnlineCalibration, calibrate
 from .cr import DEFAULT_RATIOS, CRController
-from .lgreco import LGreco
+from .lgreco import DEFAULT_FACTORS, LGreco
 from .selector import SCHEMES, Choice, Record, build, select
 
 __all__ = ["AutoStrategy"]
@@ -112,8 +112,10 @@ class AutoStrategy(Strategy):
         calibration (or the defaults) without measuring.
     drift, decay:
         :class:`~.calibration.OnlineCalibration`'s drift fraction and EWMA decay.
-    lgreco, lgreco_every, lgreco_acc_steps:
-        Per-layer densities (:class:`~.lgreco.LGreco`), re-solved every so many steps.
+    lgreco, lgreco_every, lgreco_acc_steps, lgreco_factors:
+        Per-layer densities (:class:`~.lgreco.LGreco`), re-solved every so many steps
+        from candidates ``factors × the uniform density`` (``(1.0,)``: per-layer uniform,
+        the baseline at the same total error).
     history:
         How many :class:`~.selector.Record` entries :attr:`records` keeps.
     """
@@ -129,6 +131,7 @@ class AutoStrategy(Strategy):
                  decay: float = 0.9, lgreco: bool = False, lgreco_every: int = 50,
                  lgreco_acc_steps: int = 5, history: int = 10_000,
                  switch_margin: float = 0.1, cooldown: int = 50,
+                 lgreco_factors: Sequence[float] = DEFAULT_FACTORS,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         schemes = tuple(schemes)
@@ -156,7 +159,7 @@ class AutoStrategy(Strategy):
         if lgreco:
             default = ratio if ratio is not None else max(ratios)
             self.lgreco = LGreco(min(default, 1.0), every=lgreco_every,
-                                 acc_steps=lgreco_acc_steps)
+                                 acc_steps=lgreco_acc_steps, factors=lgreco_factors)
         self.memory = ErrorFeedback()
         self.records: deque[Record] = deque(maxlen=history)
         #: Called with each :class:`~.selector.Record` (e.g. a trace or metrics exporter).
