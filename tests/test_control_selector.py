@@ -293,7 +293,7 @@ def test_calibrate_gives_every_rank_the_same_numbers_and_dup_keeps_them(comm):
         comm.resources.update(saved)
 
 
-def _train_auto(comm, steps, **options):
+def _train_auto(comm, steps, calibrate_links=0, **options):
     from mpicomm.control import AutoStrategy
     from mpicomm.torch import GradientSync
 
@@ -301,7 +301,7 @@ def _train_auto(comm, steps, **options):
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    auto = AutoStrategy(calibrate_links=1, **options)
+    auto = AutoStrategy(calibrate_links=calibrate_links, **options)
     gen = torch.Generator().manual_seed(100 + comm.rank)
     seen = []
     with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
@@ -317,7 +317,8 @@ def _train_auto(comm, steps, **options):
 
 @pytest.mark.mpi
 def test_auto_in_gradsync_decides_identically_and_restores_after_exploring(comm):
-    auto, weights, seen = _train_auto(comm, 9, window=1, ratios=(0.5, 0.1, 0.02))
+    auto, weights, seen = _train_auto(comm, 9, calibrate_links=1, window=1,
+                                      ratios=(0.5, 0.1, 0.02))
     try:
         mine = (auto.decisions, [(h.step, h.reason, h.ratio) for h in auto.controller.history],
                 [(r.bucket, r.scheme, r.ratio, r.measured) for r in auto.records], seen)
@@ -348,7 +349,7 @@ def test_auto_exploration_restores_the_saved_model(comm):
     torch.manual_seed(1)
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    auto = AutoStrategy(calibrate_links=1, window=2, ratios=(0.5, 0.2))
+    auto = AutoStrategy(calibrate_links=0, window=2, ratios=(0.5, 0.2))
     states = []
     with GradientSync(model, strategy=auto, comm=comm) as sync:
         for step in range(7):
