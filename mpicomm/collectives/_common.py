@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from ..buffers import REDUCE_OPS, ArrayOps, BufferInfo
 from ..comm import Traffic
+from ..linkdelay import LinkDelay, link_delay
 from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the algorithms)
     TAG_ALLGATHER,
     TAG_ALLREDUCE,
@@ -22,18 +23,20 @@ from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the a
 @dataclass
 class Ctx:
     """Everything an algorithm needs: the private MPI communicator, array kernels, and the
-    communicator's traffic counter (every send and receive below is counted)."""
+    communicator's traffic counter (every send and receive below is counted), and the
+    emulated cluster's latency injector (:mod:`mpicomm.linkdelay`; None outside it)."""
 
     mpi: MPI.Intracomm
     rank: int
     size: int
     ops: ArrayOps
     traffic: Traffic
+    delay: LinkDelay | None = None
 
     @classmethod
     def of(cls, comm: Any, ops: ArrayOps) -> Ctx:
         """The context for running an algorithm on ``comm`` (an mpicomm Communicator)."""
-        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic)
+        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, link_delay(comm))
 
     def _nbytes(self, a: Any) -> int:
         return int(a.shape[0]) * self.ops.itemsize(a)
@@ -49,22 +52,33 @@ class Ctx:
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int, tag: int) -> None:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``."""
         self._count(send, recv)
+        if self.delay is not None:
+            self.delay.before_send(dest)
+            self.delay.after_receive()
         self.mpi.Sendrecv(self.ops.msg(send), dest, tag, self.ops.msg(recv), source, tag)
 
     def send(self, data: Any, dest: int, tag: int) -> None:
         self._count(sent=data)
+        if self.delay is not None:
+            self.delay.before_send(dest)
         self.mpi.Send(self.ops.msg(data), dest, tag)
 
     def recv(self, data: Any, source: int, tag: int) -> None:
         self._count(received=data)
+        if self.delay is not None:
+            self.delay.after_receive()
         self.mpi.Recv(self.ops.msg(data), source, tag)
 
     def isend(self, data: Any, dest: int, tag: int) -> MPI.Request:
         self._count(sent=data)
+        if self.delay is not None:
+            self.delay.before_send(dest)
         return self.mpi.Isend(self.ops.msg(data), dest, tag)
 
     def irecv(self, data: Any, source: int, tag: int) -> MPI.Request:
         self._count(received=data)
+        if self.delay is not None:
+            self.delay.after_receive()
         return self.mpi.Irecv(self.ops.msg(data), source, tag)
 
 
