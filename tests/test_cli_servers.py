@@ -1,0 +1,47 @@
+"""``python -m mpicomm run --servers S``: the server count reaches every rank and the
+exit status still passes through."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mpicomm import cli
+
+from .launch import ROOT, clean_env
+
+SCRIPT = ("import sys; from mpi4py import MPI; from mpicomm.cli import ps_servers; "
+          "r = MPI.COMM_WORLD.Get_rank(); print(f'rank {r} servers {ps_servers()}'); "
+          "sys.exit(4 if r == 2 else 0)")
+
+
+def mpicomm_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpicomm", "run", *args], cwd=ROOT,
+                          env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=60)
+
+
+def test_servers_reach_every_rank_and_status_passes_through() -> None:
+    res = mpicomm_run("-n", "3", "--servers", "2", "--", sys.executable, "-c", SCRIPT)
+    assert res.returncode == 4, res.stdout
+    for r in range(3):
+        assert f"rank {r} servers 2" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("servers", ["0", "3", "-1"])
+def test_servers_out_of_range(servers: str) -> None:
+    res = mpicomm_run("-n", "3", "--servers", servers, "--", sys.executable, "-c", "0")
+    assert res.returncode == 2 and "--servers must be in [1, 2]" in res.stdout, res.stdout
+
+
+def test_ps_servers_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cli.ENV_PS_SERVERS, raising=False)
+    assert cli.ps_servers() is None and cli.ps_servers(1) == 1
+    monkeypatch.setenv(cli.ENV_PS_SERVERS, "3")
+    assert cli.ps_servers(1) == 3
+    for bad in ("0", "two", "-2"):
+        monkeypatch.setenv(cli.ENV_PS_SERVERS, bad)
+        with pytest.raises(ValueError, match="MPICOMM_PS_SERVERS"):
+            cli.ps_servers()
