@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +46,36 @@ def test_ps_servers_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setenv(cli.ENV_PS_SERVERS, bad)
         with pytest.raises(ValueError, match="MPICOMM_PS_SERVERS"):
             cli.ps_servers()
+
+
+SLURM = str(ROOT / "launchers" / "slurm-mpicomm.sbatch")
+
+
+def slurm_env(tmp_path, **extra: str) -> dict[str, str]:
+    return clean_env(SLURM_SUBMIT_DIR=str(ROOT), SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="2",
+                     SLURM_JOB_NODELIST="node[01-02]", SLURM_CPUS_PER_TASK="1",
+                     VENV=str(Path(sys.executable).parent.parent), **extra)
+
+
+def test_slurm_template_mpiexec_branch_runs_the_job(tmp_path) -> None:
+    """The batch script outside Slurm (its variables faked): the mpiexec branch starts
+    SLURM_NTASKS ranks of the given command, passes --servers on, keeps the status."""
+    res = subprocess.run(["bash", SLURM, sys.executable, "-c", SCRIPT], cwd=ROOT,
+                         env=slurm_env(tmp_path, LAUNCH="mpiexec", SERVERS="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=90)
+    assert res.returncode == 0, res.stdout  # rank 2 (exit 4) does not exist with 2 ranks
+    assert "rank 0 servers 1" in res.stdout and "rank 1 servers 1" in res.stdout, res.stdout
+
+
+def test_slurm_template_srun_branch(tmp_path) -> None:
+    fake = tmp_path / "srun"
+    fake.write_text('#!/bin/sh\necho "srun $*"\nexit 3\n')
+    fake.chmod(0o755)
+    env = slurm_env(tmp_path, LAUNCH="srun")
+    env["PATH"] = f"{tmp_path}:{env['PATH']}"
+    res = subprocess.run(["bash", SLURM, "prog", "--flag"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=60)
+    assert res.returncode == 3, res.stdout
+    assert "srun --mpi=pmix --cpu-bind=cores prog --flag" in res.stdout, res.stdout
