@@ -32,9 +32,9 @@ def test_servers_reach_every_rank_and_status_passes_through() -> None:
 
 
 @pytest.mark.parametrize("servers", ["0", "3", "-1"])
-def test_servers_out_of_range(servers: str) -> None:
-    res = mpicomm_run("-n", "3", "--servers", servers, "--", sys.executable, "-c", "0")
-    assert res.returncode == 2 and "--servers must be in [1, 2]" in res.stdout, res.stdout
+def test_servers_out_of_range(servers: str, capsys: pytest.CaptureFixture) -> None:
+    code = cli.main(["run", "-n", "3", "--servers", servers, "--", sys.executable, "-c", "0"])
+    assert code == 2 and "--servers must be in [1, 2]" in capsys.readouterr().err
 
 
 def test_ps_servers_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,7 +54,7 @@ SLURM = str(ROOT / "launchers" / "slurm-mpicomm.sbatch")
 def slurm_env(tmp_path, **extra: str) -> dict[str, str]:
     return clean_env(SLURM_SUBMIT_DIR=str(ROOT), SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="2",
                      SLURM_JOB_NODELIST="node[01-02]", SLURM_CPUS_PER_TASK="1",
-                     VENV=str(Path(sys.executable).parent.parent), **extra)
+                     VENV=str(Path(sys.executable).parent.parent), INFO="0", **extra)
 
 
 def test_slurm_template_mpiexec_branch_runs_the_job(tmp_path) -> None:
