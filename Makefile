@@ -108,6 +108,9 @@ bench: $(STAMP)
 bench-cluster: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/cluster
 	for net in $(BENCH_NETS); do rate=$${net%%:*}; delay=$${net#*:}; \
+	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts 2 --rate $$rate \
+	    --delay $$delay --timeout 300 -- $(PY) -m mpicomm.emulate.pingpong --bytes 20000000 \
+	    --json $(BENCH_OUT)/cluster/pingpong-$$rate.json || exit 1; \
 	  for h in $(BENCH_HOSTS); do \
 	    run="launchers/emulated-cluster --hosts $$h --rate $$rate --delay $$delay \
 	         --timeout $(BENCH_TIMEOUT) -- $(PY) -m mpicomm.bench"; \

@@ -13,7 +13,8 @@ injected delay applies as it does to the collectives):
 * bandwidth: ``--bytes`` messages, ``bits / (median round trip / 2 - latency)``.
 
 Rank 0 prints one JSON object (and writes it to ``--json``) with the measured and the
-configured values (``MPICOMM_EMU_RATE``, ``MPICOMM_EMU_DELAY``).
+configured values (``MPICOMM_EMU_RATE``, ``MPICOMM_EMU_DELAY``); ``make bench-cluster``
+puts one per network into the benchmark report.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                  args.rounds)) / 2
         rate = os.environ.get("MPICOMM_EMU_RATE", "unshaped")
         result = {
+            "suite": "pingpong",
             "latency_s": lat,
             "bandwidth_bits": big.nbytes * 8 / max(one_way - lat, 1e-9),
             "bytes": big.nbytes,
@@ -87,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     comm.barrier()
     if comm.rank == 0:
+        from ..bench._util import machine
+
+        assert result is not None
+        result["machine"] = machine()
         print(json.dumps(result))
         if args.json:
             with open(args.json, "w") as f:
