@@ -8,6 +8,8 @@ bench-cluster`` write there), and writes
   network kind, rate, delay, hosts x ranks per host, load average), the seed-claim
   checks (gTop-k vs dense and vs Allgather Top-k, AR-Top-k vs Allgather, measured and the
   cost model's prediction at ``--predict-ranks``), and one table per result file;
+* ``--notes`` (default ``benchmarks/notes.md`` when it exists): hand-written remarks
+  inserted after the seed-claim table;
 * ``--plots`` (default ``benchmarks/`` next to ``--out``): ``collectives-*.png`` (time
   against size per algorithm, measured solid, cost model dashed), ``sparse-scaling.png``
   (dense, Allgather Top-k, gTop-k and AR-Top-k against rank count, one panel per network,
@@ -197,7 +199,7 @@ def plot_collectives(r: dict[str, Any], path: str) -> None:
         ax.set(xscale="log", yscale="log", xlabel="bytes", ylabel="seconds (median)",
                title=name)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.suptitle(f"{r['suite']}: {ranks_of(r)} ranks, {net_label(r)}\n"
                  "solid: measured, dashed: cost model", fontsize=9)
     fig.tight_layout()
@@ -303,7 +305,7 @@ def section(r: dict[str, Any]) -> str:
 
 
 def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: str,
-                 plots: str, command: str) -> list[str]:
+                 plots: str, command: str, remarks: str = "") -> list[str]:
     """Write the Markdown report and the plots; returns the plot files written."""
     os.makedirs(plots, exist_ok=True)
     rel = os.path.relpath(plots, os.path.dirname(os.path.abspath(out)) or ".")
@@ -359,6 +361,7 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         conditions(results),
         "## Seed claims: gTop-k and AR-Top-k against dense and Allgather Top-k\n",
         claims(results),
+        remarks,
         "## Plots\n" + plot_note,
     ]
     for name in made:
@@ -379,6 +382,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="BENCHMARKS.md", help="Markdown file to write")
     parser.add_argument("--plots", default=None,
                         help="folder for the PNG plots (default: benchmarks/ beside --out)")
+    parser.add_argument("--notes", default=None,
+                        help="Markdown inserted after the seed-claim table (default: "
+                             "notes.md in the plots folder, when it exists)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -396,7 +402,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     command = "python -m mpicomm.bench report " + " ".join(
         [f"--results {f}" for f in folders] + [f"--out {args.out}"])
-    made = write_report(results, notes, args.out, plots, command)
+    notes_file = args.notes or os.path.join(plots, "notes.md")
+    remarks = ""
+    if os.path.exists(notes_file):
+        with open(notes_file) as f:
+            remarks = f.read()
+    elif args.notes:
+        print(f"report: --notes {args.notes} does not exist", file=sys.stderr)
+        return 1
+    made = write_report(results, notes, args.out, plots, command, remarks)
     print(f"wrote {args.out} ({len(results)} results) and {len(made)} plot(s) in {plots}")
     return 0
 
