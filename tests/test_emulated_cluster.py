@@ -253,3 +253,22 @@ def test_teardown_after_timeout_and_ctrl_c() -> None:
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, out
     assert_nothing_left(proc.pid)
+
+
+@needs_netns
+def test_stale_namespaces_of_dead_launchers_are_removed() -> None:
+    """What a `kill -9` of a launcher leaves is removed by the next run; a live
+    process's namespaces are left alone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = f"{netns.PREFIX}{dead.pid}-h0", f"{netns.PREFIX}{os.getpid()}-h9"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        removed = netns.remove_stale()
+        assert stale in removed and live not in removed
+        assert netns.leftover_namespaces(dead.pid) == []
+        assert netns.leftover_namespaces(os.getpid()) == [live]
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Cluster", "NetnsUnavailable", "parse_rate", "burst_bytes", "probe", "PREFIX",
-           "leftover_namespaces"]
+           "leftover_namespaces", "remove_stale"]
 
 PREFIX = "mpcemu"
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -114,6 +114,33 @@ def leftover_namespaces(owner: int) -> list[str]:
     out = _run([ip, "netns", "list"], check=False).stdout
     names = [line.split()[0] for line in out.splitlines() if line.strip()]
     return [n for n in names if n.startswith(f"{PREFIX}{owner}-")]
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces (and run folders) of emulator runs whose process is gone:
+    what a ``kill -9`` of the launcher leaves behind. Runs of live processes are never
+    touched. Returns the names removed."""
+    import glob
+    import tempfile
+
+    ip = shutil.which("ip")
+    if ip is None:
+        return []
+    out = _run([ip, "netns", "list"], check=False).stdout
+    removed = []
+    for line in out.splitlines():
+        m = re.match(rf"({PREFIX}(\d+)-\S+)", line.strip())
+        if m and not os.path.exists(f"/proc/{m.group(2)}"):
+            for pid in _run([ip, "netns", "pids", m.group(1)], check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _run([ip, "netns", "del", m.group(1)], check=False)
+            removed.append(m.group(1))
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}*-sw-*")):
+        m = re.match(rf"{PREFIX}(\d+)-", os.path.basename(folder))
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            shutil.rmtree(folder, ignore_errors=True)
+    return removed
 
 
 @dataclass

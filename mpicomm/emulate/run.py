@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from .. import linkdelay
-from .netns import Cluster, NetnsUnavailable, parse_rate, probe
+from .netns import Cluster, NetnsUnavailable, parse_rate, probe, remove_stale
 from .schedule import Applier, parse_delay, read_schedule, write_atomic
 
 __all__ = ["main", "build_parser", "job_env", "WRAPPER"]
@@ -178,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         _log(f"cannot run here: {reason}")
         return 2
+    stale = remove_stale()
+    if stale:
+        _log(f"removed {len(stale)} namespace(s) left by killed runs: {', '.join(stale)}")
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         raise _Stop(128 + signum, signal.Signals(signum).name)
