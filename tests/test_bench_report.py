@@ -62,6 +62,10 @@ def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
                     "curve": [[0.0, 2.3], [1.0, 0.5 + i]]} for i, m in enumerate("ab")]})
     write(res, "ps-4.json", {"suite": "ps", "machine": machine(EMU, 4),
                              "rows": [{"mode": "ssp", "steps_per_s": 12.5}]})
+    write(res / "cluster", "pingpong-1gbit.json", {
+        "suite": "pingpong", "machine": machine(EMU, 2), "latency_s": 1.1e-4,
+        "bandwidth_bits": 9.5e8, "bytes": 20000000, "configured_delay_s": 1e-4,
+        "configured_rate_bits": 1e9, "ranks": 2})
     write(res, "notes.json", {"something": "else"})
     (res / "broken.json").write_text("{")
     out = tmp_path / "BENCHMARKS.md"
@@ -78,6 +82,7 @@ def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
     assert cells[4:8] == ["8", "3", "1.5", "32"]  # dense/gTop-k = 0.8/0.1, AG/g, AG/AR
     assert float(cells[8]) == pytest.approx(15.0)
     assert float(cells[10]) == pytest.approx(400 / 90, rel=1e-2)
+    assert "| 1gbit, 0.1 ms | 20000000 | 1e+03 | 950 | 0.1 | 0.11 |" in text
     # unknown suite: generic table; unreadable and foreign files named, not fatal
     assert "| mode | steps_per_s |" in text and "| ssp | 12.5 |" in text
     assert "notes.json" in text and "broken.json" in text

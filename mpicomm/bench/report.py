@@ -288,6 +288,28 @@ def stem(r: dict[str, Any]) -> str:
     return os.path.splitext(os.path.basename(r["_path"]))[0]
 
 
+def links(results: Sequence[dict[str, Any]]) -> str:
+    """Configured against measured rate and latency (``mpicomm.emulate.pingpong``)."""
+    rows = []
+    for r in results:
+        if r["suite"] != "pingpong":
+            continue
+        rate, delay = r.get("configured_rate_bits"), r.get("configured_delay_s", 0.0)
+        rows.append({
+            "network": net_label(r), "message B": r.get("bytes"),
+            "configured Mbit/s": None if rate is None else rate / 1e6,
+            "measured Mbit/s": r["bandwidth_bits"] / 1e6,
+            "configured delay ms": delay * 1e3, "measured latency ms": r["latency_s"] * 1e3,
+            "load avg": fmt(r.get("machine", {}).get("loadavg")),
+        })
+    if not rows:
+        return ""
+    return ("Ping-pong between two emulated hosts through mpicomm's point-to-point layer "
+            "(`python -m mpicomm.emulate.pingpong`): what the network delivered when the "
+            "suites ran. Latency = half the median round trip of 8-byte messages; "
+            "bandwidth = message bits / (half round trip - latency).\n\n" + table(rows))
+
+
 def section(r: dict[str, Any]) -> str:
     suite = r["suite"]
     head = (f"### {suite}: {ranks_of(r)} ranks, {net_label(r)} (`{r['_path']}`)\n\n")
@@ -359,6 +381,7 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         "every figure carries that noise. The load average column is read when each "
         "suite finished.\n",
         conditions(results),
+        links(results),
         "## Seed claims: gTop-k and AR-Top-k against dense and Allgather Top-k\n",
         claims(results),
         remarks,
@@ -367,7 +390,7 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
     for name in made:
         parts.append(f"![{name}]({rel}/{name})\n")
     parts.append("## Results by file\n")
-    parts.extend(section(r) for r in results)
+    parts.extend(section(r) for r in results if r["suite"] != "pingpong")
     if notes:
         parts.append("## Skipped files\n")
         parts.extend(f"* {n}\n" for n in notes)
