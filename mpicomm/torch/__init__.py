@@ -4,6 +4,7 @@
 ``DistributedOptimizer``    the same, shaped as a wrapper around your optimizer
 ``LocalSGD``                periodic parameter averaging, fixed period or AdaComm
 ``GossipAveraging``         decentralized neighbour averaging (ring / exponential graph)
+``TorchJob``                a model + optimizer + data as a Crossover scheduler job
 
 Imported lazily so that ``import mpicomm`` does not import torch.
 """
@@ -19,6 +20,7 @@ _EXPORTS = {
     "broadcast_module": "mpicomm.torch.gradsync",
     "LocalSGD": "mpicomm.torch.localsgd",
     "GossipAveraging": "mpicomm.torch.gossip",
+    "TorchJob": "mpicomm.torch.crossover",
 }
 
 __all__ = sorted(_EXPORTS)
