@@ -106,6 +106,22 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
     return "\n".join(lines) + "\n"
 
 
+def load_note(results: Sequence[dict[str, Any]]) -> str:
+    """How busy the machine was: cores, most ranks, highest 1-minute load average."""
+    cpus = max((r.get("machine", {}).get("cpus") or 0 for r in results), default=0)
+    ranks = max((ranks_of(r) for r in results), default=0)
+    loads = [r["machine"]["loadavg"][0] for r in results
+             if r.get("machine", {}).get("loadavg")]
+    text = (f"{cpus} CPU core(s), up to {ranks} ranks per run; the load average column is "
+            "read when each suite finished.")
+    if loads and cpus and (max(loads) > cpus or ranks > cpus):
+        text += (f" **Oversubscribed**: the 1-minute load reached {max(loads):.3g} on "
+                 f"{cpus} core(s), so ranks waited for CPU time; compute-heavy steps (top-k "
+                 "selection, gTop-k's merges) and message latency carry that wait, and the "
+                 "figures below are noisy. Re-run on a quiet machine with a core per rank.")
+    return text + "\n"
+
+
 def conditions(results: Sequence[dict[str, Any]]) -> str:
     rows = []
     for r in results:
@@ -375,11 +391,7 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         "* The ping-pong check (`tests/test_emulated_cluster.py`, `python -m "
         "mpicomm.emulate.pingpong`) measures the configured rate and delay within 20%.\n",
         "## Conditions of every result\n",
-        "The machine is shared (2 cores for many jobs at the time of these runs): ranks "
-        "beyond the core count time-share the CPU, so compute-heavy steps (top-k "
-        "selection, gTop-k's merges) are slowed by a factor of about ranks/cores and "
-        "every figure carries that noise. The load average column is read when each "
-        "suite finished.\n",
+        load_note(results),
         conditions(results),
         links(results),
         "## Seed claims: gTop-k and AR-Top-k against dense and Allgather Top-k\n",
