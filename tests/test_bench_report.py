@@ -66,6 +66,11 @@ def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
         "suite": "pingpong", "machine": machine(EMU, 2), "latency_s": 1.1e-4,
         "bandwidth_bits": 9.5e8, "bytes": 20000000, "configured_delay_s": 1e-4,
         "configured_rate_bits": 1e9, "ranks": 2})
+    write(res, "crossover-2.json", {"suite": "crossover", "machine": machine(None, 2),
+                                    "summary": {"speedup": 1.25, "nested": {"a": 1}},
+                                    "rows": ["first run", 2.5]})
+    write(res, "other-2.json", {"suite": "other", "machine": machine(None, 2),
+                                "summary": "all good"})
     write(res, "notes.json", {"something": "else"})
     (res / "broken.json").write_text("{")
     out = tmp_path / "BENCHMARKS.md"
@@ -85,6 +90,8 @@ def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
     assert "| 1gbit, 0.1 ms | 20000000 | 1e+03 | 950 | 0.1 | 0.11 |" in text
     # unknown suite: generic table; unreadable and foreign files named, not fatal
     assert "| mode | steps_per_s |" in text and "| ssp | 12.5 |" in text
+    assert "| speedup |\n|---|\n| 1.25 |" in text and "* first run\n* 2.5" in text
+    assert "all good" in text
     assert "notes.json" in text and "broken.json" in text
     plots = tmp_path / "benchmarks"
     for name in ("sparse-scaling.png", "collectives-2.png", "localsgd-4.png"):

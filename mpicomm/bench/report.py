@@ -336,10 +336,20 @@ def section(r: dict[str, Any]) -> str:
     if suite == "collectives":
         return head + table(r.get("summary", []), ("collective", "elems", "best", "time_us",
                                                    "x_mpi", "x_gloo"))
-    body = [table(r["summary"])] if r.get("summary") else []
-    if r.get("rows"):
-        body.append(table(r["rows"]))
+    body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n")
+
+
+def generic(value: Any) -> str:
+    """A suite's ``summary``/``rows`` of any shape: a list of dicts or one dict as a
+    table, anything else as text."""
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return table(value)
+    if isinstance(value, list):
+        return "\n".join(f"* {fmt(v)}" for v in value) + "\n"
+    return f"{fmt(value)}\n"
 
 
 def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: str,
