@@ -316,14 +316,17 @@ def links(results: Sequence[dict[str, Any]]) -> str:
             "configured Mbit/s": None if rate is None else rate / 1e6,
             "measured Mbit/s": r["bandwidth_bits"] / 1e6,
             "configured delay ms": delay * 1e3, "measured latency ms": r["latency_s"] * 1e3,
+            "median latency ms": fmt(1e3 * r["latency_median_s"])
+            if "latency_median_s" in r else None,
             "load avg": fmt(r.get("machine", {}).get("loadavg")),
         })
     if not rows:
         return ""
     return ("Ping-pong between two emulated hosts through mpicomm's point-to-point layer "
             "(`python -m mpicomm.emulate.pingpong`): what the network delivered when the "
-            "suites ran. Latency = half the median round trip of 8-byte messages; "
-            "bandwidth = message bits / (half round trip - latency).\n\n" + table(rows))
+            "suites ran. Latency = half the fastest round trip of 8-byte messages (the "
+            "median where given); bandwidth = message bits / (half the fastest round trip "
+            "- latency).\n\n" + table(rows))
 
 
 def section(r: dict[str, Any]) -> str:

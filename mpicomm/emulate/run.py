@@ -59,7 +59,7 @@ WRAPPER = """#!/bin/sh
 r=${{PMI_RANK:-${{PMIX_RANK:-${{OMPI_COMM_WORLD_RANK:-}}}}}}
 if [ -z "$r" ]; then echo "{prog}: no PMI_RANK in the rank's environment" >&2; exit 97; fi
 h=$((r / {per_host}))
-exec ip netns exec {prefix}$h "$@"
+exec {ip} netns exec {prefix}$h "$@"
 """
 
 
@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_atomic(os.path.join(rundir, "delay"), repr(delay))
         wrapper = os.path.join(rundir, "rank")
         with open(wrapper, "w") as f:
-            f.write(WRAPPER.format(prog=PROG, per_host=args.ranks_per_host,
+            f.write(WRAPPER.format(prog=PROG, per_host=args.ranks_per_host, ip=cluster.ip,
                                    prefix=cluster.host(0)[:-1]))
         os.chmod(wrapper, 0o755)
         env = job_env(args.hosts, args.ranks_per_host, args.rate, delay, args.no_shm,
