@@ -245,3 +245,25 @@ def test_stale_namespaces_of_dead_launchers_are_removed() -> None:
     finally:
         for name in (stale, live):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@needs_netns
+def test_failed_setup_removes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure half-way through set-up (here: the second host's qdisc) leaves nothing."""
+    calls = []
+
+    def tbf(self: netns.Cluster, verb: str, ns: str, dev: str, rate: float) -> None:
+        calls.append(ns)
+        if len(calls) == 3:
+            raise netns.NetnsUnavailable("injected failure")
+        return real(self, verb, ns, dev, rate)
+
+    real = netns.Cluster._tbf
+    monkeypatch.setattr(netns.Cluster, "_tbf", tbf)
+    cluster = netns.Cluster(3, 1e8, owner=os.getpid())
+    with pytest.raises(netns.NetnsUnavailable, match="injected"):
+        cluster.setup()
+    assert len(calls) == 3
+    assert [n for n in netns.leftover_namespaces(os.getpid()) if "-probe" not in n] == []
+    out = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
+    assert f"me{os.getpid()}" not in out
