@@ -359,7 +359,8 @@ def test_auto_exploration_restores_the_saved_model(comm):
             states.append(copy_state(model))
     assert states[5] == states[1]
     assert states[2] != states[1] and states[6] != states[5]
-    assert [h.reason for h in auto.controller.history] == ["solve"]
+    reasons = [h.reason for h in auto.controller.history]  # + re-solves on timing drift
+    assert reasons[0] == "solve" and set(reasons[1:]) <= {"network"}
 
 
 def copy_state(model):
