@@ -21,6 +21,15 @@ variable                         meaning
                                  checked mode compares it before each collective.
 ``MPICOMM_MPIEXEC``              the launcher ``python -m mpicomm run`` and the tests use
                                  (default: the ``mpiexec`` beside this Python, else PATH).
+``MPICOMM_PS_SERVERS``           set by ``python -m mpicomm run --servers S`` on every
+                                 rank: the parameter-server count (``mpicomm.cli``).
+``MPICOMM_EMU_HOSTS``,           set by the emulated-cluster launcher for the job it runs
+``MPICOMM_EMU_RANKS_PER_HOST``,  (hosts, placement, link rate, injected delay and its
+``MPICOMM_EMU_RATE``,            schedule, step reporting); not user settings. Meanings:
+``MPICOMM_EMU_DELAY``,           :mod:`mpicomm.linkdelay` and :mod:`mpicomm.emulate.run`.
+``MPICOMM_EMU_DELAY_FILE``,
+``MPICOMM_EMU_SCHEDULE``,
+``MPICOMM_EMU_STEP_FILE``
 ===============================  ==========================================================
 
 Every value is checked where it is read: an unreadable one raises ``ValueError`` naming
