@@ -14,6 +14,8 @@ variable                   meaning
 ``MPICOMM_ABORT_ON_ERROR`` ``1`` (default): an uncaught exception on any rank calls
                            ``MPI_Abort`` so that the job ends instead of hanging.
 ``MPICOMM_LOG_LEVEL``      level of the ``mpicomm`` logger (default ``WARNING``).
+``MPICOMM_PS_SPLIT_BYTES`` parameter server: keys of at least this many bytes are
+                           split over all servers (default 65536).
 =========================  ==========================================================
 """
 
@@ -47,3 +49,14 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     if value not in choices:
         raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def env_int(name: str, default: int) -> int:
+    """Read an integer ``MPICOMM_*`` variable; raise ``ValueError`` on an unreadable value."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None

@@ -1,0 +1,155 @@
+"""The parameter server's messages: one contiguous byte buffer per request or reply.
+
+Layout (all little-endian, native MPI bytes)::
+
+    int64[8]  fixed header: op, key id, piece index, a, b, c, d, number of arrays n
+    int64[2n] per array: dtype code, element count
+    bytes     the arrays, each padded to 8 bytes
+
+``a..d`` depend on ``op``: a push carries (sequence number, worker, step), a pull
+(worker), a reply (staleness, pushes applied so far, version). One message per request
+keeps the matching trivial (a matched probe receives it whole, so requests from many
+workers never interleave) at the price of one copy of the payload into the buffer.
+
+Also here: the polling waits. MPICH's blocking waits spin on a core; a server or a
+worker held back by bounded staleness may wait for seconds, so every wait in this package
+tests its requests and sleeps between tests with an exponential backoff from
+``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S`` (the latency added to a reply after an idle period
+is at most ``BACKOFF_MAX_S``; a busy server never sleeps).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..tags import tag
+
+__all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "TAG_REQUEST", "TAG_REPLY", "TAG_CONTROL",
+           "TAG_STATE", "Message", "pack", "unpack", "Backoff", "wait_requests",
+           "probe_wait"]
+
+# operations
+PUSH, PULL, CLOSE, CKPT, REPLY = 1, 2, 3, 4, 5
+OP_NAMES = {PUSH: "push", PULL: "pull", CLOSE: "close", CKPT: "checkpoint", REPLY: "reply"}
+
+# tags (the "ps" range of mpicomm.tags)
+TAG_REQUEST = tag("ps", 1)   # worker -> server: push, pull, close, checkpoint (binary)
+TAG_REPLY = tag("ps", 2)     # server -> worker: pull replies (binary)
+TAG_CONTROL = tag("ps", 3)   # worker 0 <-> server: init / restore and their acks (objects)
+TAG_STATE = tag("ps", 4)     # server -> worker 0: shard state for a checkpoint (object)
+
+FIXED = 8
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+@dataclass
+class Message:
+    """A decoded message: the fixed header fields and the arrays (views of the buffer)."""
+
+    op: int
+    key_id: int
+    piece: int
+    a: int
+    b: int
+    c: int
+    d: int
+    arrays: list[torch.Tensor]
+
+
+def _pad(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def pack(op: int, key_id: int, piece: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0,
+         arrays: Sequence[torch.Tensor] = ()) -> np.ndarray:
+    """One message as a uint8 buffer (the arrays are copied in; CPU tensors)."""
+    flat = [t.detach().reshape(-1) for t in arrays]
+    head = FIXED + 2 * len(flat)
+    sizes = [_pad(t.numel() * t.element_size()) for t in flat]
+    buf = np.zeros(head * 8 + sum(sizes), dtype=np.uint8)
+    words = buf[:head * 8].view(np.int64)
+    words[:FIXED] = (op, key_id, piece, a, b, c, d, len(flat))
+    pos = head * 8
+    for i, (t, size) in enumerate(zip(flat, sizes)):
+        if t.dtype not in _CODE:
+            raise TypeError(f"cannot send a {t.dtype} array")
+        words[FIXED + 2 * i:FIXED + 2 * i + 2] = (_CODE[t.dtype], t.numel())
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            src = t.cpu().contiguous().view(torch.uint8).numpy()
+            buf[pos:pos + nbytes] = src
+        pos += size
+    return buf
+
+
+def unpack(buf: np.ndarray) -> Message:
+    """Decode a buffer made by :func:`pack`; the arrays are torch views into ``buf``."""
+    words = buf[:FIXED * 8].view(np.int64)
+    n = int(words[7])
+    desc = buf[FIXED * 8:(FIXED + 2 * n) * 8].view(np.int64)
+    pos = (FIXED + 2 * n) * 8
+    arrays = []
+    raw = torch.from_numpy(buf)
+    for i in range(n):
+        dtype, numel = _DTYPES[int(desc[2 * i])], int(desc[2 * i + 1])
+        nbytes = numel * dtype.itemsize
+        arrays.append(raw[pos:pos + nbytes].view(dtype))
+        pos += _pad(nbytes)
+    return Message(*(int(w) for w in words[:7]), arrays)
+
+
+def reply_nbytes(numel: int, itemsize: int) -> int:
+    """Size of a pull reply carrying one array of ``numel`` elements."""
+    return (FIXED + 2) * 8 + _pad(numel * itemsize)
+
+
+class Backoff:
+    """Sleep a little longer each time nothing happened; reset when something did."""
+
+    def __init__(self, min_s: float = 20e-6, max_s: float = 1e-3) -> None:
+        self.min_s, self.max_s = min_s, max_s
+        self.delay = 0.0
+
+    def idle(self) -> None:
+        if self.delay:
+            time.sleep(self.delay)
+        self.delay = min(self.max_s, max(self.min_s, 2 * self.delay))
+
+    def busy(self) -> None:
+        self.delay = 0.0
+
+
+BACKOFF_MIN_S, BACKOFF_MAX_S = 20e-6, 1e-3
+
+
+def wait_requests(requests: list[MPI.Request]) -> None:
+    """Complete ``requests`` without spinning a core (tests, then sleeps with backoff)."""
+    backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S)
+    while requests and not MPI.Request.Testall(requests):
+        backoff.idle()
+
+
+def probe_wait(comm: MPI.Intracomm, source: int, tag: int) -> tuple[MPI.Message, MPI.Status]:
+    """A matched probe for a message from ``source`` with ``tag``, polling with backoff."""
+    backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S)
+    status = MPI.Status()
+    while True:
+        msg = comm.improbe(source, tag, status)
+        if msg is not None:
+            return msg, status
+        backoff.idle()
+
+
+def recv_bytes(msg: MPI.Message, status: MPI.Status) -> np.ndarray:
+    """Receive the matched binary message into a fresh uint8 buffer."""
+    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+    msg.Recv([buf, MPI.BYTE])
+    return buf
