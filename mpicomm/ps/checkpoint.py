@@ -30,6 +30,8 @@ __all__ = ["FORMAT", "assemble", "write_atomic", "load", "metadata", "piece_stat
            "to_numpy", "to_torch_cpu"]
 
 FORMAT = "mpicomm.ps/1"
+_FIELDS = ("workers", "mode", "optimizer", "keys", "shapes", "dtypes", "frameworks", "values",
+           "opt", "version", "last_seq", "residuals")
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -131,6 +133,9 @@ def load(path: str | os.PathLike[str], *, workers: int, optimizer: dict[str, Any
         raise ValueError(f"not a parameter-server checkpoint (format "
                          f"{data.get('format') if isinstance(data, dict) else None!r}, "
                          f"expected {FORMAT!r})")
+    missing = [f for f in _FIELDS if f not in data]
+    if missing:
+        raise ValueError(f"corrupt checkpoint: no {', '.join(missing)}")
     if data["workers"] != workers:
         raise ValueError(f"the checkpoint has {data['workers']} workers' sequence numbers, "
                          f"this store has {workers} workers")
