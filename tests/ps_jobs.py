@@ -5,8 +5,8 @@
 ``server-raises``   a worker sends a push that skips a sequence number (a lost update);
                     the server holding the key stops the job, naming its rank.
 ``train``           examples/train_ps.py several times in one job (one start-up): SSP,
-                    async with a 3x straggler, dense and compressed push; JSON summaries
-                    go to the folder given as the second argument.
+                    async with a 3x straggler, top-k compressed push; JSON summaries go
+                    to the folder given as the second argument.
 
 Before a fault, the job prints ``FAULT AT <unix time>`` so the test can measure how long
 the job took to end after it.
@@ -54,10 +54,9 @@ def train(folder: str) -> None:
     import train_ps
 
     common = ["--no-progress", "--threads", "1", "--servers", "1"]
-    runs = {"ssp": ["--mode", "ssp", "--staleness", "2", "--epochs", "2"],
+    runs = {"ssp": ["--mode", "ssp", "--staleness", "2", "--epochs", "1"],
             "async-straggler": ["--mode", "async", "--slow-worker", "0", "--epochs", "3"],
-            "dense": ["--epochs", "4"],
-            "topk": ["--epochs", "4", "--compressor", "topk", "--density", "0.01"]}
+            "topk": ["--epochs", "2", "--compressor", "topk", "--density", "0.01"]}
     for name, extra in runs.items():
         train_ps.main([*common, *extra, "--json", os.path.join(folder, f"{name}.json")])
 

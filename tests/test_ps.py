@@ -213,6 +213,21 @@ def test_checkpoint_restore_exactly_once(comm, split_small, tmp_path_factory):
 
 
 @pytest.mark.mpi
+def test_idle_server_does_not_spin(comm):
+    for servers, _ in splits(comm.size)[:1]:
+        kv = KVStore(comm, servers=servers, mode="async")
+        if kv.is_worker:
+            kv.init("x", np.zeros(8))
+            time.sleep(0.5)  # the servers have nothing to do
+            kv.push("x", np.ones(8))
+            kv.pull("x")
+        stats = finish(kv)
+        if kv.is_server:
+            assert stats["wall_s"] > 0.5
+            assert stats["cpu_s"] < 0.5 * stats["wall_s"], stats  # asleep, not polling
+
+
+@pytest.mark.mpi
 def test_bad_configuration_raises_everywhere(comm):
     cases = [dict(servers=0), dict(servers=comm.size), dict(servers=1, mode="bsp"),
              dict(servers=1, mode="ssp", staleness=-1), dict(servers=1, staleness=2),
@@ -351,26 +366,24 @@ def test_failure_ends_the_job_naming_the_rank(scenario, rank, message):
 
 
 def test_examples_train_ps(tmp_path):
-    """examples/train_ps.py: SSP, async with a 3x straggler, dense and top-k 0.01 push
-    (1 server, 2 workers, a few epochs each, in one child job)."""
+    """examples/train_ps.py with 1 server and 2 workers, in one child job: SSP (1 epoch),
+    async with a 3x straggler (3 epochs), top-k 0.01 compressed push (2 epochs). The
+    full-length compressed-vs-dense accuracy comparison is `python -m mpicomm.bench ps`."""
     from .launch import run_job
 
     res = run_job(3, [sys.executable, "tests/ps_jobs.py", "train", str(tmp_path)], timeout=300)
     assert res.returncode == 0, res.output
     assert "test accuracy" in res.output and "max staleness" in res.output, res.output
     s = {name: json.loads((tmp_path / f"{name}.json").read_text())
-         for name in ("ssp", "async-straggler", "dense", "topk")}
+         for name in ("ssp", "async-straggler", "topk")}
     assert s["ssp"]["describe"]["worker_stats"]["max_staleness"] <= 2
     assert max(x["max_staleness"] for x in s["ssp"]["server_stats"]) <= 2
-    assert s["ssp"]["test_accuracy"] > 0.85
+    assert s["ssp"]["test_accuracy"] > 0.8
     assert s["async-straggler"]["test_accuracy"] > 0.9  # async converges with a straggler
     assert s["async-straggler"]["history"][-1]["train_loss"] < 0.3
-    # compressed push: far fewer bytes pushed, accuracy close to dense after 4 epochs (the
-    # within-1-point claim at full length is checked by `python -m mpicomm.bench ps`)
-    dense_push = s["dense"]["describe"]["worker_stats"]["bytes_pushed"]
-    topk_push = s["topk"]["describe"]["worker_stats"]["bytes_pushed"]
-    assert topk_push * 20 < dense_push
-    assert s["topk"]["test_accuracy"] > s["dense"]["test_accuracy"] - 0.03
+    dense, topk = (s[n]["describe"]["worker_stats"] for n in ("ssp", "topk"))
+    assert topk["bytes_pushed"] / topk["pushes"] * 20 < dense["bytes_pushed"] / dense["pushes"]
+    assert s["topk"]["test_accuracy"] > 0.7  # learning (2 epochs; full length: bench)
 
 
 def test_ps_cost_formula():

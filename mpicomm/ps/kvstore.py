@@ -182,9 +182,10 @@ class KVStore:
     def stats(self) -> dict[str, Any]:
         """This rank's counters: ``max_staleness``, ``pushes``, ``pulls``, ``bytes_pushed``,
         ``bytes_pulled`` (whole messages, headers included); servers add ``updates``
-        (optimizer steps), ``duplicates`` (pushes skipped as already applied) and
-        ``idle_s``; workers add ``server_pushes`` (pushes the servers had applied at the
-        last pull) and ``wait_s`` (time spent in pulls)."""
+        (optimizer steps), ``duplicates`` (pushes skipped as already applied),
+        ``idle_s`` (time asleep waiting for messages), ``cpu_s`` and ``wall_s`` (process
+        CPU time and wall time of :meth:`serve`); workers add ``server_pushes`` (pushes the
+        servers had applied at the last pull) and ``wait_s`` (time spent in pulls)."""
         part = self._server if self._server is not None else self._worker
         assert part is not None
         return dict(part.stats)

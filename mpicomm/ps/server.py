@@ -84,13 +84,17 @@ class Server:
         self.sends: list[tuple[MPI.Request, Any]] = []
         self.ckpt_requests = 0
         self.stats = {"max_staleness": 0, "pushes": 0, "pulls": 0, "bytes_pushed": 0,
-                      "bytes_pulled": 0, "duplicates": 0, "updates": 0, "idle_s": 0.0}
+                      "bytes_pulled": 0, "duplicates": 0, "updates": 0, "idle_s": 0.0, "cpu_s": 0.0,
+                      "wall_s": 0.0}
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
         """Run until every worker has closed; any error aborts the job naming this rank."""
+        cpu, wall = time.process_time(), time.perf_counter()
         try:
             self._loop()
+            self.stats["cpu_s"] = time.process_time() - cpu
+            self.stats["wall_s"] = time.perf_counter() - wall
         except Exception as exc:  # noqa: BLE001 - every failure must end the job
             rank = MPI.COMM_WORLD.Get_rank()
             sys.stderr.write(
