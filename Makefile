@@ -79,6 +79,7 @@ bench: $(STAMP)
 	    --json bench-results/sparse-$$n.json || exit 1; \
 	done
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json bench-results/localsgd-4.json
+	$(MPIEXEC) -n 5 $(PY) -m mpicomm.bench ps --json bench-results/ps-5.json
 	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
 
 lint: $(STAMP)
