@@ -2,6 +2,7 @@
 
 ``worker-raises``   worker 1 raises in the middle of training (servers and the other
                     workers are waiting on it): the job must end, naming rank 1.
+``worker-dies``     worker 1 exits abruptly (``os._exit``): the job must end.
 ``server-raises``   a worker sends a push that skips a sequence number (a lost update);
                     the server holding the key stops the job, naming its rank.
 ``train``           examples/train_ps.py several times in one job (one start-up): SSP,
@@ -38,6 +39,8 @@ def fault(scenario: str) -> None:
             print(f"FAULT AT {time.time()}", flush=True)
             if scenario == "worker-raises":
                 raise RuntimeError("worker failed on purpose")
+            if scenario == "worker-dies":
+                os._exit(7)  # no traceback, no MPI_Abort: the launcher must notice
             worker = kv._worker
             info = worker.info("x")
             buf = wire.pack(wire.PUSH, info.key_id, 0, worker.seq[info.key_id] + 2,

@@ -353,6 +353,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 @pytest.mark.parametrize("scenario,rank,message", [
     ("worker-raises", 1, "worker failed on purpose"),
     ("server-raises", 2, "lost update"),
+    ("worker-dies", None, None),
 ])
 def test_failure_ends_the_job_naming_the_rank(scenario, rank, message):
     from .launch import run_job
@@ -360,7 +361,8 @@ def test_failure_ends_the_job_naming_the_rank(scenario, rank, message):
     res = run_job(3, [sys.executable, "tests/ps_jobs.py", scenario], timeout=120)
     ended = time.time()
     assert res.returncode != 0, res.output
-    assert f"rank {rank}" in res.output and message in res.output, res.output
+    if rank is not None:  # a process that vanishes prints nothing; the launcher ends the job
+        assert f"rank {rank}" in res.output and message in res.output, res.output
     fault_at = float(res.output.split("FAULT AT ")[1].split()[0])
     assert ended - fault_at < 10, (ended - fault_at, res.output)
 
