@@ -29,6 +29,7 @@ of the slowest worker); ``max_staleness`` is its maximum.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -83,6 +84,7 @@ class Server:
         self.pending: list[tuple[int, PieceState]] = []  # (worker, piece) pulls waiting
         self.sends: list[tuple[MPI.Request, Any]] = []
         self.ckpt_requests = 0
+        self.templates: dict[tuple[int, int], Payload] = {}
         self.stats = {"max_staleness": 0, "pushes": 0, "pulls": 0, "bytes_pushed": 0,
                       "bytes_pulled": 0, "duplicates": 0, "updates": 0, "idle_s": 0.0, "cpu_s": 0.0,
                       "wall_s": 0.0}
@@ -191,15 +193,28 @@ class Server:
         self._serve_pending()
 
     def _decode(self, st: PieceState, m: wire.Message, step: int) -> torch.Tensor:
+        """The dense gradient of a push. A compressed push carries the payload's arrays
+        only; the local context a compressor needs to decompress (shape, k, and for
+        random-k the indices drawn from the piece's name and the step) is rebuilt by
+        compressing zeros under the same name and step. Where that context does not
+        depend on the step (all but random-k) it is built once per piece and reused."""
         if self.compressor is None:
             return m.arrays[0]
-        template = self.compressor.compress(torch.zeros_like(st.value), name=st.name, step=step)
+        template = self.templates.get((st.key_id, st.index))
+        if template is None:
+            template = self._template(st, step)
+            if _same(template.ctx, self._template(st, step + 1).ctx):
+                self.templates[(st.key_id, st.index)] = template
         names = sorted(template.arrays)
         if len(names) != len(m.arrays):
             raise RuntimeError(f"compressed push of key {st.name}: {len(m.arrays)} arrays, "
                                f"the compressor makes {len(names)}")
         payload = Payload(dict(zip(names, m.arrays)), template.ctx)
         return self.compressor.decompress(payload).reshape(-1)
+
+    def _template(self, st: PieceState, step: int) -> Payload:
+        assert self.compressor is not None
+        return self.compressor.compress(torch.zeros_like(st.value), name=st.name, step=step)
 
     # ------------------------------------------------------------------ pulls
     def _ready(self, w: int, st: PieceState) -> bool:
@@ -273,6 +288,20 @@ class Server:
                            "opt": {k: (to_numpy(v) if isinstance(v, torch.Tensor) else int(v))
                                    for k, v in st.opt.items()}}
         self.sends.append((self.mpi.isend({"pieces": pieces}, dest, wire.TAG_STATE), None))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality of two compressor contexts (dataclasses of metadata and tensors)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if dataclasses.is_dataclass(a):
+        return all(_same(getattr(a, f.name), getattr(b, f.name))
+                   for f in dataclasses.fields(a) if f.name != "step")
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
 
 
 def _from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
