@@ -41,8 +41,10 @@ from mpicomm.torch import PSOptimizer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="Train an MLP on scikit-learn's digits through "
-                                             "mpicomm's parameter server (run under mpiexec).")
+    ap = peer.RankZeroParser(
+        prog=os.path.basename(__file__),
+        description="Train an MLP on scikit-learn's digits through mpicomm's parameter "
+                    "server (run under mpiexec; worker 0 prints the summary).")
     ap.add_argument("--servers", type=int, default=1, help="server ranks (the last ones)")
     ap.add_argument("--mode", choices=MODES, default="sync", help="consistency model")
     ap.add_argument("--staleness", type=int, default=0, help="SSP bound (with --mode ssp)")

@@ -268,8 +268,10 @@ def test_bad_configuration_raises_everywhere(comm):
             kwargs = dict(kwargs, servers=0)  # at one rank every store is refused
         with pytest.raises(ValueError):
             KVStore(comm, **kwargs)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError):  # NotAnIntegerError: a TypeError and a ValueError
         KVStore(comm, servers=1.0)
+    with pytest.raises(ValueError):  # NotAnIntegerError is also a ValueError
+        KVStore(comm, servers=1, mode="ssp", staleness=1.5)
 
 
 @pytest.mark.mpi

@@ -15,6 +15,7 @@ SUITES = {
     "sparse": "mpicomm.bench.sparse",
     "localsgd": "mpicomm.bench.localsgd",
     "ps": "mpicomm.bench.ps",
+    "crossover": "mpicomm.bench.crossover",
 }
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from ..comm import Communicator, install_abort_handler, resolve
 from ..compress import Compressor, make
 from ..config import env_flag
+from ..validate import check_choice, check_int
 from .optim import OPTIMIZERS, ShardOptimizer
 from .server import Server
 from .worker import Worker
@@ -72,21 +73,16 @@ class KVStore:
                  compressor: Compressor | str | None = None) -> None:
         comm = resolve(comm)
         with comm.validating("ps.KVStore") as agreed:
-            if isinstance(servers, bool) or not isinstance(servers, int):
-                raise TypeError(f"servers must be an int, got {type(servers).__name__}")
-            if not 1 <= servers < comm.size:
+            servers = check_int("servers", servers, 1)
+            if servers >= comm.size:
                 raise ValueError(
                     f"servers must be in [1, size - 1] = [1, {comm.size - 1}] so that at least "
                     f"one worker remains (a parameter server needs >= 2 ranks), got {servers}")
-            if mode not in MODES:
-                raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-            if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-                raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
+            mode = check_choice("mode", mode, MODES)
+            staleness = check_int("staleness", staleness, 0)
             if staleness and mode != "ssp":
                 raise ValueError(f"staleness={staleness} needs mode='ssp' (got {mode!r})")
-            if optimizer not in OPTIMIZERS:
-                raise ValueError(f"unknown optimizer {optimizer!r}; choose one of "
-                                 f"{', '.join(OPTIMIZERS)}")
+            check_choice("optimizer", optimizer, OPTIMIZERS)
             opt = ShardOptimizer(optimizer, lr, momentum, weight_decay)
             if isinstance(compressor, str):
                 compressor = make(compressor)
@@ -115,7 +111,7 @@ class KVStore:
         self._server: Server | None = None
         self._worker: Worker | None = None
         if self.is_server:
-            self._server = Server(self._comm.p2p, self.workers, mode, staleness, opt,
+            self._server = Server(self._comm, self.workers, mode, staleness, opt,
                                   compressor)
         else:
             assert self._group is not None

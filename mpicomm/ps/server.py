@@ -30,7 +30,6 @@ of the slowest worker); ``max_staleness`` is its maximum.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..comm import abort_after_flush
+from ..comm import Communicator
 from ..compress import Compressor, Payload
 from . import wire
 from .checkpoint import to_numpy
@@ -71,9 +70,10 @@ class PieceState:
 class Server:
     """The state and event loop of one server rank (built by :class:`~mpicomm.ps.KVStore`)."""
 
-    def __init__(self, mpi: MPI.Intracomm, workers: int, mode: str, staleness: int,
+    def __init__(self, comm: Communicator, workers: int, mode: str, staleness: int,
                  optimizer: ShardOptimizer, compressor: Compressor | None) -> None:
-        self.mpi = mpi
+        self.comm = comm
+        self.mpi = comm.p2p
         self.workers = workers
         self.mode = mode
         self.staleness = staleness
@@ -98,11 +98,8 @@ class Server:
             self.stats["cpu_s"] = time.process_time() - cpu
             self.stats["wall_s"] = time.perf_counter() - wall
         except Exception as exc:  # noqa: BLE001 - every failure must end the job
-            rank = MPI.COMM_WORLD.Get_rank()
-            sys.stderr.write(
-                f"[mpicomm rank {rank}] parameter server failed: {type(exc).__name__}: "
-                f"{exc}; aborting the job.\n{traceback.format_exc()}")
-            abort_after_flush(1)
+            self.comm.abort(f"parameter server failed: {type(exc).__name__}: {exc}; aborting "
+                            f"the job.\n{traceback.format_exc()}")
 
     def _loop(self) -> None:
         backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)

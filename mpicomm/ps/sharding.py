@@ -55,7 +55,7 @@ class ShardPlan:
 
     servers: int
     split_bytes: int = field(default_factory=lambda: env_int("MPICOMM_PS_SPLIT_BYTES",
-                                                             DEFAULT_SPLIT_BYTES))
+                                                             DEFAULT_SPLIT_BYTES, 1))
     load: list[int] = field(default_factory=list)
     pieces: dict[int, tuple[Piece, ...]] = field(default_factory=dict)
 

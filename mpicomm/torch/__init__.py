@@ -5,6 +5,7 @@
 ``LocalSGD``                periodic parameter averaging, fixed period or AdaComm
 ``GossipAveraging``         decentralized neighbour averaging (ring / exponential graph)
 ``PSOptimizer``             train through a parameter server (``mpicomm.ps.KVStore``)
+``TorchJob``                a model + optimizer + data as a Crossover scheduler job
 
 Imported lazily so that ``import mpicomm`` does not import torch.
 """
@@ -21,6 +22,7 @@ _EXPORTS = {
     "LocalSGD": "mpicomm.torch.localsgd",
     "GossipAveraging": "mpicomm.torch.gossip",
     "PSOptimizer": "mpicomm.torch.ps",
+    "TorchJob": "mpicomm.torch.crossover",
 }
 
 __all__ = sorted(_EXPORTS)
