@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..tags import tag
+from ..tags import TAG_PS_CONTROL, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
 
 __all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "TAG_REQUEST", "TAG_REPLY", "TAG_CONTROL",
            "TAG_STATE", "Message", "pack", "unpack", "Backoff", "wait_requests",
@@ -38,11 +38,11 @@ __all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "TAG_REQUEST", "TAG_REPLY",
 PUSH, PULL, CLOSE, CKPT, REPLY = 1, 2, 3, 4, 5
 OP_NAMES = {PUSH: "push", PULL: "pull", CLOSE: "close", CKPT: "checkpoint", REPLY: "reply"}
 
-# tags (the "ps" range of mpicomm.tags)
-TAG_REQUEST = tag("ps", 1)   # worker -> server: push, pull, close, checkpoint (binary)
-TAG_REPLY = tag("ps", 2)     # server -> worker: pull replies (binary)
-TAG_CONTROL = tag("ps", 3)   # worker 0 <-> server: init / restore and their acks (objects)
-TAG_STATE = tag("ps", 4)     # server -> worker 0: shard state for a checkpoint (object)
+# tags (the "ps" range of the registry mpicomm.tags)
+TAG_REQUEST = TAG_PS_REQUEST   # binary
+TAG_REPLY = TAG_PS_REPLY       # binary
+TAG_CONTROL = TAG_PS_CONTROL   # pickled objects (init / restore, acks)
+TAG_STATE = TAG_PS_STATE       # pickled object (checkpoint)
 
 FIXED = 8
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
