@@ -12,8 +12,9 @@ on disjoint shards of the data, push gradients and pull parameters through
 
 ``--slow-worker R --slow-factor F`` makes worker ``R`` a straggler: after each step's
 computation it sleeps ``F - 1`` times that computation's duration. Worker 0 prints the
-summary of examples/train.py (the data set is sharded over the workers only; bytes are
-what each worker pushed and pulled, against a dense allreduce over the workers) plus the
+summary of examples/train.py (the data set is sharded over the workers only; "sent" is
+what each worker pushed, against a dense allreduce over the workers; the worker stats
+in "settings" also give the bytes pulled) plus the
 servers' counters (staleness, updates, idle time).
 """
 
@@ -130,8 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         describe = {"mode": args.mode, "staleness": args.staleness, "servers": args.servers,
                     "workers": kv.workers, "compressor": args.compressor,
                     "slow_worker": args.slow_worker, "worker_stats": stats}
-        outcome = peer.Outcome(steps, stats["bytes_pushed"] + stats["bytes_pulled"], describe,
-                               history)
+        outcome = peer.Outcome(steps, stats["bytes_pushed"], describe, history)
         args.local_sgd = "none"
         args.strategy = f"ps-{args.mode}"
         summary = peer.summarize(outcome, test, peer.dense_bytes_per_step(model, workers),

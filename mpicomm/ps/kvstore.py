@@ -44,7 +44,9 @@ class KVStore:
     ``"ssp"`` with ``staleness=s`` (Ho et al., NIPS 2013)
         Applied as async, but a worker's pull after its push of step ``t`` waits until
         every worker has pushed step ``t - s``: nobody runs more than ``s`` steps ahead.
-        ``s = 0`` gives the same parameters as sync for plain SGD; large ``s`` is async.
+        ``s = 0`` keeps the workers in lock-step like sync (a pull sees every push of its
+        step, and possibly some of the next: SSP bounds staleness from below only); a
+        large ``s`` is async.
 
     ``compressor``: a :class:`mpicomm.compress.Compressor` (or its registry name) applied
     to each pushed piece after error feedback, which the worker keeps; the server
