@@ -109,7 +109,7 @@ class Server:
             if msg is None:
                 self._reap_sends()
                 t0 = time.perf_counter()
-                backoff.idle()
+                backoff.idle(urgent=bool(self.sends))
                 self.stats["idle_s"] += time.perf_counter() - t0
                 continue
             backoff.busy()

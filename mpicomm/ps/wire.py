@@ -112,19 +112,37 @@ def reply_nbytes(numel: int, itemsize: int) -> int:
 
 
 class Backoff:
-    """Sleep a little longer each time nothing happened; reset when something did."""
+    """Yield the CPU for the first ``spin_s`` of an idle period, then sleep a little
+    longer each time nothing happened (``min_s`` doubling up to ``max_s``); :meth:`busy`
+    starts over.
 
-    def __init__(self, min_s: float = 20e-6, max_s: float = 1e-3) -> None:
-        self.min_s, self.max_s = min_s, max_s
+    The first phase keeps replies fast (a probe every few microseconds, but the core is
+    offered to other processes between probes: ``sched_yield``); the sleeps keep a rank
+    that waits long off the CPU. ``idle(urgent=True)`` never sleeps: used while this
+    rank's own sends are in flight, since a large message (MPI's rendezvous protocol)
+    only moves when both sides call into MPI.
+    """
+
+    def __init__(self, min_s: float = 20e-6, max_s: float = 1e-3,
+                 spin_s: float = 200e-6) -> None:
+        self.min_s, self.max_s, self.spin_s = min_s, max_s, spin_s
         self.delay = 0.0
+        self.since: float | None = None
 
-    def idle(self) -> None:
+    def idle(self, urgent: bool = False) -> None:
+        now = time.perf_counter()
+        if self.since is None:
+            self.since = now
+        if urgent or now - self.since < self.spin_s:
+            time.sleep(0)
+            return
         if self.delay:
             time.sleep(self.delay)
         self.delay = min(self.max_s, max(self.min_s, 2 * self.delay))
 
     def busy(self) -> None:
         self.delay = 0.0
+        self.since = None
 
 
 BACKOFF_MIN_S, BACKOFF_MAX_S = 20e-6, 1e-3

@@ -247,8 +247,15 @@ class Worker:
                 self.sends.append((self.mpi.Isend([buf, MPI.BYTE], self.server_rank(p.server),
                                                   wire.TAG_REQUEST), buf))
         seen_pushes = None
+        backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
+        status = MPI.Status()
         while where:
-            msg, status = wire.probe_wait(self.mpi, MPI.ANY_SOURCE, wire.TAG_REPLY)
+            msg = self.mpi.improbe(MPI.ANY_SOURCE, wire.TAG_REPLY, status)
+            if msg is None:
+                self._reap()
+                backoff.idle(urgent=bool(self.sends))
+                continue
+            backoff.busy()
             buf = wire.recv_bytes(msg, status)
             m = wire.unpack(buf)
             slot, p = where.pop((m.key_id, m.piece))
