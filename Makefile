@@ -85,6 +85,8 @@ bench: $(STAMP)
 	done
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json bench-results/localsgd-4.json
 	$(MPIEXEC) -n 5 $(PY) -m mpicomm.bench ps --json bench-results/ps-5.json
+	$(PY) -m mpicomm.bench selection --json bench-results/selection.json
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench fusion --json bench-results/fusion-2.json
 	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --json bench-results/crossover-2.json
 	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
 	$(MPIEXEC) -n 2 $(PY) examples/overlap_bench.py --json bench-results/overlap-2.json

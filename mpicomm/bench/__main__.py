@@ -15,6 +15,8 @@ SUITES = {
     "sparse": "mpicomm.bench.sparse",
     "localsgd": "mpicomm.bench.localsgd",
     "ps": "mpicomm.bench.ps",
+    "selection": "mpicomm.bench.selection",
+    "fusion": "mpicomm.bench.fusion",
     "crossover": "mpicomm.bench.crossover",
 }
 
