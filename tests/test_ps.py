@@ -257,6 +257,38 @@ def test_idle_server_does_not_spin(comm):
             assert stats["cpu_s"] < 0.5 * stats["wall_s"], stats  # asleep, not polling
 
 
+@pytest.mark.mpi(min_size=4)
+def test_restore_onto_more_servers(comm, split_small, tmp_path_factory):
+    """A checkpoint holds whole keys: saved by 1 server + 2 workers (ranks 0-2), restored
+    by 2 servers + 2 workers (ranks 0-3), which split the big key and continue."""
+    folder = comm.bcast_object(str(tmp_path_factory.mktemp("ps")) if comm.rank == 0 else None)
+    path = os.path.join(folder, "kv.pt")
+    saved: dict[str, np.ndarray] = {}  # the workers' values at the checkpoint
+    for size, servers in ((3, 1), (4, 2)):
+        sub = comm.split(0 if comm.rank < size else None)
+        if sub is not None:
+            kv = KVStore(sub, servers=servers, optimizer="sgd", momentum=0.9)
+            if kv.is_worker:
+                prob = problem(kv.worker_rank)
+                if servers == 1:
+                    for k, v in init_values().items():
+                        kv.init(k, v)
+                else:
+                    kv.restore(path)
+                    assert len(kv._worker.info("weight").pieces) == 2
+                params = {k: kv.pull(k) for k in SHAPES}
+                if servers == 2:
+                    for k, p in params.items():
+                        np.testing.assert_array_equal(p, saved[k])
+                _run_steps(kv, params, prob, range(2))
+                if servers == 1:
+                    kv.checkpoint(path)
+                    saved.update({k: v.copy() for k, v in params.items()})
+            finish(kv)
+            sub.free()
+        comm.barrier()
+
+
 @pytest.mark.mpi
 def test_bad_configuration_raises_everywhere(comm):
     cases = [dict(servers=0), dict(servers=comm.size), dict(servers=1, mode="bsp"),
