@@ -29,8 +29,7 @@ Top-k via allgather (ring)      (p-1)α + (p-1)·k·s·β
 gTop-k (butterfly)              lg p2·(α + k·s·β)                        fold: 2(α + k·s·β)
 AR-Top-k (ring)                 bcast of k indices + ring allreduce of k values
 AR-Top-k (tree)                 bcast of k indices + recursive-doubling allreduce of k values
-PS push + pull (W workers, S    2α + 2W(n/S)β + W(n/S)γ      (a server's port; S = 1: Table I
-servers, keys split evenly)                                   of Tyagi & Swany, N - 1 = W)
+PS push + pull (S servers)      2α + 2W(n/S)β + W(n/S)γ   (busiest server port; Table I: S=1)
 ==============================  ===============================================================
 
 Tuning: the defaults in :class:`CostParams` are rough figures for shared memory under
