@@ -71,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.slow_factor < 1:
         ap.error("--slow-factor must be >= 1")
+    # what examples/train.py's loop and summary read, with this script's meaning: the
+    # servers apply plain momentum SGD (no momentum correction), gradients every step
+    args.momentum_correction = None
+    args.local_sgd = "none"
+    args.strategy = f"ps-{args.mode}"
     return args
 
 
@@ -132,8 +137,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                     "workers": kv.workers, "compressor": args.compressor,
                     "slow_worker": args.slow_worker, "worker_stats": stats}
         outcome = peer.Outcome(steps, stats["bytes_pushed"], describe, history)
-        args.local_sgd = "none"
-        args.strategy = f"ps-{args.mode}"
         summary = peer.summarize(outcome, test, peer.dense_bytes_per_step(model, workers),
                                  train_s, args, workers)
         summary["mode"] = f"parameter server ({args.mode})"
