@@ -18,6 +18,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "collectives": (10, 20),   # dense allreduce / allgather / broadcast / reduce_scatter
     "sparse": (20, 30),        # gTop-k rounds and fold
     "gossip": (30, 40),        # neighbour averaging
+    "emulate": (40, 50),       # emulated-cluster verification ping-pong
     "ps": (100, 200),          # parameter server requests and replies
     "sched": (200, 300),       # Crossover scheduler tokens
     "user": (1000, 32768),     # free for applications on their own communicators
@@ -65,3 +66,5 @@ TAG_PS_REQUEST = tag("ps", 1)   # worker -> server: push, pull, close, checkpoin
 TAG_PS_REPLY = tag("ps", 2)     # server -> worker: pull replies
 TAG_PS_CONTROL = tag("ps", 3)   # worker 0 <-> server: init / restore and acks
 TAG_PS_STATE = tag("ps", 4)     # server -> worker 0: shard state for a checkpoint
+# Emulated cluster verification.
+TAG_PINGPONG = tag("emulate", 1)
