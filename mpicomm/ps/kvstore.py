@@ -9,6 +9,7 @@ from typing import Any
 from ..comm import Communicator, install_abort_handler, resolve
 from ..compress import Compressor, make
 from ..config import env_flag
+from ..linkdelay import link_delay
 from ..validate import check_choice, check_int
 from .optim import OPTIMIZERS, ShardOptimizer
 from .server import Server
@@ -118,7 +119,7 @@ class KVStore:
         else:
             assert self._group is not None
             self._worker = Worker(self._comm.p2p, self._group, self.workers, servers, mode,
-                                  opt.describe(), compressor)
+                                  opt.describe(), compressor, link_delay(self._comm))
 
     def __repr__(self) -> str:
         role = "server" if self.is_server else f"worker {self.worker_rank}"

@@ -41,6 +41,7 @@ from mpi4py import MPI
 
 from ..comm import Communicator
 from ..compress import Compressor, Payload
+from ..linkdelay import link_delay
 from . import wire
 from .checkpoint import to_numpy
 from .optim import ShardOptimizer
@@ -74,6 +75,7 @@ class Server:
                  optimizer: ShardOptimizer, compressor: Compressor | None) -> None:
         self.comm = comm
         self.mpi = comm.p2p
+        self.delay = link_delay(comm)  # the emulated cluster's latency; None elsewhere
         self.workers = workers
         self.mode = mode
         self.staleness = staleness
@@ -115,7 +117,7 @@ class Server:
             backoff.busy()
             source, tag = status.Get_source(), status.Get_tag()
             if tag == wire.TAG_REQUEST:
-                buf = wire.recv_bytes(msg, status)
+                buf = wire.recv_bytes(msg, status, self.delay)
                 self._handle(source, wire.unpack(buf), buf.nbytes)
             elif tag == wire.TAG_CONTROL:
                 self._control(source, msg.recv())
@@ -249,7 +251,7 @@ class Server:
         buf = wire.pack(wire.REPLY, st.key_id, st.index, stale, int(st.last_seq.sum()),
                         st.version, arrays=[st.value])
         self.stats["bytes_pulled"] += buf.nbytes
-        self.sends.append((self.mpi.Isend([buf, MPI.BYTE], w, wire.TAG_REPLY), buf))
+        self.sends.append((wire.isend_bytes(self.mpi, buf, w, wire.TAG_REPLY, self.delay), buf))
 
     # ------------------------------------------------------------------ control
     def _control(self, source: int, obj: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from mpi4py import MPI
 from ..buffers import FLOAT_DTYPES, from_torch, inspect, to_torch
 from ..comm import Communicator
 from ..compress import Compressor, ErrorFeedback
+from ..linkdelay import LinkDelay
 from . import checkpoint as ckpt
 from . import wire
 from .sharding import Piece, ShardPlan
@@ -73,8 +74,10 @@ class Worker:
     """One worker's client (built by :class:`~mpicomm.ps.KVStore`)."""
 
     def __init__(self, mpi: MPI.Intracomm, group: Communicator, workers: int, servers: int,
-                 mode: str, optimizer: dict[str, Any], compressor: Compressor | None) -> None:
+                 mode: str, optimizer: dict[str, Any], compressor: Compressor | None,
+                 delay: LinkDelay | None = None) -> None:
         self.mpi = mpi
+        self.delay = delay  # the emulated cluster's injected latency; None elsewhere
         self.group = group
         self.rank = group.rank
         self.workers = workers
@@ -209,8 +212,8 @@ class Worker:
             buf = wire.pack(wire.PUSH, info.key_id, p.index, seq, self.rank, seq,
                             arrays=arrays)
             self.stats["bytes_pushed"] += buf.nbytes
-            self.sends.append((self.mpi.Isend([buf, MPI.BYTE], self.server_rank(p.server),
-                                              wire.TAG_REQUEST), buf))
+            self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(p.server),
+                                              wire.TAG_REQUEST, self.delay), buf))
         self.stats["pushes"] += 1
 
     def pull(self, key: Hashable, out: Any = None) -> Any:
@@ -244,8 +247,8 @@ class Worker:
             for p in info.pieces:
                 where[(info.key_id, p.index)] = (slot, p)
                 buf = wire.pack(wire.PULL, info.key_id, p.index, self.rank)
-                self.sends.append((self.mpi.Isend([buf, MPI.BYTE], self.server_rank(p.server),
-                                                  wire.TAG_REQUEST), buf))
+                self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(p.server),
+                                                  wire.TAG_REQUEST, self.delay), buf))
         seen_pushes = None
         backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
         status = MPI.Status()
@@ -256,7 +259,7 @@ class Worker:
                 backoff.idle(urgent=bool(self.sends))
                 continue
             backoff.busy()
-            buf = wire.recv_bytes(msg, status)
+            buf = wire.recv_bytes(msg, status, self.delay)
             m = wire.unpack(buf)
             slot, p = where.pop((m.key_id, m.piece))
             results[slot][p.start:p.stop] = m.arrays[0]
@@ -281,8 +284,8 @@ class Worker:
     def _to_all_servers(self, op: int) -> None:
         for s in range(self.servers):
             buf = wire.pack(op, 0, 0, self.rank)
-            self.sends.append((self.mpi.Isend([buf, MPI.BYTE], self.server_rank(s),
-                                              wire.TAG_REQUEST), buf))
+            self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(s),
+                                              wire.TAG_REQUEST, self.delay), buf))
 
     def close(self) -> None:
         self._to_all_servers(wire.CLOSE)
