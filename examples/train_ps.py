@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train as peer  # noqa: E402  (examples/train.py: data, model, loop, summary)
 
 import mpicomm  # noqa: E402
+from mpicomm.cli import ps_servers  # noqa: E402
 from mpicomm.compress import REGISTRY, make  # noqa: E402
 from mpicomm.ps import MODES, KVStore  # noqa: E402
 from mpicomm.torch import PSOptimizer  # noqa: E402
@@ -46,7 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog=os.path.basename(__file__),
         description="Train an MLP on scikit-learn's digits through mpicomm's parameter "
                     "server (run under mpiexec; worker 0 prints the summary).")
-    ap.add_argument("--servers", type=int, default=1, help="server ranks (the last ones)")
+    ap.add_argument("--servers", type=int, default=ps_servers(1),
+                    help="server ranks, the last ones (default: python -m mpicomm run "
+                         "--servers S, else 1)")
     ap.add_argument("--mode", choices=MODES, default="sync", help="consistency model")
     ap.add_argument("--staleness", type=int, default=0, help="SSP bound (with --mode ssp)")
     ap.add_argument("--compressor", default=None, choices=sorted(REGISTRY),

@@ -4,19 +4,6 @@ Every setting is also a keyword argument of the function that uses it; the envir
 variable only supplies the default, so a job can be reconfigured from ``mpiexec -x`` /
 ``mpiexec -genv`` without editing the training script.
 
-variable                   meaning
-=========================  ==========================================================
-``MPICOMM_CHECK``          ``1``: checked mode (ranks cross-check every collective's
-                           operation, shape and dtype before running it).
-``MPICOMM_CUDA_AWARE``     ``auto`` (default), ``1`` or ``0``: pass CUDA pointers to
-                           MPI directly, or stage through pinned host memory.
-``MPICOMM_ABORT_ON_ERROR`` ``1`` (default): an uncaught exception on any rank calls
-                           ``MPI_Abort`` so that the job ends instead of hanging.
-``MPICOMM_LOG_LEVEL``      level of the ``mpicomm`` logger (default ``WARNING``).
-``MPICOMM_PS_SPLIT_BYTES`` parameter server: keys of at least this many bytes are
-                           split over all servers (default 65536).
-=========================  ==========================================================
-=======
 ===============================  ==========================================================
 variable                         meaning
 ===============================  ==========================================================
@@ -36,6 +23,9 @@ variable                         meaning
                                  (default: the ``mpiexec`` beside this Python, else PATH).
 ``MPICOMM_PS_SPLIT_BYTES``       parameter server: keys of at least this many bytes are
                                  split over all servers (default 65536, an integer >= 1).
+``MPICOMM_PS_SERVERS``           parameter-server ranks, set by ``python -m mpicomm run
+                                 --servers S`` (read with ``mpicomm.cli.ps_servers``;
+                                 ``examples/train_ps.py`` takes it as ``--servers``).
 ===============================  ==========================================================
 
 Every value is checked where it is read: an unreadable one raises ``ValueError`` naming
@@ -95,4 +85,3 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     if value not in choices:
         raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
     return value
-
