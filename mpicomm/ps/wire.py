@@ -11,11 +11,12 @@ Layout (all little-endian, native MPI bytes)::
 keeps the matching trivial (a matched probe receives it whole, so requests from many
 workers never interleave) at the price of one copy of the payload into the buffer.
 
-Also here: the polling waits. MPICH's blocking waits spin on a core; a server or a
-worker held back by bounded staleness may wait for seconds, so every wait in this package
-tests its requests and sleeps between tests with an exponential backoff from
-``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S`` (the latency added to a reply after an idle period
-is at most ``BACKOFF_MAX_S``; a busy server never sleeps).
+Also here: the polling waits (:class:`Backoff`). MPICH's blocking waits spin on a core; a
+server or a worker held back by bounded staleness may wait for seconds, so every wait in
+this package probes or tests, yields the CPU for the first 200 us of an idle period, then
+sleeps with an exponential backoff from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S`` (so a reply
+after a long idle period is late by at most ``BACKOFF_MAX_S``; a busy server never sleeps,
+nor does a rank whose own sends are in flight).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from ..linkdelay import LinkDelay
 from ..tags import TAG_PS_CONTROL, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
 
 __all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "TAG_REQUEST", "TAG_REPLY", "TAG_CONTROL",
-           "TAG_STATE", "Message", "pack", "unpack", "Backoff", "wait_requests",
-           "probe_wait"]
+           "TAG_STATE", "Message", "pack", "unpack", "reply_nbytes", "Backoff",
+           "wait_requests", "probe_wait", "recv_bytes", "isend_bytes"]
 
 # operations
 PUSH, PULL, CLOSE, CKPT, REPLY = 1, 2, 3, 4, 5
