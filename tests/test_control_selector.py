@@ -174,6 +174,8 @@ def test_lgreco_family_input_checks():
         LGreco(9, family="qsgd")
     with pytest.raises(ValueError, match="rank"):
         LGreco(0.5, family="powersgd")
+    with pytest.raises(ValueError, match="bucket_size"):
+        LGreco(4, family="qsgd", bucket_size=0)
 
 
 # ---------------------------------------------------------------------- CR / Pareto

@@ -66,6 +66,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..validate import check_int
+
 __all__ = ["lgreco_solve", "LGreco", "DEFAULT_FACTORS", "FAMILIES", "QSGD_OFFSETS"]
 
 #: Candidate densities, as multiples of the uniform default.
@@ -194,6 +196,8 @@ class LGreco:
             raise ValueError(f"acc_steps must be an int in [1, every], got {acc_steps!r}")
         if not factors or any(f <= 0 for f in factors):
             raise ValueError("factors must be positive")
+        check_int("bucket_size", bucket_size, 1)  # here, not on rank 0 alone in adjust
+        check_int("seed", seed, 0)
         self.family = family
         self.default = float(default) if family == "topk" else int(default)
         self.every, self.acc_steps, self.buckets = every, acc_steps, buckets
