@@ -380,3 +380,19 @@ def test_a_sync_phase_that_never_returns_cannot_hang_a_failed_run():
         sched.run()
     assert time.perf_counter() - start < 15
     release.set()
+
+
+def test_benchmark_runs_every_mode_and_reports_the_bound(tmp_path):
+    out = tmp_path / "crossover.json"
+    result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "crossover", "--steps", "3",
+                         "--repeats", "1", "--batch", "16", "--hidden", "16", "--json",
+                         str(out)], timeout=150)
+    assert result.returncode == 0, result.output
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert summary["identical_to_sequential"] is True  # the scheduler changed no math
+    assert 1.0 <= summary["bound"] <= 2.0
+    (row,) = report["rows"]
+    for mode in ("sequential", "colocated", "crossover"):
+        assert row[f"{mode}_s"] > 0 and row[f"{mode}_it_s"] == pytest.approx(6 / row[f"{mode}_s"])
+    assert "bound (C+S)/max(C,S)" in result.output
