@@ -396,3 +396,22 @@ def test_benchmark_runs_every_mode_and_reports_the_bound(tmp_path):
     for mode in ("sequential", "colocated", "crossover"):
         assert row[f"{mode}_s"] > 0 and row[f"{mode}_it_s"] == pytest.approx(6 / row[f"{mode}_s"])
     assert "bound (C+S)/max(C,S)" in result.output
+
+
+def test_jobs_of_any_length_run_in_cyclic_order():
+    log: list[str] = []
+
+    def job(name: str, steps: int) -> FunctionJob:
+        return FunctionJob(name, lambda s: log.append(f"{name}{s}"),
+                           lambda s, c: log.append(f"{name}{s}s"), steps,
+                           finish=lambda: log.append(f"{name}."))
+
+    with CrossoverScheduler([job("a", 3), job("b", 0), job("c", 1)]) as sched:
+        stats = sched.run()
+    computes = [e for e in log if not e.endswith("s")]
+    assert computes == ["a0", "b.", "c0", "a1", "c.", "a2", "a."]
+    for name, steps in (("a", 3), ("c", 1)):  # every sync ends before the next phase
+        mine = [e for e in log if e.startswith(name)]
+        assert mine == [x for s in range(steps) for x in (f"{name}{s}", f"{name}{s}s")] + [
+            f"{name}."]
+    assert [stats.jobs[n].steps for n in "abc"] == [3, 0, 1]
