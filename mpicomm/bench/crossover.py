@@ -59,9 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="identical jobs sharing the ranks")
     parser.add_argument("--steps", type=int, default=40, help="iterations per job")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every mode (median)")
-    parser.add_argument("--batch", type=int, default=512, help="samples per rank and step")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2, help="hidden layers")
+    parser.add_argument("--batch", type=int, default=1024, help="samples per rank and step")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=3, help="hidden layers")
     parser.add_argument("--strategy", default="dense", help="GradientSync strategy")
     parser.add_argument("--delay-ms", default="auto",
                         help="injected delay per sync phase in ms, or 'auto' (S = C)")
