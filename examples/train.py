@@ -19,7 +19,12 @@ Two ways to synchronize:
 * default: :class:`mpicomm.torch.GradientSync` averages the gradients of every step
   during ``backward`` with the chosen strategy (``--strategy``: dense allreduce or a
   compressing one such as gTop-k; ``--density``, ``--bits``, ``--rank``, ``--source`` go
-  to the strategies whose constructor takes them).
+  to the strategies whose constructor takes them, and are refused for the others).
+  Accuracy at many ranks (DGC's recipe): ``--schedule`` warms the density up
+  (``gtopk``, ``dgc``, ``linear:5``; see :func:`mpicomm.control.parse_schedule`),
+  ``--momentum-correction`` moves the momentum into the strategy's error-feedback memory
+  (the optimizer then runs without momentum and weight decay is added to the loss),
+  ``--clip-norm`` clips each rank's gradient at ``C / sqrt(size)``.
 * ``--local-sgd fixed|adacomm``: every rank takes local optimizer steps and
   :class:`mpicomm.torch.LocalSGD` averages the *parameters* every ``tau`` steps (fixed
   ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``). The
@@ -31,6 +36,11 @@ through mpicomm's collectives, the bytes a dense allreduce of the gradients at e
 step would have sent (measured with the same traffic counters: one real dense allreduce
 of the gradient buffers, times the number of steps), the strategy's settings, and
 AdaComm's period history. ``--json PATH`` writes the same summary as JSON.
+
+Command-line mistakes (an option the chosen strategy does not take, a value its
+constructor rejects, ``--strategy`` together with ``--local-sgd``) end the run before any
+training with one ``train.py: error: ...`` line from rank 0 and exit status 2 on every
+rank, as argparse does in a single process.
 """
 
 from __future__ import annotations
@@ -55,19 +65,41 @@ from tqdm import tqdm  # noqa: E402
 
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
-from mpicomm.control import AdaComm  # noqa: E402
+from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
+from mpicomm.linkdelay import report_step  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.torch import GradientSync, LocalSGD  # noqa: E402
 
 log = logging.getLogger("train")
 
 #: Command-line options handed to a strategy whose constructor has a parameter of that name.
-STRATEGY_OPTIONS = ("density", "bits", "rank", "source")
+STRATEGY_OPTIONS = ("density", "bits", "rank", "source", "schedule", "momentum_correction",
+                    "momentum_masking", "clip_norm")
 
 
 # ---------------------------------------------------------------------- options
+class RankZeroParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` for MPI jobs: help and errors are printed by rank 0 only (one
+    copy instead of one per rank), and an error is one ``prog: error: ...`` line; every
+    rank exits with status 2, so no rank goes on to communicate alone."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if _world_rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _world_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = RankZeroParser(
+        prog=os.path.basename(__file__),
         description="Train an MLP on scikit-learn's digits with mpicomm "
                     "(run under mpiexec; rank 0 prints the summary).")
     ap.add_argument("--epochs", type=int, default=30, help="passes over the training set")
@@ -79,9 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the weights and of the per-epoch shuffles (shared by ranks)")
-    ap.add_argument("--strategy", default="dense",
+    ap.add_argument("--strategy", default=None,
                     help="gradient strategy (mpicomm.strategies.available(): "
-                         f"{', '.join(strategies.available())}); unused with --local-sgd")
+                         f"{', '.join(strategies.available())}; default dense); not with "
+                         "--local-sgd")
     ap.add_argument("--density", type=float, default=None,
                     help="fraction of gradient entries sent, for sparsifying strategies "
                          "(default: theirs, 0.01)")
@@ -91,6 +124,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="PowerSGD's low rank (default: the strategy's)")
     ap.add_argument("--source", default=None,
                     help="AR-Top-k's index source (default: the strategy's)")
+    ap.add_argument("--schedule", default=None, metavar="SPEC",
+                    help="density warm-up of a compressing strategy, by epochs unless "
+                         "@step: gtopk (0.004 for epoch 0), dgc (0.25, 0.0625, 0.015625, "
+                         "0.004), linear[:N] (dense to final over N epochs), "
+                         "warmup:V1,V2[/N]; default none")
+    ap.add_argument("--momentum-correction", action="store_const", const=True, default=None,
+                    help="DGC momentum correction: the strategy keeps the velocity "
+                         "(--momentum) in its error-feedback memory, the optimizer runs "
+                         "without momentum, weight decay is added to the loss")
+    ap.add_argument("--no-momentum-masking", dest="momentum_masking", action="store_const",
+                    const=False, default=None,
+                    help="with --momentum-correction: keep the velocity where values "
+                         "were sent (DGC masks it)")
+    ap.add_argument("--clip-norm", type=float, default=None,
+                    help="local gradient clipping: each rank clips at CLIP_NORM/sqrt(size)")
     ap.add_argument("--local-sgd", choices=("none", "fixed", "adacomm"), default="none",
                     help="average parameters every tau local steps instead of gradients "
                          "every step (fixed: --period; adacomm: AdaComm from --tau0)")
@@ -107,9 +155,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "hidden", "period", "tau0"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.local_sgd != "none":
+        given = [f"--{opt.replace('_', '-')}" for opt in ("strategy", *STRATEGY_OPTIONS)
+                 if getattr(args, opt) is not None]
+        if given:
+            ap.error(f"--local-sgd {args.local_sgd} averages parameters densely and takes no "
+                     f"{', '.join(given)}")
+        args.strategy = "dense"
+        return args
+    if args.strategy is None:
+        args.strategy = "dense"
     if args.strategy not in strategies.available():
         ap.error(f"unknown strategy {args.strategy!r}; available: "
                  f"{', '.join(strategies.available())}")
+    try:
+        parse_schedule(args.schedule, steps_per_epoch=1)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.momentum_correction and not 0.0 < args.momentum < 1.0:
+        ap.error("--momentum-correction needs 0 < --momentum < 1")
+    # the value handed to the strategy (None: not given, the strategy's default)
+    args.momentum_correction = args.momentum if args.momentum_correction else None
+    try:  # constructing a strategy validates its options without communicating
+        kwargs = strategy_kwargs(args.strategy, args)
+        if "schedule" in kwargs:
+            kwargs["schedule"] = parse_schedule(kwargs["schedule"], steps_per_epoch=1)
+        strategies.make(args.strategy, **kwargs)
+    except (ValueError, TypeError) as exc:
+        ap.error(f"--strategy {args.strategy}: {exc}")
     return args
 
 
@@ -124,21 +197,27 @@ def strategy_class(name: str) -> type[Strategy] | None:
     return None
 
 
-def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The options of :data:`STRATEGY_OPTIONS` that strategy ``name``'s constructor takes.
-
-    Options not given (``None``) are not passed, so the strategy's defaults hold; a given
-    option the strategy does not take is reported and ignored.
-    """
+def strategy_options(name: str) -> set[str]:
+    """The options of :data:`STRATEGY_OPTIONS` that strategy ``name``'s constructor takes."""
     cls = strategy_class(name)
     params = inspect.signature(cls).parameters if cls is not None else {}
+    return {opt for opt in STRATEGY_OPTIONS if opt in params}
+
+
+def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The given options (not ``None``) for strategy ``name``'s constructor.
+
+    ``ValueError`` naming an option the strategy does not take, and the strategies that
+    do take it: a forgotten ``--strategy`` must not go unnoticed.
+    """
+    takes = strategy_options(name)
     given = {opt: getattr(args, opt) for opt in STRATEGY_OPTIONS
              if getattr(args, opt) is not None}
-    unused = sorted(set(given) - set(params))
-    if unused:
-        log.warning("strategy %r takes no %s; ignored", name,
-                    ", ".join(f"--{opt}" for opt in unused))
-    return {opt: value for opt, value in given.items() if opt in params}
+    for opt in sorted(set(given) - takes):
+        users = [s for s in strategies.available() if opt in strategy_options(s)]
+        raise ValueError(f"takes no --{opt.replace('_', '-')} (strategies that do: "
+                         f"{', '.join(users)})")
+    return given
 
 
 def default_threads(comm: mpicomm.Communicator) -> int:
@@ -264,11 +343,17 @@ def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
             opt.zero_grad()
             out = model(x)
             loss = torch.nn.functional.cross_entropy(out, y)
-            loss.backward()
+            if args.momentum_correction:  # weight decay folded into the gradient
+                decay = sum(p.pow(2).sum() for p in model.parameters())
+                (loss + 0.5 * args.weight_decay * decay).backward()
+            else:
+                loss.backward()
             update(loss)
             loss_sum += loss.item() * len(batch)
             correct += float((out.argmax(1) == y).sum())
             steps += 1
+            if comm.rank == 0:
+                report_step(steps)  # emulated cluster's `step N` schedule entries; else no-op
             bar.update(1)
         train_loss, train_acc = global_mean(comm, loss_sum, correct, len(idx))
         history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc})
@@ -280,7 +365,12 @@ def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
 def train_gradient_sync(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
                         args: argparse.Namespace, comm: mpicomm.Communicator) -> Outcome:
     """Average gradients every step with the chosen strategy (GradientSync)."""
-    strategy = strategies.make(args.strategy, **strategy_kwargs(args.strategy, args))
+    kwargs = strategy_kwargs(args.strategy, args)
+    if "schedule" in kwargs:  # by epochs: needs the steps each rank takes per epoch
+        per_rank = len(data.y_train) // comm.size
+        kwargs["schedule"] = parse_schedule(kwargs["schedule"],
+                                            steps_per_epoch=-(-per_rank // args.batch_size))
+    strategy = strategies.make(args.strategy, **kwargs)
     with GradientSync(model, strategy, comm=comm) as sync:
         steps, history = run_epochs(model, opt, data, args, comm,
                                     lambda loss: sync.step(opt))  # wait, then opt.step()
@@ -394,15 +484,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     comm = mpicomm.init()
     setup_logging(comm.rank)
     torch.set_num_threads(args.threads or default_threads(comm))
-    if args.local_sgd != "none" and args.strategy != "dense":
-        log.warning("--local-sgd %s averages parameters densely; --strategy %s is not used",
-                    args.local_sgd, args.strategy)
     # rank 0 reads the data set and broadcasts it: one scikit-learn import instead of one
     # per rank (the ranks share the cores)
     data = comm.bcast_object(load_data() if comm.rank == 0 else None)
     model = build_model(args.hidden, args.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.weight_decay)
+    if args.momentum_correction:  # the strategy owns the velocity; decay is in the loss
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                              weight_decay=args.weight_decay)
     log.info("%d ranks x %d torch thread(s); %d train / %d test examples; %d parameters",
              comm.size, torch.get_num_threads(), len(data.y_train), len(data.y_test),
              sum(p.numel() for p in model.parameters()))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +9,8 @@ from mpi4py import MPI
 
 from ..buffers import REDUCE_OPS, ArrayOps, BufferInfo
 from ..comm import Traffic
+from ..config import RING_SEGMENT_BYTES, ring_segment_bytes
+from ..linkdelay import LinkDelay, link_delay
 from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the algorithms)
     TAG_ALLGATHER,
     TAG_ALLREDUCE,
@@ -17,23 +18,34 @@ from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the a
     TAG_FOLD,
     TAG_REDUCE_SCATTER,
 )
+from ..validate import check_algorithm, check_int  # noqa: F401  (the one validation kit)
 
 
 @dataclass
 class Ctx:
     """Everything an algorithm needs: the private MPI communicator, array kernels, and the
-    communicator's traffic counter (every send and receive below is counted)."""
+    communicator's traffic counter (every send and receive below is counted), and the
+    emulated cluster's latency injector (:mod:`mpicomm.linkdelay`; None outside it)."""
 
     mpi: MPI.Intracomm
     rank: int
     size: int
     ops: ArrayOps
     traffic: Traffic
+    #: Ring segment size (``MPICOMM_RING_SEGMENT_BYTES``), read once per collective.
+    segment_bytes: int = RING_SEGMENT_BYTES
+    #: The emulated cluster's injected latency (:mod:`mpicomm.linkdelay`); None outside it.
+    delay: LinkDelay | None = None
 
     @classmethod
-    def of(cls, comm: Any, ops: ArrayOps) -> Ctx:
-        """The context for running an algorithm on ``comm`` (an mpicomm Communicator)."""
-        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic)
+    def of(cls, comm: Any, ops: ArrayOps, segment_bytes: int | None = None) -> Ctx:
+        """The context for running an algorithm on ``comm`` (an mpicomm Communicator).
+
+        ``segment_bytes`` defaults to the environment's (checked) value; collectives pass
+        the value their argument checks read, which checked mode compared across ranks.
+        """
+        seg = ring_segment_bytes() if segment_bytes is None else segment_bytes
+        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, link_delay(comm))
 
     def _nbytes(self, a: Any) -> int:
         return int(a.shape[0]) * self.ops.itemsize(a)
@@ -49,22 +61,33 @@ class Ctx:
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int, tag: int) -> None:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``."""
         self._count(send, recv)
+        if self.delay is not None:
+            self.delay.before_send(dest)
+            self.delay.after_receive()
         self.mpi.Sendrecv(self.ops.msg(send), dest, tag, self.ops.msg(recv), source, tag)
 
     def send(self, data: Any, dest: int, tag: int) -> None:
         self._count(sent=data)
+        if self.delay is not None:
+            self.delay.before_send(dest)
         self.mpi.Send(self.ops.msg(data), dest, tag)
 
     def recv(self, data: Any, source: int, tag: int) -> None:
         self._count(received=data)
+        if self.delay is not None:
+            self.delay.after_receive()
         self.mpi.Recv(self.ops.msg(data), source, tag)
 
     def isend(self, data: Any, dest: int, tag: int) -> MPI.Request:
         self._count(sent=data)
+        if self.delay is not None:
+            self.delay.before_send(dest)
         return self.mpi.Isend(self.ops.msg(data), dest, tag)
 
     def irecv(self, data: Any, source: int, tag: int) -> MPI.Request:
         self._count(received=data)
+        if self.delay is not None:
+            self.delay.after_receive()
         return self.mpi.Irecv(self.ops.msg(data), source, tag)
 
 
@@ -81,21 +104,8 @@ def check_op_dtype(op: str, info: BufferInfo) -> None:
         )
 
 
-def check_algorithm(collective: str, algorithm: Any, known: Sequence[str]) -> str:
-    names = ("auto", *known)
-    if not isinstance(algorithm, str) or algorithm not in names:
-        raise ValueError(
-            f"unknown {collective} algorithm {algorithm!r}; choose one of {', '.join(names)}"
-        )
-    return algorithm
-
-
 def check_root(root: Any, size: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, int):
-        raise TypeError(f"root must be an int, got {type(root).__name__}")
-    if not 0 <= root < size:
-        raise ValueError(f"root {root} is out of range for {size} ranks")
-    return root
+    return check_int("root", root, 0, size - 1)
 
 
 def block_bounds(n: int, parts: int) -> list[int]:

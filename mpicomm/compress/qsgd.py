@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..buffers import to_torch
+from ..validate import check_int
 from ._rng import generator
 from ._tensor import TensorMeta, check_finite, flatten, restore, to_native
 from .base import Compressor, Payload
@@ -53,6 +54,13 @@ class QSGD(Compressor):
     Randomness: a generator seeded by ``(seed, salt, name, step)`` on the tensor's
     device. With the default ``salt=0`` all ranks use the same noise for a given tensor
     and step; strategies that want independent rounding per rank pass ``salt=rank``.
+    What is promised across devices is the *distribution*, not the bits: CUDA and CPU
+    generators give different streams, so a CUDA tensor is rounded with different noise
+    than its CPU copy (each reproducible on its own device), while the scales, the grid
+    of levels and unbiasedness are the same (every entry lands on one of the two levels
+    around ``|x_i| / c * s``, so the two decodings differ by at most one level ``c / s``).
+    Drawing on the device keeps QSGD free of host round trips on the GPU; bitwise
+    CPU = GPU agreement would need the noise drawn on the CPU and copied over.
 
     Cost: O(n) with a few passes (norms, noise, rounding, packing); the bucket norm is
     computed in float32 (float64 for float64 input).
@@ -68,11 +76,8 @@ class QSGD(Compressor):
 
     def __init__(self, bits: int = 8, bucket_size: int = 512, seed: int = 0, *,
                  salt: int = 0, allow_nonfinite: bool = False) -> None:
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(f"bits must be an integer in [1, 8], got {bits!r}")
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) \
-                or bucket_size < 1:
-            raise ValueError(f"bucket_size must be an integer >= 1, got {bucket_size!r}")
+        bits = check_int("bits", bits, 1, 8)
+        bucket_size = check_int("bucket_size", bucket_size, 1)
         self.bits = bits
         self.bucket_size = bucket_size
         self.seed = int(seed)

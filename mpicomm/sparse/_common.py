@@ -27,10 +27,20 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from ..buffers import BufferInfo, cuda_aware, framework_of, from_torch, staging_pool, to_torch
+from ..buffers import (
+    BufferInfo,
+    cuda_aware,
+    framework_of,
+    from_torch,
+    ops_for,
+    staging_pool,
+    to_torch,
+)
 from ..comm import Communicator
+from ..linkdelay import link_delay
 from ..selection import index_dtype_for, topk_indices
 from ..tags import TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401  (re-exported)
+from ..validate import check_int
 
 __all__ = [
     "Pairs",
@@ -64,22 +74,9 @@ Pairs = tuple[torch.Tensor, torch.Tensor]
 
 
 # ---------------------------------------------------------------------- checks
-def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
-    """``value`` as an int in ``[low, high]``; ``ValueError`` otherwise (bool refused)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return int(value)
-
-
 def check_k(k: Any, limit: int | None, what: str = "size") -> int:
     """``k >= 1`` and, when ``limit`` is known, ``k <= limit``."""
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    k = check_int("k", k, 1)
     if limit is not None and k > limit:
         raise ValueError(f"k={k} exceeds {what}={limit}")
     return int(k)
@@ -303,6 +300,8 @@ class Wire:
         self.staged = device.type == "cuda" and not cuda_aware()
         self.direct = device.type == "cuda" and not self.staged
         self._resources = comm.resources
+        self._ops = ops_for("torch", self.direct)
+        self.delay = link_delay(comm)  # emulated cluster's injected latency, else None
 
     def _host(self, numel: int, slot: str) -> torch.Tensor:
         info = BufferInfo("torch", "uint8", (numel,), str(self.device), 1)
@@ -325,6 +324,8 @@ class Wire:
     def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         out = self._outgoing(t)
         self._count_send(out)
+        if self.delay is not None:
+            self.delay.before_send(dest)
         self.mpi.Send([out, MPI.BYTE], dest, tag)
 
     def recv(self, source: int, tag: int) -> torch.Tensor:
@@ -333,9 +334,11 @@ class Wire:
         n = status.Get_count(MPI.BYTE)
         if self.staged:
             buf = self._host(n, "sparse-recv")
-        else:
-            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        else:  # direct: the fresh block is synchronized before MPI writes into it
+            buf = self._ops.empty(n, torch.uint8, device=self.device)
         message.Recv([buf, MPI.BYTE])
+        if self.delay is not None:
+            self.delay.after_receive()
         self.traffic.recv_bytes += n
         return buf.to(self.device) if self.staged else buf
 
@@ -343,6 +346,8 @@ class Wire:
         """Send ``t`` to ``peer`` while receiving ``peer``'s message of unknown length."""
         out = self._outgoing(t)
         self._count_send(out)
+        if self.delay is not None:
+            self.delay.before_send(peer)
         request = self.mpi.Isend([out, MPI.BYTE], peer, tag)
         try:
             got = self.recv(peer, tag)
