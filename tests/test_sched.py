@@ -214,6 +214,16 @@ def test_trace_shows_one_compute_at_a_time_and_sync_behind_compute(comm):
     assert stats.jobs["A"].wait_seconds < stats.jobs["A"].sync_seconds
 
 
+@pytest.mark.mpi
+def test_gated_sync_phases_give_the_same_trajectories(comm):
+    reference = quadratic_alone(comm, comm.rank, 4)
+    a, traj_a = quadratic_job("a", comm.rank, 4)
+    b, traj_b = quadratic_job("b", comm.rank, 4, compute_s=0.002)
+    with CrossoverScheduler([a, b], comm=comm, gate_poll_s=1e-4) as sched:
+        sched.run()
+    assert traj_a == traj_b == reference
+
+
 @pytest.mark.mpi(min_size=2)
 def test_different_job_lists_raise_on_every_rank(comm):
     steps = 3 if comm.rank == comm.size - 1 else 2
@@ -263,6 +273,8 @@ def test_arguments_are_checked():
         CrossoverScheduler([a, quadratic_job("a", 0, 1)[0]])
     with pytest.raises(TypeError, match="Job"):
         CrossoverScheduler([a, lambda step: None])
+    with pytest.raises(ValueError, match="gate_poll_s"):
+        CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], gate_poll_s=0)
     with pytest.raises(TypeError, match="timeline"):
         CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], timeline="yes")
     with pytest.raises(TypeError, match="callable"):
