@@ -25,7 +25,7 @@ Setup (every choice is an option):
   scheduler), ``crossover`` (:class:`~mpicomm.sched.CrossoverScheduler`). The order of
   the modes rotates between repeats. A mode's time is the slowest rank's wall clock
   for the training loops (set-up excluded); throughput = all jobs' iterations / time.
-* Bounds, from ``C``, ``S`` = the per-iteration compute and sync times measured in the
+* Bounds, from ``C``, ``S`` = the median per-iteration compute and sync times in the
   sequential runs, printed next to the measured speedup: ``bound = (C + S) / max(C, S)``
   (issue 10 / algorithms.md E.4: compute and network each serve one job at a time) and
   ``token_bound = n(C + S) / max(nC, C + S)`` (only compute is exclusive; syncs of
@@ -112,7 +112,7 @@ def digest(job: Any) -> str:
     return h.hexdigest()
 
 
-def loop(job: Any, times: dict[str, float] | None = None) -> None:
+def loop(job: Any, times: dict[str, list[float]] | None = None) -> None:
     """The job's iterations run by themselves (no token): compute, then sync."""
     for step in range(job.steps):
         t0 = time.perf_counter()
@@ -120,12 +120,9 @@ def loop(job: Any, times: dict[str, float] | None = None) -> None:
         t1 = time.perf_counter()
         job.sync(step)
         if times is not None:
-            times["compute"] += t1 - t0
-            times["sync"] += time.perf_counter() - t1
-    t0 = time.perf_counter()
+            times["compute"].append(t1 - t0)
+            times["sync"].append(time.perf_counter() - t1)
     job.finish()
-    if times is not None:
-        times["compute"] += time.perf_counter() - t0
 
 
 def slowest(comm: Communicator, seconds: float) -> float:
@@ -133,8 +130,10 @@ def slowest(comm: Communicator, seconds: float) -> float:
 
 
 def run_sequential(jobs: list[Any], comm: Communicator) -> tuple[float, float, float]:
-    """(seconds, compute s/iteration, sync s/iteration): each job alone, in turn."""
-    total, times = 0.0, {"compute": 0.0, "sync": 0.0}
+    """(seconds, compute s/iteration, sync s/iteration; medians, slowest rank): each job
+    alone, in turn."""
+    total: float = 0.0
+    times: dict[str, list[float]] = {"compute": [], "sync": []}
     for job in jobs:
         job_comm = comm.dup()
         try:
@@ -146,9 +145,8 @@ def run_sequential(jobs: list[Any], comm: Communicator) -> tuple[float, float, f
             job.close()
         finally:
             job_comm.free()
-    steps = sum(j.steps for j in jobs)
-    return (total, slowest(comm, times["compute"] / steps),
-            slowest(comm, times["sync"] / steps))
+    return (total, slowest(comm, statistics.median(times["compute"])),
+            slowest(comm, statistics.median(times["sync"])))
 
 
 def run_colocated(jobs: list[Any], comm: Communicator) -> float:
