@@ -19,6 +19,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "sparse": (20, 30),        # gTop-k rounds and fold
     "gossip": (30, 40),        # neighbour averaging
     "emulate": (40, 50),       # emulated-cluster verification ping-pong
+    "control": (50, 60),       # calibration ping-pongs of the selector (mpicomm.control)
     "ps": (100, 200),          # parameter server requests and replies
     "sched": (200, 300),       # Crossover scheduler tokens
     "user": (1000, 32768),     # free for applications on their own communicators
@@ -63,3 +64,5 @@ TAG_GTOPK_ROUND = tag("sparse", 2)
 TAG_GOSSIP = tag("gossip", 1)
 # Emulated cluster verification.
 TAG_PINGPONG = tag("emulate", 1)
+# Calibration ping-pong over several links (mpicomm.control.calibration).
+TAG_CALIBRATE = tag("control", 1)

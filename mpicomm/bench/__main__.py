@@ -21,6 +21,7 @@ SUITES = {
     "selection": "mpicomm.bench.selection",
     "fusion": "mpicomm.bench.fusion",
     "crossover": "mpicomm.bench.crossover",
+    "adaptive": "mpicomm.bench.adaptive",
 }
 
 
