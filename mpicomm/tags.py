@@ -62,6 +62,11 @@ TAG_GTOPK_FOLD = tag("sparse", 1)
 TAG_GTOPK_ROUND = tag("sparse", 2)
 # Gossip averaging.
 TAG_GOSSIP = tag("gossip", 1)
+# Parameter server (mpicomm.ps), on each store's own duplicated communicator.
+TAG_PS_REQUEST = tag("ps", 1)   # worker -> server: push, pull, close, checkpoint
+TAG_PS_REPLY = tag("ps", 2)     # server -> worker: pull replies
+TAG_PS_CONTROL = tag("ps", 3)   # worker 0 <-> server: init / restore and acks
+TAG_PS_STATE = tag("ps", 4)     # server -> worker 0: shard state for a checkpoint
 # Emulated cluster verification.
 TAG_PINGPONG = tag("emulate", 1)
 # Calibration ping-pong over several links (mpicomm.control.calibration).

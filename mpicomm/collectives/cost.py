@@ -29,6 +29,7 @@ Top-k via allgather (ring)      (p-1)α + (p-1)·k·s·β
 gTop-k (butterfly)              lg p2·(α + k·s·β)                        fold: 2(α + k·s·β)
 AR-Top-k (ring)                 bcast of k indices + ring allreduce of k values
 AR-Top-k (tree)                 bcast of k indices + recursive-doubling allreduce of k values
+PS push + pull (S servers)      2α + 2W(n/S)β + W(n/S)γ   (busiest server port; Table I: S=1)
 ==============================  ===============================================================
 
 Tuning: the defaults in :class:`CostParams` are rough figures for shared memory under
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CostParams", "ComputeParams", "predict", "choose", "FORMULAS", "paper", "calibrated",
-           "CALIBRATION_KEYS"]
+           "CALIBRATION_KEYS", "ps_push_pull"]
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,26 @@ def artopk_tree(k: float, index_bytes: float, value_bytes: float, p: int,
             + allreduce_recursive_doubling(k * value_bytes, p, c))
 
 
+def ps_push_pull(n: float, workers: int, servers: int, c: CostParams) -> float:
+    """One synchronous parameter-server step: every worker pushes ``n`` bytes and pulls
+    ``n`` bytes, each key split evenly over ``servers``.
+
+    The bottleneck is a server's port, which receives ``W`` pieces of ``n/S`` bytes and
+    sends as many back, and sums the ``W`` pushed pieces:
+    ``2 alpha + 2 W (n/S) beta + W (n/S) gamma``. The latency counts once each way (the
+    ``W`` messages are in flight together), as in Table I of Tyagi & Swany (their
+    ``2 alpha + 2 (N-1) M beta`` with one server and ``N - 1 = W`` workers; their table
+    has no gamma). Compare :func:`allreduce_ring` over the ``W`` workers, whose bandwidth
+    term ``2 (W-1)/W n beta`` does not grow with ``W``: with ``S = 1`` a PS moves about
+    ``W`` times more bytes through its busiest port; with ``S = W`` servers of their own
+    bandwidth it matches the ring's term with a constant latency.
+    """
+    if workers < 1 or servers < 1:
+        raise ValueError(f"need workers >= 1 and servers >= 1, got {workers}, {servers}")
+    per_port = workers * n / servers
+    return 2 * c.alpha + 2 * per_port * c.beta + per_port * c.gamma
+
+
 FORMULAS: dict[str, dict[str, Callable[[float, int, CostParams], float]]] = {
     "allreduce": {
         "ring": allreduce_ring,
@@ -285,6 +306,10 @@ class paper:  # noqa: N801 - a namespace, not a class of objects
     ``M`` is the gradient size in bytes, ``c`` the fraction of entries kept, ``n`` the
     number of workers. Used to check the model against the paper's Table VI.
     """
+
+    @staticmethod
+    def parameter_server(M: float, n: int, alpha: float, beta: float) -> float:
+        return 2 * alpha + 2 * (n - 1) * M * beta
 
     @staticmethod
     def allgather_topk(M: float, c: float, n: int, alpha: float, beta: float) -> float:

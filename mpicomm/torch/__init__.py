@@ -4,6 +4,7 @@
 ``DistributedOptimizer``    the same, shaped as a wrapper around your optimizer
 ``LocalSGD``                periodic parameter averaging, fixed period or AdaComm
 ``GossipAveraging``         decentralized neighbour averaging (ring / exponential graph)
+``PSOptimizer``             train through a parameter server (``mpicomm.ps.KVStore``)
 ``TorchJob``                a model + optimizer + data as a Crossover scheduler job
 
 Imported lazily so that ``import mpicomm`` does not import torch.
@@ -20,6 +21,7 @@ _EXPORTS = {
     "broadcast_module": "mpicomm.torch.gradsync",
     "LocalSGD": "mpicomm.torch.localsgd",
     "GossipAveraging": "mpicomm.torch.gossip",
+    "PSOptimizer": "mpicomm.torch.ps",
     "TorchJob": "mpicomm.torch.crossover",
 }
 
