@@ -158,14 +158,14 @@ _CLEAN_EXIT = textwrap.dedent("""
     except KeyError:
         pass
     assert not sync._thread.is_alive()
-    print("clean", comm.rank, flush=True)
+    print(f"clean-{comm.rank}", flush=True)   # one token: two ranks' writes may interleave
 """)
 
 
 def test_exit_after_an_exception_with_an_idle_thread_ends_normally():
     result = run_job(2, [sys.executable, "-c", _CLEAN_EXIT], timeout=90)
     assert result.returncode == 0, result.output[-3000:]
-    assert "clean 0" in result.output and "clean 1" in result.output
+    assert "clean-0" in result.output and "clean-1" in result.output, result.output
 
 
 # ---------------------------------------------------------------------- job names
