@@ -52,7 +52,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) "$(TORCH_SPEC)"
 	$(MPI_INSTALL)
-	$(PIP) -e ".[test,examples,dev]"
+	$(PIP) -e ".[test,examples,plot,dev]"
 	@touch $@
 
 test: test-serial test-mpi

@@ -167,6 +167,26 @@ def _mpiexec_or_none() -> str:
         return str(exc)
 
 
+# ---------------------------------------------------------------------- plot
+def plot(path: str, output: str | None = None) -> int:
+    """``python -m mpicomm plot``: a metrics file's panels, or a trace's spans, as PNG."""
+    from .plot import plot_metrics, plot_trace
+
+    out = output or str(Path(path).with_suffix(".png"))
+    try:
+        with open(path) as f:
+            head = f.read(64).lstrip()
+        if head.startswith('{"traceEvents"') or head.startswith('{ "traceEvents"'):
+            written = plot_trace(path, out)
+        else:
+            written = plot_metrics(path, out)
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"python -m mpicomm plot: {exc}", file=sys.stderr)
+        return 2
+    print(written)
+    return 0
+
+
 # ---------------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m mpicomm",
@@ -174,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, MPI library, thread level, CUDA-awareness, "
                                 "cost-model defaults")
+    pp = sub.add_parser("plot", help="PNG plots of a metrics JSON-lines file (or a trace)",
+                        description="Plot a metrics file of mpicomm.metrics (loss and "
+                                    "accuracy against time and bytes, tau, collective, "
+                                    "traffic, predicted vs measured communication) or, for "
+                                    "a Chrome-trace JSON, its spans. Needs matplotlib.")
+    pp.add_argument("file", help="metrics.jsonl (or a trace .json)")
+    pp.add_argument("-o", "--output", default=None, help="PNG path (default: FILE.png)")
     rp = sub.add_parser("run", help="mpiexec for mpi4py's MPI (Open MPI settings included)",
                         description="Run `mpiexec -n N command...` with the mpiexec of the "
                                     "MPI library mpi4py uses; exits with its status.")
@@ -190,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key, value in info().items():
             print(f"{key:16s} {value}")
         return 0
+    if args.command == "plot":
+        return plot(args.file, args.output)
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]

@@ -43,6 +43,7 @@ import torch
 
 from ..collectives import allreduce, broadcast
 from ..comm import Communicator, resolve
+from ..metrics import metrics_from
 from ..strategies import Dense, Strategy, StrategyStats, make
 from ..timeline import Timeline
 
@@ -331,6 +332,11 @@ class GradientSync:
         ``bucket ready`` instants on the autograd thread, one ``aggregate`` span per bucket
         on the communication thread (with bytes and parameter count), and ``wait`` spans
         on the caller's thread. ``None``: a disabled timeline (no cost).
+    metrics:
+        A :class:`~mpicomm.metrics.Metrics` (or a path for a new one) that gets one record
+        per step from :meth:`wait` (bytes, compression, strategy and collective, predicted
+        and measured communication time, wait time; ``skipped`` for a skipped step).
+        ``None``: one from ``MPICOMM_METRICS`` when that is set, else none (no cost).
 
     Unused parameters
     -----------------
@@ -397,7 +403,7 @@ class GradientSync:
     def __init__(self, model: torch.nn.Module, strategy: Strategy | str | None = None,
                  bucket_mb: float = 25.0, comm: Communicator | None = None,
                  broadcast: bool = True, on_nonfinite: str = "raise",
-                 timeline: Timeline | bool | None = None):
+                 timeline: Timeline | bool | None = None, metrics: Any = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) \
@@ -425,6 +431,7 @@ class GradientSync:
         self.on_nonfinite = on_nonfinite
         self.bucket_mb = float(bucket_mb)
         self.timeline = timeline
+        self.metrics = metrics_from(metrics)
 
         # collective set-up: every rank runs these in this order
         check_same_module(model, self.comm, buffers=broadcast)
@@ -505,7 +512,10 @@ class GradientSync:
                 self._ready = [False] * len(self._slots)
                 self._remaining = [len(b.params) for b in self._buckets]
         self._stats.wait_seconds += time.perf_counter() - start
-        return self._conclude(step)
+        ok = self._conclude(step)
+        if self.metrics is not None:
+            self.metrics.observe(self, skipped=not ok)
+        return ok
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """:meth:`wait`, then ``optimizer.step()`` unless the step was skipped.
