@@ -440,6 +440,9 @@ def init(
     if abort_on_error:
         install_abort_handler()
     configure_logging()
+    from . import trace  # MPICOMM_TIMELINE: record the whole run (no communication here)
+
+    trace.start_from_env()
     if mpi_comm is None:
         comm = world()
         if check is not None:

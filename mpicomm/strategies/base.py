@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import trace
 from ..buffers import from_torch, inspect, to_torch
 from ..comm import Communicator, resolve
 
@@ -106,7 +107,9 @@ def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
     """Count the traffic, time and dense-equivalent bytes of one aggregation (on success)."""
     comm = strategy.comm
     before, start = comm.traffic.snapshot(), time.perf_counter()
-    yield
+    with trace.block(f"{strategy.name}.aggregate", "strategy", comm,
+                     **(trace.describe_strategy(strategy, tensors) if trace.active() else {})):
+        yield
     moved = comm.traffic - before
     stats = strategy.stats
     stats.calls += 1

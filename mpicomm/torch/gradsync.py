@@ -46,6 +46,7 @@ from ..comm import Communicator, resolve
 from ..metrics import metrics_from
 from ..strategies import Dense, Strategy, StrategyStats, make
 from ..timeline import Timeline
+from ..trace import active as active_timeline
 
 __all__ = [
     "GradientSync",
@@ -331,7 +332,8 @@ class GradientSync:
         A :class:`~mpicomm.timeline.Timeline` to record into (``True`` makes a new one):
         ``bucket ready`` instants on the autograd thread, one ``aggregate`` span per bucket
         on the communication thread (with bytes and parameter count), and ``wait`` spans
-        on the caller's thread. ``None``: a disabled timeline (no cost).
+        on the caller's thread. ``None``: the recording of :mod:`mpicomm.trace` active at
+        construction (``MPICOMM_TIMELINE``), else a disabled timeline (no cost).
     metrics:
         A :class:`~mpicomm.metrics.Metrics` (or a path for a new one) that gets one record
         per step from :meth:`wait` (bytes, compression, strategy and collective, predicted
@@ -418,7 +420,9 @@ class GradientSync:
         elif not isinstance(strategy, Strategy):
             raise TypeError("strategy must be an mpicomm Strategy, a strategy name or None, "
                             f"got {type(strategy).__name__}")
-        if timeline is None or timeline is False:
+        if timeline is None:  # the MPICOMM_TIMELINE / trace.recording() one, if any
+            timeline = active_timeline() or Timeline(enabled=False)
+        elif timeline is False:
             timeline = Timeline(enabled=False)
         elif timeline is True:
             timeline = Timeline()
