@@ -14,6 +14,13 @@ variable                   meaning
 ``MPICOMM_ABORT_ON_ERROR`` ``1`` (default): an uncaught exception on any rank calls
                            ``MPI_Abort`` so that the job ends instead of hanging.
 ``MPICOMM_LOG_LEVEL``      level of the ``mpicomm`` logger (default ``WARNING``).
+``MPICOMM_METRICS``        path of a per-step metrics JSON-lines file
+                           (:mod:`mpicomm.metrics`; ``{rank}``: one per rank).
+``MPICOMM_TIMELINE``       path of a merged Chrome trace of every collective, written
+                           by rank 0 at exit (:mod:`mpicomm.trace`).
+``MPICOMM_STALL_S``        seconds a collective may wait before the stall inspector
+                           reports who has not arrived (:mod:`mpicomm.stall`; ``0``:
+                           off; checked mode defaults to 300).
 =========================  ==========================================================
 """
 
