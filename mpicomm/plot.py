@@ -177,7 +177,9 @@ def plot_trace(trace: str | Path | dict[str, Any], out: str | Path,
                        (row_of[key] - height / 2, height),
                        facecolors=colors(cats.index(e.get("cat", "")) % 10),
                        edgecolor="black", linewidth=0.2)
-    ax.set_yticks(range(len(rows)), [f"rank {p} / {t}" for p, t in rows])
+    names = {(e["pid"], str(e["tid"])): e["args"]["name"] for e in data["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    ax.set_yticks(range(len(rows)), [f"rank {p} / {names.get((p, t), t)}" for p, t in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors(i % 10)) for i in range(len(cats))]
