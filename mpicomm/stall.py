@@ -11,7 +11,8 @@ now, and logs (``mpicomm.stall`` logger, stderr) and keeps a report like::
       arrived: ranks [0]
 
 The job is not stopped: the report is diagnostic, the collective goes on waiting. Each
-stalled call is reported once.
+stalled call is reported once, and only the innermost one of a thread (a strategy's
+aggregation waiting in its gTop-k exchange is reported as the exchange).
 
 How it works: every traced front-end call (see :mod:`mpicomm.trace`) registers itself
 while it runs (name, the world ranks of its communicator, a per-group call count, start
@@ -203,7 +204,12 @@ class StallInspector:
             stalled = []
             now = time.monotonic()
             with self._lock:
+                # the innermost running call of each thread is the one that waits
+                inner: dict[str, tuple[int, _Call]] = {}
                 for token, call in self._calls.items():
+                    if call.thread not in inner or token > inner[call.thread][0]:
+                        inner[call.thread] = (token, call)
+                for token, call in inner.values():
                     if token not in self._reported and now - call.start > self.threshold_s:
                         self._reported.add(token)
                         stalled.append(call)

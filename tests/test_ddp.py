@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import mpicomm
+from mpicomm.metrics import Metrics
 from mpicomm.torch import MpicommHookState, ddp_comm_hook, mpicomm_hook, process_group
 
 from .launch import run_job
@@ -69,6 +70,9 @@ def test_state_and_function_pair_agree_across_ranks(group: mpicomm.Communicator)
         model.register_comm_hook(state, mpicomm_hook)
         params = _train(model, group.rank, steps=2)
         assert state.buckets == 2 and "gtopk" in repr(state)
+        record = Metrics(rank=group.rank).observe(state)  # the hook as a metrics source
+        assert record["strategy"] == "gtopk" and record["sent_bytes"] == state.stats.sent_bytes
+        assert record["dense_bytes"] == 2 * sum(p.numel() * 4 for p in params)
     flat = torch.cat([p.reshape(-1) for p in params]).numpy()
     everyone = group.allgather_object(flat)
     for other in everyone:
