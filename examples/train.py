@@ -19,7 +19,7 @@ Two ways to synchronize:
 * default: :class:`mpicomm.torch.GradientSync` averages the gradients of every step
   during ``backward`` with the chosen strategy (``--strategy``: dense allreduce or a
   compressing one such as gTop-k; ``--density``, ``--bits``, ``--rank``, ``--source`` go
-  to the strategies whose constructor takes them).
+  to the strategies whose constructor takes them, and are refused for the others).
 * ``--local-sgd fixed|adacomm``: every rank takes local optimizer steps and
   :class:`mpicomm.torch.LocalSGD` averages the *parameters* every ``tau`` steps (fixed
   ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``). The
@@ -31,6 +31,11 @@ through mpicomm's collectives, the bytes a dense allreduce of the gradients at e
 step would have sent (measured with the same traffic counters: one real dense allreduce
 of the gradient buffers, times the number of steps), the strategy's settings, and
 AdaComm's period history. ``--json PATH`` writes the same summary as JSON.
+
+Command-line mistakes (an option the chosen strategy does not take, a value its
+constructor rejects, ``--strategy`` together with ``--local-sgd``) end the run before any
+training with one ``train.py: error: ...`` line from rank 0 and exit status 2 on every
+rank, as argparse does in a single process.
 """
 
 from __future__ import annotations
@@ -67,8 +72,28 @@ STRATEGY_OPTIONS = ("density", "bits", "rank", "source")
 
 
 # ---------------------------------------------------------------------- options
+class RankZeroParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` for MPI jobs: help and errors are printed by rank 0 only (one
+    copy instead of one per rank), and an error is one ``prog: error: ...`` line; every
+    rank exits with status 2, so no rank goes on to communicate alone."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if _world_rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _world_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = RankZeroParser(
+        prog=os.path.basename(__file__),
         description="Train an MLP on scikit-learn's digits with mpicomm "
                     "(run under mpiexec; rank 0 prints the summary).")
     ap.add_argument("--epochs", type=int, default=30, help="passes over the training set")
@@ -80,9 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the weights and of the per-epoch shuffles (shared by ranks)")
-    ap.add_argument("--strategy", default="dense",
+    ap.add_argument("--strategy", default=None,
                     help="gradient strategy (mpicomm.strategies.available(): "
-                         f"{', '.join(strategies.available())}); unused with --local-sgd")
+                         f"{', '.join(strategies.available())}; default dense); not with "
+                         "--local-sgd")
     ap.add_argument("--density", type=float, default=None,
                     help="fraction of gradient entries sent, for sparsifying strategies "
                          "(default: theirs, 0.01)")
@@ -112,9 +138,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "hidden", "period", "tau0"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.local_sgd != "none":
+        given = [f"--{opt}" for opt in ("strategy", *STRATEGY_OPTIONS)
+                 if getattr(args, opt) is not None]
+        if given:
+            ap.error(f"--local-sgd {args.local_sgd} averages parameters densely and takes no "
+                     f"{', '.join(given)}")
+        args.strategy = "dense"
+        return args
+    if args.strategy is None:
+        args.strategy = "dense"
     if args.strategy not in strategies.available():
         ap.error(f"unknown strategy {args.strategy!r}; available: "
                  f"{', '.join(strategies.available())}")
+    try:  # constructing a strategy validates its options without communicating
+        strategies.make(args.strategy, **strategy_kwargs(args.strategy, args))
+    except (ValueError, TypeError) as exc:
+        ap.error(f"--strategy {args.strategy}: {exc}")
     return args
 
 
@@ -129,21 +169,26 @@ def strategy_class(name: str) -> type[Strategy] | None:
     return None
 
 
-def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The options of :data:`STRATEGY_OPTIONS` that strategy ``name``'s constructor takes.
-
-    Options not given (``None``) are not passed, so the strategy's defaults hold; a given
-    option the strategy does not take is reported and ignored.
-    """
+def strategy_options(name: str) -> set[str]:
+    """The options of :data:`STRATEGY_OPTIONS` that strategy ``name``'s constructor takes."""
     cls = strategy_class(name)
     params = inspect.signature(cls).parameters if cls is not None else {}
+    return {opt for opt in STRATEGY_OPTIONS if opt in params}
+
+
+def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The given options (not ``None``) for strategy ``name``'s constructor.
+
+    ``ValueError`` naming an option the strategy does not take, and the strategies that
+    do take it: a forgotten ``--strategy`` must not go unnoticed.
+    """
+    takes = strategy_options(name)
     given = {opt: getattr(args, opt) for opt in STRATEGY_OPTIONS
              if getattr(args, opt) is not None}
-    unused = sorted(set(given) - set(params))
-    if unused:
-        log.warning("strategy %r takes no %s; ignored", name,
-                    ", ".join(f"--{opt}" for opt in unused))
-    return {opt: value for opt, value in given.items() if opt in params}
+    for opt in sorted(set(given) - takes):
+        users = [s for s in strategies.available() if opt in strategy_options(s)]
+        raise ValueError(f"takes no --{opt} (strategies that do: {', '.join(users)})")
+    return given
 
 
 def default_threads(comm: mpicomm.Communicator) -> int:
@@ -409,9 +454,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     comm = mpicomm.init()
     setup_logging(comm.rank)
     torch.set_num_threads(args.threads or default_threads(comm))
-    if args.local_sgd != "none" and args.strategy != "dense":
-        log.warning("--local-sgd %s averages parameters densely; --strategy %s is not used",
-                    args.local_sgd, args.strategy)
     # rank 0 reads the data set and broadcasts it: one scikit-learn import instead of one
     # per rank (the ranks share the cores)
     data = comm.bcast_object(load_data() if comm.rank == 0 else None)

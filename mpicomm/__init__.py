@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 # Subpackages that import torch load on first use: ``import mpicomm`` stays light.
-_LAZY = ("compress", "sparse", "strategies", "control", "roles", "torch", "timeline",
+_LAZY = ("compress", "sparse", "strategies", "control", "roles", "sched", "torch", "timeline",
          "selection", "buffers", "collectives")
 
 

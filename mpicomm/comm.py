@@ -39,6 +39,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .config import env_flag
+from .validate import NotAnIntegerError, check_int
 
 __all__ = [
     "Communicator",
@@ -48,12 +49,19 @@ __all__ = [
     "world",
     "resolve",
     "install_abort_handler",
+    "abort_job",
+    "job_scope",
+    "current_job",
     "configure_logging",
 ]
 
 log = logging.getLogger("mpicomm")
 
 _SCALAR_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM}
+
+#: Argument errors re-raised with the same type on the ranks that did not find them.
+_ARGUMENT_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (ValueError, TypeError, NotAnIntegerError)}
 
 
 @dataclass
@@ -62,7 +70,11 @@ class Traffic:
 
     Counted at every send/receive the algorithms post (not for ``algorithm="mpi"``,
     whose internals MPI does not expose, nor for checked-mode and control messages).
-    Use :meth:`snapshot` before and after a call to measure one operation.
+    :meth:`measure` counts what one block of code moved (the one way to do it)::
+
+        with comm.traffic.measure(into=my_totals) as moved:
+            mpicomm.allreduce(x, comm=comm)
+        print(moved.sent_bytes)
     """
 
     sent_bytes: int = 0
@@ -75,6 +87,31 @@ class Traffic:
     def __sub__(self, other: Traffic) -> Traffic:
         return Traffic(self.sent_bytes - other.sent_bytes, self.recv_bytes - other.recv_bytes,
                        self.messages - other.messages)
+
+    def add(self, other: Traffic) -> None:
+        """Add ``other``'s counts to these (in place)."""
+        self.sent_bytes += other.sent_bytes
+        self.recv_bytes += other.recv_bytes
+        self.messages += other.messages
+
+    @contextlib.contextmanager
+    def measure(self, into: Traffic | None = None) -> Iterator[Traffic]:
+        """Count what this counter gains inside the ``with`` block.
+
+        Yields a :class:`Traffic` that holds the difference once the block ends (also when
+        it raises: those bytes did move); ``into``, if given, is incremented by the same
+        amounts (an object's running total). Only this counter's own communicator is
+        seen, so measure on the communicator the work runs on.
+        """
+        moved = Traffic()
+        before = self.snapshot()
+        try:
+            yield moved
+        finally:
+            delta = self - before
+            moved.add(delta)
+            if into is not None:
+                into.add(delta)
 
 
 @dataclass(frozen=True)
@@ -115,10 +152,16 @@ class Communicator:
     owns:
         Free ``mpi_comm`` too in :meth:`free` (set by :meth:`dup` and :meth:`split`, whose
         new MPI communicators belong to the object they return).
+    job:
+        Name of the job this communicator serves, when several jobs share the processes
+        (the Crossover scheduler): :meth:`abort` names it, because ``MPI_Abort`` ends every
+        job of the world, not only the failing one. Inherited by :meth:`dup`/:meth:`split`.
     """
 
     def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None,
-                 owns: bool = False):
+                 owns: bool = False, job: str | None = None):
+        if job is not None and not isinstance(job, str):
+            raise TypeError(f"job must be a str or None, got {type(job).__name__}")
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"expected an mpi4py Intracomm, got {type(base).__name__}")
@@ -144,6 +187,8 @@ class Communicator:
         self.traffic = Traffic()
         self._owns = bool(owns) and base != MPI.COMM_WORLD and base != MPI.COMM_SELF
         self._freed = False
+        #: The job this communicator serves (named in fatal messages), or ``None``.
+        self.job: str | None = job
 
     # ------------------------------------------------------------------ structure
     def __repr__(self) -> str:
@@ -155,7 +200,7 @@ class Communicator:
 
     def dup(self) -> Communicator:
         """A new communicator over the same ranks (collective)."""
-        return Communicator(self.mpi.Dup(), check=self.check, owns=True)
+        return Communicator(self.mpi.Dup(), check=self.check, owns=True, job=self.job)
 
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Partition the ranks by ``color`` (collective); ``None`` opts this rank out.
@@ -163,13 +208,13 @@ class Communicator:
         Ranks with the same color form one new communicator, ordered by ``key`` (default:
         the current rank). Returns ``None`` on ranks that passed ``color=None``.
         """
-        if color is not None and (not isinstance(color, int) or color < 0):
-            raise ValueError(f"color must be a non-negative int or None, got {color!r}")
+        if color is not None:
+            color = check_int("color", color, 0)
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else color,
                              self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
             return None
-        return Communicator(sub, check=self.check, owns=True)
+        return Communicator(sub, check=self.check, owns=True, job=self.job)
 
     def split_roles(self, num_servers: int, placement: str = "first") -> Roles:
         """Split the ranks into ``num_servers`` parameter servers and the rest workers.
@@ -178,8 +223,7 @@ class Communicator:
         servers evenly over the rank range (one per node when ``S`` equals the number of
         nodes and ranks are placed by node). Every rank must pass the same arguments.
         """
-        if not isinstance(num_servers, int) or isinstance(num_servers, bool):
-            raise TypeError(f"num_servers must be an int, got {type(num_servers).__name__}")
+        num_servers = check_int("num_servers", num_servers)
         if not 1 <= num_servers < self.size:
             raise ValueError(
                 f"num_servers must be in [1, size-1] = [1, {self.size - 1}] so that at least "
@@ -251,7 +295,7 @@ class Communicator:
                 continue
             if error is not None:
                 raise error
-            kind = TypeError if theirs[0] == "TypeError" else ValueError
+            kind = _ARGUMENT_ERRORS.get(theirs[0], ValueError)
             raise kind(f"{name}: rank {rank} rejected its arguments: {theirs[1]}")
         problem = describe_mismatch([(n, d) for _, n, d in everyone])
         if problem is not None:
@@ -277,11 +321,14 @@ class Communicator:
             raise
         self.agree(name, None, **description)
 
-    def abort(self, message: str = "", code: int = 1) -> None:
-        """Print ``message`` with this rank's id and end the whole job."""
-        if message:
-            sys.stderr.write(f"[mpicomm rank {MPI.COMM_WORLD.Get_rank()}] {message}\n")
-        abort_after_flush(code)
+    def abort(self, message: str = "", code: int = 1, *, job: str | None = None) -> None:
+        """Print ``message`` with this rank's id (and job) and end the whole MPI job.
+
+        ``job`` (default: this communicator's :attr:`job`, else the thread's
+        :func:`job_scope`) is named in the message: ``MPI_Abort`` ends every job sharing
+        the world, and the message must say which one failed.
+        """
+        abort_job(message, code, job=job if job is not None else self.job)
 
     def free(self) -> None:
         """Release the duplicates this object made (collective), and the wrapped
@@ -321,15 +368,62 @@ def describe_mismatch(calls: Sequence[tuple[str, tuple[tuple[str, Any], ...]]]) 
 # ---------------------------------------------------------------------- error policy
 _abort_lock = threading.Lock()
 _abort_installed = False
+_job_local = threading.local()
+
+
+def current_job() -> str | None:
+    """The job name set by the innermost :func:`job_scope` on this thread, or ``None``."""
+    return getattr(_job_local, "name", None)
+
+
+@contextlib.contextmanager
+def job_scope(name: str) -> Iterator[None]:
+    """Mark the code in the block as working for job ``name`` (this thread only).
+
+    For several jobs in one process (the Crossover scheduler): a fatal error inside the
+    block (an uncaught exception, :meth:`Communicator.abort`, :func:`abort_job`) names the
+    job in the message that precedes ``MPI_Abort``. An exception leaving the block carries
+    the name in its ``mpicomm_job`` attribute, so the abort handler still names the job
+    after the block has been left.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"job name must be a str, got {type(name).__name__}")
+    previous = current_job()
+    _job_local.name = name
+    try:
+        yield
+    except BaseException as exc:
+        if getattr(exc, "mpicomm_job", None) is None:
+            with contextlib.suppress(AttributeError, TypeError):
+                exc.mpicomm_job = name  # type: ignore[attr-defined]
+        raise
+    finally:
+        _job_local.name = previous
+
+
+def _prefix(job: str | None) -> str:
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    return f"[mpicomm rank {rank}/{size}{f' job {job!r}' if job else ''}]"
+
+
+def abort_job(message: str = "", code: int = 1, *, job: str | None = None) -> None:
+    """Print ``message`` prefixed with the rank and job, then ``MPI_Abort`` (all ranks).
+
+    ``job`` defaults to the thread's :func:`job_scope`. With a job, the message adds that
+    every job sharing these processes ends too.
+    """
+    job = job if job is not None else current_job()
+    others = " (MPI_Abort ends every job sharing these processes)" if job else ""
+    if message:
+        sys.stderr.write(f"{_prefix(job)} {message}{others}\n")
+    abort_after_flush(code)
 
 
 def _abort_with_traceback(kind: str, exc_type, exc, tb, thread_name: str | None = None) -> None:
-    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    job = getattr(exc, "mpicomm_job", None) or current_job()
     where = f" in thread {thread_name!r}" if thread_name else ""
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stderr.write(
-        f"[mpicomm rank {rank}/{size}] uncaught {kind}{where}; aborting the job.\n{text}"
-    )
+    sys.stderr.write(f"{_prefix(job)} uncaught {kind}{where}; aborting the job.\n{text}")
     abort_after_flush(1)
 
 

@@ -4,24 +4,32 @@ Every setting is also a keyword argument of the function that uses it; the envir
 variable only supplies the default, so a job can be reconfigured from ``mpiexec -x`` /
 ``mpiexec -genv`` without editing the training script.
 
-=========================  ==========================================================
-variable                   meaning
-=========================  ==========================================================
-``MPICOMM_CHECK``          ``1``: checked mode (ranks cross-check every collective's
-                           operation, shape and dtype before running it).
-``MPICOMM_CUDA_AWARE``     ``auto`` (default), ``1`` or ``0``: pass CUDA pointers to
-                           MPI directly, or stage through pinned host memory.
-``MPICOMM_ABORT_ON_ERROR`` ``1`` (default): an uncaught exception on any rank calls
-                           ``MPI_Abort`` so that the job ends instead of hanging.
-``MPICOMM_LOG_LEVEL``      level of the ``mpicomm`` logger (default ``WARNING``).
-``MPICOMM_METRICS``        path of a per-step metrics JSON-lines file
-                           (:mod:`mpicomm.metrics`; ``{rank}``: one per rank).
-``MPICOMM_TIMELINE``       path of a merged Chrome trace of every collective, written
-                           by rank 0 at exit (:mod:`mpicomm.trace`).
-``MPICOMM_STALL_S``        seconds a collective may wait before the stall inspector
-                           reports who has not arrived (:mod:`mpicomm.stall`; ``0``:
-                           off; checked mode defaults to 300).
-=========================  ==========================================================
+===============================  ==========================================================
+variable                         meaning
+===============================  ==========================================================
+``MPICOMM_CHECK``                ``1``: checked mode (ranks cross-check every collective's
+                                 operation, shape and dtype before running it).
+``MPICOMM_CUDA_AWARE``           ``auto`` (default), ``1`` or ``0``: pass CUDA pointers to
+                                 MPI directly, or stage through pinned host memory.
+``MPICOMM_ABORT_ON_ERROR``       ``1`` (default): an uncaught exception on any rank calls
+                                 ``MPI_Abort`` so that the job ends instead of hanging.
+``MPICOMM_LOG_LEVEL``            level of the ``mpicomm`` logger (default ``WARNING``).
+``MPICOMM_RING_SEGMENT_BYTES``   bytes per pipelined segment of the ring passes (default
+                                 1 MiB, an integer >= 1). Must be the same on every rank:
+                                 checked mode compares it before each collective.
+``MPICOMM_METRICS``              path of a per-step metrics JSON-lines file
+                                 (:mod:`mpicomm.metrics`; ``{rank}``: one per rank).
+``MPICOMM_TIMELINE``             path of a merged Chrome trace of every collective, written
+                                 by rank 0 at exit (:mod:`mpicomm.trace`).
+``MPICOMM_STALL_S``              seconds a collective may wait before the stall inspector
+                                 reports who has not arrived (:mod:`mpicomm.stall`; ``0``:
+                                 off; checked mode defaults to 300).
+``MPICOMM_MPIEXEC``              the launcher ``python -m mpicomm run`` and the tests use
+                                 (default: the ``mpiexec`` beside this Python, else PATH).
+===============================  ==========================================================
+
+Every value is checked where it is read: an unreadable one raises ``ValueError`` naming
+the variable (inside a collective's argument checks, so on every rank in checked mode).
 """
 
 from __future__ import annotations
@@ -43,6 +51,29 @@ def env_flag(name: str, default: bool) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def env_int(name: str, default: int, low: int | None = None) -> int:
+    """Read an integer ``MPICOMM_*`` variable (``>= low``); ``ValueError`` otherwise."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+    if low is not None and value < low:
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {low}")
+    return value
+
+
+#: Default of ``MPICOMM_RING_SEGMENT_BYTES``.
+RING_SEGMENT_BYTES = 1 << 20
+
+
+def ring_segment_bytes() -> int:
+    """``MPICOMM_RING_SEGMENT_BYTES`` (checked; read on every call, so it is never stale)."""
+    return env_int("MPICOMM_RING_SEGMENT_BYTES", RING_SEGMENT_BYTES, 1)
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:

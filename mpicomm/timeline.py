@@ -76,45 +76,49 @@ class Timeline:
         """Microseconds since this timeline was created (the ``ts`` of a new event)."""
         return (time.perf_counter_ns() - self._origin_ns) / 1e3
 
-    def _add(self, event: dict[str, Any]) -> None:
+    def _add(self, event: dict[str, Any], tid: str | None = None) -> None:
         event["pid"] = self.rank
-        event["tid"] = threading.current_thread().name
+        event["tid"] = threading.current_thread().name if tid is None else tid
         with self._lock:
             self._events.append(event)
 
-    def span(self, name: str, cat: str = "", **args: Any) -> contextlib.AbstractContextManager:
+    def span(self, name: str, cat: str = "", *, tid: str | None = None,
+             **args: Any) -> contextlib.AbstractContextManager:
         """A context manager recording a complete event (``ph: "X"``) around its body.
 
-        The event is recorded when the body ends, also when it raises.
+        The event is recorded when the body ends, also when it raises. ``tid`` names the
+        row (default: the calling thread's name), e.g. one row per Crossover job.
         """
         if not self.enabled:
             return _NULL
-        return self._span(name, cat, args)
+        return self._span(name, cat, args, tid)
 
     @contextlib.contextmanager
-    def _span(self, name: str, cat: str, args: dict[str, Any]) -> Iterator[None]:
+    def _span(self, name: str, cat: str, args: dict[str, Any],
+              tid: str | None = None) -> Iterator[None]:
         start = self.now()
         try:
             yield
         finally:
             end = self.now()
             self._add({"name": name, "cat": cat, "ph": "X", "ts": start, "dur": end - start,
-                       "args": args})
+                       "args": args}, tid)
 
-    def instant(self, name: str, cat: str = "", **args: Any) -> None:
-        """Record a point in time (``ph: "i"``, thread scope)."""
+    def instant(self, name: str, cat: str = "", *, tid: str | None = None,
+                **args: Any) -> None:
+        """Record a point in time (``ph: "i"``, thread scope; ``tid`` as in :meth:`span`)."""
         if not self.enabled:
             return
         self._add({"name": name, "cat": cat, "ph": "i", "s": "t", "ts": self.now(),
-                   "args": args})
+                   "args": args}, tid)
 
-    def complete(self, name: str, start_us: float, end_us: float, cat: str = "",
-                 **args: Any) -> None:
+    def complete(self, name: str, start_us: float, end_us: float, cat: str = "", *,
+                 tid: str | None = None, **args: Any) -> None:
         """Record a span measured elsewhere (``start_us``/``end_us`` from :meth:`now`)."""
         if not self.enabled:
             return
         self._add({"name": name, "cat": cat, "ph": "X", "ts": start_us,
-                   "dur": end_us - start_us, "args": args})
+                   "dur": end_us - start_us, "args": args}, tid)
 
     # ------------------------------------------------------------------ reading
     def events(self) -> list[dict[str, Any]]:

@@ -168,35 +168,39 @@ def _block(tl: Timeline | None, watch: Any, name: str, cat: str, comm: Any,
     try:
         if tl is None:
             yield None
-            return
-        if comm is not None:
-            info["ranks"] = comm.size
-            before = comm.traffic.snapshot()
-        stack = getattr(_local, "stack", None)
-        if stack is None:
-            stack = _local.stack = []
-        frame = [0.0]  # time of nested traced calls, in µs
-        stack.append(frame)
-        start = tl.now()
-        ok = False
-        try:
-            yield info
-            ok = True
-        finally:
-            end = tl.now()
-            stack.pop()
-            if stack:
-                stack[-1][0] += end - start
-            if comm is not None:
-                moved = comm.traffic - before
-                info.update(sent=moved.sent_bytes, recv=moved.recv_bytes)
-            info["self_us"] = round(end - start - frame[0], 3)
-            if not ok:
-                info["error"] = True
-            tl.complete(name, start, end, cat=cat, **info)
+        else:
+            yield from _span(tl, name, cat, comm, info)
     finally:
         if token is not None:
             watch.leave(token)
+
+
+def _span(tl: Timeline, name: str, cat: str, comm: Any, info: dict[str, Any]
+          ) -> Iterator[dict[str, Any]]:
+    """Record the span of the body of :func:`_block` (traffic, nesting, self time)."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    frame = [0.0]  # time of nested traced calls, in µs
+    stack.append(frame)
+    counting = comm.traffic.measure() if comm is not None else contextlib.nullcontext()
+    start = tl.now()
+    ok = False
+    try:
+        with counting as moved:
+            yield info
+        ok = True
+    finally:
+        end = tl.now()
+        stack.pop()
+        if stack:
+            stack[-1][0] += end - start
+        if moved is not None:
+            info.update(ranks=comm.size, sent=moved.sent_bytes, recv=moved.recv_bytes)
+        info["self_us"] = round(end - start - frame[0], 3)
+        if not ok:
+            info["error"] = True
+        tl.complete(name, start, end, cat=cat, **info)
 
 
 # ---------------------------------------------------------------------- describers

@@ -28,7 +28,7 @@ import pytest
 
 import mpicomm
 from mpicomm.buffers import inspect
-from mpicomm.collectives import ALGORITHMS, _ring
+from mpicomm.collectives import ALGORITHMS
 from mpicomm.collectives._common import block_bounds, fold_layout
 from mpicomm.comm import Traffic
 
@@ -411,7 +411,7 @@ def test_torch_requires_grad_input(comm):
 @pytest.mark.parametrize("dtype", ["float32", "int64"])
 def test_segmented_rings(comm, monkeypatch, dtype, segment_bytes):
     """Tiny ring segments: many messages per block, pipelined, still exact."""
-    monkeypatch.setattr(_ring, "SEGMENT_BYTES", segment_bytes)
+    monkeypatch.setenv("MPICOMM_RING_SEGMENT_BYTES", str(segment_bytes))
     backend = cases([dtype])[0].values[0]
     p = comm.size
     for n in (1, 2 * p + 3, 101):

@@ -9,6 +9,7 @@ a minute on two cores.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from mpicomm import cli, strategies
+from mpicomm import cli
 
 from .launch import ROOT, clean_env, run_job
 
@@ -57,8 +58,6 @@ def test_train_dense(tmp_path: Path) -> None:
 
 
 def test_train_gtopk(tmp_path: Path) -> None:
-    if "gtopk" not in strategies.available():
-        pytest.skip("the gtopk strategy is not registered in mpicomm.strategies yet")
     metrics = tmp_path / "metrics.jsonl"
     _, s = train(tmp_path, "--strategy", "gtopk", "--density", "0.01", "--no-progress",
                  "--metrics", str(metrics))
@@ -85,6 +84,55 @@ def test_train_local_sgd_adacomm(tmp_path: Path) -> None:
     assert s["tau_history"][0] == 4 and all(t >= 1 for t in s["tau_history"])
     assert s["sent_bytes_per_rank"] < s["dense_bytes_per_rank"]
     assert "AdaComm tau" in output
+
+
+def _train_module() -> Any:
+    spec = importlib.util.spec_from_file_location("train_example", ROOT / "examples/train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    # a forgotten --strategy: the default dense strategy takes none of these
+    (["--density", "2"], "--strategy dense: takes no --density (strategies that do: "),
+    (["--bits", "4"], "--strategy dense: takes no --bits"),
+    (["--rank", "2"], "--strategy dense: takes no --rank"),
+    (["--source", "var"], "--strategy dense: takes no --source"),
+    (["--strategy", "gtopk", "--bits", "4"], "--strategy gtopk: takes no --bits"),
+    # values the strategy rejects
+    (["--strategy", "gtopk", "--density", "2"], "density must be in (0, 1]"),
+    (["--strategy", "topk", "--density", "-0.1"], "density must be in (0, 1]"),
+    (["--strategy", "qsgd", "--bits", "12"], "bits must be in [1, 8]"),
+    (["--strategy", "powersgd", "--rank", "0"], "rank must be >= 1"),
+    (["--strategy", "artopk", "--source", "nope"], "source must be one of"),
+    (["--local-sgd", "fixed", "--strategy", "gtopk"], "takes no --strategy"),
+    (["--local-sgd", "adacomm", "--density", "0.1"], "takes no --density"),
+])
+def test_train_rejects_options_in_one_line(args: list[str], message: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``--density 2`` with the default strategy trained densely without a word,
+    and a bad value ended in a traceback from every rank and MPI_Abort."""
+    train_py = _train_module()
+    with pytest.raises(SystemExit) as exit_info:
+        train_py.parse_args(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train.py: error: "), err
+    assert message in err, err
+    ok = train_py.parse_args(["--strategy", "gtopk", "--density", "0.05"])
+    assert ok.strategy == "gtopk" and ok.density == 0.05
+    assert train_py.parse_args([]).strategy == "dense"
+
+
+def test_train_argument_error_is_one_line_from_rank_zero() -> None:
+    res = run_job(2, [sys.executable, "examples/train.py", "--density", "2"], timeout=90)
+    assert res.returncode == 2, res.output
+    lines = [line for line in res.output.splitlines() if "error" in line.lower()]
+    assert lines == ["train.py: error: --strategy dense: takes no --density (strategies "
+                     "that do: artopk, gtopk, randomk, topk) (see --help)"], res.output
+    assert "Traceback" not in res.output and "test accuracy" not in res.output
 
 
 def test_custom_loop() -> None:

@@ -14,6 +14,7 @@ SUITES = {
     "collectives": "mpicomm.bench.collectives",
     "sparse": "mpicomm.bench.sparse",
     "localsgd": "mpicomm.bench.localsgd",
+    "crossover": "mpicomm.bench.crossover",
 }
 
 

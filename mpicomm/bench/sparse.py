@@ -133,9 +133,9 @@ def gradient(d: int, rank: int, df: float, correlation: float, seed: int) -> tor
 def measure(fn: Callable[[], Any], comm: Communicator, repeats: int,
             warmup: int) -> tuple[float, int]:
     """(median seconds, max over ranks of the bytes one call sent)."""
-    before = comm.traffic.snapshot()
-    fn()
-    sent = (comm.traffic - before).sent_bytes
+    with comm.traffic.measure() as moved:
+        fn()
+    sent = moved.sent_bytes
     seconds = median_seconds(fn, comm, repeats, max(0, warmup - 1))
     return seconds, int(comm.allreduce_value(sent, "max"))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +9,7 @@ from mpi4py import MPI
 
 from ..buffers import REDUCE_OPS, ArrayOps, BufferInfo
 from ..comm import Traffic
+from ..config import RING_SEGMENT_BYTES, ring_segment_bytes
 from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the algorithms)
     TAG_ALLGATHER,
     TAG_ALLREDUCE,
@@ -17,6 +17,7 @@ from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the a
     TAG_FOLD,
     TAG_REDUCE_SCATTER,
 )
+from ..validate import check_algorithm, check_int  # noqa: F401  (the one validation kit)
 
 
 @dataclass
@@ -29,11 +30,18 @@ class Ctx:
     size: int
     ops: ArrayOps
     traffic: Traffic
+    #: Ring segment size (``MPICOMM_RING_SEGMENT_BYTES``), read once per collective.
+    segment_bytes: int = RING_SEGMENT_BYTES
 
     @classmethod
-    def of(cls, comm: Any, ops: ArrayOps) -> Ctx:
-        """The context for running an algorithm on ``comm`` (an mpicomm Communicator)."""
-        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic)
+    def of(cls, comm: Any, ops: ArrayOps, segment_bytes: int | None = None) -> Ctx:
+        """The context for running an algorithm on ``comm`` (an mpicomm Communicator).
+
+        ``segment_bytes`` defaults to the environment's (checked) value; collectives pass
+        the value their argument checks read, which checked mode compared across ranks.
+        """
+        seg = ring_segment_bytes() if segment_bytes is None else segment_bytes
+        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg)
 
     def _nbytes(self, a: Any) -> int:
         return int(a.shape[0]) * self.ops.itemsize(a)
@@ -81,21 +89,8 @@ def check_op_dtype(op: str, info: BufferInfo) -> None:
         )
 
 
-def check_algorithm(collective: str, algorithm: Any, known: Sequence[str]) -> str:
-    names = ("auto", *known)
-    if not isinstance(algorithm, str) or algorithm not in names:
-        raise ValueError(
-            f"unknown {collective} algorithm {algorithm!r}; choose one of {', '.join(names)}"
-        )
-    return algorithm
-
-
 def check_root(root: Any, size: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, int):
-        raise TypeError(f"root must be an int, got {type(root).__name__}")
-    if not 0 <= root < size:
-        raise ValueError(f"root {root} is out of range for {size} ranks")
-    return root
+    return check_int("root", root, 0, size - 1)
 
 
 def block_bounds(n: int, parts: int) -> list[int]:

@@ -9,20 +9,19 @@ different sizes (allgatherv) and may be empty.
 
 Cost per pass: (p-1) steps of one block each, i.e. (p-1)α + (p-1)/p·nβ for equal blocks
 (+ (p-1)/p·nγ for the reducing pass); segmentation adds no bytes, only messages.
-Tuning: ``MPICOMM_RING_SEGMENT_BYTES`` (default 1 MiB). Smaller segments pipeline more
-but cost a Python round trip (~10 µs) each.
+Tuning: ``MPICOMM_RING_SEGMENT_BYTES`` (default 1 MiB; see :mod:`mpicomm.config`, read
+by each collective's argument checks and passed down, so every rank of a call uses the
+value checked mode compared). Smaller segments pipeline more but cost a Python round
+trip (~10 µs) each.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from mpi4py import MPI
 
 from ._common import Ctx
-
-SEGMENT_BYTES = int(os.environ.get("MPICOMM_RING_SEGMENT_BYTES", 1 << 20))
 
 
 def _segments(bounds: list[int], block: int, seg: int) -> list[tuple[int, int]]:
@@ -31,7 +30,7 @@ def _segments(bounds: list[int], block: int, seg: int) -> list[tuple[int, int]]:
 
 
 def _segment_elems(work: Any, ctx: Ctx, segment_bytes: int | None) -> int:
-    nbytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
+    nbytes = ctx.segment_bytes if segment_bytes is None else segment_bytes
     return max(1, nbytes // ctx.ops.itemsize(work))
 
 

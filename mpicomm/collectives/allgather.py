@@ -41,6 +41,7 @@ from mpi4py import MPI
 
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
+from ..config import ring_segment_bytes
 from ..trace import describe_dense, traced
 from . import cost, native
 from ._common import (
@@ -158,24 +159,26 @@ def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = Non
     with comm.validating("allgather") as agreed:
         algorithm = check_algorithm("allgather", algorithm, (*ALGORITHMS, "mpi"))
         b = Buffer(buf, comm.resources)
-        agreed.update(shape=b.info.shape, dtype=b.info.dtype, algorithm=algorithm)
+        if algorithm == "auto":  # resolved before the ranks compare their calls
+            algorithm = cost.choose("allgather", b.info.nbytes * comm.size, comm.size,
+                                    comm.resources.get("cost_params"))
+        seg = ring_segment_bytes()
+        agreed.update(shape=b.info.shape, dtype=b.info.dtype, algorithm=algorithm,
+                      segment_bytes=seg)
         shape = b.info.shape if b.info.shape else (1,)
         out_shape = _gathered_shape(shape, comm.size * shape[0])
         b.check_out(out, out_shape)
     m, p = b.info.numel, comm.size
-    if algorithm == "auto":
-        algorithm = cost.choose("allgather", b.info.nbytes * p, p,
-                                comm.resources.get("cost_params"))
     res = b.result_array(m * p, out)
     src = b.input_view()
     if p > 1 and m > 0 and algorithm == "direct":  # sends from src, copies meanwhile
-        direct_pass(res, [i * m for i in range(p + 1)], Ctx.of(comm, b.ops), src)
+        direct_pass(res, [i * m for i in range(p + 1)], Ctx.of(comm, b.ops, seg), src)
         return b.deliver(res, out_shape, out)
     own = res[comm.rank * m:(comm.rank + 1) * m]
     if m and b.ops.data_ptr(own) != b.ops.data_ptr(src):
         b.ops.copy_(own, src)
     if p > 1 and m > 0:
-        ctx = Ctx.of(comm, b.ops)
+        ctx = Ctx.of(comm, b.ops, seg)
         if algorithm == "mpi":
             native.allgather(res, ctx)
         else:
@@ -190,17 +193,21 @@ def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
 
     Trailing dimensions and dtype must agree on every rank; a mismatch raises the same
     ``ValueError`` on every rank (checked whatever the mode, since the row counts are
-    exchanged anyway). ``algorithm``: ``"auto"`` (ring), ``"ring"``, ``"direct"`` or
-    ``"mpi"``.
+    exchanged anyway, together with ``MPICOMM_RING_SEGMENT_BYTES``). ``algorithm``:
+    ``"auto"`` (always the ring: no cost model for uneven blocks yet), ``"ring"``,
+    ``"direct"`` or ``"mpi"``.
     With ``return_counts=True`` returns ``(result, rows_per_rank)``.
     """
     comm = resolve(comm)
     error: Exception | None = None
     try:
         algorithm = check_algorithm("allgatherv", algorithm, ("ring", "direct", "mpi"))
+        if algorithm == "auto":
+            algorithm = "ring"
+        seg = ring_segment_bytes()
         b = Buffer(buf, comm.resources)
         shape = b.info.shape if b.info.shape else (1,)
-        mine = (shape[0], shape[1:], b.info.dtype, algorithm)
+        mine = (shape[0], shape[1:], b.info.dtype, algorithm, seg)
     except (ValueError, TypeError) as exc:
         error, mine = exc, None
     # The row counts must be exchanged anyway; each rank's verdict on its own arguments
@@ -211,13 +218,17 @@ def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
             if error is not None:
                 raise error
             raise ValueError(f"allgatherv: rank {rank} rejected its arguments: {verdict}")
-    for rank, (_, (_, rest, dtype, algo)) in enumerate(everyone):
+    for rank, (_, (_, rest, dtype, algo, their_seg)) in enumerate(everyone):
         if (rest, dtype, algo) != (shape[1:], b.info.dtype, algorithm):
             raise ValueError(
                 f"allgatherv: rank {rank} has trailing shape {rest} {dtype} (algorithm "
                 f"{algo!r}) but rank {comm.rank} has {shape[1:]} {b.info.dtype} "
                 f"(algorithm {algorithm!r}); only the first dimension may differ"
             )
+        if their_seg != seg:
+            raise ValueError(
+                f"allgatherv: MPICOMM_RING_SEGMENT_BYTES is {their_seg} on rank {rank} but "
+                f"{seg} on rank {comm.rank}; set it to the same value on every rank")
     rows = [e[1][0] for e in everyone]
     row_numel = math.prod(shape[1:])
     out_shape = _gathered_shape(shape, sum(rows))
@@ -230,14 +241,14 @@ def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
     res = b.result_array(bounds[-1], out)
     src = b.input_view()
     if comm.size > 1 and bounds[-1] > 0 and algorithm == "direct":
-        direct_pass(res, bounds, Ctx.of(comm, b.ops), src)
+        direct_pass(res, bounds, Ctx.of(comm, b.ops, seg), src)
         result = b.deliver(res, out_shape, out)
         return (result, rows) if return_counts else result
     own = res[bounds[comm.rank]:bounds[comm.rank + 1]]
     if counts[comm.rank] and b.ops.data_ptr(own) != b.ops.data_ptr(src):
         b.ops.copy_(own, src)
     if comm.size > 1 and bounds[-1] > 0:
-        ctx = Ctx.of(comm, b.ops)
+        ctx = Ctx.of(comm, b.ops, seg)
         if algorithm == "mpi":
             native.allgatherv(res, counts, b.info.itemsize, ctx)
         else:

@@ -17,7 +17,10 @@ Algorithms (costs in :mod:`mpicomm.collectives.cost`):
 ``auto``
     The algorithm with the smallest predicted time under the communicator's cost
     parameters (``comm.resources["cost_params"]``, default
-    :class:`~mpicomm.collectives.cost.CostParams`).
+    :class:`~mpicomm.collectives.cost.CostParams`; measured ones only after
+    :func:`mpicomm.collectives.calibrate.measure` with ``store=True``: calibration is
+    never automatic). It is resolved during the argument checks, so checked mode
+    catches ranks whose cost parameters pick different algorithms.
 
 Non-power-of-two rank counts fold the first ``2(p - p2)`` ranks pairwise (two extra
 messages of n bytes). Every rank gets bit-identical results: each reduction is either
@@ -31,6 +34,7 @@ from typing import Any
 
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
+from ..config import ring_segment_bytes
 from ..trace import describe_dense, traced
 from . import cost, native
 from ._common import (
@@ -119,14 +123,16 @@ def allreduce(buf: Any, op: str = "sum", algorithm: str = "auto",
         algorithm = check_algorithm("allreduce", algorithm, (*ALGORITHMS, "mpi"))
         b = Buffer(buf, comm.resources)
         check_op_dtype(op, b.info)
-        agreed.update(shape=b.info.shape, dtype=b.info.dtype, op=op, algorithm=algorithm)
+        if algorithm == "auto":  # resolved before the ranks compare their calls
+            algorithm = cost.choose("allreduce", b.info.nbytes, comm.size,
+                                    comm.resources.get("cost_params"))
+        seg = ring_segment_bytes()
+        agreed.update(shape=b.info.shape, dtype=b.info.dtype, op=op, algorithm=algorithm,
+                      segment_bytes=seg)
         b.check_out(out, b.info.shape)
-    if algorithm == "auto":
-        algorithm = cost.choose("allreduce", b.info.nbytes, comm.size,
-                                comm.resources.get("cost_params"))
     work = b.writable_copy(out)
     if comm.size > 1 and b.info.numel > 0:
-        ctx = Ctx.of(comm, b.ops)
+        ctx = Ctx.of(comm, b.ops, seg)
         if algorithm == "mpi":
             native.allreduce(work, op, ctx, b.info.dtype)
         else:

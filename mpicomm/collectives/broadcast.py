@@ -21,6 +21,7 @@ from typing import Any
 
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
+from ..config import ring_segment_bytes
 from ..trace import describe_dense, traced
 from . import cost, native
 from ._common import TAG_BCAST, Ctx, block_bounds, check_algorithm, check_root
@@ -83,17 +84,19 @@ def broadcast(buf: Any, root: int = 0, comm: Communicator | None = None,
         algorithm = check_algorithm("broadcast", algorithm, (*ALGORITHMS, "mpi"))
         root = check_root(root, comm.size)
         b = Buffer(buf, comm.resources)
-        agreed.update(shape=b.info.shape, dtype=b.info.dtype, root=root, algorithm=algorithm)
+        if algorithm == "auto":  # resolved before the ranks compare their calls
+            algorithm = cost.choose("broadcast", b.info.nbytes, comm.size,
+                                    comm.resources.get("cost_params"))
+        seg = ring_segment_bytes()
+        agreed.update(shape=b.info.shape, dtype=b.info.dtype, root=root, algorithm=algorithm,
+                      segment_bytes=seg)
         b.check_out(out, b.info.shape)
-    if algorithm == "auto":
-        algorithm = cost.choose("broadcast", b.info.nbytes, comm.size,
-                                comm.resources.get("cost_params"))
     if comm.rank == root:
         work = b.writable_copy(out)
     else:
         work = b.result_array(b.info.numel, out)
     if comm.size > 1 and b.info.numel > 0:
-        ctx = Ctx.of(comm, b.ops)
+        ctx = Ctx.of(comm, b.ops, seg)
         if algorithm == "mpi":
             native.broadcast(work, root, ctx)
         else:

@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
+from ..config import ring_segment_bytes
 from ..trace import describe_dense, traced
 from . import cost, native
 from ._common import (
@@ -117,7 +118,12 @@ def reduce_scatter(buf: Any, op: str = "sum", algorithm: str = "auto",
         b = Buffer(buf, comm.resources)
         check_op_dtype(op, b.info)
         shape = b.info.shape
-        agreed.update(shape=shape, dtype=b.info.dtype, op=op, algorithm=algorithm)
+        if algorithm == "auto":  # resolved before the ranks compare their calls
+            algorithm = cost.choose("reduce_scatter", b.info.nbytes, comm.size,
+                                    comm.resources.get("cost_params"))
+        seg = ring_segment_bytes()
+        agreed.update(shape=shape, dtype=b.info.dtype, op=op, algorithm=algorithm,
+                      segment_bytes=seg)
         if not shape or shape[0] % comm.size:
             raise ValueError(
                 f"reduce_scatter needs a first dimension divisible by the {comm.size} "
@@ -125,19 +131,16 @@ def reduce_scatter(buf: Any, op: str = "sum", algorithm: str = "auto",
             )
         out_shape = (shape[0] // comm.size, *shape[1:])
         b.check_out(out, out_shape)
-    if algorithm == "auto":
-        algorithm = cost.choose("reduce_scatter", b.info.nbytes, comm.size,
-                                comm.resources.get("cost_params"))
     m = b.info.numel // comm.size
     res = b.result_array(m, out)
     if comm.size == 1 or m == 0:
         if m:
             b.ops.copy_(res, b.input_view())
     elif algorithm == "mpi":
-        ctx = Ctx.of(comm, b.ops)
+        ctx = Ctx.of(comm, b.ops, seg)
         native.reduce_scatter(b.input_view(), res, op, ctx, b.info.dtype)
     else:
-        ALGORITHMS[algorithm](b.input_view(), res, m, op, Ctx.of(comm, b.ops))
+        ALGORITHMS[algorithm](b.input_view(), res, m, op, Ctx.of(comm, b.ops, seg))
     if op == "avg" and comm.size > 1:
         b.ops.divide_(res, comm.size)
     return b.deliver(res, out_shape, out)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..buffers import to_torch
+from ..validate import check_int
 from ._rng import generator
 from ._tensor import TensorMeta, check_finite, flatten, restore, to_native
 from .base import Compressor, Payload
@@ -104,8 +105,7 @@ class PowerSGD(Compressor):
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0,
                  warm_start: bool = True, seed: int = 0, *,
                  allow_nonfinite: bool = False) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+        rank = check_int("rank", rank, 1)
         if not isinstance(min_compression_rate, (int, float)) or \
                 not min_compression_rate > 0:
             raise ValueError(
@@ -159,8 +159,7 @@ class PowerSGD(Compressor):
         return self._reconstruct(meta, p, q_summed, world_size)
 
     def _reconstruct(self, meta: TensorMeta, p: Any, q_summed: Any, world_size: int) -> Any:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        world_size = check_int("world_size", world_size, 1)
         n, m = matrix_shape(meta.shape)
         work = _work_dtype(meta.dtype)
         like = torch.empty(0, dtype=work, device=meta.device)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..buffers import to_torch
+from ..validate import check_int
 from ._rng import generator
 from ._tensor import TensorMeta, check_finite, flatten, restore, to_native
 from .base import Compressor, Payload
@@ -68,11 +69,8 @@ class QSGD(Compressor):
 
     def __init__(self, bits: int = 8, bucket_size: int = 512, seed: int = 0, *,
                  salt: int = 0, allow_nonfinite: bool = False) -> None:
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(f"bits must be an integer in [1, 8], got {bits!r}")
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) \
-                or bucket_size < 1:
-            raise ValueError(f"bucket_size must be an integer >= 1, got {bucket_size!r}")
+        bits = check_int("bits", bits, 1, 8)
+        bucket_size = check_int("bucket_size", bucket_size, 1)
         self.bits = bits
         self.bucket_size = bucket_size
         self.seed = int(seed)

@@ -9,6 +9,7 @@ import torch
 
 from ..buffers import to_torch
 from ..selection import index_dtype_for, topk_indices
+from ..validate import check_int
 from ._rng import generator
 from ._tensor import check_finite, flatten, to_native, torch_dtype
 from .base import Compressor, Payload
@@ -67,12 +68,10 @@ class SampledTopK(Compressor):
         self.density = check_density(density)
         if not isinstance(sample_fraction, (int, float)) or not 0 < sample_fraction <= 1:
             raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction!r}")
-        if not isinstance(min_sample, int) or min_sample < 1:
-            raise ValueError(f"min_sample must be an integer >= 1, got {min_sample!r}")
+        min_sample = check_int("min_sample", min_sample, 1)
         if not isinstance(oversample, (int, float)) or not oversample >= 1:
             raise ValueError(f"oversample must be >= 1, got {oversample!r}")
-        if not isinstance(refinements, int) or refinements < 0:
-            raise ValueError(f"refinements must be an integer >= 0, got {refinements!r}")
+        refinements = check_int("refinements", refinements, 0)
         self.sample_fraction = float(sample_fraction)
         self.min_sample = min_sample
         self.oversample = float(oversample)

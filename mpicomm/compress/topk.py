@@ -10,6 +10,7 @@ import torch
 
 from ..buffers import to_torch
 from ..selection import index_dtype_for, topk_indices
+from ..validate import check_int
 from ._tensor import TensorMeta, check_finite, flatten, restore, to_native, torch_dtype
 from .base import Compressor, Payload
 
@@ -37,9 +38,7 @@ def check_density(density: Any) -> float:
 
 def check_k(k: Any) -> int:
     """``k`` as an int >= 1, else ``ValueError``."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    return int(k)
+    return check_int("k", k, 1)
 
 
 def resolve_k(numel: int, density: Optional[float], k: Optional[int], name: str) -> int:

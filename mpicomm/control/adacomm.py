@@ -16,16 +16,9 @@ from numbers import Real
 from typing import Optional
 
 from ..trace import traced
+from ..validate import check_int
 
 __all__ = ["AdaComm", "AdaCommDecision", "adacomm_period"]
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _check_real(name: str, value: object) -> float:
@@ -150,7 +143,7 @@ class AdaComm:
     def __init__(self, tau0: int, interval_s: Optional[float] = None,
                  interval_rounds: Optional[int] = None, lr_exponent: float = 1.0,
                  tau_min: int = 1, tau_max: Optional[int] = None, f_inf: float = 0.0):
-        self.tau0 = _check_int("tau0", tau0, 1)
+        self.tau0 = check_int("tau0", tau0, 1)
         if (interval_s is None) == (interval_rounds is None):
             raise ValueError("give exactly one of interval_s (seconds) and interval_rounds "
                              f"(averaging rounds); got interval_s={interval_s!r}, "
@@ -160,15 +153,15 @@ class AdaComm:
             if interval_s <= 0:
                 raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if interval_rounds is not None:
-            interval_rounds = _check_int("interval_rounds", interval_rounds, 1)
+            interval_rounds = check_int("interval_rounds", interval_rounds, 1)
         self.interval_s: Optional[float] = interval_s
         self.interval_rounds: Optional[int] = interval_rounds
         self.lr_exponent = _check_real("lr_exponent", lr_exponent)
         if self.lr_exponent < 0:
             raise ValueError(f"lr_exponent must be >= 0, got {self.lr_exponent}")
-        self.tau_min = _check_int("tau_min", tau_min, 1)
+        self.tau_min = check_int("tau_min", tau_min, 1)
         if tau_max is not None:
-            tau_max = _check_int("tau_max", tau_max, 1)
+            tau_max = check_int("tau_max", tau_max, 1)
             if tau_max < self.tau_min:
                 raise ValueError(f"tau_max ({tau_max}) must be >= tau_min ({self.tau_min})")
         self.tau_max: Optional[int] = tau_max

@@ -48,6 +48,7 @@ from ..collectives import allreduce
 from ..collectives._common import Ctx
 from ..comm import Communicator, resolve
 from ..tags import TAG_GOSSIP
+from ..validate import check_int
 
 __all__ = ["Topology", "TOPOLOGIES", "make_topology", "mixing_matrix", "neighbor_average",
            "consensus_distance"]
@@ -96,8 +97,7 @@ class Topology:
 
 def make_topology(name: str, size: int) -> Topology:
     """The ``"ring"`` or ``"exponential"`` topology over ``size`` ranks."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"size must be an int >= 1, got {size!r}")
+    size = check_int("size", size, 1)
     if name == "ring":
         offsets = tuple(sorted({1 % size, (size - 1) % size} - {0}))
     elif name == "exponential":

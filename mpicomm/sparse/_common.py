@@ -31,6 +31,7 @@ from ..buffers import BufferInfo, cuda_aware, framework_of, from_torch, staging_
 from ..comm import Communicator
 from ..selection import index_dtype_for, topk_indices
 from ..tags import TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401  (re-exported)
+from ..validate import check_int
 
 __all__ = [
     "Pairs",
@@ -64,22 +65,9 @@ Pairs = tuple[torch.Tensor, torch.Tensor]
 
 
 # ---------------------------------------------------------------------- checks
-def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
-    """``value`` as an int in ``[low, high]``; ``ValueError`` otherwise (bool refused)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return int(value)
-
-
 def check_k(k: Any, limit: int | None, what: str = "size") -> int:
     """``k >= 1`` and, when ``limit`` is known, ``k <= limit``."""
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    k = check_int("k", k, 1)
     if limit is not None and k > limit:
         raise ValueError(f"k={k} exceeds {what}={limit}")
     return int(k)

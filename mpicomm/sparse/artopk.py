@@ -58,6 +58,7 @@ from ..collectives.broadcast import broadcast
 from ..comm import Communicator, resolve
 from ..selection import topk_indices
 from ..trace import describe_sparse, traced
+from ..validate import check_algorithm
 from ._common import (
     FLOAT_TORCH,
     all_finite,
@@ -168,8 +169,7 @@ def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator |
         step = check_int("step", step, 0)
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, got {algorithm!r}")
+        algorithm = check_algorithm("AR-Top-k", algorithm, ALGORITHMS, auto=False)
         if state is not None and not isinstance(state, ARTopKState):
             raise TypeError(f"state must be an ARTopKState, got {type(state).__name__}")
         if source == "var" and state is None:

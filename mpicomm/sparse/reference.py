@@ -31,6 +31,7 @@ import numpy as np
 
 from ..collectives._common import fold_layout, real_rank, virtual_rank
 from ..selection import topk_indices
+from ..validate import check_int
 
 __all__ = ["simulate_gtopk", "exact_topk", "scatter_add", "merge_truncate", "truncate",
            "GTopKTrace"]
@@ -124,8 +125,7 @@ def simulate_gtopk(per_rank_pairs: Sequence[Pairs], k: int,
     p = len(per_rank_pairs)
     if p < 1:
         raise ValueError("need at least one rank")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    k = check_int("k", k, 1)
     sent = trace.pairs_sent if trace is not None else [[] for _ in range(p)]
     sets = [truncate(pr, k) for pr in per_rank_pairs]
     p2, rem = fold_layout(p)

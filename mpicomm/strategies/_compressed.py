@@ -23,6 +23,7 @@ from ..buffers import FLOAT_DTYPES, inspect
 from ..compress import ErrorFeedback
 from ..compress.topk import check_density, check_k, k_for
 from ..sparse._common import pack_bytes, unpack_bytes
+from ..validate import check_algorithm
 from .base import DEFAULT_FUSION_BYTES, Strategy
 
 __all__ = ["CompressedStrategy", "DEFAULT_DENSITY", "sparsity", "k_of",
@@ -63,10 +64,7 @@ def check_allreduce_algorithm(algorithm: Any) -> str:
     """An allreduce algorithm name of :func:`mpicomm.allreduce` (or ``"auto"``)."""
     from ..collectives import ALGORITHMS
 
-    if algorithm != "auto" and algorithm not in ALGORITHMS["allreduce"]:
-        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of "
-                         f"auto, {', '.join(ALGORITHMS['allreduce'])}")
-    return algorithm
+    return check_algorithm("allreduce", algorithm, ALGORITHMS["allreduce"])
 
 
 def check_floating(tensors: Sequence[Any], names: Sequence[str]) -> None:

@@ -11,6 +11,7 @@ from ..collectives import cost
 from ..compress.topk import index_itemsize
 from ..sparse import ARTopKState, artopk
 from ..sparse.artopk import ALGORITHMS, SOURCES
+from ..validate import check_algorithm
 from ._compressed import CompressedStrategy, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
@@ -64,8 +65,7 @@ class ARTopK(CompressedStrategy):
         self.density, self.k = sparsity(density, k)
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, got {algorithm!r}")
+        algorithm = check_algorithm("AR-Top-k", algorithm, ALGORITHMS, auto=False)
         if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or \
                 not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")

@@ -34,6 +34,7 @@ from typing import Any
 from .. import trace
 from ..buffers import from_torch, inspect, to_torch
 from ..comm import Communicator, resolve
+from ..validate import check_int
 
 __all__ = ["Strategy", "StrategyStats", "FusedBuffer", "fuse", "measure", "DEFAULT_FUSION_BYTES"]
 
@@ -105,12 +106,11 @@ def fuse(tensors: Sequence[Any], names: Sequence[str], fusion_bytes: int) -> lis
 @contextlib.contextmanager
 def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
     """Count the traffic, time and dense-equivalent bytes of one aggregation (on success)."""
-    comm = strategy.comm
-    before, start = comm.traffic.snapshot(), time.perf_counter()
-    with trace.block(f"{strategy.name}.aggregate", "strategy", comm,
-                     **(trace.describe_strategy(strategy, tensors) if trace.active() else {})):
+    start = time.perf_counter()
+    with strategy.comm.traffic.measure() as moved, trace.block(
+            f"{strategy.name}.aggregate", "strategy", strategy.comm,
+            **(trace.describe_strategy(strategy, tensors) if trace.active() else {})):
         yield
-    moved = comm.traffic - before
     stats = strategy.stats
     stats.calls += 1
     stats.sent_bytes += moved.sent_bytes
@@ -127,8 +127,7 @@ class Strategy(ABC):
 
     def __init__(self, comm: Communicator | None = None, *,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
-        if not isinstance(fusion_bytes, int) or fusion_bytes < 1:
-            raise ValueError(f"fusion_bytes must be a positive int, got {fusion_bytes!r}")
+        fusion_bytes = check_int("fusion_bytes", fusion_bytes, 1)
         self._comm = comm
         self.fusion_bytes = fusion_bytes
         self.stats = StrategyStats()

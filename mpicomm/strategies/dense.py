@@ -24,10 +24,9 @@ class Dense(Strategy):
 
     def __init__(self, comm: Communicator | None = None, *, algorithm: str = "auto",
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
-        from ..collectives import ALGORITHMS
+        from ._compressed import check_allreduce_algorithm
 
-        if algorithm != "auto" and algorithm not in ALGORITHMS["allreduce"]:
-            raise ValueError(f"unknown allreduce algorithm {algorithm!r}")
+        algorithm = check_allreduce_algorithm(algorithm)
         super().__init__(comm, fusion_bytes=fusion_bytes)
         self.algorithm = algorithm
 

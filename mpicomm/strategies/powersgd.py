@@ -11,6 +11,7 @@ from ..buffers import from_torch, to_torch
 from ..collectives import allreduce, cost
 from ..compress import PowerSGD
 from ..compress.powersgd import matrix_shape
+from ..validate import check_int
 from ._compressed import CompressedStrategy, check_allreduce_algorithm
 from .base import DEFAULT_FUSION_BYTES, fuse, measure
 
@@ -69,8 +70,7 @@ class PowerSGDAllreduce(CompressedStrategy):
                  algorithm: str = "ring", comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         self.compressor = PowerSGD(rank, min_compression_rate, warm_start, seed)
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+        start_iter = check_int("start_iter", start_iter, 0)
         self.rank = rank
         self.min_compression_rate = float(min_compression_rate)
         self.start_iter = start_iter

@@ -9,6 +9,7 @@ import torch
 from ..collectives import allgather, cost
 from ..compress import QSGD
 from ..compress.base import Payload
+from ..validate import check_algorithm, check_int
 from ._compressed import CompressedStrategy, pack_bytes, unpack_bytes
 from .base import DEFAULT_FUSION_BYTES
 
@@ -19,10 +20,7 @@ def check_allgather_algorithm(algorithm: Any) -> str:
     """An allgather algorithm name of :func:`mpicomm.allgather` (or ``"auto"``)."""
     from ..collectives import ALGORITHMS
 
-    if algorithm != "auto" and algorithm not in ALGORITHMS["allgather"]:
-        raise ValueError(f"unknown allgather algorithm {algorithm!r}; choose one of "
-                         f"auto, {', '.join(ALGORITHMS['allgather'])}")
-    return algorithm
+    return check_algorithm("allgather", algorithm, ALGORITHMS["allgather"])
 
 
 def gather_payloads(wire: torch.Tensor, comm: Any, algorithm: str) -> list[torch.Tensor]:
@@ -74,8 +72,7 @@ class QSGDAllgather(CompressedStrategy):
                  error_feedback: bool = False, algorithm: str = "ring", comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         QSGD(bits, bucket_size, seed)  # validates bits, bucket_size (ValueError)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        seed = check_int("seed", seed)
         self.bits, self.bucket_size, self.seed = bits, bucket_size, seed
         self.algorithm = check_allgather_algorithm(algorithm)
         self._quantizers: dict[int, QSGD] = {}

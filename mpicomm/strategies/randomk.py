@@ -8,6 +8,7 @@ import torch
 
 from ..collectives import allreduce, cost
 from ..compress import RandomK
+from ..validate import check_int
 from ._compressed import CompressedStrategy, check_allreduce_algorithm, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
@@ -54,8 +55,7 @@ class RandomKAllreduce(CompressedStrategy):
                  seed: int = 0, error_feedback: bool = True, algorithm: str = "ring",
                  comm: Any = None, fusion_bytes: int = DEFAULT_FUSION_BYTES):
         self.density, self.k = sparsity(density, k)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        seed = check_int("seed", seed)
         self.seed = seed
         self.algorithm = check_allreduce_algorithm(algorithm)
         super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)

@@ -6,6 +6,7 @@
 ``GossipAveraging``         decentralized neighbour averaging (ring / exponential graph)
 ``ddp_comm_hook``           any mpicomm strategy inside PyTorch DDP (``init_process_group``
                            from the MPI ranks, ``MpicommHookState`` + ``mpicomm_hook``)
+``TorchJob``                a model + optimizer + data as a Crossover scheduler job
 
 Imported lazily so that ``import mpicomm`` does not import torch.
 """
@@ -26,6 +27,7 @@ _EXPORTS = {
     "MpicommHookState": "mpicomm.torch.ddp",
     "init_process_group": "mpicomm.torch.ddp",
     "process_group": "mpicomm.torch.ddp",
+    "TorchJob": "mpicomm.torch.crossover",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -70,14 +70,10 @@ class GossipAveraging:
 
     def step(self) -> None:
         """One gossip round over the parameters (collective)."""
-        before = self.comm.traffic.snapshot()
-        for flat in self._fused.pack(self._params()):
-            neighbor_average(flat, self.topology, comm=self.comm, out=flat)
+        with self.comm.traffic.measure(into=self.traffic):
+            for flat in self._fused.pack(self._params()):
+                neighbor_average(flat, self.topology, comm=self.comm, out=flat)
         self._fused.unpack()
-        moved = self.comm.traffic.snapshot() - before
-        self.traffic.sent_bytes += moved.sent_bytes
-        self.traffic.recv_bytes += moved.recv_bytes
-        self.traffic.messages += moved.messages
         self.rounds += 1
 
     def consensus_distance(self) -> float:

@@ -362,7 +362,11 @@ class GradientSync:
     per ``GradientSync``, named ``mpicomm-gradsync``, on ``comm.dup()`` (mpi4py initializes
     MPI with ``MPI_THREAD_MULTIPLE``, so the training thread may keep using ``comm``). It
     aggregates buckets in index order, so ranks never disagree on the order of
-    collectives. A backward that starts while the previous step's communication is
+    collectives. If MPI provides less than ``MPI_THREAD_MULTIPLE`` (``mpi4py.rc.thread_level``
+    set lower, or an MPI library without it), no thread is started: :meth:`wait` then
+    aggregates every bucket on the calling thread, in the same order (correct, but with
+    no overlap; the ``threaded`` attribute tells which mode is in force).
+    A backward that starts while the previous step's communication is
     unfinished (two ``backward()`` calls without :meth:`wait`) first waits for it: a
     pre-accumulation hook on each parameter calls :meth:`wait` before autograd touches a
     gradient the thread may still be writing. The second backward then accumulates onto
@@ -371,6 +375,14 @@ class GradientSync:
     extra communication. An error on the thread is re-raised by :meth:`wait` on the
     calling thread (and, if it stays uncaught, :func:`mpicomm.install_abort_handler` ends
     the job instead of letting the other ranks hang).
+
+    Leaving a ``with`` block by an exception does no collective (another rank may never
+    get there): the hooks are removed and the thread is told to stop. A thread that is
+    inside a collective the other ranks will not join cannot stop; after
+    ``EXIT_JOIN_S`` seconds it is left behind, and when the process exits (before
+    ``MPI_Finalize``, which would hang on it) the rank prints why and calls
+    ``MPI_Abort``, so the job ends instead of hanging. The private communicator is not
+    freed on that path (freeing is collective); :meth:`close` frees it.
 
     Not supported: sparse gradients (``nn.Embedding(sparse=True)``), and a parameter whose
     gradient is accumulated twice within one backward (reentrant activation checkpointing
@@ -443,7 +455,12 @@ class GradientSync:
             broadcast_module(model, 0, self.comm)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._buckets = _make_buckets(named, max(1, int(self.bucket_mb * 2**20)))
-        _warn_thread_level()
+        #: Whether a background thread communicates (needs ``MPI_THREAD_MULTIPLE``);
+        #: otherwise :meth:`wait` aggregates on the calling thread.
+        self.threaded = _thread_multiple()
+        if not self.threaded:
+            log.info("MPI provides less than MPI_THREAD_MULTIPLE: GradientSync aggregates "
+                     "in wait() on the calling thread (no overlap with backward)")
         self._tcomm = self.comm.dup()
         self.strategy = strategy.bind(self._tcomm)
 
@@ -465,8 +482,11 @@ class GradientSync:
             self._handles.append(p.register_hook(functools.partial(self._before_grad, slot)))
             self._handles.append(p.register_post_accumulate_grad_hook(
                 functools.partial(self._after_grad, slot)))
-        self._thread = threading.Thread(target=self._run, name="mpicomm-gradsync", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if self.threaded:
+            self._thread = threading.Thread(target=self._run, name="mpicomm-gradsync",
+                                            daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ public API
     def __repr__(self) -> str:
@@ -507,9 +527,13 @@ class GradientSync:
                     self.timeline.instant(f"bucket {b} ready", cat="bucket", bucket=b,
                                           at="wait")
                     self._launch(step, b, _record_events(bucket.cuda_devices))
+            if self._thread is None:  # no MPI_THREAD_MULTIPLE: communicate here, in order
+                for b in range(len(self._buckets)):
+                    self._process(step, b)
+                step.finished = True
             with self._cond:
                 while not step.finished:
-                    if not self._thread.is_alive():
+                    if self._thread is None or not self._thread.is_alive():
                         raise RuntimeError("the gradient communication thread has stopped")
                     self._cond.wait(1.0)
                 self._step = None
@@ -707,14 +731,40 @@ class GradientSync:
             self._closed = True
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=None if free else 5.0)
-        if free and not self._thread.is_alive():
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=None if free else EXIT_JOIN_S)
+            if thread.is_alive():  # stuck in a collective that other ranks left
+                _abort_at_exit_if_alive(thread)
+                return
+        if free:
             self._tcomm.free()
 
 
-def _warn_thread_level() -> None:
+#: Seconds :meth:`GradientSync.__exit__` waits for the thread after an exception.
+EXIT_JOIN_S = 2.0
+
+
+def _thread_multiple() -> bool:
+    """Whether MPI may be called from several threads at once."""
     from mpi4py import MPI
 
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        log.warning("MPI was initialized without MPI_THREAD_MULTIPLE; the gradient thread "
-                    "and the training thread must not communicate at the same time")
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+def _abort_at_exit_if_alive(thread: threading.Thread) -> None:
+    """At interpreter exit (before mpi4py's ``MPI_Finalize``), abort the job if ``thread``
+    is still inside MPI: finalizing under it would hang or crash."""
+    import atexit
+
+    def guard() -> None:
+        thread.join(timeout=1.0)
+        if not thread.is_alive():
+            return
+        from ..comm import abort_job
+
+        abort_job("GradientSync's communication thread is still inside an MPI collective "
+                  "that the other ranks left (its with block ended with an exception); "
+                  "calling MPI_Abort so that MPI_Finalize cannot hang")
+
+    atexit.register(guard)

@@ -35,11 +35,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
+import numpy as np
 import torch
 
 from ..collectives import ALGORITHMS, allreduce
 from ..comm import Communicator, Traffic, resolve
 from ..control.adacomm import AdaComm
+from ..validate import check_algorithm
 from .gradsync import broadcast_module
 
 __all__ = ["LocalSGD"]
@@ -123,10 +125,15 @@ class LocalSGD:
       ``num_batches_tracked``) are left alone: they count local steps and are already
       equal on all ranks.
     * With ``average_momentum=True`` and an optimizer, the SGD momentum buffers
-      (``optimizer.state[p]["momentum_buffer"]``; missing or ``None`` entries are
-      skipped). Momentum stays local by default (as in the paper's experiments, as far
-      as is known); averaging it doubles the traffic per round but removes the momentum
-      drift between replicas.
+      (``optimizer.state[p]["momentum_buffer"]``). Momentum stays local by default (as
+      in the paper's experiments, as far as is known); averaging it doubles the traffic
+      per round but removes the momentum drift between replicas. A parameter that got
+      no gradient on some rank has no buffer there: before each round the ranks agree
+      (one small max-allreduce of a presence flag per parameter) on which parameters
+      have a buffer anywhere, and a rank missing one gets a zero buffer (no momentum
+      yet), so every rank reduces the same layout and all end with the same buffers.
+      Parameters with a buffer on no rank are skipped. (Ours; the paper does not
+      average momentum.)
 
     All of it goes into one flat buffer per (dtype, device), reduced with
     ``mpicomm.allreduce(op="avg", algorithm=algorithm)``.
@@ -138,9 +145,11 @@ class LocalSGD:
     is that step's loss averaged over the ranks and ``eta_0`` the learning rate then
     (unless ``period.start()`` was already called). At each averaging round the loss fed
     to the rule is the mean of this rank's losses since the last averaging, averaged
-    over the ranks (an ``allgather`` of two floats, so identical on every rank; made
+    over the ranks (an ``allgather`` of three floats, so identical on every rank; made
     only when a decision needs it); the learning rate is
-    ``optimizer.param_groups[0]["lr"]`` (so an optimizer is required). With
+    ``optimizer.param_groups[0]["lr"]`` (so an optimizer is required), sent in the same
+    allgather: if it differs between ranks (a scheduler stepped differently), every
+    rank raises ``ValueError`` instead of taking different periods and deadlocking. With
     ``interval_s``, the elapsed time is ``clock()`` since construction, agreed as the
     maximum over the ranks, so every rank takes the same decision. The interval length
     is counted in averaging rounds or seconds as configured; a new period takes effect
@@ -209,9 +218,7 @@ class LocalSGD:
                 raise ValueError("optimizer.param_groups[0] has no 'lr'")
         if average_momentum and optimizer is None:
             raise ValueError("average_momentum=True needs the optimizer")
-        if algorithm not in ("auto", *ALGORITHMS["allreduce"]):
-            raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of "
-                             f"auto, {', '.join(ALGORITHMS['allreduce'])}")
+        check_algorithm("allreduce", algorithm, ALGORITHMS["allreduce"])
         if not callable(delay_s):
             if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)):
                 raise TypeError(f"delay_s must be seconds or a callable, got "
@@ -306,24 +313,47 @@ class LocalSGD:
         Used by :meth:`step`; call it directly at the end of training (or before an
         evaluation) to leave every rank with the same model.
         """
-        before = self.comm.traffic.snapshot()
-        for flat in self._fused.pack(self.tensors()):
-            allreduce(flat, op="avg", algorithm=self.algorithm, comm=self.comm, out=flat)
+        if self.average_momentum:
+            self._align_momentum()
+        with self.comm.traffic.measure(into=self.traffic):
+            for flat in self._fused.pack(self.tensors()):
+                allreduce(flat, op="avg", algorithm=self.algorithm, comm=self.comm, out=flat)
         self._fused.unpack()
-        moved = self.comm.traffic.snapshot() - before
-        self.traffic.sent_bytes += moved.sent_bytes
-        self.traffic.recv_bytes += moved.recv_bytes
-        self.traffic.messages += moved.messages
         delay = self.delay_s(self.rounds) if callable(self.delay_s) else self.delay_s
         if delay > 0:
             time.sleep(delay)
         self.rounds += 1
 
+    @torch.no_grad()
+    def _align_momentum(self) -> None:
+        """Give this rank a zero momentum buffer wherever another rank has one (collective:
+        one max-allreduce of a flag per parameter), so the fused layout is the same on
+        every rank."""
+        assert self.optimizer is not None
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not params:
+            return
+        have = np.array([self.optimizer.state.get(p, {}).get("momentum_buffer") is not None
+                         for p in params], dtype=np.uint8)
+        anywhere = allreduce(have, op="max", algorithm="mpi", comm=self.comm)
+        for p, mine, theirs in zip(params, have, anywhere):
+            if theirs and not mine:
+                self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(
+                    p, memory_format=torch.preserve_format)
+
     # ------------------------------------------------------------------ AdaComm
-    def _agree(self) -> tuple[float, float]:
-        """(loss averaged over ranks, elapsed = max over ranks): identical everywhere."""
+    def _agree(self, lr: float) -> tuple[float, float]:
+        """(loss averaged over ranks, elapsed = max over ranks): identical everywhere.
+
+        The learning rate travels with them; ``ValueError`` on every rank if it differs.
+        """
         local = float(self._loss_sum) / max(self._loss_count, 1)
-        everyone = self.comm.allgather_object((local, self.clock() - self._start))
+        everyone = self.comm.allgather_object((local, self.clock() - self._start, lr))
+        if len({v[2] for v in everyone}) > 1:
+            rates = ", ".join(f"rank {r}: {v[2]!r}" for r, v in enumerate(everyone))
+            raise ValueError("LocalSGD with AdaComm: the learning rate differs across ranks "
+                             f"({rates}); AdaComm's period depends on it, so every rank "
+                             "must use the same learning rate schedule")
         return (sum(v[0] for v in everyone) / len(everyone), max(v[1] for v in everyone))
 
     def _lr(self) -> float:
@@ -335,18 +365,19 @@ class LocalSGD:
         the replicas are identical then, so this is a minibatch estimate of F(x_0) from
         P minibatches, as in the paper."""
         assert self.adacomm is not None
-        loss, elapsed = self._agree()
-        self.adacomm.start(loss, self._lr(), elapsed)
+        lr = self._lr()
+        loss, elapsed = self._agree(lr)
+        self.adacomm.start(loss, lr, elapsed)
 
     def _adapt(self) -> None:
         ada = self.adacomm
         assert ada is not None
         lr = self._lr()
         if ada.interval_s is not None:
-            loss, elapsed = self._agree()
+            loss, elapsed = self._agree(lr)
             ada.observe(loss, lr, elapsed)
         elif ada.due():
-            loss, _ = self._agree()
+            loss, _ = self._agree(lr)
             ada.observe(loss, lr)
         else:
             ada.observe()

@@ -1,0 +1,292 @@
+"""Crossover scheduling: aggregate throughput of two jobs, sequential vs co-located vs Crossover.
+
+Run under MPI, e.g. ``mpiexec -n 2 python -m mpicomm.bench crossover --json out.json``.
+
+Setup (every choice is an option):
+
+* Jobs: ``--jobs`` (2) identical :class:`~mpicomm.torch.TorchJob` s: an MLP
+  64-``hidden``x``layers``-10 on scikit-learn's bundled digits (standardized, sharded
+  round-robin over the ranks), SGD lr 0.05 momentum 0.9, ``--batch`` samples per rank,
+  gradients averaged by :class:`~mpicomm.torch.GradientSync` with ``--strategy``
+  (dense allreduce), ``--steps`` iterations each.
+* Communication: every sync phase sleeps an injected delay ``D`` after the real
+  allreduce (``TorchJob(delay_s=D)``), modelling a slower network's latency: on one
+  host, MPI's shared-memory copies compete with the other job's compute for the same
+  cores, so only waiting can be hidden (see :mod:`mpicomm.sched.crossover`).
+  ``--delay-ms auto`` sets ``D`` so that the sync phase ``S`` (real allreduce + D)
+  equals the compute phase ``C``, both measured first in a job run alone: the case
+  with the most to gain.
+* Modes, each from freshly built, identical jobs: ``sequential`` (each job alone, one
+  after the other, the jobs' ideal exclusive time), ``colocated`` (all jobs at once on
+  the same ranks, each in its own thread, no token: plain co-location without a
+  scheduler), ``crossover`` (:class:`~mpicomm.sched.CrossoverScheduler`). The order of
+  the modes rotates between repeats. A mode's time is the slowest rank's wall clock
+  for the training loops (set-up excluded); throughput = all jobs' iterations / time.
+* Bounds, from ``C``, ``S`` = the per-iteration compute and sync times measured in the
+  sequential runs, printed next to the measured speedup: ``bound = (C + S) / max(C, S)``
+  (issue 10 / algorithms.md E.4: compute and network each serve one job at a time) and
+  ``token_bound = n(C + S) / max(nC, C + S)`` (only compute is exclusive; syncs of
+  different jobs may overlap each other, as injected delays do). They agree when
+  ``S <= C``.
+* ``Cx_ms``: the compute phase per iteration under the scheduler; above ``C_ms`` it
+  shows the other job's synchronization (MPI's polling, copies) slowing compute down.
+* Check: the crossover run's final parameters are bit-identical to the sequential
+  run's (``identical``), i.e. the scheduler changed no job's mathematics.
+
+Target (issue 10): crossover >= 1.3x the sequential throughput (the paper reports about
+1.2x on ImageNet), approaching the bound. Timings on a shared, oversubscribed machine are
+noisy: use the medians over ``--repeats`` and re-run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..comm import Communicator, init
+from ._util import machine, print_table, write_json
+
+MODES = ("sequential", "colocated", "crossover")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--jobs", type=int, default=2, help="identical jobs sharing the ranks")
+    parser.add_argument("--steps", type=int, default=40, help="iterations per job")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every mode (median)")
+    parser.add_argument("--batch", type=int, default=512, help="samples per rank and step")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2, help="hidden layers")
+    parser.add_argument("--strategy", default="dense", help="GradientSync strategy")
+    parser.add_argument("--delay-ms", default="auto",
+                        help="injected delay per sync phase in ms, or 'auto' (S = C)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+
+
+# ---------------------------------------------------------------------- jobs
+def make_job(name: str, seed: int, shard: Any, args: argparse.Namespace, delay_s: float,
+             rank: int) -> Any:
+    import torch
+
+    from ..torch import TorchJob
+
+    torch.manual_seed(seed)
+    width = [64] + [args.hidden] * args.layers
+    layers: list[Any] = []
+    for a, b in zip(width, width[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width[-1], 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rng = np.random.default_rng(1000 * seed + rank)
+    data = []
+    for _ in range(args.steps):
+        idx = torch.from_numpy(rng.integers(0, len(shard.y), args.batch))
+        data.append((shard.x[idx], shard.y[idx]))
+    return TorchJob(name, model, opt, data, torch.nn.functional.cross_entropy,
+                    strategy=args.strategy, delay_s=delay_s)
+
+
+def make_jobs(shard: Any, args: argparse.Namespace, delay_s: float, rank: int) -> list[Any]:
+    return [make_job(f"job{i}", i, shard, args, delay_s, rank) for i in range(args.jobs)]
+
+
+def digest(job: Any) -> str:
+    h = hashlib.sha256()
+    for p in job.model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def loop(job: Any, times: dict[str, float] | None = None) -> None:
+    """The job's iterations run by themselves (no token): compute, then sync."""
+    for step in range(job.steps):
+        t0 = time.perf_counter()
+        job.compute(step)
+        t1 = time.perf_counter()
+        job.sync(step)
+        if times is not None:
+            times["compute"] += t1 - t0
+            times["sync"] += time.perf_counter() - t1
+    t0 = time.perf_counter()
+    job.finish()
+    if times is not None:
+        times["compute"] += time.perf_counter() - t0
+
+
+def slowest(comm: Communicator, seconds: float) -> float:
+    return float(comm.allreduce_value(seconds, "max"))
+
+
+def run_sequential(jobs: list[Any], comm: Communicator) -> tuple[float, float, float]:
+    """(seconds, compute s/iteration, sync s/iteration): each job alone, in turn."""
+    total, times = 0.0, {"compute": 0.0, "sync": 0.0}
+    for job in jobs:
+        job_comm = comm.dup()
+        try:
+            job.setup(job_comm)
+            comm.barrier()
+            start = time.perf_counter()
+            loop(job, times)
+            total += slowest(comm, time.perf_counter() - start)
+            job.close()
+        finally:
+            job_comm.free()
+    steps = sum(j.steps for j in jobs)
+    return (total, slowest(comm, times["compute"] / steps),
+            slowest(comm, times["sync"] / steps))
+
+
+def run_colocated(jobs: list[Any], comm: Communicator) -> float:
+    """All jobs at once, one thread each, no token (plain co-location)."""
+    comms = [comm.dup() for _ in jobs]
+    errors: list[BaseException] = []
+
+    def body(job: Any) -> None:
+        try:
+            loop(job)
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    try:
+        for job, job_comm in zip(jobs, comms):
+            job.setup(job_comm)
+        threads = [threading.Thread(target=body, args=(j,), name=f"colocated-{j.name}")
+                   for j in jobs]
+        comm.barrier()
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = slowest(comm, time.perf_counter() - start)
+        if errors:
+            raise errors[0]
+        for job in jobs:
+            job.close()
+    finally:
+        for c in comms:
+            c.free()
+    return seconds
+
+
+def run_crossover(jobs: list[Any], comm: Communicator) -> tuple[float, float, float]:
+    """(seconds, share of the sync time hidden, compute s/iteration) under the
+    CrossoverScheduler; compute phases slower than alone mean the jobs contend."""
+    from ..sched import CrossoverScheduler
+
+    with CrossoverScheduler(jobs, comm=comm) as sched:
+        comm.barrier()
+        start = time.perf_counter()
+        stats = sched.run()
+        seconds = slowest(comm, time.perf_counter() - start)
+    wait = sum(j.wait_seconds for j in stats.jobs.values())
+    sync = sum(j.sync_seconds for j in stats.jobs.values())
+    hidden = 1.0 - wait / sync if sync > 0 else 1.0
+    compute = sum(j.compute_seconds for j in stats.jobs.values()) / max(stats.steps, 1)
+    return (seconds, float(comm.allreduce_value(hidden, "min")), slowest(comm, compute))
+
+
+def bound(c: float, s: float) -> float:
+    """Ideal speedup when compute and network each serve one job at a time:
+    n(C+S) / (n max(C, S)) = (C+S) / max(C, S), for any number of jobs n."""
+    return (c + s) / max(c, s)
+
+
+def token_bound(n: int, c: float, s: float) -> float:
+    """Ideal speedup of n identical jobs when only compute is exclusive (the token) and
+    syncs may overlap each other: a round of iterations takes max(nC, C + S)."""
+    return n * (c + s) / max(n * c, c + s)
+
+
+# ---------------------------------------------------------------------- main
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .localsgd import load_shard
+
+    if args.jobs < 2:
+        raise ValueError(f"--jobs must be >= 2, got {args.jobs}")
+    torch.set_num_threads(args.threads)
+    comm = init()
+    shard = load_shard(comm)
+    n = args.jobs
+
+    # calibration: one job alone, no injected delay
+    _, c0, s0 = run_sequential([make_job("calibrate", 99, shard, args, 0.0, comm.rank)], comm)
+    delay_s = max(0.0, c0 - s0) if args.delay_ms == "auto" else float(args.delay_ms) / 1e3
+    if comm.rank == 0:
+        print(f"# crossover: {comm.size} ranks, {n} jobs x {args.steps} steps, MLP 64-"
+              f"{args.hidden}x{args.layers}-10, batch {args.batch}/rank, strategy "
+              f"{args.strategy}, torch threads {args.threads}")
+        print(f"# alone, no delay: compute C = {c0 * 1e3:.2f} ms, real sync = "
+              f"{s0 * 1e3:.2f} ms per iteration; injected delay D = {delay_s * 1e3:.2f} ms "
+              f"per sync phase", flush=True)
+
+    rows, reference = [], None
+    for rep in range(args.repeats):
+        row: dict[str, Any] = {"repeat": rep}
+        for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
+            jobs = make_jobs(shard, args, delay_s, comm.rank)
+            if mode == "sequential":
+                row["sequential_s"], row["C_ms"], row["S_ms"] = run_sequential(jobs, comm)
+                row["C_ms"] *= 1e3
+                row["S_ms"] *= 1e3
+                reference = [digest(j) for j in jobs]
+            elif mode == "colocated":
+                row["colocated_s"] = run_colocated(jobs, comm)
+            else:
+                row["crossover_s"], row["hidden"], cx = run_crossover(jobs, comm)
+                row["Cx_ms"] = cx * 1e3
+                final = [digest(j) for j in jobs]
+        row["identical"] = bool(comm.allreduce_value(int(final == reference), "min"))
+        steps = n * args.steps
+        for mode in MODES:
+            row[f"{mode}_it_s"] = steps / row[f"{mode}_s"]
+        row["x_vs_sequential"] = row["sequential_s"] / row["crossover_s"]
+        row["x_vs_colocated"] = row["colocated_s"] / row["crossover_s"]
+        row["colocated_vs_sequential"] = row["sequential_s"] / row["colocated_s"]
+        row["bound"] = bound(row["C_ms"], row["S_ms"])
+        row["token_bound"] = token_bound(n, row["C_ms"], row["S_ms"])
+        rows.append(row)
+        if comm.rank == 0:
+            print(f"#   repeat {rep}: sequential {row['sequential_s']:.3f} s, colocated "
+                  f"{row['colocated_s']:.3f} s, crossover {row['crossover_s']:.3f} s "
+                  f"({row['x_vs_sequential']:.2f}x, bound {row['bound']:.2f}x)", flush=True)
+
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]
+           if isinstance(rows[0][k], float)}
+    summary = {
+        "speedup_vs_sequential": med["x_vs_sequential"],
+        "speedup_vs_colocated": med["x_vs_colocated"],
+        "colocated_vs_sequential": med["colocated_vs_sequential"],
+        "bound": med["bound"], "token_bound": med["token_bound"],
+        "C_ms": med["C_ms"], "S_ms": med["S_ms"], "crossover_C_ms": med["Cx_ms"],
+        "hidden_fraction": med["hidden"],
+        "identical_to_sequential": all(r["identical"] for r in rows),
+        "target_met": med["x_vs_sequential"] >= 1.3,
+    }
+    if comm.rank == 0:
+        print_table(rows, ["repeat", "C_ms", "S_ms", "Cx_ms", "sequential_s", "colocated_s",
+                           "crossover_s", "x_vs_sequential", "x_vs_colocated", "bound",
+                           "token_bound", "hidden", "identical"])
+        print()
+        print(f"# median: crossover {summary['speedup_vs_sequential']:.2f}x sequential "
+              f"(bound (C+S)/max(C,S) = {summary['bound']:.2f}x, token bound "
+              f"{summary['token_bound']:.2f}x; target >= 1.3x: "
+              f"{'met' if summary['target_met'] else 'NOT met'}), "
+              f"{summary['speedup_vs_colocated']:.2f}x co-location without the scheduler "
+              f"(co-location: {summary['colocated_vs_sequential']:.2f}x sequential); "
+              f"{summary['hidden_fraction']:.0%} of the sync time hidden; trajectories "
+              f"identical to sequential: {summary['identical_to_sequential']}")
+        write_json(args.json, {
+            "suite": "crossover", "machine": machine(), "args": vars(args),
+            "calibration": {"C_s": c0, "real_sync_s": s0}, "delay_s": delay_s,
+            "delay_kind": "sleep after the real allreduce in every sync phase",
+            "rows": rows, "summary": summary,
+        })
+    return 0

@@ -1,0 +1,83 @@
+"""The set-up the project documents is the set-up it has: Makefile knobs and targets,
+declared dependency floors, and a README Layout that names every part of the package."""
+
+from __future__ import annotations
+
+import configparser
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from .launch import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def make_dry_run(*args: str) -> str:
+    if shutil.which("make") is None:
+        pytest.skip("GNU make is not installed on this machine")
+    proc = subprocess.run(["make", "-n", "-B", *args, "VENV=/nonexistent-venv"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout
+
+
+def test_torch_index_knob_default_unchanged():
+    plain = [line for line in make_dry_run("install").splitlines() if "torch==" in line]
+    assert plain and all("--index-url" not in line for line in plain), plain
+    cpu = "https://download.pytorch.org/whl/cpu"
+    knob = [line for line in make_dry_run("install", f"TORCH_INDEX={cpu}").splitlines()
+            if "torch==" in line]
+    assert knob and all(f"--index-url {cpu}" in line for line in knob), knob
+    assert "TORCH_INDEX=" in README
+
+
+def test_make_bench_runs_every_benchmark_the_readme_lists():
+    recipe = make_dry_run("bench")
+    for suite in ("collectives", "sparse", "localsgd"):
+        assert f"-m mpicomm.bench {suite}" in recipe, suite
+    for script in ("examples/compression_accuracy.py", "examples/overlap_bench.py"):
+        assert script in recipe, script
+
+
+def _floor(requirement: str, name: str) -> tuple[int, ...]:
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    for line in cfg["options"][requirement].split("\n"):
+        match = re.fullmatch(rf"{name}>=([\d.]+)", line.strip())
+        if match:
+            return tuple(int(x) for x in match.group(1).split("."))
+    raise AssertionError(f"no {name}>= floor in setup.cfg {requirement}")
+
+
+def test_numpy_floor_covers_the_features_the_tests_use():
+    """``np.testing.assert_array_equal(..., strict=True)`` (tests/test_collectives.py)
+    appeared in numpy 1.24; setup.cfg allowed 1.22."""
+    assert _floor("install_requires", "numpy") >= (1, 24)
+    uses = (ROOT / "tests" / "test_collectives.py").read_text()
+    assert "strict=True" in uses
+    assert np.lib.NumpyVersion(np.__version__) >= "1.24.0"
+    assert f"numpy>={'.'.join(map(str, _floor('install_requires', 'numpy')))}" in README
+
+
+def test_readme_layout_names_every_part_of_the_package():
+    layout = README.split("## Layout", 1)[1]
+    package = ROOT / "mpicomm"
+    parts = [f"mpicomm/{p.name}/" for p in package.iterdir()
+             if p.is_dir() and (p / "__init__.py").exists()]
+    parts += [f"mpicomm/{p.name}" for p in package.glob("*.py")
+              if not p.name.startswith("_")]
+    missing = [p for p in parts if p not in layout]
+    assert not missing, f"README Layout omits {missing}"
+    examples = [p.name for p in (ROOT / "examples").glob("*.py")]
+    assert not [e for e in examples if e not in layout], examples
+
+
+def test_readme_is_exact_about_auto():
+    assert "`auto` (always `ring`)" in README  # allgatherv has no cost model
+    assert "calibration is not automatic" in README
+    assert "calibrate.measure(comm, store=True)" in README
