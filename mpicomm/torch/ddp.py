@@ -31,6 +31,10 @@ rebuilds its buckets once, after the first iteration, so the residual of that fi
 step is kept under the old key and dropped (a one-step loss of residual, harmless in
 practice); afterwards buckets are stable and the memory carries from step to step.
 
+CUDA buckets: the hook records an event on the autograd stream and the thread waits for
+it before the strategy reads the buffer, and synchronizes its own stream before handing
+the result to DDP (as :class:`~mpicomm.torch.GradientSync` does).
+
 Cost: the strategy's own (see :mod:`mpicomm.strategies`) per bucket, plus one queue
 hand-off (~10 µs). DDP's ``bucket_cap_mb`` (default 25) is the fusion size: a sparsifier
 selects top-k per bucket. The process group's own traffic is only DDP's set-up
@@ -184,15 +188,24 @@ class MpicommHookState:
         if self._closed:
             raise RuntimeError("this MpicommHookState is closed")
         fut: torch.futures.Future = torch.futures.Future()
+        ready = None
+        if grad.is_cuda:  # the hook thread must not read before autograd's stream wrote
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(grad.device))
         if self._thread is None:
-            self._complete(index, grad, fut)
+            self._complete(index, grad, ready, fut)
         else:
-            self._queue.put((index, grad, fut))
+            self._queue.put((index, grad, ready, fut))
         return fut
 
-    def _complete(self, index: int, grad: torch.Tensor, fut: torch.futures.Future) -> None:
+    def _complete(self, index: int, grad: torch.Tensor, ready: Any,
+                  fut: torch.futures.Future) -> None:
         try:
+            if ready is not None:
+                ready.synchronize()
             (out,) = self.strategy.aggregate([grad], [f"ddp/b{index}/{grad.numel()}"])
+            if out.is_cuda:  # finished on this thread's stream before DDP reads it
+                torch.cuda.current_stream(out.device).synchronize()
             self.buckets += 1
         except BaseException as exc:  # handed to DDP, which raises it in backward
             fut.set_exception(exc)
