@@ -28,6 +28,12 @@ manager :func:`recording`::
         train()
     # rank 0 wrote trace.json: every rank's events (pid = rank, one row per thread)
 
+Other subsystems join with one line: ``@traced("selector.decide", cat="control",
+outcome=lambda d: {"collective": d.collective})`` on a front-end function or method (the
+span gets ``describe``/``outcome`` args, traffic when it has a ``comm`` argument or a
+``self.comm``), or ``with trace.block("name", "cat", comm, **args):`` around a block;
+``trace.instant(...)`` marks a point. All are a ``None`` check when nothing records.
+
 The merged file is a Chrome trace: open it in Perfetto (ui.perfetto.dev) or
 ``chrome://tracing``, or render it with ``python -m mpicomm plot trace.json``.
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import mpicomm
+from mpicomm import trace
 from mpicomm.metrics import Metrics
 from mpicomm.torch import MpicommHookState, ddp_comm_hook, mpicomm_hook, process_group
 
@@ -54,8 +55,15 @@ def test_dense_hook_equals_ddp(group: mpicomm.Communicator, overlap: bool) -> No
     model = DistributedDataParallel(_net(), bucket_cap_mb=0.001)
     hook = ddp_comm_hook("dense", group, overlap=overlap)
     model.register_comm_hook(None, hook)
-    hooked = _train(model, group.rank)
+    with trace.recording(None, group) as tl:  # the hook's buckets show in the timeline
+        hooked = _train(model, group.rank)
     hook.state.close()
+    spans = [e for e in tl.events() if e["ph"] == "X"]
+    buckets = [e for e in spans if e["name"].startswith("ddp bucket")]
+    assert len(buckets) == hook.state.buckets
+    inner = [e for e in spans if e["name"] == "dense.aggregate"]
+    assert len(inner) == len(buckets) and all(
+        b["tid"] == i["tid"] and b["ts"] <= i["ts"] for b, i in zip(buckets, inner))
     assert hook.state.buckets >= 3  # every step went through the hook
     for a, b in zip(plain, hooked):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

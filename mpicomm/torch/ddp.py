@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import trace
 from ..comm import Communicator, resolve
 from ..strategies import Dense, Strategy, make
 
@@ -203,7 +204,9 @@ class MpicommHookState:
         try:
             if ready is not None:
                 ready.synchronize()
-            (out,) = self.strategy.aggregate([grad], [f"ddp/b{index}/{grad.numel()}"])
+            with trace.block(f"ddp bucket {index}", "bucket", None, bucket=index,
+                             bytes=grad.numel() * grad.element_size()):
+                (out,) = self.strategy.aggregate([grad], [f"ddp/b{index}/{grad.numel()}"])
             if out.is_cuda:  # finished on this thread's stream before DDP reads it
                 torch.cuda.current_stream(out.device).synchronize()
             self.buckets += 1
