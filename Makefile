@@ -84,6 +84,8 @@ bench: $(STAMP)
 	    --json bench-results/sparse-$$n.json || exit 1; \
 	done
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json bench-results/localsgd-4.json
+	$(PY) -m mpicomm.bench selection --json bench-results/selection.json
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench fusion --json bench-results/fusion-2.json
 	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --json bench-results/crossover-2.json
 	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
 	$(MPIEXEC) -n 2 $(PY) examples/overlap_bench.py --json bench-results/overlap-2.json

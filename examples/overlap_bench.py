@@ -4,7 +4,12 @@
 * comm:     the same buckets averaged on their own, after backward (what the
             communication thread does: the agreement reduction, ``strategy.aggregate``
             and the write-back), with nothing to overlap;
-* step:     forward + backward + ``sync.wait()``, the synchronized step.
+* step:     forward + backward + ``sync.wait()``, the synchronized step;
+* raw:      the floor for comm: one in-place allreduce (``op="avg"``) per bucket of
+            persistent flat buffers of the same sizes, nothing else.
+
+``comm_over_raw`` is the communication path's overhead over that floor (fusion copies,
+the agreement reduction, the write-back).
 
 Without overlap, step ≈ compute + comm; with perfect overlap, step ≈ max(compute, comm)
 plus the last bucket's communication. From the timeline it also reports which share of
@@ -52,15 +57,22 @@ def backward(model: torch.nn.Module, x: torch.Tensor) -> None:
 
 def comm_alone(model: torch.nn.Module, bucket_names: list[list[str]], strategy: Dense,
                comm: mpicomm.Communicator) -> None:
-    """Average every bucket in order on this thread, as the communication thread would."""
+    """Average every bucket in order on this thread, as the communication thread would
+    (agreement reduction, then the strategy in place on the gradients)."""
     params = dict(model.named_parameters())
     for names in bucket_names:
         grads = [params[n].grad for n in names]
         flags = np.zeros(1 + len(grads), dtype=np.uint8)
         flags[0] = not all(bool(torch.isfinite(g).all()) for g in grads)
         allreduce(flags, op="max", algorithm="mpi", comm=comm)
-        for p, avg in zip(grads, strategy.aggregate(grads, names)):
-            p.copy_(avg)
+        strategy.aggregate_into(grads, names)
+
+
+def raw_allreduce(flats: list[torch.Tensor], algorithm: str, comm: mpicomm.Communicator
+                  ) -> None:
+    """The floor: one in-place allreduce per bucket of persistent flat buffers."""
+    for flat in flats:
+        allreduce(flat, op="avg", algorithm=algorithm, comm=comm, out=flat)
 
 
 def overlapped_fraction(events: list[dict]) -> float:
@@ -94,13 +106,16 @@ def main(argv: list[str] | None = None) -> dict:
     comm = mpicomm.init()
     model = build(args.width, args.layers)
     x = torch.randn(args.batch, args.width)
-    times: dict[str, list[float]] = {"compute": [], "comm": [], "step": []}
+    times: dict[str, list[float]] = {"compute": [], "comm": [], "step": [], "raw": []}
     overlapped: list[float] = []
     tl = Timeline()
     with GradientSync(model, Dense(algorithm=args.algorithm), bucket_mb=args.bucket_mb,
                       comm=comm, timeline=tl) as sync:
         side_comm = comm.dup()
         strategy = Dense(side_comm, algorithm=args.algorithm)
+        params = dict(model.named_parameters())
+        flats = [torch.zeros(sum(params[n].numel() for n in names))
+                 for names in sync.buckets]
         for i in range(args.warmup + args.repeats):
             comm.barrier()
             t = time.perf_counter()
@@ -113,6 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
             comm_alone(model, sync.buckets, strategy, side_comm)
             alone = time.perf_counter() - t
 
+            side_comm.barrier()
+            t = time.perf_counter()
+            raw_allreduce(flats, args.algorithm, side_comm)
+            raw = time.perf_counter() - t
+
             comm.barrier()
             tl.clear()
             t = time.perf_counter()
@@ -124,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
                 times["compute"].append(compute)
                 times["comm"].append(alone)
                 times["step"].append(step)
+                times["raw"].append(raw)
         side_comm.free()
         # the slowest rank decides a synchronous step: report the max over ranks
         med = {k: comm.allreduce_value(statistics.median(v), "max") for k, v in times.items()}
@@ -136,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
             "switch_interval_s": sys.getswitchinterval(),
             "median_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
             "sum_ms": round((med["compute"] + med["comm"]) * 1e3, 2),
+            "comm_over_raw": round(med["comm"] / med["raw"], 3),
             "step_over_sum": round(med["step"] / (med["compute"] + med["comm"]), 3),
             "hidden_fraction_of_comm": round(
                 (med["compute"] + med["comm"] - med["step"]) / med["comm"], 3),

@@ -20,6 +20,11 @@ Two ways to synchronize:
   during ``backward`` with the chosen strategy (``--strategy``: dense allreduce or a
   compressing one such as gTop-k; ``--density``, ``--bits``, ``--rank``, ``--source`` go
   to the strategies whose constructor takes them, and are refused for the others).
+  Accuracy at many ranks (DGC's recipe): ``--schedule`` warms the density up
+  (``gtopk``, ``dgc``, ``linear:5``; see :func:`mpicomm.control.parse_schedule`),
+  ``--momentum-correction`` moves the momentum into the strategy's error-feedback memory
+  (the optimizer then runs without momentum and weight decay is added to the loss),
+  ``--clip-norm`` clips each rank's gradient at ``C / sqrt(size)``.
 * ``--local-sgd fixed|adacomm``: every rank takes local optimizer steps and
   :class:`mpicomm.torch.LocalSGD` averages the *parameters* every ``tau`` steps (fixed
   ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``). The
@@ -60,7 +65,7 @@ from tqdm import tqdm  # noqa: E402
 
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
-from mpicomm.control import AdaComm  # noqa: E402
+from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
 from mpicomm.metrics import Metrics  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.torch import GradientSync, LocalSGD  # noqa: E402
@@ -68,7 +73,8 @@ from mpicomm.torch import GradientSync, LocalSGD  # noqa: E402
 log = logging.getLogger("train")
 
 #: Command-line options handed to a strategy whose constructor has a parameter of that name.
-STRATEGY_OPTIONS = ("density", "bits", "rank", "source")
+STRATEGY_OPTIONS = ("density", "bits", "rank", "source", "schedule", "momentum_correction",
+                    "momentum_masking", "clip_norm")
 
 
 # ---------------------------------------------------------------------- options
@@ -118,6 +124,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="PowerSGD's low rank (default: the strategy's)")
     ap.add_argument("--source", default=None,
                     help="AR-Top-k's index source (default: the strategy's)")
+    ap.add_argument("--schedule", default=None, metavar="SPEC",
+                    help="density warm-up of a compressing strategy, by epochs unless "
+                         "@step: gtopk (0.004 for epoch 0), dgc (0.25, 0.0625, 0.015625, "
+                         "0.004), linear[:N] (dense to final over N epochs), "
+                         "warmup:V1,V2[/N]; default none")
+    ap.add_argument("--momentum-correction", action="store_const", const=True, default=None,
+                    help="DGC momentum correction: the strategy keeps the velocity "
+                         "(--momentum) in its error-feedback memory, the optimizer runs "
+                         "without momentum, weight decay is added to the loss")
+    ap.add_argument("--no-momentum-masking", dest="momentum_masking", action="store_const",
+                    const=False, default=None,
+                    help="with --momentum-correction: keep the velocity where values "
+                         "were sent (DGC masks it)")
+    ap.add_argument("--clip-norm", type=float, default=None,
+                    help="local gradient clipping: each rank clips at CLIP_NORM/sqrt(size)")
     ap.add_argument("--local-sgd", choices=("none", "fixed", "adacomm"), default="none",
                     help="average parameters every tau local steps instead of gradients "
                          "every step (fixed: --period; adacomm: AdaComm from --tau0)")
@@ -139,7 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.local_sgd != "none":
-        given = [f"--{opt}" for opt in ("strategy", *STRATEGY_OPTIONS)
+        given = [f"--{opt.replace('_', '-')}" for opt in ("strategy", *STRATEGY_OPTIONS)
                  if getattr(args, opt) is not None]
         if given:
             ap.error(f"--local-sgd {args.local_sgd} averages parameters densely and takes no "
@@ -151,8 +172,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.strategy not in strategies.available():
         ap.error(f"unknown strategy {args.strategy!r}; available: "
                  f"{', '.join(strategies.available())}")
+    try:
+        parse_schedule(args.schedule, steps_per_epoch=1)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.momentum_correction and not 0.0 < args.momentum < 1.0:
+        ap.error("--momentum-correction needs 0 < --momentum < 1")
+    # the value handed to the strategy (None: not given, the strategy's default)
+    args.momentum_correction = args.momentum if args.momentum_correction else None
     try:  # constructing a strategy validates its options without communicating
-        strategies.make(args.strategy, **strategy_kwargs(args.strategy, args))
+        kwargs = strategy_kwargs(args.strategy, args)
+        if "schedule" in kwargs:
+            kwargs["schedule"] = parse_schedule(kwargs["schedule"], steps_per_epoch=1)
+        strategies.make(args.strategy, **kwargs)
     except (ValueError, TypeError) as exc:
         ap.error(f"--strategy {args.strategy}: {exc}")
     return args
@@ -187,7 +219,8 @@ def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
              if getattr(args, opt) is not None}
     for opt in sorted(set(given) - takes):
         users = [s for s in strategies.available() if opt in strategy_options(s)]
-        raise ValueError(f"takes no --{opt} (strategies that do: {', '.join(users)})")
+        raise ValueError(f"takes no --{opt.replace('_', '-')} (strategies that do: "
+                         f"{', '.join(users)})")
     return given
 
 
@@ -315,7 +348,11 @@ def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
             opt.zero_grad()
             out = model(x)
             loss = torch.nn.functional.cross_entropy(out, y)
-            loss.backward()
+            if args.momentum_correction:  # weight decay folded into the gradient
+                decay = sum(p.pow(2).sum() for p in model.parameters())
+                (loss + 0.5 * args.weight_decay * decay).backward()
+            else:
+                loss.backward()
             if metrics is not None:
                 metrics.note(loss=loss.item())
             update(loss)
@@ -335,7 +372,12 @@ def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
 def train_gradient_sync(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
                         args: argparse.Namespace, comm: mpicomm.Communicator) -> Outcome:
     """Average gradients every step with the chosen strategy (GradientSync)."""
-    strategy = strategies.make(args.strategy, **strategy_kwargs(args.strategy, args))
+    kwargs = strategy_kwargs(args.strategy, args)
+    if "schedule" in kwargs:  # by epochs: needs the steps each rank takes per epoch
+        per_rank = len(data.y_train) // comm.size
+        kwargs["schedule"] = parse_schedule(kwargs["schedule"],
+                                            steps_per_epoch=-(-per_rank // args.batch_size))
+    strategy = strategies.make(args.strategy, **kwargs)
     metrics = Metrics(args.metrics) if args.metrics else None
     with GradientSync(model, strategy, comm=comm, metrics=metrics) as sync:
         steps, history = run_epochs(model, opt, data, args, comm,
@@ -458,8 +500,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # per rank (the ranks share the cores)
     data = comm.bcast_object(load_data() if comm.rank == 0 else None)
     model = build_model(args.hidden, args.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.weight_decay)
+    if args.momentum_correction:  # the strategy owns the velocity; decay is in the loss
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                              weight_decay=args.weight_decay)
     log.info("%d ranks x %d torch thread(s); %d train / %d test examples; %d parameters",
              comm.size, torch.get_num_threads(), len(data.y_train), len(data.y_test),
              sum(p.numel() for p in model.parameters()))

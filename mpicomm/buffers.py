@@ -10,10 +10,12 @@ same dtype, on the same device.
 CUDA data
 ---------
 Whether MPI may be given device pointers is decided once per process by
-:func:`cuda_aware`: ``MPICOMM_CUDA_AWARE=1``/``0`` forces it; ``auto`` (the default) asks
+:func:`cuda_aware`: ``MPICOMM_CUDA_AWARE=0`` forces staging; ``auto`` (the default) asks
 the MPI library through ``MPIX_Query_cuda_support`` (called with ctypes, since mpi4py has
 no wrapper), then Open MPI's ``ompi_info``, and otherwise assumes *not* aware, the only
-safe default (a wrong "yes" segfaults). The decision is logged once at INFO level.
+safe default (a wrong "yes" segfaults). ``MPICOMM_CUDA_AWARE=1`` forces device pointers
+for a library that cannot be asked, but is refused with ``ValueError`` when the library
+answers that it has no CUDA support. The decision is logged once at INFO level.
 
 Before MPI reads device memory, the producing stream is synchronized: MPI knows nothing
 of CUDA streams, so without it MPI could send data a kernel has not written yet.
@@ -144,8 +146,13 @@ def inspect(x: Any) -> BufferInfo:
 class ArrayOps:
     """Kernels the collectives need on flat work arrays of one framework.
 
-    Every method that writes device memory synchronizes the current stream before
-    returning, so the result is ready for MPI to read.
+    Every method that writes device memory synchronizes the current stream *of the
+    array's own device* before returning, so the result is ready for MPI to read (with
+    tensors on ``cuda:1`` the current stream of ``cuda:0`` says nothing about them). Fresh
+    device arrays are synchronized too before MPI may write into them: the caching
+    allocators hand out memory that a kernel queued earlier on the stream may still use.
+    cupy arrays are allocated on the device of the array they are made like, not on the
+    thread's current device.
     """
 
     framework = "numpy"
@@ -158,8 +165,14 @@ class ArrayOps:
         return self.xp.empty(n, dtype=dtype)
 
     def empty_like(self, a: Any, n: int) -> Any:
-        """An uninitialized flat array of ``n`` elements with ``a``'s dtype and device."""
-        return self.xp.empty(n, dtype=a.dtype)
+        """An uninitialized flat array of ``n`` elements with ``a``'s dtype and device,
+        safe for MPI to write into (see the class docstring)."""
+        if not self.device:
+            return self.xp.empty(n, dtype=a.dtype)
+        with a.device:
+            result = self.xp.empty(n, dtype=a.dtype)
+        self.sync(result)
+        return result
 
     def flat(self, a: Any) -> Any:
         """A 1-D contiguous view of ``a`` (a copy when ``a`` is not contiguous)."""
@@ -167,14 +180,14 @@ class ArrayOps:
 
     def copy_(self, dst: Any, src: Any) -> None:
         self.xp.copyto(dst, src)
-        self.sync()
+        self.sync(dst)
 
     def reduce_(self, acc: Any, other: Any, op: str) -> None:
         """``acc = op(acc, other)`` elementwise, in place (``avg`` reduces as ``sum``)."""
         fn = {"sum": self.xp.add, "avg": self.xp.add, "max": self.xp.maximum,
               "min": self.xp.minimum}[op]
         fn(acc, other, out=acc)
-        self.sync()
+        self.sync(acc)
 
     def combine_(self, out: Any, a: Any, b: Any, op: str) -> None:
         """``out = op(a, b)`` elementwise (``out`` may be ``a``): a reduction that leaves
@@ -182,11 +195,11 @@ class ArrayOps:
         fn = {"sum": self.xp.add, "avg": self.xp.add, "max": self.xp.maximum,
               "min": self.xp.minimum}[op]
         fn(a, b, out=out)
-        self.sync()
+        self.sync(out)
 
     def divide_(self, acc: Any, divisor: int) -> None:
         self.xp.divide(acc, acc.dtype.type(divisor), out=acc)
-        self.sync()
+        self.sync(acc)
 
     def reshape(self, a: Any, shape: tuple[int, ...]) -> Any:
         return a.reshape(shape)
@@ -203,9 +216,11 @@ class ArrayOps:
     def itemsize(self, a: Any) -> int:
         return a.itemsize
 
-    def sync(self) -> None:
+    def sync(self, a: Any) -> None:
+        """Wait for the current stream of ``a``'s device (no-op for host arrays)."""
         if self.device:
-            self.xp.cuda.get_current_stream().synchronize()
+            with a.device:  # cupy: current streams are per device
+                self.xp.cuda.get_current_stream().synchronize()
 
     @staticmethod
     def msg(a: Any) -> list[Any]:
@@ -225,17 +240,21 @@ class TorchOps(ArrayOps):
         self.torch = torch
 
     def empty(self, n: int, dtype: Any, device: Any = "cpu") -> Any:
-        return self.torch.empty(n, dtype=dtype, device=device)
+        result = self.torch.empty(n, dtype=dtype, device=device)
+        self.sync(result)
+        return result
 
     def empty_like(self, a: Any, n: int) -> Any:
-        return self.torch.empty(n, dtype=a.dtype, device=a.device)
+        result = self.torch.empty(n, dtype=a.dtype, device=a.device)
+        self.sync(result)
+        return result
 
     def flat(self, a: Any) -> Any:
         return a.detach().contiguous().view(-1)
 
     def copy_(self, dst: Any, src: Any) -> None:
         dst.copy_(src)
-        self.sync()
+        self.sync(dst)
 
     def reduce_(self, acc: Any, other: Any, op: str) -> None:
         if op in ("sum", "avg"):
@@ -244,17 +263,17 @@ class TorchOps(ArrayOps):
             self.torch.maximum(acc, other, out=acc)
         else:
             self.torch.minimum(acc, other, out=acc)
-        self.sync()
+        self.sync(acc)
 
     def combine_(self, out: Any, a: Any, b: Any, op: str) -> None:
         fn = {"sum": self.torch.add, "avg": self.torch.add, "max": self.torch.maximum,
               "min": self.torch.minimum}[op]
         fn(a, b, out=out)
-        self.sync()
+        self.sync(out)
 
     def divide_(self, acc: Any, divisor: int) -> None:
         acc.div_(divisor)
-        self.sync()
+        self.sync(acc)
 
     def reshape(self, a: Any, shape: tuple[int, ...]) -> Any:
         return a.view(shape)
@@ -277,9 +296,10 @@ class TorchOps(ArrayOps):
     def itemsize(self, a: Any) -> int:
         return a.element_size()
 
-    def sync(self) -> None:
-        if self.device:
-            self.torch.cuda.current_stream().synchronize()
+    def sync(self, a: Any) -> None:
+        """Wait for the current stream of ``a``'s device (no-op for host tensors)."""
+        if self.device and a.device.type == "cuda":
+            self.torch.cuda.current_stream(a.device).synchronize()
 
 
 _NUMPY_OPS = ArrayOps()
@@ -301,11 +321,9 @@ def ops_for(framework: str, device: bool) -> ArrayOps:
 
 
 # ---------------------------------------------------------------------- CUDA awareness
-@functools.cache
-def _probe_cuda_aware() -> tuple[bool, str]:
-    setting = env_choice("MPICOMM_CUDA_AWARE", ("auto", "0", "1"), "auto")
-    if setting != "auto":
-        return setting == "1", f"forced by MPICOMM_CUDA_AWARE={setting}"
+def _query_library() -> tuple[bool | None, str]:
+    """What the MPI library itself says about CUDA support: ``(answer, why)``, with
+    ``answer`` ``None`` when the library offers no way to ask."""
     try:
         query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
     except (OSError, AttributeError):
@@ -323,11 +341,36 @@ def _probe_cuda_aware() -> tuple[bool, str]:
             text = ""
         built = "mpi_built_with_cuda_support:value:true" in text
         return built, f"ompi_info reports mpi_built_with_cuda_support={str(built).lower()}"
-    return False, "the MPI library offers no CUDA-support query; assuming not CUDA-aware"
+    return None, "the MPI library offers no CUDA-support query"
+
+
+@functools.cache
+def _probe_cuda_aware() -> tuple[bool, str]:
+    setting = env_choice("MPICOMM_CUDA_AWARE", ("auto", "0", "1"), "auto")
+    if setting == "0":
+        return False, "forced by MPICOMM_CUDA_AWARE=0"
+    answer, why = _query_library()
+    if setting == "1":
+        if answer is False:
+            # Handing device pointers to an MPI that cannot read them segfaults inside
+            # the first send (seen with Debian's Open MPI 4.1.6); refuse instead.
+            raise ValueError(
+                f"MPICOMM_CUDA_AWARE=1, but the MPI library denies CUDA support ({why}); "
+                "passing device pointers to it would crash. Unset MPICOMM_CUDA_AWARE (or "
+                "set it to auto or 0) to stage CUDA buffers through pinned host memory, or "
+                "use a CUDA-aware MPI build")
+        return True, f"forced by MPICOMM_CUDA_AWARE=1 ({why})"
+    if answer is None:
+        return False, f"{why}; assuming not CUDA-aware"
+    return answer, why
 
 
 def cuda_aware() -> bool:
-    """Whether CUDA device pointers are handed to MPI directly (see module docstring)."""
+    """Whether CUDA device pointers are handed to MPI directly (see module docstring).
+
+    ``ValueError`` when ``MPICOMM_CUDA_AWARE=1`` forces it but the library's own query
+    says no: every rank reads the same setting and library, so all of them raise, before
+    any communication (only CUDA buffers ask)."""
     aware, why = _probe_cuda_aware()
     _log_decision_once(aware, why)
     return aware
@@ -394,7 +437,8 @@ def synchronize(x: Any, info: BufferInfo) -> None:
     else:
         import cupy
 
-        cupy.cuda.get_current_stream().synchronize()
+        with x.device:  # the current stream of x's device, not of the current device
+            cupy.cuda.get_current_stream().synchronize()
 
 
 # ---------------------------------------------------------------------- Buffer
@@ -466,7 +510,7 @@ class Buffer:
             return self.ops.empty(numel, self.x.dtype, **self._device_kw())
         if self.staged:
             return np.empty(numel, dtype=self.info.dtype)
-        return self.ops.empty(numel, self.x.dtype)
+        return self.ops.empty_like(self.x, numel)  # cupy: on x's device
 
     # -- delivery
     def check_out(self, out: Any, shape: tuple[int, ...]) -> None:
@@ -510,7 +554,8 @@ class Buffer:
         else:
             import cupy
 
-            cupy.ascontiguousarray(dev).reshape(-1).get(out=host)
+            with dev.device:  # a non-contiguous input is copied on its own device
+                cupy.ascontiguousarray(dev).reshape(-1).get(out=host)
 
     @traced("stage to device", cat="staging",
             describe=lambda b, _: {"bytes": b.arguments["self"].info.nbytes})
@@ -521,7 +566,8 @@ class Buffer:
 
             torch.cuda.current_stream(dev.device).synchronize()
         else:
-            dev.reshape(-1).set(host)
+            with dev.device:
+                dev.reshape(-1).set(host)
             dev.device.synchronize()
 
     def _new_device_array(self, shape: tuple[int, ...]) -> Any:

@@ -145,7 +145,10 @@ def info() -> dict[str, Any]:
                 else "no")
     except ImportError:
         pass
-    aware, reason = _probe_cuda_aware()
+    try:
+        aware, reason = _probe_cuda_aware()
+    except ValueError as exc:  # MPICOMM_CUDA_AWARE=1 on an MPI that denies CUDA support
+        aware, reason = False, f"refused: {exc}"
     params = CostParams()
     level = MPI.Query_thread()
     return {

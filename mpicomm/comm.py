@@ -199,8 +199,15 @@ class Communicator:
         )
 
     def dup(self) -> Communicator:
-        """A new communicator over the same ranks (collective)."""
-        return Communicator(self.mpi.Dup(), check=self.check, owns=True, job=self.job)
+        """A new communicator over the same ranks (collective).
+
+        It inherits checked mode, the job name and calibrated cost parameters
+        (``resources["cost_params"]``, so ``algorithm="auto"`` chooses as on this one).
+        """
+        new = Communicator(self.mpi.Dup(), check=self.check, owns=True, job=self.job)
+        if "cost_params" in self.resources:
+            new.resources["cost_params"] = self.resources["cost_params"]
+        return new
 
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Partition the ranks by ``color`` (collective); ``None`` opts this rank out.
@@ -332,7 +339,10 @@ class Communicator:
 
     def free(self) -> None:
         """Release the duplicates this object made (collective), and the wrapped
-        communicator when this object owns it (made by :meth:`dup` or :meth:`split`)."""
+        communicator when this object owns it (made by :meth:`dup` or :meth:`split`).
+        The per-communicator caches (:attr:`resources`, e.g. pinned staging buffers) are
+        dropped too."""
+        self.resources.clear()
         if self._freed or MPI.Is_finalized():
             return
         self._freed = True

@@ -10,7 +10,9 @@ variable                         meaning
 ``MPICOMM_CHECK``                ``1``: checked mode (ranks cross-check every collective's
                                  operation, shape and dtype before running it).
 ``MPICOMM_CUDA_AWARE``           ``auto`` (default), ``1`` or ``0``: pass CUDA pointers to
-                                 MPI directly, or stage through pinned host memory.
+                                 MPI directly, or stage through pinned host memory (``1``
+                                 is refused with ``ValueError`` when the MPI library's
+                                 own query says it has no CUDA support).
 ``MPICOMM_ABORT_ON_ERROR``       ``1`` (default): an uncaught exception on any rank calls
                                  ``MPI_Abort`` so that the job ends instead of hanging.
 ``MPICOMM_LOG_LEVEL``            level of the ``mpicomm`` logger (default ``WARNING``).

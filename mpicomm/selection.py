@@ -21,6 +21,25 @@ the whole vector. If the estimate was too high (fewer than ``k`` candidates), th
 selection runs instead. No randomness is involved, so the result is deterministic
 either way; only the speed depends on the data (about 4x faster for 2.5e7 entries on
 one CPU core, at densities 1e-4 to 1e-1).
+
+Threshold + compaction (:func:`topk_threshold`, torch, any device): the same sample
+threshold, then *no* partial selection over the candidates at all: the candidates are
+compacted with ``nonzero`` (in index order) and ordered by a stable descending sort of
+their magnitudes, whose first k are exactly the top-k under the total order (stability
+keeps equal magnitudes in ascending index order). Elementwise passes, one compaction and
+sorts of ~1.3k entries: everything a GPU does at memory speed, with a single
+device-to-host synchronization (the candidate count), where ``torch.topk`` with a large k
+is slow (0.69 ms for 2.5e7 float32 entries on an H100, 1.0 ms for the prefilter above
+with its extra synchronizations). When the estimate was too high (fewer than k
+candidates) the sample rank is raised 4x and the pass repeated, then the full selection
+runs. :func:`topk_indices` uses it for CUDA tensors (and the prefilter above on the
+CPU, where ``torch.topk`` over the candidates beats sorting them).
+
+Approximate (:func:`topk_indices_approx`): a smaller margin and no refinement or
+fallback, so it costs one pass and one compaction; the result is the exact top-m for
+some ``m <= k`` (every entry returned is correct and the recall is ``m / k``; >= 0.95 is
+tested). In eager torch ops both variants are bounded by the same few memory passes; a
+fused single-pass kernel (Triton/CuPy) is what the issue's 10x target would need.
 """
 
 from __future__ import annotations
@@ -30,7 +49,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["topk_indices", "index_dtype_for", "PREFILTER_MIN_K"]
+__all__ = ["topk_indices", "topk_threshold", "topk_indices_approx", "index_dtype_for",
+           "PREFILTER_MIN_K"]
 
 #: Smallest k for which the sample prefilter is tried (below it, a plain partial
 #: selection is already cheap).
@@ -51,6 +71,96 @@ def _sample_plan(n: int, k: int) -> tuple[int, int] | None:
     return stride, rank
 
 
+def _threshold_rank(n: int, k: int, margin: float, sds: float, min_rank: int
+                    ) -> tuple[int, int]:
+    """``(stride, rank)`` for a strided sample whose ``rank``-th largest magnitude is
+    expected to have ``margin * k`` entries of the whole vector at or above it, plus
+    ``sds`` standard deviations; the sample is large enough for ``rank >= min_rank``."""
+    m = min(n, max(1 << 12, (min_rank * n) // max(k, 1)))
+    stride = max(1, n // m)
+    size = (n + stride - 1) // stride
+    expected = size * k / n
+    rank = int(margin * expected + sds * math.sqrt(expected) + 1)
+    return stride, max(1, min(rank, size))
+
+
+def _sample_cut(mag: Any, stride: int, rank: int) -> Any:
+    """The ``rank``-th largest of ``mag[::stride]`` as a 0-d tensor (stays on device)."""
+    import torch
+
+    sample = mag[::stride]
+    return torch.topk(sample, rank, sorted=False).values.min()
+
+
+def _compact_top(mag: Any, candidates: Any, k: int) -> Any:
+    """Of ``candidates`` (ascending positions), the k largest ``mag`` under the total
+    order, ascending: a stable descending sort keeps ties in index order."""
+    import torch
+
+    order = torch.sort(mag[candidates], descending=True, stable=True).indices[:k]
+    return torch.sort(candidates[order]).values
+
+
+def topk_threshold(x: Any, k: int) -> Any:
+    """Exact top-k indices of a 1-D torch tensor by threshold + compaction (see the
+    module docstring); same result as :func:`topk_indices`, bit for bit.
+
+    Cost: ``|x|`` (one pass), a top-``r`` over a strided sample of ~``256 n / k``
+    entries, one compare + compaction pass, and two sorts of ~``1.3 k`` entries; one
+    host synchronization. Retries with a 4x larger sample rank when fewer than k
+    entries pass (rare), then falls back to the full selection.
+    """
+    import torch
+
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    n = x.shape[0]
+    if k >= n:
+        return torch.arange(n, dtype=torch.int64, device=x.device)
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    mag = x.abs()
+    if 8 * k <= n:
+        for widen in (1, 4):
+            stride, rank = _threshold_rank(n, k, 1.25 * widen, 4.0, 256)
+            candidates = torch.nonzero(mag >= _sample_cut(mag, stride, rank)).view(-1)
+            if candidates.shape[0] >= k:
+                return _compact_top(mag, candidates, k)
+    return _select_torch(mag, k)
+
+
+def topk_indices_approx(x: Any, k: int, *, sample_rank: int = 512) -> Any:
+    """Approximate top-k of a 1-D torch tensor: at most ``k`` indices (ascending), the
+    exact top-m for some ``m <= k`` under the total order.
+
+    The threshold is the sample quantile expected to pass ``k`` entries plus two
+    standard deviations, from a strided sample whose expected rank is ``sample_rank``
+    (relative standard error ``1/sqrt(sample_rank)``, 4.4% by default): about 98% of
+    calls pass at least k entries and return the exact top-k; the others return the
+    exact top-m with ``m/k`` below 1 by a few percent. There is no refinement pass and
+    no fallback: one compare + compaction pass and one sort of about ``1.1 k`` entries,
+    one host synchronization. Deterministic. Raise ``sample_rank`` for a higher recall
+    at the price of a larger sample.
+    """
+    import torch
+
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if isinstance(sample_rank, bool) or not isinstance(sample_rank, int) or sample_rank < 1:
+        raise ValueError(f"sample_rank must be a positive int, got {sample_rank!r}")
+    n = x.shape[0]
+    if k >= n or 8 * k > n:
+        return topk_indices(x, k)
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    mag = x.abs()
+    stride, rank = _threshold_rank(n, k, 1.0, 2.0, sample_rank)
+    candidates = torch.nonzero(mag >= _sample_cut(mag, stride, rank)).view(-1)
+    if candidates.shape[0] <= k:
+        return candidates
+    return _compact_top(mag, candidates, k)
+
+
 def index_dtype_for(numel: int) -> str:
     """``"int32"`` when every index fits in 31 bits, else ``"int64"``."""
     return "int32" if numel < 2**31 else "int64"
@@ -67,6 +177,8 @@ def topk_indices(x: Any, k: int) -> Any:
         raise ValueError(f"k must be >= 0, got {k}")
     if isinstance(x, np.ndarray):
         return _topk_numpy(x, k)
+    if x.device.type == "cuda":
+        return topk_threshold(x, k)
     return _topk_torch(x, k)
 
 

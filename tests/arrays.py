@@ -50,6 +50,7 @@ class Backend:
     available: Callable[[], tuple[bool, str]]
     make: Callable[[np.ndarray, str], Any]
     to_numpy: Callable[[Any], np.ndarray]
+    gpu: bool = False
 
     def __str__(self) -> str:
         return self.name
@@ -93,9 +94,10 @@ BACKENDS = (
     Backend("numpy", tuple(d for d in ALL_DTYPES if d != "bfloat16"), lambda: (True, ""),
             _np_make, np.asarray),
     Backend("torch-cpu", ALL_DTYPES, lambda: (True, ""), _torch_make("cpu"), _torch_to_numpy),
-    Backend("torch-cuda", ALL_DTYPES, _torch_cuda, _torch_make("cuda"), _torch_to_numpy),
+    Backend("torch-cuda", ALL_DTYPES, _torch_cuda, _torch_make("cuda"), _torch_to_numpy,
+            gpu=True),
     Backend("cupy", tuple(d for d in ALL_DTYPES if d != "bfloat16"), _cupy, _cupy_make,
-            _cupy_to_numpy),
+            _cupy_to_numpy, gpu=True),
 )
 
 
@@ -106,6 +108,8 @@ def cases(dtypes: Iterable[str] = ALL_DTYPES) -> list[Any]:
     for backend in BACKENDS:
         ok, reason = backend.available()
         marks = [] if ok else [pytest.mark.skip(reason=f"{backend.name}: {reason}")]
+        if backend.gpu:
+            marks.append(pytest.mark.gpu)  # ``pytest -m gpu`` selects every CUDA case
         for dtype in wanted:
             if dtype in backend.dtypes:
                 params.append(pytest.param(backend, dtype, id=f"{backend.name}-{dtype}",

@@ -22,11 +22,18 @@ def mpiexec() -> str:
     return find_mpiexec()
 
 
+def python_path(existing: str | None) -> str:
+    """The project root put in front of an inherited ``PYTHONPATH`` (kept, not replaced:
+    packages such as pytest-mpi may come from it, as on the GPU machine)."""
+    rest = [p for p in (existing or "").split(os.pathsep) if p and p != str(ROOT)]
+    return os.pathsep.join([str(ROOT), *rest])
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
-               PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+               PYTHONPATH=python_path(os.environ.get("PYTHONPATH")), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 

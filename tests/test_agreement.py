@@ -185,3 +185,22 @@ def test_momentum_layout_same_when_a_parameter_got_no_gradient_on_some_rank(comm
                                      (opt.state[p]["momentum_buffer"] for p in model.parameters()
                                       if "momentum_buffer" in opt.state.get(p, {}))])
     assert all(d == digests[0] for d in digests)
+
+
+@pytest.mark.mpi
+def test_dup_carries_calibrated_cost_parameters(comm):
+    """GradientSync and other users of ``comm.dup()`` choose ``auto`` algorithms with the
+    parameters calibrated on ``comm`` (before: a dup started from the defaults)."""
+    params = CostParams(alpha=1.0, beta=0.0, gamma=0.0)
+    saved = comm.resources.get("cost_params")
+    comm.resources["cost_params"] = params
+    try:
+        d = comm.dup()
+        assert d.resources["cost_params"] is params
+        d.free()
+        assert d.resources == {}  # free() drops the caches with the communicators
+    finally:
+        if saved is None:
+            comm.resources.pop("cost_params", None)
+        else:
+            comm.resources["cost_params"] = saved

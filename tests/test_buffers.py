@@ -30,8 +30,13 @@ from mpicomm.buffers import (
 )
 
 HAVE_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device "
-                                "(torch.cuda.is_available() is False)")
+
+
+def needs_cuda(test: Any) -> Any:
+    """Marks a test ``gpu`` (``pytest -m gpu`` selects it) and skips it without CUDA."""
+    skip = pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device "
+                              "(torch.cuda.is_available() is False)")
+    return pytest.mark.gpu(skip(test))
 
 
 def _have_cupy() -> bool:
@@ -45,7 +50,10 @@ def _have_cupy() -> bool:
         return False
 
 
-needs_cupy = pytest.mark.skipif(not _have_cupy(), reason="cupy with a CUDA device is absent")
+def needs_cupy(test: Any) -> Any:
+    """Marks a test ``gpu`` and skips it without cupy and a CUDA device."""
+    skip = pytest.mark.skipif(not _have_cupy(), reason="cupy with a CUDA device is absent")
+    return pytest.mark.gpu(skip(test))
 
 
 @pytest.fixture
@@ -108,12 +116,43 @@ def test_inspect_cuda_tensor():
 
 
 # ---------------------------------------------------------------------- CUDA awareness
-@pytest.mark.parametrize(("setting", "expected"), [("0", False), ("1", True)])
-def test_cuda_aware_env_forces_the_decision(fresh_probe, setting, expected):
+@pytest.mark.parametrize(("setting", "library", "expected"), [
+    ("0", (True, "says yes"), False), ("0", (False, "says no"), False),
+    ("1", (None, "cannot be asked"), True), ("1", (True, "says yes"), True)])
+def test_cuda_aware_env_forces_the_decision(fresh_probe, setting, library, expected):
+    fresh_probe.setattr(buffers, "_query_library", lambda: library)
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", setting)
     assert cuda_aware() is expected
     aware, why = buffers._probe_cuda_aware()
     assert aware is expected and f"MPICOMM_CUDA_AWARE={setting}" in why
+
+
+def test_forced_cuda_aware_is_refused_when_the_library_denies(fresh_probe):
+    """The H100 run's segfault: MPICOMM_CUDA_AWARE=1 on an MPI whose
+    MPIX_Query_cuda_support() returns 0 must never hand device pointers to it."""
+    fresh_probe.setattr(buffers, "_query_library",
+                        lambda: (False, "MPIX_Query_cuda_support() returned 0"))
+    fresh_probe.setenv("MPICOMM_CUDA_AWARE", "1")
+    with pytest.raises(ValueError, match=r"MPICOMM_CUDA_AWARE=1.*returned 0.*pinned"):
+        cuda_aware()
+    with pytest.raises(ValueError, match="denies CUDA support"):  # not cached: asked again
+        cuda_aware()
+    fresh_probe.setenv("MPICOMM_CUDA_AWARE", "auto")
+    assert cuda_aware() is False
+
+
+def test_forced_cuda_aware_on_this_mpi(fresh_probe):
+    """The real library of this machine: where it denies CUDA support, forcing is refused;
+    host buffers never ask, so they keep working under the same setting."""
+    fresh_probe.setenv("MPICOMM_CUDA_AWARE", "1")
+    answer, _ = buffers._query_library()
+    if answer is False:
+        with pytest.raises(ValueError, match="denies CUDA support"):
+            cuda_aware()
+    else:
+        assert cuda_aware() is True
+    b = Buffer(torch.ones(3))
+    assert not b.staged and b.input_view().tolist() == [1.0] * 3
 
 
 def test_cuda_aware_auto_on_this_mpi(fresh_probe):
@@ -416,10 +455,19 @@ def test_staged_cuda_tensor_round_trip(fresh_probe):
 
 @needs_cuda
 def test_cuda_aware_buffer_is_not_staged(fresh_probe):
+    fresh_probe.setattr(buffers, "_query_library", lambda: (True, "stub: says yes"))
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", "1")
     x = torch.ones(4, device="cuda")
     b = Buffer(x)
     assert not b.staged and b.writable_copy().device == x.device
+
+
+@needs_cuda
+def test_cuda_buffer_under_a_refused_forced_setting(fresh_probe):
+    fresh_probe.setattr(buffers, "_query_library", lambda: (False, "stub: says no"))
+    fresh_probe.setenv("MPICOMM_CUDA_AWARE", "1")
+    with pytest.raises(ValueError, match="denies CUDA support"):
+        Buffer(torch.ones(4, device="cuda"))
 
 
 @needs_cupy
@@ -437,15 +485,34 @@ def test_staged_cupy_round_trip(fresh_probe):
 
 
 # ---------------------------------------------------------------------- multi-rank
+@pytest.fixture
+def own_comm(comm):
+    """A private duplicate of the session communicator: its staging pool starts empty,
+    whatever other tests left in the shared one."""
+    c = comm.dup()
+    yield c
+    c.free()
+
+
 @pytest.mark.mpi
 @needs_cuda
 @pytest.mark.parametrize("aware", ["0", "1"])
-def test_cuda_collectives_staged_and_direct(comm, fresh_probe, aware):
+def test_cuda_collectives_staged_and_direct(own_comm, fresh_probe, aware):
     """CUDA tensors in, CUDA tensors out, through staging or device pointers; the pinned
-    pool is allocated once and reused by later calls."""
+    pool is allocated once and reused by later calls. A forced ``1`` that the MPI library
+    denies raises ``ValueError`` on every rank before any communication."""
+    comm = own_comm
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", aware)
     x = torch.full((1000,), float(comm.rank), device="cuda")
     total = float(sum(range(comm.size)))
+    if aware == "1" and buffers._query_library()[0] is False:
+        before = comm.traffic.snapshot()
+        with pytest.raises(ValueError, match="denies CUDA support"):
+            mpicomm.allreduce(x, comm=comm)
+        assert (comm.traffic - before).sent_bytes == 0
+        assert staging_pool(comm.resources).nbytes == 0
+        assert comm.allreduce_value(1) == comm.size  # nobody is stuck in a collective
+        return
     for algorithm in ("ring", "recursive_doubling", "rabenseifner", "mpi"):
         result = mpicomm.allreduce(x, algorithm=algorithm, comm=comm)
         assert result.device == x.device
@@ -457,9 +524,8 @@ def test_cuda_collectives_staged_and_direct(comm, fresh_probe, aware):
 
 
 @pytest.mark.mpi
-def test_host_collectives_never_stage(comm):
+def test_host_collectives_never_stage(own_comm):
     """Host buffers never touch the pinned pool (which would need CUDA)."""
-    before = staging_pool(comm.resources).nbytes
-    mpicomm.allreduce(torch.ones(100), comm=comm)
-    mpicomm.allgather(np.ones(10), comm=comm)
-    assert staging_pool(comm.resources).nbytes == before == 0
+    mpicomm.allreduce(torch.ones(100), comm=own_comm)
+    mpicomm.allgather(np.ones(10), comm=own_comm)
+    assert staging_pool(own_comm.resources).nbytes == 0

@@ -434,6 +434,41 @@ def test_qsgd_levels_bounded() -> None:
     assert torch.all((y == 0) | ((y.abs() - scales).abs() < 1e-6))  # ternary levels
 
 
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=[
+               pytest.mark.gpu, pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qsgd_promise_on_every_device(device: str) -> None:
+    """What QSGD promises across devices (decided for issue 14): the noise is drawn on
+    the tensor's device, so CUDA and CPU give different *bits* (different generators);
+    what holds everywhere is the *distribution*: the same scales, every decoded entry on
+    one of the two grid levels around ``|x| / c * s`` (so at most one level from the
+    CPU's), unbiased, and reproducible on a given device."""
+    x = torch.from_numpy(gaussian((96,), seed=21)).to(device)
+    comp = QSGD(bits=3, bucket_size=32)
+    s = comp.levels
+    p = comp.compress(x, name="w", step=4)
+    assert torch.equal(p.arrays["levels"], comp.compress(x, name="w", step=4).arrays["levels"])
+    cpu = comp.compress(x.cpu(), name="w", step=4)
+    scales = p.arrays["scales"].cpu().double()
+    torch.testing.assert_close(scales, cpu.arrays["scales"].double(), rtol=1e-6, atol=0)
+    y = comp.decompress(p).cpu().double()
+    step = scales.repeat_interleave(32)[:96] / s
+    exact = x.cpu().double().abs() / step                   # |x| in units of one level
+    level = y.abs() / step
+    assert torch.all((level - level.round()).abs() < 1e-6)  # on the grid
+    assert torch.all((level >= exact.floor() - 1e-6) & (level <= exact.ceil() + 1e-6))
+    y_cpu = comp.decompress(cpu).double()
+    assert torch.all((y - y_cpu).abs() <= step * (1 + 1e-6))
+    n = 1000
+    mean = torch.stack([comp.decompress(comp.compress(x, name="w", step=t)).cpu().double()
+                        for t in range(n)]).mean(0)
+    # per-entry sd <= step / 2 (a two-point distribution one level wide)
+    assert torch.all((mean - x.cpu().double()).abs() <= 5 * step / (2 * math.sqrt(n)) + 1e-9)
+
+
 @pytest.mark.parametrize("width", list(range(1, 10)))
 def test_bitpack_round_trip(width: int) -> None:
     g = torch.Generator().manual_seed(width)

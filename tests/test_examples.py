@@ -182,3 +182,17 @@ def test_launcher_env_for_open_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli.os, "geteuid", lambda: 1000)
     env = cli.launcher_env("openmpi", 2, {})
     assert env == {"OMPI_MCA_btl": "^ofi"}  # not root, not oversubscribed
+
+
+def test_train_schedule_and_momentum_correction(tmp_path: Path) -> None:
+    _, s = train(tmp_path, "--strategy", "topk", "--density", "0.01", "--schedule",
+                 "warmup:0.5@step", "--momentum-correction", "--clip-norm", "10",
+                 "--no-progress")
+    check_summary(s)
+    d = s["describe"]
+    assert d["schedule"] == "warmup:0.5@step" and d["momentum_correction"] == 0.9
+    assert d["momentum_masking"] is True and d["clip_norm"] == 10.0
+    assert s["test_accuracy"] > 0.5
+    # one warm-up step at density 0.5, the rest at 0.01: (P-1)·k·8 bytes per step
+    k_warm, k = -(-26122 // 2), -(-26122 // 100)
+    assert s["sent_bytes_per_rank"] == 8 * (k_warm + (s["steps"] - 1) * k)

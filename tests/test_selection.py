@@ -73,3 +73,102 @@ def test_negative_k_rejected():
 def test_index_dtype():
     assert index_dtype_for(2**31 - 1) == "int32"
     assert index_dtype_for(2**31) == "int64"
+
+
+# ---------------------------------------------------------------------- threshold + compaction
+from mpicomm.selection import topk_indices_approx, topk_threshold  # noqa: E402
+
+HAVE_CUDA = torch.cuda.is_available()
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=[
+               pytest.mark.gpu, pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(50, 7), (5000, 1), (100_003, 700), (100_003, 4000),
+                                 (100_003, 12_500), (20_000, 19_999)])
+def test_threshold_compaction_is_exact(device, kind, n, k):
+    x = make(kind, n, np.random.default_rng(3 * n + k))
+    got = topk_threshold(torch.from_numpy(x).to(device), k)
+    assert got.device.type == device and got.dtype == torch.int64
+    np.testing.assert_array_equal(got.cpu().numpy(), brute_force(x, k))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_threshold_compaction_edges_and_dtypes(device):
+    x = torch.tensor([3, -3, 1, 0, 2, -2, 5, 5, -1, 4], dtype=torch.float64, device=device)
+    for k in (0, 3, 10, 11):
+        np.testing.assert_array_equal(topk_threshold(x, k).cpu().numpy(),
+                                      brute_force(x.cpu().numpy(), min(k, 10)))
+    with pytest.raises(ValueError):
+        topk_threshold(x, -1)
+    h = make("student_t", 50_000, np.random.default_rng(5))
+    for dtype in (torch.float16, torch.bfloat16):
+        t = torch.from_numpy(h).to(dtype).to(device)
+        want = brute_force(t.float().cpu().numpy(), 600)
+        np.testing.assert_array_equal(topk_threshold(t, 600).cpu().numpy(), want)
+
+
+def test_threshold_retries_then_falls_back(monkeypatch):
+    """An estimate that is always too high: the widened retry, then the full selection,
+    still give the exact answer."""
+    from mpicomm import selection
+
+    calls = []
+
+    def too_high(mag, stride, rank):
+        calls.append(rank)
+        return mag.max() + 1
+
+    monkeypatch.setattr(selection, "_sample_cut", too_high)
+    x = make("student_t", 100_000, np.random.default_rng(9))
+    got = topk_threshold(torch.from_numpy(x), 2000)
+    np.testing.assert_array_equal(got.numpy(), brute_force(x, 2000))
+    assert len(calls) == 2 and calls[1] > calls[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["student_t", "normal", "uniform", "few_values", "spike"])
+@pytest.mark.parametrize("n,density", [(300_000, 0.003), (200_000, 0.05)])
+def test_approximate_recall(device, kind, n, density):
+    rng = np.random.default_rng(int(n * density))
+    if kind == "normal":
+        x = rng.standard_normal(n).astype(np.float32)
+    elif kind == "uniform":
+        x = rng.uniform(-1, 1, n).astype(np.float32)
+    else:
+        x = make(kind, n, rng)
+    k = int(n * density)
+    got = topk_indices_approx(torch.from_numpy(x).to(device), k).cpu().numpy()
+    exact = brute_force(x, k)
+    assert got.shape[0] <= k and np.all(np.diff(got) > 0)
+    assert np.isin(got, exact).all()  # never a wrong entry: the exact top-m, m <= k
+    assert got.shape[0] / k >= 0.95
+
+
+def test_approximate_argument_checks():
+    x = torch.ones(100)
+    with pytest.raises(ValueError):
+        topk_indices_approx(x, -1)
+    with pytest.raises(ValueError):
+        topk_indices_approx(x, 3, sample_rank=0)
+    assert topk_indices_approx(x, 50).tolist() == list(range(50))  # k > n/8: exact
+
+
+def test_selection_benchmark_suite_runs(tmp_path, capsys):
+    """``python -m mpicomm.bench selection`` (tiny, on the CPU): every method timed, the
+    exact ones checked against topk_indices, the approximate one's recall reported."""
+    import json
+
+    from mpicomm.bench.__main__ import main
+
+    out = tmp_path / "sel.json"
+    assert main(["selection", "--device", "cpu", "--sizes", "20000", "--densities", "0.01",
+                 "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["method"] for r in rows} == {"torch.topk", "topk_indices", "prefilter",
+                                           "threshold", "approx", "TopK.compress"}
+    assert all(r["exact"] for r in rows if "exact" in r)
+    assert [r["recall"] for r in rows if r["method"] == "approx"][0] >= 0.95
+    assert "x_topk" in capsys.readouterr().out

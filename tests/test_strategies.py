@@ -21,6 +21,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
+import mpicomm
 from mpicomm.collectives import cost
 from mpicomm.compress import QSGD, RandomK
 from mpicomm.selection import topk_indices
@@ -695,12 +696,28 @@ def test_cuda_results_match_cpu(comm, which):
     device = torch.device("cuda", comm.local_rank % torch.cuda.device_count())
     cpu, gpu = FACTORIES[which]().bind(comm), FACTORIES[which]().bind(comm)
     names = [f"p{i}" for i in range(len(SHAPES))]
-    for step in range(2):
+    stochastic = isinstance(cpu, QSGDAllgather)
+    for step in range(1 if stochastic else 2):
         g = [torch.from_numpy(x) for x in grads(comm.size, 800 + step, SHAPES)[comm.rank]]
         want = cpu.aggregate(g, names)
         got = gpu.aggregate([x.to(device) for x in g], names)
-        for w_, g_ in zip(want, got):
+        for g_ in got:
             assert g_.device == device
+        if stochastic:
+            # QSGD draws its noise on the tensor's device: same distribution, not the
+            # same bits (test_compress: test_qsgd_promise_on_every_device). Each rank's
+            # decoding is within one level (bucket norm / s) of the CPU's, so the average
+            # is within the ranks' mean level.
+            flat = torch.cat([t.reshape(-1) for t in g])
+            b = cpu.bucket_size
+            norms = torch.linalg.vector_norm(
+                torch.nn.functional.pad(flat, (0, -flat.numel() % b)).view(-1, b), dim=1)
+            level = (norms / (2**cpu.bits - 1)).repeat_interleave(b)[:flat.numel()]
+            bound = mpicomm.allreduce(level, op="avg", comm=comm)
+            diff = torch.cat([(a.cpu() - w).reshape(-1) for a, w in zip(got, want)])
+            assert torch.all(diff.abs() <= bound * (1 + 1e-5) + 1e-12)
+            continue
+        for w_, g_ in zip(want, got):
             torch.testing.assert_close(g_.cpu(), w_, rtol=1e-6, atol=1e-6)
 
 

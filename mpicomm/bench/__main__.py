@@ -14,6 +14,8 @@ SUITES = {
     "collectives": "mpicomm.bench.collectives",
     "sparse": "mpicomm.bench.sparse",
     "localsgd": "mpicomm.bench.localsgd",
+    "selection": "mpicomm.bench.selection",
+    "fusion": "mpicomm.bench.fusion",
     "crossover": "mpicomm.bench.crossover",
 }
 

@@ -35,15 +35,53 @@ class ErrorFeedback:
     entry is either sent unchanged or kept) and, by Sterbenz's lemma, whenever each sent
     entry is within a factor 2 of the compensated one (casts); otherwise up to one
     rounding of the subtraction.
+
+    Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018; algorithms.md
+    G): with ``momentum=m > 0`` the memory also keeps a velocity ``u`` per name and moves
+    the optimizer's momentum in front of the compression::
+
+        u = m·u + g                  # compensate(): velocity (u = g the first time)
+        v = e + u                    # the accumulator, returned to be compressed
+        e = v with the sent positions zeroed     # update_sparse() / update()
+        u = u with the sent positions zeroed     # momentum factor masking (masking=True)
+
+    The strategy's output, the mean over ranks of what was sent, is then the update
+    itself: ``w <- w - lr·mean_r(sent_r)`` by an optimizer **without momentum** (plain
+    SGD; fold weight decay into the gradient, e.g. add ``wd/2·||w||²`` to the loss,
+    because an optimizer's decoupled decay would bypass the velocity). Set it up as::
+
+        strategy = GTopK(density=0.001, momentum_correction=0.9)   # DGC: m = 0.9
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0)
+
+    With every entry sent (density 1) and ``masking=False`` this is exactly momentum SGD
+    on the averaged gradient (``u`` is the heavy-ball buffer); with masking at density 1
+    the velocity is cleared every step, i.e. plain SGD. Masking applies where values were
+    sent sparsely (:meth:`update_sparse`); :meth:`update` (dense transmission, e.g. a
+    quantizer) leaves the velocity alone. Without momentum (``m = 0``, the default) the
+    memory is plain error feedback and keeps no velocity.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, momentum: float = 0.0, masking: bool = True) -> None:
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or \
+                not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        if not isinstance(masking, bool):
+            raise ValueError(f"masking must be True or False, got {masking!r}")
+        self.momentum = float(momentum)
+        self.masking = masking
         self._residuals: dict[str, Any] = {}
+        self._velocities: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the loop
     def compensate(self, name: str, x: Any) -> Any:
-        """``x + residual[name]`` as a new array/tensor (a copy of ``x`` the first time)."""
+        """``x + residual[name]`` as a new array/tensor (a copy of ``x`` the first time).
+
+        With momentum correction: first ``u = m·u + x`` (stored), then ``u + residual``.
+        Call it once per step and name.
+        """
         t = to_torch(x).detach()
+        if self.momentum:
+            t = self._advance_velocity(name, x, t)
         held = self._residuals.get(name)
         if held is None:
             out = t.clone()
@@ -81,6 +119,30 @@ class ErrorFeedback:
             )
         c.view(-1)[i] = 0
         self._store(name, from_torch(c, like=compensated))
+        held = self._velocities.get(name) if self.masking else None
+        if held is not None:  # momentum factor masking
+            u = to_torch(held)
+            u.view(-1)[i] = 0
+            self._velocities[name] = from_torch(u, like=held)
+
+    def _advance_velocity(self, name: str, x: Any, t: Any) -> Any:
+        """``u = m·u + t`` for ``name`` (``u = t`` the first time); returns ``u``'s copy."""
+        held = self._velocities.get(name)
+        if held is None:
+            u = t.clone()
+        else:
+            _check_same(name, held, x, "velocity", "tensor")
+            u = to_torch(held)
+            u.mul_(self.momentum).add_(t)
+        self._velocities[name] = from_torch(u, like=x)
+        return u.clone()
+
+    def velocity(self, name: str) -> Any:
+        """The momentum-correction velocity kept for ``name`` (``KeyError`` if none)."""
+        try:
+            return self._velocities[name]
+        except KeyError:
+            raise KeyError(f"no velocity stored for tensor {name!r}") from None
 
     # ------------------------------------------------------------------ access
     def residual(self, name: str) -> Any:
@@ -104,8 +166,10 @@ class ErrorFeedback:
         """Drop the residual of ``name`` (all residuals when None)."""
         if name is None:
             self._residuals.clear()
+            self._velocities.clear()
         else:
             self._residuals.pop(name, None)
+            self._velocities.pop(name, None)
 
     def norm(self, name: str | None = None) -> float:
         """L2 norm of one residual, or of all residuals together (a diagnostic)."""
@@ -117,25 +181,36 @@ class ErrorFeedback:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """``{"residuals": {name: copy}}`` with copies in each tensor's own framework."""
-        return {"residuals": {k: from_torch(to_torch(v).detach().clone(), like=v)
-                              for k, v in self._residuals.items()}}
+        """``{"residuals": {name: copy}}`` (plus ``"velocities"`` with momentum
+        correction) with copies in each tensor's own framework."""
+        state = {"residuals": _copies(self._residuals)}
+        if self.momentum:
+            state["velocities"] = _copies(self._velocities)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace all residuals by copies of those in ``state`` (from :meth:`state_dict`)."""
         residuals = state["residuals"]
-        for k, v in residuals.items():
+        velocities = state.get("velocities", {})
+        if velocities and not self.momentum:
+            raise ValueError("the state holds momentum-correction velocities but this "
+                             "memory runs without momentum")
+        for k, v in [*residuals.items(), *velocities.items()]:
             inspect(v)  # TypeError for anything that is not an array/tensor
             if not isinstance(k, str):
                 raise ValueError(f"residual names must be strings, got {k!r}")
-        self._residuals = {k: from_torch(to_torch(v).detach().clone(), like=v)
-                           for k, v in residuals.items()}
+        self._residuals = _copies(residuals)
+        self._velocities = _copies(velocities)
 
     def _store(self, name: str, residual: Any) -> None:
         held = self._residuals.get(name)
         if held is not None:
             _check_same(name, held, residual, "residual", "new residual")
         self._residuals[name] = residual
+
+
+def _copies(tensors: dict[str, Any]) -> dict[str, Any]:
+    return {k: from_torch(to_torch(v).detach().clone(), like=v) for k, v in tensors.items()}
 
 
 def _check_same(name: str, a: Any, b: Any, what_a: str, what_b: str, *,

@@ -54,6 +54,13 @@ class QSGD(Compressor):
     Randomness: a generator seeded by ``(seed, salt, name, step)`` on the tensor's
     device. With the default ``salt=0`` all ranks use the same noise for a given tensor
     and step; strategies that want independent rounding per rank pass ``salt=rank``.
+    What is promised across devices is the *distribution*, not the bits: CUDA and CPU
+    generators give different streams, so a CUDA tensor is rounded with different noise
+    than its CPU copy (each reproducible on its own device), while the scales, the grid
+    of levels and unbiasedness are the same (every entry lands on one of the two levels
+    around ``|x_i| / c * s``, so the two decodings differ by at most one level ``c / s``).
+    Drawing on the device keeps QSGD free of host round trips on the GPU; bitwise
+    CPU = GPU agreement would need the noise drawn on the CPU and copied over.
 
     Cost: O(n) with a few passes (norms, noise, rounding, packing); the bucket norm is
     computed in float32 (float64 for float64 input).

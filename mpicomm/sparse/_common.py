@@ -27,7 +27,15 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from ..buffers import BufferInfo, cuda_aware, framework_of, from_torch, staging_pool, to_torch
+from ..buffers import (
+    BufferInfo,
+    cuda_aware,
+    framework_of,
+    from_torch,
+    ops_for,
+    staging_pool,
+    to_torch,
+)
 from ..comm import Communicator
 from ..selection import index_dtype_for, topk_indices
 from ..tags import TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401  (re-exported)
@@ -291,6 +299,7 @@ class Wire:
         self.staged = device.type == "cuda" and not cuda_aware()
         self.direct = device.type == "cuda" and not self.staged
         self._resources = comm.resources
+        self._ops = ops_for("torch", self.direct)
 
     def _host(self, numel: int, slot: str) -> torch.Tensor:
         info = BufferInfo("torch", "uint8", (numel,), str(self.device), 1)
@@ -321,8 +330,8 @@ class Wire:
         n = status.Get_count(MPI.BYTE)
         if self.staged:
             buf = self._host(n, "sparse-recv")
-        else:
-            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        else:  # direct: the fresh block is synchronized before MPI writes into it
+            buf = self._ops.empty(n, torch.uint8, device=self.device)
         message.Recv([buf, MPI.BYTE])
         self.traffic.recv_bytes += n
         return buf.to(self.device) if self.staged else buf

@@ -80,7 +80,8 @@ __all__ = ["gtopk"]
 @traced("gtopk", cat="sparse", describe=describe_sparse("gtopk"))
 def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
           return_dropped: bool = False, *, size: int | None = None,
-          allow_nonfinite: bool = False) -> tuple[Any, ...]:
+          allow_nonfinite: bool = False, own_contribution: bool = False
+          ) -> tuple[Any, ...]:
     """Approximate global top-k of the sum of every rank's sparse (indices, values).
 
     Parameters
@@ -98,6 +99,15 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
         Also return a boolean mask over this rank's input pairs (the caller's order):
         True where the pair's index is *not* in the global result, i.e. the local picks
         that go back into the error-feedback residual (algorithms.md A.3).
+    own_contribution:
+        With ``return_dropped``: mark a pair dropped when *this rank's value* did not
+        reach the result, even if its index did (through other ranks' values after this
+        rank's pair was truncated in a merge on its path, or in the local truncation to
+        k). The reference counts such picks as sent although their mass was lost (the
+        "small information leak" of A.3); with this flag they go back to the residual.
+        Tracked locally, no extra traffic: exact for every rank of the power-of-two
+        group; a folded-out rank (non-power-of-two P) cannot see its partner's merges and
+        keeps the index rule. Ours, not the paper's.
     size:
         Length of the dense vector the indices address. Indices must lie in
         ``[0, size)``; it also picks the wire index type (int64 from 2^31 on). When
@@ -117,19 +127,35 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
     sp, k, size = read_topk_args(comm, "gtopk", indices, values, k, size, allow_nonfinite)
 
     index_dtype = wire_index_dtype(size)
-    idx, val = _butterfly(truncate(sp.idx, sp.val, k), k, comm, index_dtype)
+    alive: list[torch.Tensor] = []
+    idx, val = _butterfly(truncate(sp.idx, sp.val, k), k, comm, index_dtype, alive)
     result = (to_caller(idx, sp.like_idx, dtype=sp.idx_dtype),
               to_caller(val, sp.like_val))
     if not return_dropped:
         return result
-    dropped = ~torch.isin(sp.idx_in, idx)
+    reached = alive[0] if own_contribution and alive else idx
+    dropped = ~torch.isin(sp.idx_in, reached)
     return (*result, to_caller(dropped, sp.like_val))
 
 
-def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype) -> Pairs:
-    """Fold-in, lg p2 butterfly rounds, fold-out; returns the common final set."""
+def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype,
+               alive: list[torch.Tensor] | None = None) -> Pairs:
+    """Fold-in, lg p2 butterfly rounds, fold-out; returns the common final set.
+
+    ``alive`` (a list to fill): gets the indices of this rank's pairs whose value is in
+    the final set (every merge on its path kept them); left empty on a folded-out rank.
+    """
     p, r = comm.size, comm.rank
+    own = mine[0]
+
+    def keep(current: Pairs) -> Pairs:
+        nonlocal own
+        own = own[torch.isin(own, current[0])]
+        return current
+
     if p == 1:
+        if alive is not None:
+            alive.append(own)
         return mine
     value_dtype = mine[1].dtype
     wire = Wire(comm, mine[1].device)
@@ -139,7 +165,7 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
             wire.send(pack(*mine, index_dtype), r + 1, TAG_GTOPK_FOLD)
             return unpack(wire.recv(r + 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
         theirs = unpack(wire.recv(r - 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
-        mine = merge_truncate(theirs, mine, k)  # rank r-1 is the lower operand
+        mine = keep(merge_truncate(theirs, mine, k))  # rank r-1 is the lower operand
     v = virtual_rank(r, rem)
     mask = 1
     while mask < p2:
@@ -147,9 +173,11 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
         got = wire.exchange(pack(*mine, index_dtype), real_rank(partner, rem),
                             TAG_GTOPK_ROUND)
         theirs = unpack(got, index_dtype, value_dtype)
-        mine = merge_truncate(mine, theirs, k) if v < partner else merge_truncate(theirs,
-                                                                                  mine, k)
+        mine = keep(merge_truncate(mine, theirs, k) if v < partner
+                    else merge_truncate(theirs, mine, k))
         mask <<= 1
     if r < 2 * rem:  # odd rank of a folded pair: return the result
         wire.send(pack(*mine, index_dtype), r - 1, TAG_GTOPK_FOLD)
+    if alive is not None:
+        alive.append(own)
     return mine

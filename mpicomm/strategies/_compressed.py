@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,8 @@ from ..validate import check_algorithm
 from .base import DEFAULT_FUSION_BYTES, Strategy
 
 __all__ = ["CompressedStrategy", "DEFAULT_DENSITY", "sparsity", "k_of",
-           "check_allreduce_algorithm", "check_flag", "pack_bytes", "unpack_bytes"]
+           "check_allreduce_algorithm", "check_flag", "check_schedule", "check_clip_norm",
+           "pack_bytes", "unpack_bytes"]
 
 #: Density used when neither ``density`` nor ``k`` is given.
 DEFAULT_DENSITY = 0.01
@@ -76,12 +78,51 @@ def check_floating(tensors: Sequence[Any], names: Sequence[str]) -> None:
                             f"gradients, got {dtype}")
 
 
+def check_schedule(schedule: Any) -> Any:
+    """``schedule``: ``None`` or a callable ``(step, final_density) -> density`` such as a
+    :class:`mpicomm.control.Schedule` (``TypeError`` otherwise)."""
+    if schedule is not None and not callable(schedule):
+        raise TypeError(f"schedule must be a mpicomm.control.Schedule (or a callable "
+                        f"(step, final) -> density) or None, got {type(schedule).__name__}"
+                        " (parse strings with mpicomm.control.parse_schedule)")
+    return schedule
+
+
+def check_clip_norm(clip_norm: Any) -> float | None:
+    """``clip_norm``: ``None`` or a finite number > 0 (``ValueError`` otherwise)."""
+    if clip_norm is None:
+        return None
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or \
+            not math.isfinite(clip_norm) or clip_norm <= 0:
+        raise ValueError(f"clip_norm must be a finite number > 0 or None, got {clip_norm!r}")
+    return float(clip_norm)
+
+
 class CompressedStrategy(Strategy):
     """A strategy with error-feedback memory and per-name step counters.
 
     ``error_feedback=True`` keeps, per buffer name, what compression has not transmitted
     yet and adds it to the next gradient of that name (``memory`` is the
     :class:`~mpicomm.compress.ErrorFeedback`; ``None`` without error feedback).
+
+    Options for accuracy at scale (Deep Gradient Compression, algorithms.md G; each
+    off by default):
+
+    * ``schedule``: a density warm-up (:class:`mpicomm.control.Schedule`, e.g.
+      ``dgc_warmup(steps_per_epoch)``) evaluated at each buffer's step counter, so every
+      rank uses the same density at the same step. Sparsifiers use the scheduled density
+      for k (:meth:`_k`); quantizers aggregate densely while it exceeds their own wire
+      fraction (:meth:`dense_step`).
+    * ``momentum_correction=m`` (0 < m < 1): the error-feedback memory keeps the
+      velocity (``ErrorFeedback(momentum=m, masking=momentum_masking)``: ``u = m·u + g``
+      is accumulated *before* compression, and with ``momentum_masking`` cleared where
+      values were sent). The optimizer must then run **without momentum** (plain SGD at
+      the same lr; fold weight decay into the loss). Needs ``error_feedback=True``.
+    * ``clip_norm=C``: local gradient clipping before error feedback, each rank scaling
+      its buffer to L2 norm at most ``C / sqrt(P)`` (the sum of P independent gradients
+      has about sqrt(P) times the norm of one, so C is the threshold one would use for
+      the averaged gradient). Applied per fused buffer (per tensor for strategies that
+      aggregate tensor by tensor): the whole model when it fits one buffer.
 
     Step counters: :meth:`_step` returns how many times a name was aggregated before
     (0, 1, 2, ...), and :meth:`_slot` the order in which names first appeared. Both are
@@ -93,17 +134,27 @@ class CompressedStrategy(Strategy):
     name = "compressed"
 
     def __init__(self, comm: Any = None, *, error_feedback: bool = True,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES):
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
+                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: float | None = None):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         self.error_feedback = check_flag("error_feedback", error_feedback)
-        self.memory: ErrorFeedback | None = ErrorFeedback() if error_feedback else None
+        self.schedule = check_schedule(schedule)
+        self.clip_norm = check_clip_norm(clip_norm)
+        self.momentum_masking = check_flag("momentum_masking", momentum_masking)
+        memory = ErrorFeedback(momentum_correction, momentum_masking)  # validates them
+        self.momentum_correction = memory.momentum
+        if self.momentum_correction and not self.error_feedback:
+            raise ValueError("momentum_correction needs error_feedback=True (the velocity "
+                             "lives in the error-feedback memory)")
+        self.memory: ErrorFeedback | None = memory if error_feedback else None
         self._steps: dict[str, int] = {}
         self._slots: dict[str, int] = {}
 
     # ------------------------------------------------------------------ interface
-    def aggregate(self, tensors: Sequence[Any], names: Sequence[str] | None = None
-                  ) -> list[Any]:
-        return super().aggregate(*self._floating_inputs(tensors, names))
+    def _inputs(self, tensors: Sequence[Any], names: Sequence[str] | None
+                ) -> tuple[list[Any], list[str]]:
+        return self._floating_inputs(tensors, names)
 
     def _floating_inputs(self, tensors: Sequence[Any], names: Sequence[str] | None
                          ) -> tuple[list[Any], list[str]]:
@@ -113,7 +164,16 @@ class CompressedStrategy(Strategy):
         return tensors, names
 
     def describe(self) -> dict[str, Any]:
-        return {"strategy": self.name, "error_feedback": self.error_feedback}
+        out: dict[str, Any] = {"strategy": self.name, "error_feedback": self.error_feedback}
+        if self.schedule is not None:
+            spec = getattr(self.schedule, "spec", None)
+            out["schedule"] = spec() if callable(spec) else repr(self.schedule)
+        if self.momentum_correction:
+            out["momentum_correction"] = self.momentum_correction
+            out["momentum_masking"] = self.momentum_masking
+        if self.clip_norm is not None:
+            out["clip_norm"] = self.clip_norm
+        return out
 
     def residual(self, name: str) -> Any:
         """The error-feedback residual of buffer/tensor ``name`` (``KeyError`` if none)."""
@@ -123,9 +183,12 @@ class CompressedStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals (copies, by name) and the step counters."""
-        residuals = self.memory.state_dict()["residuals"] if self.memory is not None else {}
-        return {"residuals": residuals, "steps": dict(self._steps),
-                "slots": dict(self._slots)}
+        memory = self.memory.state_dict() if self.memory is not None else {}
+        state = {"residuals": memory.get("residuals", {}), "steps": dict(self._steps),
+                 "slots": dict(self._slots)}
+        if "velocities" in memory:
+            state["velocities"] = memory["velocities"]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (``ValueError`` for foreign state)."""
@@ -138,7 +201,8 @@ class CompressedStrategy(Strategy):
                 raise ValueError(f"{type(self).__name__} runs without error feedback but "
                                  "the state holds residuals")
         else:
-            self.memory.load_state_dict({"residuals": state["residuals"]})
+            self.memory.load_state_dict({"residuals": state["residuals"],
+                                         "velocities": state.get("velocities", {})})
         self._steps = {str(k): int(v) for k, v in state["steps"].items()}
         self._slots = {str(k): int(v) for k, v in state["slots"].items()}
 
@@ -155,5 +219,52 @@ class CompressedStrategy(Strategy):
         return self._slots[name]
 
     def _compensate(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``x + residual`` (a new tensor) with error feedback, else ``x`` itself."""
+        """``x + residual`` (a new tensor) with error feedback, else ``x`` itself; with
+        ``clip_norm``, ``x`` is first clipped to norm ``clip_norm / sqrt(P)`` (a scaled
+        copy), and with momentum correction the memory returns ``residual + velocity``."""
+        if self.clip_norm is not None:
+            x = self._clip(x)
         return self.memory.compensate(name, x) if self.memory is not None else x
+
+    def _clip(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` scaled to L2 norm at most ``clip_norm / sqrt(P)`` (a new tensor if so)."""
+        limit = self.clip_norm / math.sqrt(self.comm.size)  # type: ignore[operator]
+        norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+        if norm > limit:
+            x = x * (limit / norm)
+            self.stats.extra["clipped"] = self.stats.extra.get("clipped", 0) + 1
+        return x
+
+    def _final_density(self, numel: int, density: float | None, k: int | None) -> float:
+        return density if density is not None else min(1.0, k / numel)  # type: ignore
+
+    def _k(self, numel: int, step: int, density: float | None, k: int | None) -> int:
+        """Entries kept of a ``numel``-element buffer at its step ``step``: :func:`k_of`
+        at the scheduled density while the schedule is above the final density, else at
+        the strategy's own ``density`` / ``k``. The same on every rank."""
+        if self.schedule is not None:
+            final = self._final_density(numel, density, k)
+            scheduled = float(self.schedule(step, final))
+            if scheduled > final:
+                return k_of(numel, scheduled, None)
+        return k_of(numel, density, k)
+
+    def dense_step(self, step: int, fraction: float) -> bool:
+        """For quantizers: aggregate densely at ``step``? True while the schedule's
+        density (with ``fraction`` = the strategy's wire bytes / dense bytes as the final
+        density) is above ``fraction``; always False without a schedule."""
+        if self.schedule is None:
+            return False
+        fraction = min(max(fraction, 1e-12), 1.0)
+        return float(self.schedule(step, fraction)) > fraction
+
+    def _aggregate_dense(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """A warm-up step of a quantizer: the exact mean of the compensated buffer (ring
+        allreduce); the residual is flushed (velocity kept)."""
+        from ..collectives import allreduce
+
+        c = self._compensate(name, flat)
+        if self.memory is not None:
+            self.memory.update(name, c, c)
+        self.stats.extra["dense_steps"] = self.stats.extra.get("dense_steps", 0) + 1
+        return allreduce(c.contiguous(), op="avg", algorithm="ring", comm=self.comm)

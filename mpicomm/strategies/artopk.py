@@ -47,6 +47,12 @@ class ARTopK(CompressedStrategy):
       power of two);
     * ``source="var"`` adds an allgather of one float64 per rank: ``(P-1)·8``.
 
+    ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
+    ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
+    error-feedback memory: then use an optimizer without momentum) and ``clip_norm``
+    (local clipping at ``clip_norm / sqrt(P)``): see
+    :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
+
     Cost model: :func:`mpicomm.collectives.cost.artopk_ring` / ``artopk_tree``
     ``(k, ib, vb, P)`` (:meth:`predict`). Only the source runs the O(d) selection.
 
@@ -61,7 +67,9 @@ class ARTopK(CompressedStrategy):
     def __init__(self, density: float | None = None, k: int | None = None, *,
                  source: str = "star", algorithm: str = "ring", error_feedback: bool = True,
                  smoothing: float = 0.1, comm: Any = None,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES):
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
+                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: float | None = None):
         self.density, self.k = sparsity(density, k)
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
@@ -73,7 +81,10 @@ class ARTopK(CompressedStrategy):
         self.algorithm = algorithm
         self.smoothing = float(smoothing)
         self._states: dict[str, ARTopKState] = {}
-        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)
+        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
+                         schedule=schedule,
+                         momentum_correction=momentum_correction,
+                         momentum_masking=momentum_masking, clip_norm=clip_norm)
 
     def state(self, name: str) -> ARTopKState:
         """The :class:`~mpicomm.sparse.ARTopKState` of buffer ``name`` (source, EWMA)."""
@@ -82,9 +93,10 @@ class ARTopK(CompressedStrategy):
         return self._states[name]
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        step = self._step(name) + self._slot(name)
+        own = self._step(name)
+        step = own + self._slot(name)
         numel = flat.shape[0]
-        k = k_of(numel, self.density, self.k)
+        k = self._k(numel, own, self.density, self.k)
         c = self._compensate(name, flat)
         idx, mean = artopk(c, k, step, self.source, self.comm, self.state(name),
                            self.algorithm, grad=flat)

@@ -6,12 +6,25 @@ names, shapes and dtypes on every rank) and gets back the *average* over ranks (
 strategy's compressed estimate of it), same shapes, dtypes, framework and devices.
 
 Fusion: consecutive tensors of the same dtype and device are concatenated into flat
-buffers of at most ``fusion_bytes`` (a tensor larger than that is a buffer of its own),
-and each buffer is aggregated as one vector, so many small layers cost one collective.
+buffers of at most ``fusion_bytes`` (a tensor larger than that is a buffer of its own;
+grouping by :func:`mpicomm.fusion.group`), and each buffer is aggregated as one vector,
+so many small layers cost one collective.
 For sparsifying strategies this means top-k is taken over the whole buffer (the papers'
 whole-model selection), not per layer. A buffer's name, the key of its error-feedback
 memory, is derived from the names of its tensors, so it is stable across steps as long
 as the same tensors are passed in the same order.
+
+In place: :meth:`Strategy.aggregate_into` writes the averages into the given tensors
+(what :class:`~mpicomm.torch.GradientSync` uses for ``.grad``). Its fusion buffers are
+*persistent* (:class:`mpicomm.fusion.LayoutCache`, one per strategy): filled in place at
+every call, aggregated in place where the strategy allows (dense allreduce does), and
+copied back into the tensors; a buffer of a single contiguous tensor, or of tensors that
+already lie back to back in one storage (GradientSync's gradients), is that memory
+itself, with no copy at all. No fresh buffer is allocated per step, which on the host saves about
+as much time as the reduction itself for large buffers (page faults of fresh memory; see
+:mod:`mpicomm.fusion`), at the price of one persistent copy of the fused tensors.
+:meth:`Strategy.aggregate` keeps returning fresh tensors that never alias a persistent
+buffer.
 
 Traffic: ``stats`` accumulates the bytes this rank sent and received through mpicomm's
 own collectives while aggregating (measured by the communicator's counters), the bytes a
@@ -24,7 +37,6 @@ Strategies are not thread-safe; give each thread its own (and its own communicat
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -34,9 +46,11 @@ from typing import Any
 from .. import trace
 from ..buffers import from_torch, inspect, to_torch
 from ..comm import Communicator, resolve
+from ..fusion import Layout, LayoutCache, group, kind_of
 from ..validate import check_int
 
-__all__ = ["Strategy", "StrategyStats", "FusedBuffer", "fuse", "measure", "DEFAULT_FUSION_BYTES"]
+__all__ = ["Strategy", "StrategyStats", "FusedBuffer", "fuse", "buffer_name", "measure",
+           "DEFAULT_FUSION_BYTES"]
 
 DEFAULT_FUSION_BYTES = 64 << 20
 
@@ -69,38 +83,61 @@ class FusedBuffer:
 
     def split(self, flat: Any) -> list[Any]:
         """Cut an aggregated flat vector back into tensors of the original shapes."""
-        out, offset = [], 0
-        for shape in self.shapes:
-            n = math.prod(shape)
-            out.append(flat[offset:offset + n].view(shape))
-            offset += n
-        return out
+        return Layout(self.shapes, flat.dtype, flat.device).views(flat)
 
 
-def fuse(tensors: Sequence[Any], names: Sequence[str], fusion_bytes: int) -> list[FusedBuffer]:
-    """Group consecutive same-dtype, same-device torch tensors into flat buffers."""
+def buffer_name(names: Sequence[str]) -> str:
+    """The name of a fused buffer (its error-feedback key): the tensor's own name, or
+    ``"first..last"``."""
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def fuse(tensors: Sequence[Any], names: Sequence[str], fusion_bytes: int,
+         cache: LayoutCache | None = None) -> list[FusedBuffer]:
+    """Group consecutive same-dtype, same-device torch tensors into flat buffers.
+
+    Without ``cache`` every buffer is fresh memory (a clone for a single tensor). With a
+    :class:`~mpicomm.fusion.LayoutCache` the buffers are the cache's persistent ones,
+    refilled in place, and a buffer of one contiguous tensor, or of tensors that already
+    lie back to back in one storage, is a view of that memory (so aggregating it in
+    place writes the tensors, with no copy).
+    """
     import torch
 
-    groups: list[list[int]] = []
-    size = 0
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        if groups:
-            last = tensors[groups[-1][-1]]
-            same_kind = last.dtype == t.dtype and last.device == t.device
-            if same_kind and size + nbytes <= fusion_bytes:
-                groups[-1].append(i)
-                size += nbytes
-                continue
-        groups.append([i])
-        size = nbytes
+    plan = group([t.numel() * t.element_size() for t in tensors],
+                 [kind_of(t) for t in tensors], fusion_bytes, consecutive=True)
     fused = []
-    for idx in groups:
-        parts = [tensors[i].detach().reshape(-1) for i in idx]
-        flat = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
-        name = names[idx[0]] if len(idx) == 1 else f"{names[idx[0]]}..{names[idx[-1]]}"
-        fused.append(FusedBuffer(name, idx, flat, [tuple(tensors[i].shape) for i in idx]))
+    for idx in plan:
+        parts = [tensors[i] for i in idx]
+        name = buffer_name([names[i] for i in idx])
+        shapes = [tuple(t.shape) for t in parts]
+        if cache is None:
+            flats = [t.detach().reshape(-1) for t in parts]
+            flat = flats[0].clone() if len(flats) == 1 else torch.cat(flats)
+        elif _adjacent(parts):  # already one flat range (e.g. GradientSync's grads)
+            first = parts[0].detach()
+            flat = torch.as_strided(first, (sum(t.numel() for t in parts),), (1,),
+                                    first.storage_offset())
+        else:
+            flat = cache.get(name, parts).pack(parts)
+        fused.append(FusedBuffer(name, idx, flat, shapes))
     return fused
+
+
+def _adjacent(parts: Sequence[Any]) -> bool:
+    """Whether contiguous ``parts`` lie back to back in one storage, in order (then their
+    fused buffer is a view of that memory and needs no copy)."""
+    if not all(t.is_contiguous() for t in parts):
+        return False
+    if len(parts) == 1:
+        return True
+    storage = parts[0].untyped_storage().data_ptr()
+    end = parts[0].data_ptr() + parts[0].numel() * parts[0].element_size()
+    for t in parts[1:]:
+        if t.untyped_storage().data_ptr() != storage or t.data_ptr() != end:
+            return False
+        end += t.numel() * t.element_size()
+    return True
 
 
 @contextlib.contextmanager
@@ -131,6 +168,7 @@ class Strategy(ABC):
         self._comm = comm
         self.fusion_bytes = fusion_bytes
         self.stats = StrategyStats()
+        self.buffers = LayoutCache()  # persistent fusion buffers of aggregate_into
 
     # -- communicator
     @property
@@ -151,7 +189,7 @@ class Strategy(ABC):
         ``names`` (default ``"t0", "t1", ...``) key the error-feedback memory; pass the
         parameter names so residuals survive a change in the list's composition.
         """
-        tensors, names = self._validate(tensors, names)
+        tensors, names = self._inputs(tensors, names)
         as_torch = [to_torch(t) for t in tensors]
         results: list[Any] = [None] * len(tensors)
         with measure(self, as_torch):
@@ -160,6 +198,39 @@ class Strategy(ABC):
                 for i, part in zip(buf.indices, buf.split(averaged)):
                     results[i] = from_torch(part, like=tensors[i])
         return results
+
+    def aggregate_into(self, tensors: Sequence[Any], names: Sequence[str] | None = None
+                       ) -> None:
+        """Like :meth:`aggregate`, but the averages overwrite ``tensors`` (torch tensors).
+
+        Uses the strategy's persistent fusion buffers (module docstring): no allocation
+        per call for the fusion itself. Same results, bit for bit, as :meth:`aggregate`.
+        A strategy that overrides :meth:`aggregate` with its own pipeline gets a correct
+        fallback: :meth:`aggregate`, then a copy into ``tensors``.
+        """
+        import torch
+
+        if isinstance(tensors, (list, tuple)) and not all(
+                isinstance(t, torch.Tensor) for t in tensors):
+            raise TypeError("aggregate_into writes its results into torch tensors; use "
+                            "aggregate() for numpy or cupy arrays")
+        if type(self).aggregate is not Strategy.aggregate:  # a pipeline of its own
+            results = self.aggregate(tensors, names)
+            with torch.no_grad():
+                for t, r in zip(tensors, results):
+                    t.copy_(r)
+            return
+        tensors, names = self._inputs(tensors, names)
+        with measure(self, tensors):
+            for buf in fuse(tensors, names, self.fusion_bytes, cache=self.buffers):
+                averaged = self.aggregate_flat(buf.flat, buf.name)
+                targets = [tensors[i] for i in buf.indices]
+                with torch.no_grad():
+                    if len(targets) == 1:
+                        if averaged.data_ptr() != targets[0].data_ptr():
+                            targets[0].copy_(averaged.view(targets[0].shape))
+                    else:
+                        self.buffers.get(buf.name, targets).unpack(targets, averaged)
 
     @abstractmethod
     def aggregate_flat(self, flat: Any, name: str) -> Any:
@@ -178,6 +249,12 @@ class Strategy(ABC):
             raise ValueError(f"{type(self).__name__} has no state to load")
 
     # -- helpers
+    def _inputs(self, tensors: Sequence[Any], names: Sequence[str] | None
+                ) -> tuple[list[Any], list[str]]:
+        """Validated inputs of :meth:`aggregate`/:meth:`aggregate_into` (``ValueError`` /
+        ``TypeError`` before any communication); subclasses add their own checks."""
+        return self._validate(tensors, names)
+
     @staticmethod
     def _validate(tensors: Sequence[Any], names: Sequence[str] | None
                   ) -> tuple[list[Any], list[str]]:

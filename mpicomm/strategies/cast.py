@@ -23,10 +23,10 @@ class _CastAllreduce(Strategy):
         self.algorithm = check_allreduce_algorithm(algorithm)
         super().__init__(comm, fusion_bytes=fusion_bytes)
 
-    def aggregate(self, tensors: Any, names: Any = None) -> list[Any]:
+    def _inputs(self, tensors: Any, names: Any) -> tuple[list[Any], list[str]]:
         tensors, names = self._validate(tensors, names)
         check_floating(tensors, names)
-        return super().aggregate(tensors, names)
+        return tensors, names
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         p = self.comm.size

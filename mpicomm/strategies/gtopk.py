@@ -10,7 +10,7 @@ from ..collectives import cost
 from ..compress import TopK
 from ..compress.topk import index_itemsize
 from ..sparse import gtopk
-from ._compressed import CompressedStrategy, k_of, sparsity
+from ._compressed import CompressedStrategy, check_flag, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["GTopK"]
@@ -32,15 +32,26 @@ class GTopK(CompressedStrategy):
     Per-rank bookkeeping is exact: ``c_r = e_r + c_r·1[L_r ∩ I]``. The global update is
     *not* the exact top-k of the sum for P > 2 (A.6): a value in V may miss
     contributions of ranks whose pair was truncated in an intermediate merge, and those
-    ranks still count the index as consumed (A.3's note). ``k = max(1, ceil(density·d))``
-    (or the given ``k``), capped at ``d``; neither given means ``density=0.01``. With
-    ``density=1`` no merge truncates and ``u`` is the exact mean.
+    ranks still count the index as consumed (A.3's note), so that mass is lost.
+    ``own_contribution=True`` (ours, not the paper's) zeroes only the picks whose *own
+    value* reached V (tracked locally along the butterfly, no extra traffic; folded-out
+    ranks of a non-power-of-two P keep the index rule) and puts the rest back, so that
+    on a power of two ``Σ_r c_r = P·u + Σ_r e_r`` holds (up to the rounding of the
+    merges' sums), as for AR-Top-k. ``k = max(1, ceil(density·d))`` (or the given
+    ``k``), capped at ``d``; neither given means ``density=0.01``. With ``density=1`` no
+    merge truncates and ``u`` is the exact mean.
 
     Bytes sent per rank (s = 4 + itemsize; p2 = largest power of two <= P,
     rem = P - p2; every message holds k pairs as soon as every rank has k picks):
     ``lg p2·k·s`` for a rank of the power-of-two group, plus ``k·s`` (the fold-out) for
     the odd rank of a folded pair (ranks 1, 3, .., 2rem-1); ``k·s`` for the folded-out
     even ranks 0, 2, .., 2rem-2. Nothing at P = 1.
+
+    ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
+    ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
+    error-feedback memory: then use an optimizer without momentum) and ``clip_norm``
+    (local clipping at ``clip_norm / sqrt(P)``): see
+    :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
 
     Cost model: :func:`mpicomm.collectives.cost.gtopk` ``(k, s, P)`` =
     (lg p2 + 2·fold)(α + k·s·β) (:meth:`predict`), plus a merge (sort of <= 2k indices,
@@ -55,20 +66,27 @@ class GTopK(CompressedStrategy):
     name = "gtopk"
 
     def __init__(self, density: float | None = None, k: int | None = None, *,
-                 error_feedback: bool = True, comm: Any = None,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES):
+                 error_feedback: bool = True, own_contribution: bool = False,
+                 comm: Any = None,
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
+                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: float | None = None):
         self.density, self.k = sparsity(density, k)
-        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)
+        self.own_contribution = check_flag("own_contribution", own_contribution)
+        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
+                         schedule=schedule,
+                         momentum_correction=momentum_correction,
+                         momentum_masking=momentum_masking, clip_norm=clip_norm)
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        self._step(name)
+        step = self._step(name)
         numel = flat.shape[0]
-        k = k_of(numel, self.density, self.k)
+        k = self._k(numel, step, self.density, self.k)
         c = self._compensate(name, flat)
         payload = TopK(k=k).compress(c, name=name)
         picks, values = payload.arrays["indices"], payload.arrays["values"]
         idx, val, dropped = gtopk(picks, values, k, self.comm, return_dropped=True,
-                                  size=numel)
+                                  size=numel, own_contribution=self.own_contribution)
         if self.memory is not None:
             survived = picks[~dropped]
             self.memory.update_sparse(name, c, survived)  # dropped picks stay in c
@@ -81,6 +99,7 @@ class GTopK(CompressedStrategy):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "density": self.density, "k": self.k,
+                "own_contribution": self.own_contribution,
                 "compressor": "topk", "collective": "gtopk(butterfly)"}
 
     def predict(self, numel: int, itemsize: int = 4, p: int | None = None,

@@ -13,7 +13,7 @@ from ..compress import PowerSGD
 from ..compress.powersgd import matrix_shape
 from ..validate import check_int
 from ._compressed import CompressedStrategy, check_allreduce_algorithm
-from .base import DEFAULT_FUSION_BYTES, fuse, measure
+from .base import DEFAULT_FUSION_BYTES, buffer_name, fuse, measure
 
 __all__ = ["PowerSGDAllreduce"]
 
@@ -52,6 +52,13 @@ class PowerSGDAllreduce(CompressedStrategy):
     ``Σ (n_t + m_t)·r_t·w + D·itemsize`` in 4 + 2 = 6 ring passes. Before ``start_iter``:
     ``ring(total, itemsize)``. Tensors of different dtypes/devices form separate batches.
 
+    ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`): read as a byte
+    budget, the tensors are averaged densely (as before ``start_iter``) while the
+    scheduled density exceeds this strategy's wire bytes / dense bytes, e.g. the first
+    epoch of ``linear_warmup``. ``momentum_correction``, ``momentum_masking``,
+    ``clip_norm``: see
+    :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
+
     Cost model: :func:`mpicomm.collectives.cost.allreduce_ring` twice (``Σ n_t r_t w`` and
     ``Σ m_t r_t w``) plus once for the dense part (:meth:`predict`); compute: per tensor
     two ``n·m·r`` products, two ``n x r`` QRs and one ``n·m·r`` reconstruction.
@@ -68,25 +75,30 @@ class PowerSGDAllreduce(CompressedStrategy):
     def __init__(self, rank: int = 4, min_compression_rate: float = 2, start_iter: int = 0,
                  error_feedback: bool = True, *, warm_start: bool = True, seed: int = 0,
                  algorithm: str = "ring", comm: Any = None,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES):
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
+                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: float | None = None):
         self.compressor = PowerSGD(rank, min_compression_rate, warm_start, seed)
         start_iter = check_int("start_iter", start_iter, 0)
         self.rank = rank
         self.min_compression_rate = float(min_compression_rate)
         self.start_iter = start_iter
         self.algorithm = check_allreduce_algorithm(algorithm)
-        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)
+        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
+                         schedule=schedule,
+                         momentum_correction=momentum_correction,
+                         momentum_masking=momentum_masking, clip_norm=clip_norm)
 
     # ------------------------------------------------------------------ interface
     def aggregate(self, tensors: Sequence[Any], names: Sequence[str] | None = None
                   ) -> list[Any]:
         tensors, names = self._floating_inputs(tensors, names)
         as_torch = [to_torch(t) for t in tensors]
-        key = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        key = buffer_name(names)
         it = self._step(key)
         results: list[Any] = [None] * len(tensors)
         with measure(self, as_torch):
-            if it < self.start_iter:
+            if it < self.start_iter or self.dense_step(it, self._wire_fraction(as_torch)):
                 low: list[int] = []
             else:
                 low = [i for i, t in enumerate(as_torch)
@@ -97,6 +109,19 @@ class PowerSGDAllreduce(CompressedStrategy):
             self._low_rank(as_torch, names, low, it, results)
         self.stats.extra["compressed_tensors"] = len(low)
         return [from_torch(r, like=t) for r, t in zip(results, tensors)]
+
+    def _wire_fraction(self, tensors: list[torch.Tensor]) -> float:
+        """Bytes of the factors (float32) + the uncompressed tensors / dense bytes."""
+        wire = dense = 0
+        for t in tensors:
+            shape = tuple(t.shape)
+            dense += t.numel() * t.element_size()
+            if self.compressor.should_compress(shape):
+                n, m = matrix_shape(shape)
+                wire += (n + m) * self.compressor.rank_for(shape) * 4
+            else:
+                wire += t.numel() * t.element_size()
+        return wire / dense if dense else 1.0
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         """A flat vector is never compressed: a dense allreduce (average)."""

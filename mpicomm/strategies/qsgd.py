@@ -55,6 +55,13 @@ class QSGDAllgather(CompressedStrategy):
     ``(P-1)·m`` with ``m = ceil(d·(bits+1)/8) + 4·ceil(d/bucket_size)`` (packed sign +
     level codes, one float32 scale per bucket), for any input dtype.
 
+    ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`): read as a byte
+    budget, the buffer is averaged densely (ring allreduce of the compensated buffer,
+    residual flushed) while the scheduled density exceeds this strategy's wire bytes /
+    dense bytes, e.g. the first epoch of ``linear_warmup``. ``momentum_correction``,
+    ``momentum_masking``, ``clip_norm``: see
+    :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
+
     Cost model: :func:`mpicomm.collectives.cost.allgather_ring` ``(P·m, P)`` =
     (P-1)α + (P-1)·m·β (:meth:`predict`), plus O(P·d) to decode.
 
@@ -70,13 +77,18 @@ class QSGDAllgather(CompressedStrategy):
 
     def __init__(self, bits: int = 8, bucket_size: int = 512, *, seed: int = 0,
                  error_feedback: bool = False, algorithm: str = "ring", comm: Any = None,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES):
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
+                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: float | None = None):
         QSGD(bits, bucket_size, seed)  # validates bits, bucket_size (ValueError)
         seed = check_int("seed", seed)
         self.bits, self.bucket_size, self.seed = bits, bucket_size, seed
         self.algorithm = check_allgather_algorithm(algorithm)
         self._quantizers: dict[int, QSGD] = {}
-        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)
+        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
+                         schedule=schedule,
+                         momentum_correction=momentum_correction,
+                         momentum_masking=momentum_masking, clip_norm=clip_norm)
 
     def quantizer(self, rank: int) -> QSGD:
         """The :class:`~mpicomm.compress.QSGD` that rank ``rank`` uses (``salt=rank``)."""
@@ -88,6 +100,9 @@ class QSGDAllgather(CompressedStrategy):
         step = self._step(name)
         comm = self.comm
         q = self.quantizer(comm.rank)
+        if self.dense_step(step, q.wire_bytes(flat.shape[0]) / (flat.numel()
+                                                               * flat.element_size())):
+            return self._aggregate_dense(name, flat)
         c = self._compensate(name, flat)
         payload = q.compress(c, name=name, step=step)
         if self.memory is not None:

@@ -35,6 +35,12 @@ class RandomKAllreduce(CompressedStrategy):
     ``algorithm="ring"`` rank r sends ``(2k - |B_{r+1}| - |B_{r+2}|)·itemsize`` (B_j the
     j-th, mod P, of P near-equal blocks of k), ≈ 2(P-1)/P·k·itemsize.
 
+    ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
+    ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
+    error-feedback memory: then use an optimizer without momentum) and ``clip_norm``
+    (local clipping at ``clip_norm / sqrt(P)``): see
+    :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
+
     Cost model: :func:`mpicomm.collectives.cost.allreduce_ring` ``(k·itemsize, P)`` =
     2(P-1)α + 2(P-1)/P·k·itemsize·β (:meth:`predict`; other algorithms via
     :func:`mpicomm.collectives.cost.predict`), plus O(k log k) to draw the indices.
@@ -53,23 +59,29 @@ class RandomKAllreduce(CompressedStrategy):
 
     def __init__(self, density: float | None = None, k: int | None = None, *,
                  seed: int = 0, error_feedback: bool = True, algorithm: str = "ring",
-                 comm: Any = None, fusion_bytes: int = DEFAULT_FUSION_BYTES):
+                 comm: Any = None, fusion_bytes: int = DEFAULT_FUSION_BYTES,
+                 schedule: Any = None, momentum_correction: float = 0.0,
+                 momentum_masking: bool = True, clip_norm: float | None = None,):
         self.density, self.k = sparsity(density, k)
         seed = check_int("seed", seed)
         self.seed = seed
         self.algorithm = check_allreduce_algorithm(algorithm)
-        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)
+        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
+                         schedule=schedule,
+                         momentum_correction=momentum_correction,
+                         momentum_masking=momentum_masking, clip_norm=clip_norm)
 
     def indices(self, name: str, numel: int, step: int) -> torch.Tensor:
         """The (CPU, int64, sorted) indices used for buffer ``name`` at its ``step``."""
-        k = k_of(numel, self.density, self.k)
+        k = self._k(numel, step, self.density, self.k)
         return RandomK(k=k, seed=self.seed).indices(numel, name=name, step=step)
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         step = self._step(name)
         numel = flat.shape[0]
         c = self._compensate(name, flat)
-        payload = RandomK(k=k_of(numel, self.density, self.k), seed=self.seed).compress(
+        k = self._k(numel, step, self.density, self.k)
+        payload = RandomK(k=k, seed=self.seed).compress(
             c, name=name, step=step)
         idx = payload.ctx.indices.to(flat.device)
         mean = allreduce(payload.arrays["values"], op="avg", algorithm=self.algorithm,

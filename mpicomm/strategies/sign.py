@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..buffers import from_torch, to_torch
-from ..collectives import cost
+from ..collectives import allreduce, cost
 from ..compress import SignSGD
 from ..compress.base import Payload
 from ._compressed import CompressedStrategy, pack_bytes, unpack_bytes
@@ -38,6 +38,13 @@ class SignAllgather(CompressedStrategy):
     Bytes sent per rank (ring allgather of one payload per rank):
     ``(P-1)·Σ_t (ceil(d_t/8) + 4)`` over the tensors t of the buffer, for any dtype.
 
+    ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`): read as a byte
+    budget, the buffer is averaged densely (ring allreduce of the compensated buffer,
+    residual flushed) while the scheduled density exceeds this strategy's wire bytes /
+    dense bytes, e.g. the first epoch of ``linear_warmup``. ``momentum_correction``,
+    ``momentum_masking``, ``clip_norm``: see
+    :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
+
     Cost model: :func:`mpicomm.collectives.cost.allgather_ring` ``(P·m, P)`` with
     ``m = Σ_t (ceil(d_t/8) + 4)`` (:meth:`predict`), plus O(P·d) to decode.
 
@@ -50,10 +57,15 @@ class SignAllgather(CompressedStrategy):
     name = "sign"
 
     def __init__(self, *, error_feedback: bool = True, algorithm: str = "ring",
-                 comm: Any = None, fusion_bytes: int = DEFAULT_FUSION_BYTES):
+                 comm: Any = None, fusion_bytes: int = DEFAULT_FUSION_BYTES,
+                 schedule: Any = None, momentum_correction: float = 0.0,
+                 momentum_masking: bool = True, clip_norm: float | None = None):
         self.compressor = SignSGD(scale=True)
         self.algorithm = check_allgather_algorithm(algorithm)
-        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)
+        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
+                         schedule=schedule,
+                         momentum_correction=momentum_correction,
+                         momentum_masking=momentum_masking, clip_norm=clip_norm)
 
     def aggregate(self, tensors: Sequence[Any], names: Sequence[str] | None = None
                   ) -> list[Any]:
@@ -75,6 +87,10 @@ class SignAllgather(CompressedStrategy):
     def _aggregate_parts(self, parts: list[torch.Tensor], names: list[str]
                          ) -> list[torch.Tensor]:
         sign, comm = self.compressor, self.comm
+        wire = sum(sign.wire_bytes(p.shape[0]) for p in parts)
+        dense = sum(p.numel() * p.element_size() for p in parts)
+        if self.dense_step(self._steps.get(names[0], 0), wire / dense):
+            return self._dense_parts(parts, names)
         payloads, arrays, layout = [], [], []
         for part, name in zip(parts, names):
             self._step(name)
@@ -95,6 +111,24 @@ class SignAllgather(CompressedStrategy):
                 acc[j] += sign.decompress(theirs).to(work)
         p = comm.size
         return [(a / p if p > 1 else a).to(part.dtype) for a, part in zip(acc, parts)]
+
+    def _dense_parts(self, parts: list[torch.Tensor], names: list[str]
+                     ) -> list[torch.Tensor]:
+        """A warm-up step: the parts' exact mean by one allreduce (residuals flushed)."""
+        for name in names:
+            self._step(name)
+        sizes = [p.shape[0] for p in parts]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        compensated = [self._compensate(name, p) for name, p in zip(names, parts)]
+        if self.memory is not None:
+            for name, c in zip(names, compensated):
+                self.memory.update(name, c, c)
+        flat = torch.cat(compensated)
+        self.stats.extra["dense_steps"] = self.stats.extra.get("dense_steps", 0) + 1
+        mean = allreduce(flat, op="avg", algorithm="ring", comm=self.comm)
+        return [mean[a:b] for a, b in zip(offsets, offsets[1:])]
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "compressor": "sign(scaled, per tensor)",

@@ -38,6 +38,12 @@ class TopKAllgather(CompressedStrategy):
     pairs; with ``sampled`` rank r sends ``Σ_{r' ≠ r+1} m_{r'}·s``. One small control
     allgather of the pair counts precedes it (not in the traffic counters).
 
+    ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
+    ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
+    error-feedback memory: then use an optimizer without momentum) and ``clip_norm``
+    (local clipping at ``clip_norm / sqrt(P)``): see
+    :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
+
     Cost model: :func:`mpicomm.collectives.cost.topk_allgather` ``(k, s, P)`` =
     (P-1)α + (P-1)·k·s·β (:meth:`predict`), plus an O(d) selection and an O(d + P·k)
     scatter-add.
@@ -54,23 +60,38 @@ class TopKAllgather(CompressedStrategy):
     def __init__(self, density: float | None = None, k: int | None = None, *,
                  error_feedback: bool = True, sampled: bool = False,
                  sample_fraction: float = 0.01, seed: int = 0, comm: Any = None,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES):
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
+                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: float | None = None):
         self.density, self.k = sparsity(density, k)
         self.sampled = check_flag("sampled", sampled)
         if self.sampled and self.density is None:
             raise ValueError("sampled=True needs density (SampledTopK has no fixed k)")
-        self._sampler = (SampledTopK(self.density, sample_fraction, seed=seed)  # type: ignore
-                         if self.sampled else None)
-        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes)
+        self.sample_fraction, self.seed = sample_fraction, seed
+        self._samplers: dict[float, SampledTopK] = {}
+        if self.sampled:
+            self._sampler(self.density)  # type: ignore[arg-type]  # validates the options
+        super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
+                         schedule=schedule,
+                         momentum_correction=momentum_correction,
+                         momentum_masking=momentum_masking, clip_norm=clip_norm)
+
+    def _sampler(self, density: float) -> SampledTopK:
+        if density not in self._samplers:
+            self._samplers[density] = SampledTopK(density, self.sample_fraction,
+                                                  seed=self.seed)
+        return self._samplers[density]
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         step = self._step(name)
         numel = flat.shape[0]
         c = self._compensate(name, flat)
-        if self._sampler is not None:
-            payload = self._sampler.compress(c, name=name, step=step)
+        k = self._k(numel, step, self.density, self.k)
+        if self.sampled:
+            density = self.density if k == k_of(numel, self.density, None) else k / numel
+            payload = self._sampler(density).compress(c, name=name, step=step)
         else:
-            payload = TopK(k=k_of(numel, self.density, self.k)).compress(c, name=name)
+            payload = TopK(k=k).compress(c, name=name)
         values, indices = payload.arrays["values"], payload.arrays["indices"]
         if self.memory is not None:
             self.memory.update_sparse(name, c, indices)  # c becomes the residual

@@ -18,8 +18,12 @@ Parameters that require a gradient are grouped into *buckets* of about ``bucket_
 megabytes, in reverse registration order (backward produces gradients roughly from the
 last layer to the first). A post-accumulate-grad hook on every parameter counts the
 gradients of its bucket; when a bucket is complete it is handed to a background
-*communication thread*, which averages it with ``strategy.aggregate`` on a private
-duplicate of the communicator and writes the result into each ``param.grad``. The thread
+*communication thread*, which averages it in place with ``strategy.aggregate_into`` on
+a private duplicate of the communicator. The gradients of a bucket live in persistent
+flat buffers (``param.grad`` becomes a view of them after the first step, as with DDP's
+``gradient_as_bucket_view``), so a dense strategy reduces that memory directly, without
+fusion copies or fresh allocations; the thread makes the model's CUDA device its current
+one. The thread
 takes buckets strictly in index order (a bucket that is ready early waits for the earlier
 ones), so every rank issues the same collectives in the same order, and the communication
 of the last layers runs while backward is still computing the first ones.
@@ -41,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import fusion
 from ..collectives import allreduce, broadcast
 from ..comm import Communicator, resolve
 from ..metrics import metrics_from
@@ -131,18 +136,10 @@ def check_same_module(module: torch.nn.Module, comm: Communicator | None = None,
 
 
 def _groups_by_device(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
-    by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
-    sizes: dict[torch.device, int] = {}
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        groups = by_device.setdefault(t.device, [])
-        if groups and sizes[t.device] + n <= cap:
-            groups[-1].append(t)
-            sizes[t.device] += n
-        else:
-            groups.append([t])
-            sizes[t.device] = n
-    return [g for groups in by_device.values() for g in groups]
+    """Tensors of one device each, at most ``cap`` bytes per group (any dtypes)."""
+    plan = fusion.group([t.numel() * t.element_size() for t in tensors],
+                 [t.device for t in tensors], cap, consecutive=False)
+    return [[tensors[i] for i in idx] for idx in plan]
 
 
 def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -237,16 +234,11 @@ class _Step:
 
 
 def _make_buckets(named: list[tuple[str, torch.nn.Parameter]], cap: int) -> list[_Bucket]:
-    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
-    size = 0
-    for name, p in reversed(named):
-        n = p.numel() * p.element_size()
-        if groups and size + n <= cap:
-            groups[-1].append((name, p))
-            size += n
-        else:
-            groups.append([(name, p)])
-            size = n
+    """Buckets of at most ``cap`` bytes in reverse registration order (any dtype or
+    device: the strategy fuses each bucket per dtype and device)."""
+    order = list(reversed(named))
+    plan = fusion.group([p.numel() * p.element_size() for _, p in order], None, cap)
+    groups = [[order[i] for i in idx] for idx in plan]
     buckets = []
     for i, group in enumerate(groups):
         devices = sorted({p.device for _, p in group if p.device.type == "cuda"}, key=str)
@@ -266,6 +258,21 @@ def _nonfinite(grads: list[torch.Tensor], names: list[str]) -> list[str]:
         finite = torch.stack([f for _, f in items]).cpu().tolist()
         bad.update(n for (n, _), ok in zip(items, finite) if not ok)
     return [n for n in names if n in bad]
+
+
+def _bind_thread_device(buckets: list[_Bucket]) -> torch.device | None:
+    """Make the first CUDA device of the model the calling thread's current device.
+
+    A new thread starts on device 0 whatever the model uses, so without this the
+    communication thread would open a context on GPU 0 on every rank and its
+    device-less calls (``torch.cuda.current_stream()``, allocations) would target GPU 0
+    rather than the model's ``cuda:N``. Returns the device, ``None`` for a host model."""
+    devices = [d for b in buckets for d in b.cuda_devices]
+    if not devices:
+        return None
+    device = devices[0]
+    torch.cuda.set_device(device)
+    return device
 
 
 def _record_events(devices: list[torch.device]) -> list[Any]:
@@ -475,6 +482,8 @@ class GradientSync:
         self._last_ok = True
         self._closed = False
         self._stopping = False
+        self._thread_error: BaseException | None = None
+        self._grad_layouts: dict[int, list[tuple[list[int], fusion.Layout]]] = {}
         self._stats = SyncStats(strategy=self.strategy.stats)
 
         self._handles: list[Any] = []
@@ -628,6 +637,10 @@ class GradientSync:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        try:
+            _bind_thread_device(self._buckets)
+        except BaseException as exc:  # reported by the first wait(), like any thread error
+            self._thread_error = exc
         while True:
             with self._cond:
                 while not self._stopping and (self._step is None or self._step.finished):
@@ -648,6 +661,8 @@ class GradientSync:
 
     def _process(self, step: _Step, b: int) -> None:
         bucket = self._buckets[b]
+        if self._thread_error is not None and step.error is None:
+            step.error = self._thread_error
         # Once a bucket was non-finite every rank knows it (the flag was reduced), so all
         # of them skip the rest identically. After a local error, skipping lets wait()
         # raise it promptly; the other ranks then end with the abort handler.
@@ -685,18 +700,49 @@ class GradientSync:
             step.nonfinite = (f"non-finite gradient (NaN or Inf) in bucket {bucket.index} "
                               f"[{bucket.label}] on rank(s) {ranks}{here}")
             return
-        averaged = self.strategy.aggregate(grads, bucket.names)
-        for p, avg, used in zip(bucket.params, averaged, agreed[1:]):
-            if not used:  # no rank has a gradient: keep None, as a single process would
-                continue
-            if p.grad is None:
-                p.grad = avg.detach().clone(memory_format=torch.contiguous_format)
-            else:
-                p.grad.copy_(avg)
+        # In place, with no copy where possible: the gradients live in the bucket's
+        # persistent flat buffers (copied there once if autograd made a fresh tensor), the
+        # strategy aggregates that memory in place, and .grad stays a view of it.
+        views = self._bucket_views(bucket, grads)
+        self.strategy.aggregate_into(views, bucket.names)
+        for p, view, used in zip(bucket.params, views, agreed[1:]):
+            if used and p.grad is not view:
+                p.grad = view
+            # no rank has a gradient: keep None, as a single process would
         for dev in bucket.cuda_devices:
             torch.cuda.current_stream(dev).synchronize()
 
     # ------------------------------------------------------------------ helpers
+    def _bucket_views(self, bucket: _Bucket, grads: list[torch.Tensor]
+                      ) -> list[torch.Tensor]:
+        """``grads`` as views of the bucket's persistent flat buffers (one per run of
+        same-dtype, same-device parameters), copying only those that are not views yet.
+
+        Like DDP's ``gradient_as_bucket_view``: after the first step ``.grad`` *is* the
+        view, so with ``zero_grad(set_to_none=False)`` autograd accumulates straight into
+        the buffer and the step copies nothing; with ``set_to_none=True`` (PyTorch's
+        default) each gradient is copied in once. Costs one persistent copy of the
+        trainable parameters' size."""
+        layouts = self._grad_layouts.get(bucket.index)
+        if layouts is not None and not all(layout.matches([grads[i] for i in idx])
+                                           for idx, layout in layouts):
+            layouts = None  # a gradient changed dtype or device: lay the bucket out anew
+        if layouts is None:
+            plan = fusion.group([g.numel() * g.element_size() for g in grads],
+                                [fusion.kind_of(g) for g in grads], None, consecutive=True)
+            layouts = [(idx, fusion.Layout([tuple(grads[i].shape) for i in idx],
+                                           grads[idx[0]].dtype, grads[idx[0]].device))
+                       for idx in plan]
+            self._grad_layouts[bucket.index] = layouts
+        views = list(grads)
+        with torch.no_grad():
+            for idx, layout in layouts:
+                for i, view in zip(idx, layout.views()):
+                    if grads[i].data_ptr() != view.data_ptr():
+                        view.copy_(grads[i])
+                    views[i] = view
+        return views
+
     def _conclude(self, step: _Step) -> bool:
         if step.error is not None:
             self._last_ok = False

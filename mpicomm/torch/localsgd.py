@@ -41,6 +41,7 @@ import torch
 from ..collectives import ALGORITHMS, allreduce
 from ..comm import Communicator, Traffic, resolve
 from ..control.adacomm import AdaComm
+from ..fusion import Layout, LayoutCache, group, kind_of
 from ..validate import check_algorithm
 from .gradsync import broadcast_module
 
@@ -53,45 +54,34 @@ class FusedTensors:
     """Tensors of one or more dtypes/devices packed into one flat buffer per group.
 
     ``pack()`` copies the tensors into the flat buffers, ``unpack()`` copies them back;
-    the flat buffers are cached and reused while the group's size is unchanged. The order
-    of tensors (and so the layout) is the order given, which must be the same on every
-    rank.
+    the flat buffers are persistent (:class:`mpicomm.fusion.Layout`) and reused while the
+    group's tensors keep their shapes. Grouping is :func:`mpicomm.fusion.group` by
+    ``(dtype, device)``, without a size cap. The order of tensors (and so the layout) is
+    the order given, which must be the same on every rank.
     """
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[Any, Any], torch.Tensor] = {}
+        self._cache = LayoutCache()
         self.groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._layouts: list[Layout] = []
 
     def pack(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Group ``tensors`` by (dtype, device), fill one flat buffer per group, return them."""
-        by_key: dict[tuple[Any, Any], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_key.setdefault((t.dtype, t.device), []).append(t)
-        self.groups = []
-        for key, ts in by_key.items():
-            numel = sum(t.numel() for t in ts)
-            flat = self._cache.get(key)
-            if flat is None or flat.numel() != numel:
-                flat = torch.empty(numel, dtype=key[0], device=key[1])
-                self._cache[key] = flat
-            offset = 0
-            with torch.no_grad():
-                for t in ts:
-                    n = t.numel()
-                    flat[offset:offset + n].copy_(t.detach().reshape(-1))
-                    offset += n
-            self.groups.append((ts, flat))
+        tensors = list(tensors)
+        plan = group([t.numel() * t.element_size() for t in tensors],
+                     [kind_of(t) for t in tensors], None, consecutive=False)
+        self.groups, self._layouts = [], []
+        for idx in plan:
+            ts = [tensors[i] for i in idx]
+            layout = self._cache.get(kind_of(ts[0]), ts)
+            self.groups.append((ts, layout.pack(ts)))
+            self._layouts.append(layout)
         return [flat for _, flat in self.groups]
 
     def unpack(self) -> None:
         """Copy the flat buffers back into the tensors they were packed from."""
-        with torch.no_grad():
-            for ts, flat in self.groups:
-                offset = 0
-                for t in ts:
-                    n = t.numel()
-                    t.copy_(flat[offset:offset + n].view_as(t))
-                    offset += n
+        for (ts, flat), layout in zip(self.groups, self._layouts):
+            layout.unpack(ts, flat)
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,194 @@
+"""mpicomm.control.schedules: density warm-up schedules, and the strategies that follow them.
+
+Serial tests check the values per step against the references' schedules written out by
+hand (algorithms.md A.8, B.4, G); the multi-rank test checks that every rank uses the
+same k at the same step in every sparsifying strategy and that quantizers switch from
+dense to compressed exactly when the byte budget says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from mpicomm.compress.topk import k_for
+from mpicomm.control import (
+    Schedule,
+    dgc_warmup,
+    gtopk_warmup,
+    linear_warmup,
+    parse_schedule,
+)
+from mpicomm.strategies import (
+    ARTopK,
+    GTopK,
+    PowerSGDAllreduce,
+    QSGDAllgather,
+    RandomKAllreduce,
+    SignAllgather,
+    TopKAllgather,
+)
+
+if MPI.COMM_WORLD.Get_size() > 1:
+    torch.set_num_threads(1)
+
+
+# ====================================================================== values per step
+def test_gtopk_warmup_is_0004_for_epoch_0_then_final():
+    s = gtopk_warmup(steps_per_epoch=3)
+    assert s.densities(7, 0.001) == [0.004] * 3 + [0.001] * 4
+    assert s.warmup_steps == 3
+    # never sparser than the final density
+    assert s.densities(4, 0.01) == [0.01] * 4
+
+
+def test_dgc_warmup_is_exponential_one_stage_per_epoch():
+    s = dgc_warmup(steps_per_epoch=2)
+    assert s.densities(11, 0.001) == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625,
+                                      0.004, 0.004, 0.001, 0.001, 0.001]
+    # final 0.01: the 0.004 stage is lifted to 0.01
+    assert s.densities(9, 0.01)[4:] == [0.015625, 0.015625, 0.01, 0.01, 0.01]
+    by_steps = dgc_warmup(length=3, unit="step")
+    assert by_steps.densities(13, 0.001) == [0.25] * 3 + [0.0625] * 3 + [0.015625] * 3 + \
+        [0.004] * 3 + [0.001]
+
+
+def test_linear_warmup_anneals_from_dense():
+    s = linear_warmup(steps_per_epoch=2, length=2)  # 4 steps
+    want = [1.0, 1.0 + (0.1 - 1.0) / 4, 1.0 + 2 * (0.1 - 1.0) / 4, 1.0 + 3 * (0.1 - 1.0) / 4,
+            0.1, 0.1]
+    np.testing.assert_allclose(s.densities(6, 0.1), want, rtol=0, atol=1e-15)
+    half = linear_warmup(length=4, start=0.5, unit="step")
+    np.testing.assert_allclose(half.densities(5, 0.1), [0.5, 0.4, 0.3, 0.2, 0.1], atol=1e-15)
+
+
+def test_relative_traffic_and_spec_round_trip():
+    s = dgc_warmup(steps_per_epoch=1)
+    assert s.relative_traffic(5, 0.001) == pytest.approx(
+        (0.25 + 0.0625 + 0.015625 + 0.004 + 0.001) / (5 * 0.001))
+    for spec in ("gtopk", "dgc", "linear:5", "linear:2,0.5", "warmup:0.1,0.03/2",
+                 "dgc:20@step", "gtopk:2"):
+        parsed = parse_schedule(spec, steps_per_epoch=4)
+        again = parse_schedule(parsed.spec(), steps_per_epoch=4)
+        assert again == parsed, spec
+    assert parse_schedule("none") is None and parse_schedule(None) is None
+    assert parse_schedule("warmup:0.1,0.03/2", 5).densities(21, 0.01)[::10] == \
+        [0.1, 0.03, 0.01]
+
+
+@pytest.mark.parametrize("bad", ["dgc:x", "warmup:", "warmup:2", "cosine", "linear:0",
+                                 "dgc@hour", "warmup:0.1@epochs"])
+def test_bad_specs_raise(bad):
+    with pytest.raises(ValueError, match="bad schedule"):
+        parse_schedule(bad, steps_per_epoch=2)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        dgc_warmup()  # unit epoch without steps_per_epoch
+    with pytest.raises(ValueError, match="length"):
+        linear_warmup(steps_per_epoch=2, length=0)
+    with pytest.raises(ValueError, match="kind"):
+        Schedule("cosine", unit="step")
+    with pytest.raises(ValueError, match="warm-up value"):
+        Schedule("stepwise", (0.5, 0.0), unit="step")
+    with pytest.raises(ValueError, match="at least one"):
+        Schedule("stepwise", (), unit="step")
+    s = gtopk_warmup(unit="step")
+    with pytest.raises(ValueError, match="step"):
+        s(-1, 0.01)
+    with pytest.raises(ValueError, match="final density"):
+        s(0, 0.0)
+
+
+def test_strategies_reject_a_non_schedule():
+    with pytest.raises(TypeError, match="schedule"):
+        GTopK(density=0.01, schedule="dgc")
+    with pytest.raises(ValueError, match="momentum_correction needs error_feedback"):
+        TopKAllgather(density=0.01, error_feedback=False, momentum_correction=0.9)
+    with pytest.raises(ValueError, match="momentum"):
+        ARTopK(density=0.01, momentum_correction=1.0)
+    with pytest.raises(ValueError, match="clip_norm"):
+        RandomKAllreduce(density=0.01, clip_norm=0.0)
+
+
+def test_scheduled_k_and_describe_on_one_rank():
+    s = dgc_warmup(steps_per_epoch=1)
+    strategy = TopKAllgather(density=0.01, schedule=s)
+    ks = []
+    for _ in range(6):
+        strategy.aggregate([torch.randn(1000)], ["w"])
+        ks.append(strategy.stats.extra["k"]["w"])
+    assert ks == [250, 63, 16, 10, 10, 10]
+    assert strategy.describe()["schedule"] == "warmup:0.25,0.0625,0.015625,0.004"
+    # k given instead of density: the warm-up never goes below k
+    by_k = GTopK(k=2, schedule=s)
+    ks = []
+    for _ in range(5):
+        by_k.aggregate([torch.randn(1000)], ["w"])
+        ks.append(by_k.stats.extra["k"]["w"])
+    assert ks == [250, 63, 16, 4, 2]
+
+
+# ====================================================================== multi-rank
+SPARSIFIERS = {
+    "topk": lambda s: TopKAllgather(density=0.01, schedule=s),
+    "topk-sampled": lambda s: TopKAllgather(density=0.01, sampled=True, schedule=s),
+    "gtopk": lambda s: GTopK(density=0.01, schedule=s),
+    "artopk": lambda s: ARTopK(density=0.01, schedule=s),
+    "randomk": lambda s: RandomKAllreduce(density=0.01, schedule=s),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("which", list(SPARSIFIERS))
+def test_every_rank_follows_the_same_schedule(comm, which):
+    schedule = parse_schedule("warmup:0.2,0.05/2@step")  # 0.2, 0.2, 0.05, 0.05, 0.01..
+    strategy = SPARSIFIERS[which](schedule).bind(comm)
+    numel, ks = 2000, []
+    for step in range(6):
+        g = torch.from_numpy(np.random.default_rng(step * 31 + comm.rank).standard_normal(
+            numel).astype(np.float32))
+        out = strategy.aggregate([g], ["w"])[0]
+        k = strategy.stats.extra["k"]["w"]
+        nonzero = int((out != 0).sum())
+        ks.append((k, nonzero))
+    everyone = comm.allgather_object(ks)
+    assert all(e == everyone[0] for e in everyone), "ranks used different k"
+    want = [k_for(numel, d) for d in schedule.densities(6, 0.01)]
+    if which == "topk-sampled":  # the sampled threshold keeps at most k
+        assert all(k <= w for (k, _), w in zip(ks, want))
+        assert ks[0][0] > ks[-1][0]
+    else:
+        assert [k for k, _ in ks] == want
+    for k, nonzero in ks:  # the update has k entries per rank at most
+        assert nonzero <= min(numel, k * comm.size)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("which", ["qsgd", "sign", "powersgd"])
+def test_quantizers_are_dense_while_the_budget_allows(comm, which):
+    schedule = linear_warmup(length=4, unit="step")  # 1.0, 0.75, 0.5, 0.25, final
+    strategy = {
+        "qsgd": lambda: QSGDAllgather(bits=4, bucket_size=64, schedule=schedule),  # ~0.19
+        "sign": lambda: SignAllgather(schedule=schedule),                          # ~0.03
+        "powersgd": lambda: PowerSGDAllreduce(rank=1, schedule=schedule),           # ~0.06
+    }[which]().bind(comm)
+    dense_steps = []
+    for step in range(6):
+        rng = np.random.default_rng(step * 17 + comm.rank)
+        g = torch.from_numpy(rng.standard_normal((32, 16)).astype(np.float64))
+        out = strategy.aggregate([g], ["w"])[0]
+        everyone = comm.allgather_object(g.numpy())
+        exact = np.mean(everyone, axis=0)
+        dense_steps.append(bool(np.allclose(out.numpy(), exact, rtol=1e-12, atol=1e-12)))
+    # every scheduled density of steps 0-3 exceeds these strategies' wire fractions, the
+    # final one (their own fraction) does not: exact for 4 steps, compressed afterwards
+    assert dense_steps == [True] * 4 + [False] * 2
+    assert comm.allgather_object(dense_steps) == [dense_steps] * comm.size
+    if strategy.memory is not None and which != "powersgd":
+        assert math.isfinite(strategy.memory.norm())
