@@ -267,8 +267,8 @@ def predict_step_comm(source: Any) -> float | None:
     if strategy is None or model is None:
         return None
     sizes = []
+    params_by_name = dict(model.named_parameters())
     for names in getattr(source, "buckets", []):
-        params_by_name = dict(model.named_parameters())
         ps = [params_by_name[n] for n in names]
         sizes.append((sum(q.numel() for q in ps), ps[0].element_size()))
     predict = getattr(strategy, "predict", None)
