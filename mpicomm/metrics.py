@@ -104,10 +104,16 @@ class Metrics:
     keep:
         Keep at most this many records in ``records`` (older ones are dropped; the
         file has all). Default 100 000.
+    fresh:
+        Empty the file first. Default: yes for an explicit ``path``, no for
+        ``MPICOMM_METRICS`` (several objects of one run, e.g. two GradientSyncs, then
+        append to the same file; remove it between runs).
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, rank: int | None = None,
-                 keep: int = 100_000):
+                 keep: int = 100_000, fresh: bool | None = None):
+        if fresh is None:  # an explicit path starts a new file; the variable appends
+            fresh = path is not None
         if path is None:
             path = os.environ.get("MPICOMM_METRICS") or None
         if not isinstance(keep, int) or keep < 1:
@@ -118,7 +124,8 @@ class Metrics:
         if raw is not None and ("{rank}" in raw or self.rank == 0):
             self.path = Path(raw.replace("{rank}", str(self.rank)))
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")  # a new run starts a new file
+            if fresh:
+                self.path.write_text("")
         self.keep = keep
         self.records: list[dict[str, Any]] = []
         self._pending: dict[str, Any] = {}

@@ -53,6 +53,11 @@ def test_rank_rule_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("MPICOMM_METRICS", str(tmp_path / "env.jsonl"))
     m = metrics_from(None)
     assert isinstance(m, Metrics) and m.path == tmp_path / "env.jsonl"
+    m.record(x=1)
+    metrics_from(None).record(x=2)  # a second object of the run appends
+    assert [r["x"] for r in _lines(tmp_path / "env.jsonl")] == [1, 2]
+    Metrics(tmp_path / "env.jsonl", rank=0).record(x=3)  # an explicit path starts afresh
+    assert [r["x"] for r in _lines(tmp_path / "env.jsonl")] == [3]
     with pytest.raises(TypeError, match="metrics must be"):
         metrics_from(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="keep"):
