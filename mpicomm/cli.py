@@ -11,9 +11,13 @@
     PNG plots of a metrics file (:mod:`mpicomm.metrics`) or of a Chrome trace
     (:mod:`mpicomm.trace`); needs matplotlib (the ``plot`` extra).
 
-``python -m mpicomm run -n N [--] command ...``
+``python -m mpicomm run -n N [--servers S] [--] command ...``
     Runs ``mpiexec -n N command ...`` with the ``mpiexec`` of the MPI library that mpi4py
-    is linked against and exits with its status. Same logic as ``launchers/mpicomm-run``:
+    is linked against and exits with its status. ``--servers S`` (parameter-server mode,
+    ``1 <= S < N``) puts ``MPICOMM_PS_SERVERS=S`` in every rank's environment; a script
+    reads it with :func:`ps_servers` and passes it on, e.g.
+    ``mpicomm.ps.KVStore(comm, servers=ps_servers(), ...)``. Same logic as
+    ``launchers/mpicomm-run``:
 
     * ``mpiexec``: ``$MPICOMM_MPIEXEC``, else the one beside this Python (an MPI wheel in a
       virtual environment puts it there), else the first on ``PATH``;
@@ -36,7 +40,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "mpi_flavor", "find_mpiexec", "launcher_env", "info"]
+__all__ = ["main", "mpi_flavor", "find_mpiexec", "launcher_env", "info", "ps_servers",
+           "ENV_PS_SERVERS"]
+
+#: Set by ``python -m mpicomm run --servers S`` for every rank.
+ENV_PS_SERVERS = "MPICOMM_PS_SERVERS"
 
 _THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
 
@@ -106,16 +114,36 @@ def launcher_env(flavor: str, ranks: int, base: dict[str, str] | None = None
     return env
 
 
-def run(ranks: int, command: Sequence[str]) -> int:
-    """``mpiexec -n ranks command...`` for mpi4py's MPI; returns the exit status."""
+def ps_servers(default: int | None = None) -> int | None:
+    """The server count given by ``python -m mpicomm run --servers S``
+    (``$MPICOMM_PS_SERVERS``), else ``default``; ``ValueError`` if it is not an integer
+    >= 1."""
+    raw = os.environ.get(ENV_PS_SERVERS, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{ENV_PS_SERVERS}={raw!r}: expected an integer >= 1")
+    return int(raw)
+
+
+def run(ranks: int, command: Sequence[str], servers: int | None = None) -> int:
+    """``mpiexec -n ranks command...`` for mpi4py's MPI; returns the exit status.
+    ``servers``: exported to the ranks as ``MPICOMM_PS_SERVERS`` (``1 <= servers <
+    ranks``: at least one worker)."""
     if ranks < 1:
         raise ValueError(f"-n must be >= 1, got {ranks}")
+    if servers is not None and not 1 <= servers < ranks:
+        raise ValueError(f"--servers must be in [1, {ranks - 1}] for {ranks} ranks (at "
+                         f"least one worker), got {servers}")
     if not command:
         raise ValueError("no command to run")
     flavor = mpi_flavor(library_version())
     argv = [find_mpiexec(), "-n", str(ranks), *command]
+    env = launcher_env(flavor, ranks)
+    if servers is not None:
+        env[ENV_PS_SERVERS] = str(servers)
     try:
-        return subprocess.call(argv, env=launcher_env(flavor, ranks))
+        return subprocess.call(argv, env=env)
     except KeyboardInterrupt:
         return 130
 
@@ -232,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "MPI library mpi4py uses; exits with its status.")
     rp.add_argument("-n", "-np", dest="ranks", type=int, required=True,
                     help="number of ranks")
+    rp.add_argument("--servers", type=int, default=None, metavar="S",
+                    help="parameter-server mode: S of the ranks are servers; exported to "
+                         "every rank as MPICOMM_PS_SERVERS=S (read it with "
+                         "mpicomm.cli.ps_servers())")
     rp.add_argument("cmd", nargs=argparse.REMAINDER,
                     help="the command each rank runs (a leading -- is optional)")
     return ap
@@ -252,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     try:
-        return run(args.ranks, cmd)
+        return run(args.ranks, cmd, servers=args.servers)
     except (ValueError, FileNotFoundError) as exc:
         print(f"python -m mpicomm run: {exc}", file=sys.stderr)
         return 2

@@ -18,7 +18,8 @@ RANGES: dict[str, tuple[int, int]] = {
     "collectives": (10, 20),   # dense allreduce / allgather / broadcast / reduce_scatter
     "sparse": (20, 30),        # gTop-k rounds and fold
     "gossip": (30, 40),        # neighbour averaging
-    "stall": (40, 50),         # stall inspector queries and replies (own communicator)
+    "emulate": (40, 50),       # emulated-cluster verification ping-pong
+    "stall": (50, 60),         # stall inspector queries and replies (own communicator)
     "ps": (100, 200),          # parameter server requests and replies
     "sched": (200, 300),       # Crossover scheduler tokens
     "user": (1000, 32768),     # free for applications on their own communicators
@@ -61,6 +62,8 @@ TAG_GTOPK_FOLD = tag("sparse", 1)
 TAG_GTOPK_ROUND = tag("sparse", 2)
 # Gossip averaging.
 TAG_GOSSIP = tag("gossip", 1)
+# Emulated cluster verification.
+TAG_PINGPONG = tag("emulate", 1)
 # Stall inspector (mpicomm.stall, on its own duplicate of the world).
 TAG_STALL_QUERY = tag("stall", 1)
 TAG_STALL_REPLY = tag("stall", 2)

@@ -1,13 +1,17 @@
 """``python -m mpicomm.bench <suite> [options]``: run one benchmark suite.
 
 Suites are modules of this package exposing ``add_arguments(parser)`` and ``run(args)``;
-run a suite with ``--help`` for its options.
+run a suite with ``--help`` for its options. ``--list`` prints the suites this
+installation has (the Makefile's ``bench`` targets run those). ``report`` is not a
+suite: ``python -m mpicomm.bench report`` writes BENCHMARKS.md and plots from the suites'
+JSON (:mod:`mpicomm.bench.report`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 SUITES = {
@@ -20,7 +24,28 @@ SUITES = {
 }
 
 
+def available() -> list[str]:
+    """The suites of :data:`SUITES` whose module exists in this installation."""
+    names = []
+    for name, path in SUITES.items():
+        try:
+            importlib.util.find_spec(path)
+        except ModuleNotFoundError:
+            continue
+        if importlib.util.find_spec(path) is not None:
+            names.append(name)
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:
+        from .report import main as report
+
+        return report(argv[1:])
+    if argv[:1] == ["--list"]:
+        print(" ".join(available()))
+        return 0
     parser = argparse.ArgumentParser(prog="python -m mpicomm.bench", description=__doc__)
     sub = parser.add_subparsers(dest="suite", required=True)
     modules = {}

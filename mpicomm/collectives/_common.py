@@ -10,6 +10,7 @@ from mpi4py import MPI
 from ..buffers import REDUCE_OPS, ArrayOps, BufferInfo
 from ..comm import Traffic
 from ..config import RING_SEGMENT_BYTES, ring_segment_bytes
+from ..linkdelay import LinkDelay, link_delay
 from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the algorithms)
     TAG_ALLGATHER,
     TAG_ALLREDUCE,
@@ -23,7 +24,8 @@ from ..validate import check_algorithm, check_int  # noqa: F401  (the one valida
 @dataclass
 class Ctx:
     """Everything an algorithm needs: the private MPI communicator, array kernels, and the
-    communicator's traffic counter (every send and receive below is counted)."""
+    communicator's traffic counter (every send and receive below is counted), and the
+    emulated cluster's latency injector (:mod:`mpicomm.linkdelay`; None outside it)."""
 
     mpi: MPI.Intracomm
     rank: int
@@ -32,6 +34,8 @@ class Ctx:
     traffic: Traffic
     #: Ring segment size (``MPICOMM_RING_SEGMENT_BYTES``), read once per collective.
     segment_bytes: int = RING_SEGMENT_BYTES
+    #: The emulated cluster's injected latency (:mod:`mpicomm.linkdelay`); None outside it.
+    delay: LinkDelay | None = None
 
     @classmethod
     def of(cls, comm: Any, ops: ArrayOps, segment_bytes: int | None = None) -> Ctx:
@@ -41,7 +45,7 @@ class Ctx:
         the value their argument checks read, which checked mode compared across ranks.
         """
         seg = ring_segment_bytes() if segment_bytes is None else segment_bytes
-        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg)
+        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, link_delay(comm))
 
     def _nbytes(self, a: Any) -> int:
         return int(a.shape[0]) * self.ops.itemsize(a)
@@ -57,22 +61,33 @@ class Ctx:
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int, tag: int) -> None:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``."""
         self._count(send, recv)
+        if self.delay is not None:
+            self.delay.before_send(dest)
+            self.delay.after_receive()
         self.mpi.Sendrecv(self.ops.msg(send), dest, tag, self.ops.msg(recv), source, tag)
 
     def send(self, data: Any, dest: int, tag: int) -> None:
         self._count(sent=data)
+        if self.delay is not None:
+            self.delay.before_send(dest)
         self.mpi.Send(self.ops.msg(data), dest, tag)
 
     def recv(self, data: Any, source: int, tag: int) -> None:
         self._count(received=data)
+        if self.delay is not None:
+            self.delay.after_receive()
         self.mpi.Recv(self.ops.msg(data), source, tag)
 
     def isend(self, data: Any, dest: int, tag: int) -> MPI.Request:
         self._count(sent=data)
+        if self.delay is not None:
+            self.delay.before_send(dest)
         return self.mpi.Isend(self.ops.msg(data), dest, tag)
 
     def irecv(self, data: Any, source: int, tag: int) -> MPI.Request:
         self._count(received=data)
+        if self.delay is not None:
+            self.delay.after_receive()
         return self.mpi.Irecv(self.ops.msg(data), source, tag)
 
 

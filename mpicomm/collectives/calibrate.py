@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import Communicator, resolve
+from ..linkdelay import link_delay
 from .cost import CostParams
 
 __all__ = ["measure", "pingpong", "fit_alpha_beta", "measure_gamma", "DEFAULT_SIZES"]
@@ -44,18 +45,27 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
     (rank 1 returns 0.0).
     """
     mpi, rank = comm.p2p, comm.rank
+    delay = link_delay(comm)  # the emulated cluster's injected latency counts in alpha
     buf = np.zeros(nbytes, dtype=np.uint8)
     msg = [buf, MPI.BYTE]
     times = []
     for i in range(warmup + repeats):
         if rank == 0:
             start = time.perf_counter()
+            if delay is not None:
+                delay.before_send(1)
             mpi.Send(msg, 1, _TAG)
+            if delay is not None:
+                delay.after_receive()
             mpi.Recv(msg, 1, _TAG)
             if i >= warmup:
                 times.append((time.perf_counter() - start) / 2)
         else:
+            if delay is not None:
+                delay.after_receive()
             mpi.Recv(msg, 0, _TAG)
+            if delay is not None:
+                delay.before_send(0)
             mpi.Send(msg, 0, _TAG)
     return statistics.median(times) if times else 0.0
 

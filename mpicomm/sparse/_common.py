@@ -37,6 +37,7 @@ from ..buffers import (
     to_torch,
 )
 from ..comm import Communicator
+from ..linkdelay import link_delay
 from ..selection import index_dtype_for, topk_indices
 from ..tags import TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401  (re-exported)
 from ..validate import check_int
@@ -300,6 +301,7 @@ class Wire:
         self.direct = device.type == "cuda" and not self.staged
         self._resources = comm.resources
         self._ops = ops_for("torch", self.direct)
+        self.delay = link_delay(comm)  # emulated cluster's injected latency, else None
 
     def _host(self, numel: int, slot: str) -> torch.Tensor:
         info = BufferInfo("torch", "uint8", (numel,), str(self.device), 1)
@@ -322,6 +324,8 @@ class Wire:
     def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         out = self._outgoing(t)
         self._count_send(out)
+        if self.delay is not None:
+            self.delay.before_send(dest)
         self.mpi.Send([out, MPI.BYTE], dest, tag)
 
     def recv(self, source: int, tag: int) -> torch.Tensor:
@@ -333,6 +337,8 @@ class Wire:
         else:  # direct: the fresh block is synchronized before MPI writes into it
             buf = self._ops.empty(n, torch.uint8, device=self.device)
         message.Recv([buf, MPI.BYTE])
+        if self.delay is not None:
+            self.delay.after_receive()
         self.traffic.recv_bytes += n
         return buf.to(self.device) if self.staged else buf
 
@@ -340,6 +346,8 @@ class Wire:
         """Send ``t`` to ``peer`` while receiving ``peer``'s message of unknown length."""
         out = self._outgoing(t)
         self._count_send(out)
+        if self.delay is not None:
+            self.delay.before_send(peer)
         request = self.mpi.Isend([out, MPI.BYTE], peer, tag)
         try:
             got = self.recv(peer, tag)

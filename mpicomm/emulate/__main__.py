@@ -1,0 +1,7 @@
+"""``python -m mpicomm.emulate ...``: same as ``launchers/emulated-cluster``."""
+
+import sys
+
+from .run import main
+
+sys.exit(main())

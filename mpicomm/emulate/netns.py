@@ -1,0 +1,238 @@
+"""Hosts as Linux network namespaces joined by ``tc``-shaped veth links to a bridge.
+
+Layout of one run (``P`` = the emulator's process id, so concurrent runs never collide)::
+
+    netns mpcemu<P>-sw    bridge br0, one veth end per host (egress shaped: host download)
+    netns mpcemu<P>-h<i>  lo + eth0 = 10.77.<i // 250>.<i % 250 + 1>/16
+                          (egress shaped: host upload)
+
+Nothing is created in the caller's namespace except, for a moment, the veth pairs
+(``me<P>a<i>``/``me<P>b<i>``) before they are moved into their namespaces, so the
+traffic of a run stays inside the namespaces it created. :meth:`Cluster.teardown`
+deletes the namespaces (which deletes the veths in them), kills whatever still runs in
+them, and removes a leftover veth of an interrupted set-up; it is idempotent and is
+called on every exit path of :mod:`mpicomm.emulate.run`.
+
+Shaping: a ``tbf`` qdisc on both ends of each host's link (upload and download), rate
+``RATE``, bucket :func:`burst_bytes` (1 ms at the rate, at least 128 KiB so that
+offloaded 64 KiB segments pass), queue allowance 50 ms. ``tc qdisc change`` updates the
+rate while a job runs. This kernel has no ``netem``, so latency is not added here (see
+:mod:`mpicomm.linkdelay`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Cluster", "NetnsUnavailable", "parse_rate", "burst_bytes", "probe", "PREFIX",
+           "leftover_namespaces", "remove_stale"]
+
+PREFIX = "mpcemu"
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_QUEUE = "50ms"
+
+
+class NetnsUnavailable(RuntimeError):
+    """Namespaces, veth or tc cannot be used here (not root, no iproute2, no permission)."""
+
+
+def parse_rate(text: str) -> float:
+    """``"100mbit"``, ``"1gbit"``, ``"25gbit"``, ``"500kbit"`` -> bits per second
+    (``tc``'s units; ``...bps`` suffixes are bytes per second). ``ValueError`` otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
+    if not m or m.group(2).lower() not in _RATE_UNITS:
+        raise ValueError(f"bad rate {text!r}: give a number and one of "
+                         f"{', '.join(_RATE_UNITS)} (e.g. 100mbit, 1gbit)")
+    bits = float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
+    if bits < 8e3:
+        raise ValueError(f"rate {text!r} is below 8kbit")
+    return bits
+
+
+def burst_bytes(rate_bits: float) -> int:
+    """Token bucket size: 1 ms worth of the rate, at least 128 KiB."""
+    return max(128 * 1024, int(rate_bits / 8 * 1e-3))
+
+
+def _tc_rate(rate_bits: float) -> str:
+    return f"{int(rate_bits)}bit"
+
+
+def _ip_tool() -> str:
+    ip = shutil.which("ip")
+    if ip is None or shutil.which("tc") is None:
+        raise NetnsUnavailable(
+            "iproute2 (ip, tc) is not installed; as root: apt-get update && "
+            "apt-get install -y iproute2")
+    return ip
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and proc.returncode:
+        raise NetnsUnavailable(f"`{' '.join(argv)}` failed: {proc.stderr.strip()}")
+    return proc
+
+
+def probe() -> str | None:
+    """``None`` when namespaces + veth + tbf work here, else the reason they do not."""
+    if hasattr(os, "geteuid") and os.geteuid() != 0:
+        return "needs root (network namespaces, veth and tc)"
+    try:
+        ip = _ip_tool()
+    except NetnsUnavailable as exc:
+        return str(exc)
+    name = f"{PREFIX}{os.getpid()}-probe"
+    try:
+        _run([ip, "netns", "add", name])
+    except NetnsUnavailable as exc:
+        return f"cannot create a network namespace: {exc}"
+    try:
+        _run([ip, "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
+        _run(["tc", "-n", name, "qdisc", "add", "dev", "p0", "root", "tbf", "rate",
+              "100mbit", "burst", "131072", "latency", _QUEUE])
+    except NetnsUnavailable as exc:
+        return f"veth/tbf unavailable: {exc}"
+    finally:
+        _run([ip, "netns", "del", name], check=False)
+    return None
+
+
+def leftover_namespaces(owner: int) -> list[str]:
+    """Namespaces of the run started by process ``owner`` that still exist."""
+    ip = shutil.which("ip")
+    if ip is None:
+        return []
+    out = _run([ip, "netns", "list"], check=False).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(f"{PREFIX}{owner}-")]
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces (and run folders) of emulator runs whose process is gone:
+    what a ``kill -9`` of the launcher leaves behind. Runs of live processes are never
+    touched. Returns the names removed."""
+    import glob
+    import tempfile
+
+    ip = shutil.which("ip")
+    if ip is None:
+        return []
+    out = _run([ip, "netns", "list"], check=False).stdout
+    removed = []
+    for line in out.splitlines():
+        m = re.match(rf"({PREFIX}(\d+)-\S+)", line.strip())
+        if m and not os.path.exists(f"/proc/{m.group(2)}"):
+            for pid in _run([ip, "netns", "pids", m.group(1)], check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _run([ip, "netns", "del", m.group(1)], check=False)
+            removed.append(m.group(1))
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}*-sw-*")):
+        m = re.match(rf"{PREFIX}(\d+)-", os.path.basename(folder))
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            shutil.rmtree(folder, ignore_errors=True)
+    return removed
+
+
+@dataclass
+class Cluster:
+    """``hosts`` namespaces on one bridge, each link shaped to ``rate_bits``."""
+
+    hosts: int
+    rate_bits: float | None
+    owner: int = field(default_factory=os.getpid)
+    created: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.hosts > 1000:
+            raise ValueError(f"--hosts must be in [1, 1000], got {self.hosts}")
+        self.ip = _ip_tool()
+
+    # names
+    @property
+    def switch(self) -> str:
+        return f"{PREFIX}{self.owner}-sw"
+
+    def host(self, i: int) -> str:
+        return f"{PREFIX}{self.owner}-h{i}"
+
+    def address(self, i: int) -> str:
+        return f"10.77.{i // 250}.{i % 250 + 1}"
+
+    def _veth(self, i: int, end: str) -> str:
+        return f"me{self.owner}{end}{i}"
+
+    # set-up
+    def _netns(self, name: str) -> None:
+        _run([self.ip, "netns", "add", name])
+        self.created.append(name)
+        _run([self.ip, "-n", name, "link", "set", "lo", "up"])
+
+    def setup(self) -> None:
+        """Create the namespaces, links and qdiscs; on failure undo what was made."""
+        try:
+            self._netns(self.switch)
+            ip_sw = [self.ip, "-n", self.switch]
+            _run([*ip_sw, "link", "add", "br0", "type", "bridge"])
+            _run([*ip_sw, "link", "set", "br0", "up"])
+            for i in range(self.hosts):
+                self._netns(self.host(i))
+                a, b = self._veth(i, "a"), self._veth(i, "b")
+                _run([self.ip, "link", "add", a, "type", "veth", "peer", "name", b])
+                _run([self.ip, "link", "set", a, "netns", self.host(i)])
+                _run([self.ip, "link", "set", b, "netns", self.switch])
+                ip_h = [self.ip, "-n", self.host(i)]
+                _run([*ip_h, "link", "set", a, "name", "eth0"])
+                _run([*ip_h, "addr", "add", f"{self.address(i)}/16", "dev", "eth0"])
+                _run([*ip_h, "link", "set", "eth0", "up"])
+                _run([*ip_sw, "link", "set", b, "master", "br0"])
+                _run([*ip_sw, "link", "set", b, "up"])
+                if self.rate_bits is not None:
+                    for ns, dev in self.links(i):
+                        self._tbf("add", ns, dev, self.rate_bits)
+        except BaseException:
+            self.teardown()
+            raise
+
+    def links(self, i: int) -> list[tuple[str, str]]:
+        """(namespace, device) of both shaped ends of host ``i``'s link."""
+        return [(self.host(i), "eth0"), (self.switch, self._veth(i, "b"))]
+
+    def _tbf(self, verb: str, ns: str, dev: str, rate_bits: float) -> None:
+        _run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf",
+              "rate", _tc_rate(rate_bits), "burst", str(burst_bytes(rate_bits)),
+              "latency", _QUEUE])
+
+    def set_rate(self, rate_bits: float) -> None:
+        """Change every link's rate now (``tc qdisc change``; adds the qdisc when the run
+        started unshaped)."""
+        verb = "add" if self.rate_bits is None else "change"
+        for i in range(self.hosts):
+            for ns, dev in self.links(i):
+                self._tbf(verb, ns, dev, rate_bits)
+        self.rate_bits = rate_bits
+
+    # teardown
+    def teardown(self) -> None:
+        """Kill what still runs in the namespaces, delete them and stray veths."""
+        for name in list(self.created):
+            pids = _run([self.ip, "netns", "pids", name], check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+        for name in reversed(self.created):
+            _run([self.ip, "netns", "del", name], check=False)
+        self.created.clear()
+        for i in range(self.hosts):
+            a = self._veth(i, "a")
+            if _run([self.ip, "link", "show", a], check=False).returncode == 0:
+                _run([self.ip, "link", "del", a], check=False)

@@ -1,0 +1,255 @@
+"""The emulated cluster's command line (``launchers/emulated-cluster``).
+
+``emulated-cluster --hosts H [--ranks-per-host R] [--rate RATE] [--delay DELAY]
+[--schedule FILE] [--timeout SECONDS] [--no-shm] -- command args...``
+
+1. Checks every argument, that the MPI is MPICH (see below) and that namespaces, veth and
+   ``tbf`` work here (:func:`mpicomm.emulate.netns.probe`); exits 2 with the reason
+   when it cannot run.
+2. Creates the hosts (:class:`mpicomm.emulate.netns.Cluster`), shaped to ``RATE``.
+3. Runs ``mpiexec -n H*R <wrapper> command args...`` where the per-rank wrapper moves
+   rank ``r`` (``PMI_RANK``) into host ``r // R`` with ``ip netns exec`` (host-major
+   placement). MPI traffic between hosts goes over TCP on ``eth0``:
+   ``UCX_TLS=tcp UCX_NET_DEVICES=eth0`` and MPICH's clique emulation
+   (``MPIR_CVAR_NUM_CLIQUES=H``, ``MPIR_CVAR_CLIQUES_BY_BLOCK=1``: ranks of different
+   hosts are not "local", so there is no shared-memory shortcut between them). With
+   ``--no-shm``, ``MPIR_CVAR_NOLOCAL=1``: TCP between ranks of one host too (over the
+   host's loopback, which is not shaped, as on a real machine).
+4. Latency: this kernel has no ``netem``; ``DELAY`` is injected by mpicomm's own
+   point-to-point layer (:mod:`mpicomm.linkdelay`) which the wrapper's environment
+   switches on. The MPI library's own collectives bypass it.
+5. ``--schedule`` entries are applied while the job runs
+   (:mod:`mpicomm.emulate.schedule`).
+6. Exits with the command's status (124 after ``--timeout``, 130 after Ctrl-C, 143
+   after SIGTERM) and tears everything down on every path: the job's process group and
+   anything left in the namespaces are killed, the namespaces and the run directory
+   removed.
+
+The job sees ``MPICOMM_EMU_HOSTS``, ``MPICOMM_EMU_RANKS_PER_HOST``, ``MPICOMM_EMU_RATE``,
+``MPICOMM_EMU_DELAY`` (seconds) and ``MPICOMM_EMU_SCHEDULE``, which the benchmark suites
+record as the conditions of their measurements.
+
+Open MPI is refused for now: its wheel places ranks by its own rules and needs
+``btl_tcp_if_include`` instead of the UCX variables; the MPICH path is the one verified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from .. import linkdelay
+from .netns import Cluster, NetnsUnavailable, parse_rate, probe, remove_stale
+from .schedule import Applier, parse_delay, read_schedule, write_atomic
+
+__all__ = ["main", "build_parser", "job_env", "WRAPPER"]
+
+PROG = "emulated-cluster"
+
+#: Per-rank wrapper: rank from the launcher's environment, host = rank // R.
+WRAPPER = """#!/bin/sh
+r=${{PMI_RANK:-${{PMIX_RANK:-${{OMPI_COMM_WORLD_RANK:-}}}}}}
+if [ -z "$r" ]; then echo "{prog}: no PMI_RANK in the rank's environment" >&2; exit 97; fi
+h=$((r / {per_host}))
+exec {ip} netns exec {prefix}$h "$@"
+"""
+
+
+class _Stop(Exception):
+    def __init__(self, code: int, why: str):
+        super().__init__(why)
+        self.code = code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run an MPI command on H emulated hosts (network namespaces on one "
+                    "machine) joined by tc-shaped links; latency is injected by "
+                    "mpicomm's point-to-point layer. Needs root and iproute2.",
+        epilog="example: emulated-cluster --hosts 4 --rate 1gbit --delay 100us -- "
+               "python -m mpicomm.bench sparse")
+    ap.add_argument("--hosts", type=int, required=True, help="number of emulated hosts H")
+    ap.add_argument("--ranks-per-host", type=int, default=1,
+                    help="ranks per host R (rank r on host r // R; default 1)")
+    ap.add_argument("--rate", default=None,
+                    help="link rate of every host, tc units (100mbit, 1gbit); default "
+                         "unshaped")
+    ap.add_argument("--delay", default="0",
+                    help="one-way latency between hosts (0, 250us, 1ms); injected by "
+                         "mpicomm's point-to-point layer")
+    ap.add_argument("--schedule", default=None,
+                    help="file of `TIME|step N  RATE  DELAY` lines applied during the run")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="kill the job after SECONDS (exit status 124)")
+    ap.add_argument("--no-shm", action="store_true",
+                    help="TCP also between ranks of the same host")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command args...")
+    return ap
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(f"{PROG}: {msg}\n")
+    sys.stderr.flush()
+
+
+def job_env(hosts: int, per_host: int, rate: str | None, delay: float, no_shm: bool,
+            rundir: str, schedule: str | None,
+            base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of ``mpiexec`` and so of every rank."""
+    env = dict(os.environ if base is None else base)
+    env.update(UCX_TLS="tcp", UCX_NET_DEVICES="eth0")
+    if no_shm:
+        env["MPIR_CVAR_NOLOCAL"] = "1"
+    else:
+        env.update(MPIR_CVAR_NUM_CLIQUES=str(hosts), MPIR_CVAR_CLIQUES_BY_BLOCK="1")
+    env.update({
+        "MPICOMM_EMU_HOSTS": str(hosts),
+        linkdelay.ENV_RANKS_PER_HOST: str(per_host),
+        "MPICOMM_EMU_RATE": rate or "unshaped",
+        linkdelay.ENV_DELAY: repr(delay),
+        linkdelay.ENV_DELAY_FILE: os.path.join(rundir, "delay"),
+        linkdelay.ENV_STEP_FILE: os.path.join(rundir, "step"),
+        "MPICOMM_EMU_SCHEDULE": os.path.abspath(schedule) if schedule else "",
+    })
+    return env
+
+
+def _check(args: argparse.Namespace) -> tuple[list[str], float | None, float, list]:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise ValueError("no command to run (put it after --)")
+    if not 1 <= args.hosts <= 1000:
+        raise ValueError(f"--hosts must be in [1, 1000], got {args.hosts}")
+    if args.ranks_per_host < 1:
+        raise ValueError(f"--ranks-per-host must be >= 1, got {args.ranks_per_host}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    rate = None if args.rate is None else parse_rate(args.rate)
+    delay = parse_delay(args.delay)
+    entries = read_schedule(args.schedule) if args.schedule else []
+    return cmd, rate, delay, entries
+
+
+def _mpich_mpiexec() -> str:
+    from ..cli import find_mpiexec, library_version, mpi_flavor
+
+    if mpi_flavor(library_version()) != "mpich":
+        raise ValueError("the emulated cluster supports MPICH (the project's default MPI: "
+                         "make MPI=mpich); this mpi4py uses another MPI")
+    return find_mpiexec()
+
+
+def _terminate(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """SIGTERM the job's process group, then SIGKILL what is left after ``grace``."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cmd, rate, delay, entries = _check(args)
+        mpiexec = _mpich_mpiexec()
+    except (ValueError, FileNotFoundError) as exc:
+        _log(str(exc))
+        return 2
+    reason = probe()
+    if reason is not None:
+        _log(f"cannot run here: {reason}")
+        return 2
+    stale = remove_stale()
+    if stale:
+        _log(f"removed {len(stale)} namespace(s) left by killed runs: {', '.join(stale)}")
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        raise _Stop(128 + signum, signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
+                                                    signal.SIGHUP)}
+    cluster = Cluster(args.hosts, rate)
+    rundir: str | None = None
+    proc: subprocess.Popen | None = None
+    applier: Applier | None = None
+    ranks = args.hosts * args.ranks_per_host
+    try:
+        rundir = tempfile.mkdtemp(prefix=f"{cluster.switch}-")
+        cluster.setup()
+        write_atomic(os.path.join(rundir, "delay"), repr(delay))
+        wrapper = os.path.join(rundir, "rank")
+        with open(wrapper, "w") as f:
+            f.write(WRAPPER.format(prog=PROG, per_host=args.ranks_per_host, ip=cluster.ip,
+                                   prefix=cluster.host(0)[:-1]))
+        os.chmod(wrapper, 0o755)
+        env = job_env(args.hosts, args.ranks_per_host, args.rate, delay, args.no_shm,
+                      rundir, args.schedule)
+        shaped = f"{args.rate} (tc tbf)" if args.rate else "unshaped"
+        _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s), rate {shaped}, "
+             f"delay {delay * 1e3:g} ms (injected by mpicomm p2p), "
+             f"namespaces {cluster.host(0)[:-1]}*")
+        proc = subprocess.Popen([mpiexec, "-n", str(ranks), wrapper, *cmd], env=env,
+                                start_new_session=True)
+        if entries:
+            applier = Applier(entries, cluster.set_rate, os.path.join(rundir, "delay"),
+                              os.path.join(rundir, "step"), _log)
+            applier.start()
+        deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        while True:
+            try:
+                code = proc.wait(0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if applier is not None and applier.errors:
+                raise _Stop(1, applier.errors[0])
+            if deadline is not None and time.monotonic() > deadline:
+                raise _Stop(124, f"timed out after {args.timeout:g} s")
+        if applier is not None and applier.errors:
+            _log(applier.errors[0])
+            return code or 1
+        return code
+    except _Stop as stop:
+        _log(f"stopping the job: {stop}")
+        return stop.code
+    except NetnsUnavailable as exc:
+        _log(f"cannot run here: {exc}")
+        return 2
+    finally:
+        # teardown must not be cut short by a second Ctrl-C
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            if applier is not None:
+                applier.stop.set()
+            if proc is not None:
+                _terminate(proc)
+            cluster.teardown()
+            if rundir is not None:
+                shutil.rmtree(rundir, ignore_errors=True)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

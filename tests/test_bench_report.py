@@ -1,0 +1,115 @@
+"""``python -m mpicomm.bench report`` and ``--list``: BENCHMARKS.md and plots from suite
+JSON, including suites the report does not know."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mpicomm.bench import __main__ as bench_main
+from mpicomm.bench import report
+
+EMU = {"kind": "emulated cluster", "hosts": 8, "ranks_per_host": 1, "rate": "1gbit",
+       "delay_s": 1e-4}
+
+
+def machine(network: dict[str, Any] | None, ranks: int) -> dict[str, Any]:
+    m = {"host": "box", "cpus": 2, "mpi": "MPICH Version: 5.0.2", "ranks": ranks,
+         "loadavg": [1.5, 1.0, 0.5]}
+    if network is not None:
+        m["network"] = network
+    return m
+
+
+def sparse(ranks: int, network: dict[str, Any] | None, scale: float) -> dict[str, Any]:
+    times = {"dense/ring": 1.0, "dense/rabenseifner": 0.8, "dense/mpi": 0.9,
+             "allgather_topk": 0.3, "gtopk": 0.1, "artopk_star": 0.2, "compress": 0.05}
+    rows = [{"d": 1000000, "density": 0.01, "k": 10000, "ranks": ranks, "method": m,
+             "seconds": t * scale, "time_ms": t * scale * 1e3, "pred_s": t / 2,
+             "pred_ms": t * 500, "sent_B": 1, "pred_B": 1, "x_dense": 1.0, "x_ag": 1.0}
+            for m, t in times.items()]
+    predicted = [{"ranks": 32, "d": 1000000, "density": 0.01, "k": 10000, "dense_ms": 900.0,
+                  "ag_ms": 400.0, "gtopk_ms": 60.0, "artopk_ms": 90.0,
+                  "gtopk/ag_t": 0.15, "gtopk/dense_t": 60 / 900, "artopk/ag_t": 90 / 400}]
+    return {"suite": "sparse", "machine": machine(network, ranks), "ranks": ranks,
+            "rows": rows, "predicted": predicted}
+
+
+def write(folder: Path, name: str, payload: Any) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps(payload))
+
+
+def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    res = tmp_path / "results"
+    write(res, "sparse-4.json", sparse(4, None, 1.0))  # an old result: no network field
+    write(res / "cluster", "sparse-1gbit-8.json", sparse(8, EMU, 2.0))
+    write(res / "cluster", "sparse-1gbit-4.json", sparse(4, EMU, 1.5))
+    write(res, "collectives-2.json", {
+        "suite": "collectives", "machine": machine(None, 2), "ranks": 2,
+        "rows": [{"collective": "allreduce", "algorithm": a, "elems": n, "bytes": 4 * n,
+                  "seconds": 1e-6 * n, "pred_s": 2e-6 * n} for a in ("ring", "mpi")
+                 for n in (10, 1000)],
+        "summary": [{"collective": "allreduce", "elems": 10, "best": "ring",
+                     "time_us": 10.0, "x_mpi": 0.9, "x_gloo": None}]})
+    write(res, "localsgd-4.json", {
+        "suite": "localsgd", "machine": machine(None, 4), "summary": [{"method": "adacomm"}],
+        "curves": [{"method": m, "schedule": "fixed", "seed": 0,
+                    "curve": [[0.0, 2.3], [1.0, 0.5 + i]]} for i, m in enumerate("ab")]})
+    write(res, "ps-4.json", {"suite": "ps", "machine": machine(EMU, 4),
+                             "rows": [{"mode": "ssp", "steps_per_s": 12.5}]})
+    write(res / "cluster", "pingpong-1gbit.json", {
+        "suite": "pingpong", "machine": machine(EMU, 2), "latency_s": 1.1e-4,
+        "bandwidth_bits": 9.5e8, "bytes": 20000000, "configured_delay_s": 1e-4,
+        "configured_rate_bits": 1e9, "ranks": 2})
+    write(res, "crossover-2.json", {"suite": "crossover", "machine": machine(None, 2),
+                                    "summary": {"speedup": 1.25, "nested": {"a": 1}},
+                                    "rows": ["first run", 2.5]})
+    write(res, "other-2.json", {"suite": "other", "machine": machine(None, 2),
+                                "summary": "all good"})
+    write(res, "notes.json", {"something": "else"})
+    (res / "broken.json").write_text("{")
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main(["--results", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    # conditions of every result, network by kind
+    assert text.count("| sparse |") == 3 and "| ps |" in text
+    assert "emulated cluster" in text and "shared memory" in text and "1gbit" in text
+    assert "0.1 ms" in text and "1.5, 1, 0.5" in text
+    # the seed-claim table: measured ratios and the model's at 32 ranks
+    claim = next(line for line in text.splitlines()
+                 if line.startswith("| 1gbit, 0.1 ms | 8 |"))
+    cells = [c.strip() for c in claim.strip("|").split("|")]
+    assert cells[4:8] == ["8", "3", "1.5", "32"]  # dense/gTop-k = 0.8/0.1, AG/g, AG/AR
+    assert float(cells[8]) == pytest.approx(15.0)
+    assert float(cells[10]) == pytest.approx(400 / 90, rel=1e-2)
+    assert "| 1gbit, 0.1 ms | 20000000 | 1e+03 | 950 | 0.1 | 0.11 |" in text
+    # unknown suite: generic table; unreadable and foreign files named, not fatal
+    assert "| mode | steps_per_s |" in text and "| ssp | 12.5 |" in text
+    assert "| speedup |\n|---|\n| 1.25 |" in text and "* first run\n* 2.5" in text
+    assert "all good" in text
+    assert "notes.json" in text and "broken.json" in text
+    plots = tmp_path / "benchmarks"
+    for name in ("sparse-scaling.png", "collectives-2.png", "localsgd-4.png"):
+        assert (plots / name).stat().st_size > 1000
+        assert f"(benchmarks/{name})" in text
+
+
+def test_report_without_results_fails_clearly(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    assert report.main(["--results", str(tmp_path), "--out", str(tmp_path / "B.md")]) == 1
+    assert "no suite results" in capsys.readouterr().err
+    assert not (tmp_path / "B.md").exists()
+
+
+def test_list_names_importable_suites(capsys: pytest.CaptureFixture,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(bench_main.SUITES, "not-yet", "mpicomm.bench.not_written_yet")
+    assert bench_main.main(["--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert {"collectives", "sparse", "localsgd"} <= set(listed)
+    assert "not-yet" not in listed
