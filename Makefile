@@ -105,8 +105,10 @@ bench: $(STAMP)
 	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --json $(BENCH_OUT)/crossover-2.json
 	$(PY) -m mpicomm.bench selection --json $(BENCH_OUT)/selection.json
 	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench fusion --json $(BENCH_OUT)/fusion-2.json
+	$(MPIEXEC) -n 5 $(PY) -m mpicomm.bench ps --json $(BENCH_OUT)/ps-5.json
+	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench adaptive --json $(BENCH_OUT)/adaptive-4.json
 	for s in $$($(PY) -m mpicomm.bench --list); do \
-	  case " $(KNOWN_SUITES) crossover selection fusion " in *" $$s "*) continue ;; esac; \
+	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive " in *" $$s "*) continue ;; esac; \
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done

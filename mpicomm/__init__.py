@@ -31,8 +31,8 @@ __all__ = [
 ]
 
 # Subpackages that import torch load on first use: ``import mpicomm`` stays light.
-_LAZY = ("compress", "sparse", "strategies", "control", "roles", "sched", "torch", "timeline",
-         "selection", "buffers", "collectives")
+_LAZY = ("compress", "sparse", "strategies", "control", "roles", "sched", "ps", "torch",
+         "timeline", "selection", "buffers", "collectives")
 
 
 def __getattr__(name: str) -> Any:

@@ -57,6 +57,10 @@ __all__ = [
 
 log = logging.getLogger("mpicomm")
 
+#: Resource keys a dup/split inherits (= mpicomm.collectives.cost.CALIBRATION_KEYS; the
+#: comm layer cannot import the cost model, a test keeps the two equal).
+_CALIBRATION_KEYS = ("cost_params", "compute_params")
+
 _SCALAR_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM}
 
 #: Argument errors re-raised with the same type on the ranks that did not find them.
@@ -201,13 +205,19 @@ class Communicator:
     def dup(self) -> Communicator:
         """A new communicator over the same ranks (collective).
 
-        It inherits checked mode, the job name and calibrated cost parameters
-        (``resources["cost_params"]``, so ``algorithm="auto"`` chooses as on this one).
+        It inherits checked mode, the job name and the calibration (the cost-model
+        parameters in :attr:`resources`, so ``algorithm="auto"`` and every strategy's
+        ``predict`` see the same numbers as on this one).
         """
-        new = Communicator(self.mpi.Dup(), check=self.check, owns=True, job=self.job)
-        if "cost_params" in self.resources:
-            new.resources["cost_params"] = self.resources["cost_params"]
-        return new
+        return self._inherit(Communicator(self.mpi.Dup(), check=self.check, owns=True,
+                                          job=self.job))
+
+    def _inherit(self, child: Communicator) -> Communicator:
+        """Copy the calibrated cost-model parameters (immutable values) into ``child``."""
+        for key in _CALIBRATION_KEYS:
+            if key in self.resources:
+                child.resources[key] = self.resources[key]
+        return child
 
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Partition the ranks by ``color`` (collective); ``None`` opts this rank out.
@@ -221,7 +231,7 @@ class Communicator:
                              self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
             return None
-        return Communicator(sub, check=self.check, owns=True, job=self.job)
+        return self._inherit(Communicator(sub, check=self.check, owns=True, job=self.job))
 
     def split_roles(self, num_servers: int, placement: str = "first") -> Roles:
         """Split the ranks into ``num_servers`` parameter servers and the rest workers.

@@ -28,6 +28,20 @@ variable                         meaning
                                  off; checked mode defaults to 300).
 ``MPICOMM_MPIEXEC``              the launcher ``python -m mpicomm run`` and the tests use
                                  (default: the ``mpiexec`` beside this Python, else PATH).
+``MPICOMM_PS_SPLIT_BYTES``       parameter server: keys of at least this many bytes are
+                                 split over all servers (default 65536, an integer >= 1).
+``MPICOMM_PS_SERVERS``           parameter-server ranks, set by ``python -m mpicomm run
+                                 --servers S`` (read with ``mpicomm.cli.ps_servers``;
+                                 ``examples/train_ps.py`` takes it as ``--servers``).
+``MPICOMM_EMU_HOSTS``            emulated cluster (set by ``launchers/emulated-cluster``,
+                                 never by hand): number of hosts H;
+``MPICOMM_EMU_RANKS_PER_HOST``   ranks per host R (world rank r lives on host ``r // R``);
+``MPICOMM_EMU_RATE``             the configured link rate, for reports;
+``MPICOMM_EMU_DELAY``            injected one-way delay in seconds between hosts;
+``MPICOMM_EMU_DELAY_FILE``       file with the current delay, rewritten by ``--schedule``;
+``MPICOMM_EMU_SCHEDULE``         the schedule file, for reports;
+``MPICOMM_EMU_STEP_FILE``        where ``mpicomm.linkdelay.report_step`` writes the step
+                                 (see ``mpicomm.linkdelay``).
 ===============================  ==========================================================
 
 Every value is checked where it is read: an unreadable one raises ``ValueError`` naming

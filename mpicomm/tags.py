@@ -19,7 +19,8 @@ RANGES: dict[str, tuple[int, int]] = {
     "sparse": (20, 30),        # gTop-k rounds and fold
     "gossip": (30, 40),        # neighbour averaging
     "emulate": (40, 50),       # emulated-cluster verification ping-pong
-    "stall": (50, 60),         # stall inspector queries and replies (own communicator)
+    "control": (50, 60),       # calibration ping-pongs of the selector (mpicomm.control)
+    "stall": (60, 70),         # stall inspector queries and replies (own communicator)
     "ps": (100, 200),          # parameter server requests and replies
     "sched": (200, 300),       # Crossover scheduler tokens
     "user": (1000, 32768),     # free for applications on their own communicators
@@ -62,8 +63,15 @@ TAG_GTOPK_FOLD = tag("sparse", 1)
 TAG_GTOPK_ROUND = tag("sparse", 2)
 # Gossip averaging.
 TAG_GOSSIP = tag("gossip", 1)
+# Parameter server (mpicomm.ps), on each store's own duplicated communicator.
+TAG_PS_REQUEST = tag("ps", 1)   # worker -> server: push, pull, close, checkpoint
+TAG_PS_REPLY = tag("ps", 2)     # server -> worker: pull replies
+TAG_PS_CONTROL = tag("ps", 3)   # worker 0 <-> server: init / restore and acks
+TAG_PS_STATE = tag("ps", 4)     # server -> worker 0: shard state for a checkpoint
 # Emulated cluster verification.
 TAG_PINGPONG = tag("emulate", 1)
+# Calibration ping-pong over several links (mpicomm.control.calibration).
+TAG_CALIBRATE = tag("control", 1)
 # Stall inspector (mpicomm.stall, on its own duplicate of the world).
 TAG_STALL_QUERY = tag("stall", 1)
 TAG_STALL_REPLY = tag("stall", 2)

@@ -155,9 +155,9 @@ def run(strategy: Strategy, comm, tensors: list[Any], names: list[str] | None = 
 # ====================================================================== serial
 def test_registry_lists_every_strategy():
     assert set(available()) == {"dense", "topk", "gtopk", "artopk", "randomk", "qsgd",
-                                "powersgd", "fp16", "bf16", "sign"}
+                                "powersgd", "fp16", "bf16", "sign", "auto"}
     tested = {f().name for f in FACTORIES.values()}
-    assert tested == set(available())
+    assert tested == set(available()) - {"auto"}  # auto: tests/test_control_selector.py
     for name in available():
         assert make(name).name == name
     with pytest.raises(ValueError, match="unknown strategy"):
@@ -217,28 +217,67 @@ def test_describe_names_the_settings():
 
 
 def test_predict_uses_the_cost_model():
+    """Communication part of the one prediction API: the cost-model formulas."""
     c = cost.CostParams(alpha=1e-5, beta=1e-9, gamma=0.0)
+    none = cost.ComputeParams(select=0, merge=0, scatter=0, flop=0, copy=0)
     d, p = 100_000, 8
     k = 1000
-    assert TopKAllgather(density=0.01).predict(d, 4, p, c) == pytest.approx(
+
+    def comm_s(s, shapes, p=p, params=c):
+        return s.predict(shapes, 4, p, params, none)
+
+    assert comm_s(TopKAllgather(density=0.01), d) == pytest.approx(
         cost.topk_allgather(k, 8, p, c))
-    assert GTopK(k=k).predict(d, 4, p, c) == pytest.approx(cost.gtopk(k, 8, p, c))
-    assert ARTopK(k=k).predict(d, 4, p, c) == pytest.approx(cost.artopk_ring(k, 4, 4, p, c))
-    assert ARTopK(k=k, algorithm="tree").predict(d, 4, p, c) == pytest.approx(
+    assert comm_s(GTopK(k=k), d) == pytest.approx(cost.gtopk(k, 8, p, c))
+    assert comm_s(ARTopK(k=k), d) == pytest.approx(cost.artopk_ring(k, 4, 4, p, c))
+    assert comm_s(ARTopK(k=k, algorithm="tree"), d) == pytest.approx(
         cost.artopk_tree(k, 4, 4, p, c))
-    assert RandomKAllreduce(k=k).predict(d, 4, p, c) == pytest.approx(
-        cost.allreduce_ring(4 * k, p, c))
-    assert FP16Allreduce().predict(d, 4, p, c) == pytest.approx(cost.allreduce_ring(2 * d, p, c))
+    assert comm_s(RandomKAllreduce(k=k), d) == pytest.approx(cost.allreduce_ring(4 * k, p, c))
+    assert comm_s(FP16Allreduce(), d) == pytest.approx(cost.allreduce_ring(2 * d, p, c))
     m = math.ceil(d * 9 / 8) + 4 * math.ceil(d / 512)
-    assert QSGDAllgather().predict(d, 4, p, c) == pytest.approx(cost.allgather_ring(m * p, p, c))
+    assert comm_s(QSGDAllgather(), d) == pytest.approx(cost.allgather_ring(m * p, p, c))
     shapes = [(100, 200), (200,)]
-    assert PowerSGDAllreduce(rank=4).predict(shapes, 4, p, c) == pytest.approx(
+    assert comm_s(PowerSGDAllreduce(rank=4), shapes) == pytest.approx(
         cost.allreduce_ring(400 * 4, p, c) + cost.allreduce_ring(800 * 4, p, c)
         + cost.allreduce_ring(800, p, c))
+    sign = SignAllgather()
+    wire = sign.compressor.wire_bytes(10) + sign.compressor.wire_bytes(20)
+    assert comm_s(sign, [(10,), (20,)]) == pytest.approx(cost.allgather_ring(wire * p, p, c))
+    # shapes are fused as aggregate fuses them: two small tensors = one buffer
+    assert comm_s(TopKAllgather(k=k), [(d // 2,), (d // 2,)]) == pytest.approx(
+        comm_s(TopKAllgather(k=k), d))
+    assert comm_s(TopKAllgather(k=k, fusion_bytes=4 * d // 2), [(d // 2,), (d // 2,)]) == \
+        pytest.approx(2 * comm_s(TopKAllgather(k=k), d // 2))
     # gTop-k moves 3/7 of the Allgather's bytes at P = 8 (bandwidth only)
     bw = cost.CostParams(alpha=0.0, beta=1.0, gamma=0.0)
-    assert GTopK(k=k).predict(d, 4, 8, bw) / TopKAllgather(k=k).predict(d, 4, 8, bw) == \
+    assert comm_s(GTopK(k=k), d, 8, bw) / comm_s(TopKAllgather(k=k), d, 8, bw) == \
         pytest.approx(3 / 7)
+
+
+def test_predict_adds_measured_compute():
+    """Selection, merges and densify are part of the prediction (issue 8: at large k the
+    gTop-k merges dominate), and the communicator's calibration is the default."""
+    zero = cost.CostParams(alpha=0.0, beta=0.0, gamma=0.0)
+    work = cost.ComputeParams(select=1.0, merge=10.0, scatter=0.0, flop=0.0, copy=0.0)
+    d, k = 1000, 100
+    assert GTopK(k=k, error_feedback=False).predict(d, 4, 8, zero, work) == pytest.approx(
+        d * 1.0 + 3 * 2 * k * 10.0)
+    assert ARTopK(k=k, error_feedback=False).predict(d, 4, 8, zero, work) == \
+        pytest.approx(d * 1.0)
+    parts = GTopK(k=k).predict_parts(d, 4, 8, zero, work)
+    assert parts["comm"] == 0.0 and parts["compute"] > 0
+    s = TopKAllgather(k=k)
+    s.comm.resources["cost_params"] = cost.CostParams(alpha=1.0, beta=0.0, gamma=0.0)
+    s.comm.resources["compute_params"] = cost.ComputeParams(0, 0, 0, 0, 0)
+    try:
+        assert s.predict(d, 4, 5) == pytest.approx(4.0)  # (p - 1) messages
+    finally:
+        s.comm.resources.pop("cost_params")
+        s.comm.resources.pop("compute_params")
+    with pytest.raises(ValueError, match="itemsize"):
+        s.predict(d, 0)
+    with pytest.raises(TypeError, match="shapes"):
+        s.predict("big")
 
 
 def test_state_dict_rejects_foreign_state():

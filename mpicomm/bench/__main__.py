@@ -18,9 +18,11 @@ SUITES = {
     "collectives": "mpicomm.bench.collectives",
     "sparse": "mpicomm.bench.sparse",
     "localsgd": "mpicomm.bench.localsgd",
+    "ps": "mpicomm.bench.ps",
     "selection": "mpicomm.bench.selection",
     "fusion": "mpicomm.bench.fusion",
     "crossover": "mpicomm.bench.crossover",
+    "adaptive": "mpicomm.bench.adaptive",
 }
 
 

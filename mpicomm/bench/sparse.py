@@ -94,31 +94,35 @@ def k_for(d: int, density: float) -> int:
 
 
 def predicted(method: str, d: int, k: int, p: int, c: cost.CostParams) -> tuple[float, float]:
-    """(seconds, max bytes sent by one rank) the cost model gives for one call."""
+    """(seconds, max bytes sent by one rank) the cost model gives for one call.
+
+    Seconds: the communication part of the strategy's own prediction
+    (:meth:`mpicomm.strategies.Strategy.predict_parts`, the one cost-model API), as the
+    rows time the collective given the local top-k."""
+    from ..strategies import ARTopK, Dense, GTopK, TopKAllgather
+
     p2 = 1 << (p.bit_length() - 1)
     lg2, fold = p2.bit_length() - 1, int(p != p2)
     s = 8  # int32 index + float32 value
     if p == 1:
         return 0.0, 0.0
-    if method == "dense/ring":
-        return cost.allreduce_ring(4 * d, p, c), 2 * (p - 1) / p * 4 * d
-    if method == "dense/rabenseifner":
+    model = {
+        "dense/ring": (Dense(algorithm="ring"), 2 * (p - 1) / p * 4 * d),
         # fold-in (non-power-of-two): the paired rank sends its whole vector once more
-        return (cost.allreduce_rabenseifner(4 * d, p, c),
-                2 * (p2 - 1) / p2 * 4 * d + fold * 4 * d)
-    if method == "dense/mpi":
-        return cost.predict("allreduce", "mpi", 4 * d, p, c), 2 * (p - 1) / p * 4 * d
-    if method == "allgather_topk":
-        return cost.topk_allgather(k, s, p, c), (p - 1) * k * s
-    if method == "gtopk":
-        return cost.gtopk(k, s, p, c), (lg2 + fold) * k * s
-    if method == "artopk_star":
-        return (cost.artopk_ring(k, 4, 4, p, c),
-                math.ceil(math.log2(p)) * 4 * k + 2 * (p - 1) / p * 4 * k)
-    if method == "artopk_star_tree":
-        return (cost.artopk_tree(k, 4, 4, p, c),
-                math.ceil(math.log2(p)) * 4 * k + (lg2 + fold) * 4 * k)
-    return 0.0, 0.0  # compress: no communication
+        "dense/rabenseifner": (Dense(algorithm="rabenseifner"),
+                               2 * (p2 - 1) / p2 * 4 * d + fold * 4 * d),
+        "dense/mpi": (Dense(algorithm="mpi"), 2 * (p - 1) / p * 4 * d),
+        "allgather_topk": (TopKAllgather(k=k), (p - 1) * k * s),
+        "gtopk": (GTopK(k=k), (lg2 + fold) * k * s),
+        "artopk_star": (ARTopK(k=k), math.ceil(math.log2(p)) * 4 * k
+                        + 2 * (p - 1) / p * 4 * k),
+        "artopk_star_tree": (ARTopK(k=k, algorithm="tree"),
+                             math.ceil(math.log2(p)) * 4 * k + (lg2 + fold) * 4 * k),
+    }
+    if method not in model:
+        return 0.0, 0.0  # compress: no communication
+    strategy, nbytes = model[method]
+    return strategy.predict_parts(d, 4, p, c, cost.ComputeParams())["comm"], nbytes
 
 
 # ---------------------------------------------------------------------- inputs

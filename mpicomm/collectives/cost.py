@@ -29,6 +29,7 @@ Top-k via allgather (ring)      (p-1)α + (p-1)·k·s·β
 gTop-k (butterfly)              lg p2·(α + k·s·β)                        fold: 2(α + k·s·β)
 AR-Top-k (ring)                 bcast of k indices + ring allreduce of k values
 AR-Top-k (tree)                 bcast of k indices + recursive-doubling allreduce of k values
+PS push + pull (S servers)      2α + 2W(n/S)β + W(n/S)γ   (busiest server port; Table I: S=1)
 ==============================  ===============================================================
 
 Tuning: the defaults in :class:`CostParams` are rough figures for shared memory under
@@ -43,8 +44,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["CostParams", "predict", "choose", "FORMULAS", "paper"]
+__all__ = ["CostParams", "ComputeParams", "predict", "choose", "FORMULAS", "paper", "calibrated",
+           "CALIBRATION_KEYS", "ps_push_pull"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,45 @@ class CostParams:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class ComputeParams:
+    """Measured local compute rates the strategies' predictions add to alpha/beta/gamma.
+
+    ``select``: seconds per element of a top-k selection over a buffer (O(d));
+    ``merge``: seconds per (index, value) pair of one gTop-k merge-and-truncate round
+    (a sort of <= 2k pairs); ``scatter``: seconds per element of densifying a sparse
+    result (zero fill + scatter-add); ``flop``: seconds per multiply-add of a float32
+    matmul (PowerSGD); ``copy``: seconds per byte of a local copy or add (error-feedback
+    compensation, fusion, host staging). The defaults are rough single-core CPU figures;
+    :func:`mpicomm.control.calibration.measure_compute` measures them.
+    """
+
+    select: float = 4e-9
+    merge: float = 1e-7
+    scatter: float = 2e-9
+    flop: float = 2e-10
+    copy: float = 3e-10
+
+    def __post_init__(self) -> None:
+        for name in ("select", "merge", "scatter", "flop", "copy"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+
+
+#: The ``Communicator.resources`` keys that hold a calibration; ``dup``/``split`` copy them.
+CALIBRATION_KEYS = ("cost_params", "compute_params")
+
+
+def calibrated(comm: Any) -> tuple[CostParams, ComputeParams]:
+    """The communicator's calibrated :class:`CostParams` and :class:`ComputeParams` (set by
+    :func:`mpicomm.collectives.calibrate.measure` / :mod:`mpicomm.control.calibration`,
+    inherited by ``dup``/``split``), or the defaults where none was measured."""
+    resources = getattr(comm, "resources", {}) if comm is not None else {}
+    return (resources.get("cost_params") or CostParams(),
+            resources.get("compute_params") or ComputeParams())
 
 
 def _lg(p: int) -> float:
@@ -185,6 +227,26 @@ def artopk_tree(k: float, index_bytes: float, value_bytes: float, p: int,
             + allreduce_recursive_doubling(k * value_bytes, p, c))
 
 
+def ps_push_pull(n: float, workers: int, servers: int, c: CostParams) -> float:
+    """One synchronous parameter-server step: every worker pushes ``n`` bytes and pulls
+    ``n`` bytes, each key split evenly over ``servers``.
+
+    The bottleneck is a server's port, which receives ``W`` pieces of ``n/S`` bytes and
+    sends as many back, and sums the ``W`` pushed pieces:
+    ``2 alpha + 2 W (n/S) beta + W (n/S) gamma``. The latency counts once each way (the
+    ``W`` messages are in flight together), as in Table I of Tyagi & Swany (their
+    ``2 alpha + 2 (N-1) M beta`` with one server and ``N - 1 = W`` workers; their table
+    has no gamma). Compare :func:`allreduce_ring` over the ``W`` workers, whose bandwidth
+    term ``2 (W-1)/W n beta`` does not grow with ``W``: with ``S = 1`` a PS moves about
+    ``W`` times more bytes through its busiest port; with ``S = W`` servers of their own
+    bandwidth it matches the ring's term with a constant latency.
+    """
+    if workers < 1 or servers < 1:
+        raise ValueError(f"need workers >= 1 and servers >= 1, got {workers}, {servers}")
+    per_port = workers * n / servers
+    return 2 * c.alpha + 2 * per_port * c.beta + per_port * c.gamma
+
+
 FORMULAS: dict[str, dict[str, Callable[[float, int, CostParams], float]]] = {
     "allreduce": {
         "ring": allreduce_ring,
@@ -244,6 +306,10 @@ class paper:  # noqa: N801 - a namespace, not a class of objects
     ``M`` is the gradient size in bytes, ``c`` the fraction of entries kept, ``n`` the
     number of workers. Used to check the model against the paper's Table VI.
     """
+
+    @staticmethod
+    def parameter_server(M: float, n: int, alpha: float, beta: float) -> float:
+        return 2 * alpha + 2 * (n - 1) * M * beta
 
     @staticmethod
     def allgather_topk(M: float, c: float, n: int, alpha: float, beta: float) -> float:

@@ -24,6 +24,9 @@ fp16, bf16  :class:`FP16Allreduce`,    cast (after / P), allreduce, cast back;
             :class:`BF16Allreduce`     ≈ 2(P-1)/P·2d bytes
 sign        :class:`SignAllgather`     EF + scaled sign per tensor + allgather;
                                        (P-1)·Σ(ceil(d_t/8) + 4) bytes
+auto        :class:`mpicomm.control.   per bucket the cheapest of dense / Allgather
+            AutoStrategy`              Top-k / gTop-k / AR-Top-k / PowerSGD at an
+                                       adaptive ratio (:mod:`mpicomm.control`)
 ==========  =========================  ==================================================
 
 Exact per-rank byte formulas, cost-model entries and tuning advice are in each class's
@@ -73,11 +76,15 @@ _BY_NAME: dict[str, type[Strategy]] = {
 
 def available() -> tuple[str, ...]:
     """Names accepted by :func:`make`."""
-    return tuple(sorted(_BY_NAME))
+    return tuple(sorted((*_BY_NAME, "auto")))
 
 
 def make(name: str, **kwargs: Any) -> Strategy:
     """Build the strategy called ``name`` with keyword arguments for its constructor."""
+    if name == "auto":  # lives with the controllers it drives (the layer above)
+        from ..control.auto import AutoStrategy
+
+        return AutoStrategy(**kwargs)
     cls = _BY_NAME.get(name)
     if cls is None:
         raise ValueError(f"unknown strategy {name!r}; available: {', '.join(available())}")

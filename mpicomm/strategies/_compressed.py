@@ -218,6 +218,10 @@ class CompressedStrategy(Strategy):
     def _slot(self, name: str) -> int:
         return self._slots[name]
 
+    def _feedback_seconds(self, numel: int, itemsize: int, compute: Any) -> float:
+        """Modelled time of the error-feedback add (0 without error feedback)."""
+        return numel * itemsize * compute.copy if self.memory is not None else 0.0
+
     def _compensate(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``x + residual`` (a new tensor) with error feedback, else ``x`` itself; with
         ``clip_norm``, ``x`` is first clipped to norm ``clip_norm / sqrt(P)`` (a scaled

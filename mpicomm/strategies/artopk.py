@@ -122,10 +122,12 @@ class ARTopK(CompressedStrategy):
         super().load_state_dict(state)
         self._states = {k: ARTopKState(**v) for k, v in state.get("artopk", {}).items()}
 
-    def predict(self, numel: int, itemsize: int = 4, p: int | None = None,
-                params: cost.CostParams | None = None) -> float:
-        """Modelled seconds to aggregate a buffer of ``numel`` elements over ``p`` ranks."""
-        p = self.comm.size if p is None else p
+    def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
+                      compute: cost.ComputeParams) -> tuple[float, float]:
+        """Index broadcast + allreduce of k values; compute: compensation, the source's
+        selection (every rank waits for it), densify."""
         k = k_of(numel, self.density, self.k)
         fn = cost.artopk_ring if self.algorithm == "ring" else cost.artopk_tree
-        return fn(k, index_itemsize(numel), itemsize, p, params or cost.CostParams())
+        work = (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
+                + numel * compute.scatter)
+        return fn(k, index_itemsize(numel), itemsize, p, params), work

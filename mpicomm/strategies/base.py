@@ -30,6 +30,12 @@ Traffic: ``stats`` accumulates the bytes this rank sent and received through mpi
 own collectives while aggregating (measured by the communicator's counters), the bytes a
 dense exchange of the same tensors would occupy, and the time spent.
 
+Prediction: :meth:`Strategy.predict` is the one cost-model entry point of every
+strategy: seconds to aggregate tensors of given shapes (fused like :meth:`aggregate`),
+communication (alpha-beta-gamma, :mod:`mpicomm.collectives.cost`) plus measured local
+compute (:class:`~mpicomm.collectives.cost.ComputeParams`), both read by default from the
+communicator's calibration (:func:`~mpicomm.collectives.cost.calibrated`).
+
 Strategies are not thread-safe; give each thread its own (and its own communicator via
 :meth:`Strategy.bind`).
 """
@@ -37,20 +43,25 @@ Strategies are not thread-safe; give each thread its own (and its own communicat
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from .. import trace
 from ..buffers import from_torch, inspect, to_torch
-from ..comm import Communicator, resolve
+from ..collectives.cost import ComputeParams, CostParams, calibrated
+from ..comm import Communicator, Traffic, resolve
 from ..fusion import Layout, LayoutCache, group, kind_of
 from ..validate import check_int
 
 __all__ = ["Strategy", "StrategyStats", "FusedBuffer", "fuse", "buffer_name", "measure",
-           "DEFAULT_FUSION_BYTES"]
+           "DEFAULT_FUSION_BYTES", "fused_sizes", "fused_groups", "link_delay", "Shapes"]
+
+#: What :meth:`Strategy.predict` takes: one flat buffer's element count, or tensor shapes.
+Shapes = Union[int, Sequence[Union[int, tuple[int, ...]]]]
 
 DEFAULT_FUSION_BYTES = 64 << 20
 
@@ -140,14 +151,50 @@ def _adjacent(parts: Sequence[Any]) -> bool:
     return True
 
 
+def fused_groups(shapes: Sequence[tuple[int, ...]], itemsize: int, fusion_bytes: int
+                 ) -> list[list[int]]:
+    """Positions in ``shapes`` of the tensors of each flat buffer :func:`fuse` makes of
+    same-dtype tensors (the model of fusion :meth:`Strategy.predict` uses)."""
+    return group([math.prod(s) * itemsize for s in shapes], None, fusion_bytes,
+                 consecutive=True)
+
+
+def fused_sizes(shapes: Sequence[tuple[int, ...]], itemsize: int, fusion_bytes: int
+                ) -> list[int]:
+    """Element counts of the flat buffers of :func:`fused_groups`."""
+    return [sum(math.prod(shapes[i]) for i in g)
+            for g in fused_groups(shapes, itemsize, fusion_bytes)]
+
+
+def link_delay(comm: Communicator, moved: Traffic) -> float:
+    """Seconds of an *emulated* slower network for traffic ``moved`` on ``comm``.
+
+    ``comm.resources["emulated_link"] = (alpha, beta)`` (seconds, seconds per byte) makes
+    every strategy sleep ``alpha·messages + beta·bytes sent`` by this rank after each
+    aggregation (:func:`measure`), i.e. the one-port alpha-beta time of the traffic it
+    really sent, on top of the real transfer. For benchmarks of slow links on one host
+    (``python -m mpicomm.bench adaptive``); 0 when unset.
+    """
+    link = comm.resources.get("emulated_link")
+    if not link:
+        return 0.0
+    alpha, beta = link
+    return alpha * moved.messages + beta * moved.sent_bytes
+
+
 @contextlib.contextmanager
 def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
-    """Count the traffic, time and dense-equivalent bytes of one aggregation (on success)."""
+    """Count the traffic, time and dense-equivalent bytes of one aggregation (on success);
+    sleeps the :func:`link_delay` of an emulated link when one is set."""
     start = time.perf_counter()
-    with strategy.comm.traffic.measure() as moved, trace.block(
-            f"{strategy.name}.aggregate", "strategy", strategy.comm,
+    comm = strategy.comm
+    with comm.traffic.measure() as moved, trace.block(
+            f"{strategy.name}.aggregate", "strategy", comm,
             **(trace.describe_strategy(strategy, tensors) if trace.active() else {})):
         yield
+    delay = link_delay(comm, moved)
+    if delay > 0:
+        time.sleep(delay)
     stats = strategy.stats
     stats.calls += 1
     stats.sent_bytes += moved.sent_bytes
@@ -240,6 +287,58 @@ class Strategy(ABC):
         """The strategy's settings and choices, for summaries and logs."""
         return {"strategy": self.name}
 
+    def step_done(self, model: Any = None, optimizer: Any = None) -> None:
+        """Called once per training step after ``optimizer.step()`` (by
+        :meth:`mpicomm.torch.GradientSync.step`; call it yourself in a loop of your own),
+        on every rank: a safe point where no backward runs. Adaptive strategies make
+        their decisions here; the default does nothing."""
+        return None
+
+    # -- prediction (one API for every strategy)
+    def predict(self, shapes: Shapes, itemsize: int = 4, p: int | None = None,
+                params: CostParams | None = None,
+                compute: ComputeParams | None = None) -> float:
+        """Modelled seconds of one :meth:`aggregate` call: communication + local compute.
+
+        ``shapes``: an int (one flat buffer of that many elements, e.g. a fused bucket)
+        or the tensors' shapes (fused as :meth:`aggregate` fuses them); ``itemsize`` the
+        gradient dtype's bytes; ``p`` the rank count (default the communicator's);
+        ``params``/``compute`` default to the communicator's calibration. See
+        :meth:`predict_parts` for the split.
+        """
+        parts = self.predict_parts(shapes, itemsize, p, params, compute)
+        return parts["comm"] + parts["compute"]
+
+    def predict_parts(self, shapes: Shapes, itemsize: int = 4, p: int | None = None,
+                      params: CostParams | None = None,
+                      compute: ComputeParams | None = None) -> dict[str, float]:
+        """``{"comm": s, "compute": s}`` of :meth:`predict` (summed over fused buffers)."""
+        if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+            raise ValueError(f"itemsize must be a positive int, got {itemsize!r}")
+        p = self.comm.size if p is None else p
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ValueError(f"p must be a positive int, got {p!r}")
+        if params is None or compute is None:
+            cal_params, cal_compute = calibrated(self._comm if self._comm is not None
+                                                 else self.comm)
+            params, compute = params or cal_params, compute or cal_compute
+        return self._predict_shapes(_as_shapes(shapes), itemsize, p, params, compute)
+
+    def _predict_shapes(self, shapes: list[tuple[int, ...]], itemsize: int, p: int,
+                        params: CostParams, compute: ComputeParams) -> dict[str, float]:
+        """Fuse ``shapes`` and sum :meth:`_predict_flat` over the buffers (override for
+        strategies that do not fuse, e.g. PowerSGD)."""
+        comm_s = compute_s = 0.0
+        for numel in fused_sizes(shapes, itemsize, self.fusion_bytes):
+            c, w = self._predict_flat(numel, itemsize, p, params, compute)
+            comm_s, compute_s = comm_s + c, compute_s + w
+        return {"comm": comm_s, "compute": compute_s}
+
+    def _predict_flat(self, numel: int, itemsize: int, p: int, params: CostParams,
+                      compute: ComputeParams) -> tuple[float, float]:
+        """(communication, compute) seconds for one flat buffer; subclasses define it."""
+        raise NotImplementedError(f"{type(self).__name__} has no cost model")
+
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (error-feedback residuals, warm starts)."""
         return {}
@@ -271,3 +370,20 @@ class Strategy(ABC):
         if len(set(names)) != len(names):
             raise ValueError("tensor names must be unique")
         return tensors, names
+
+
+def _as_shapes(shapes: Shapes) -> list[tuple[int, ...]]:
+    if isinstance(shapes, bool):
+        raise TypeError("shapes must be an int or a sequence of shapes, got a bool")
+    if isinstance(shapes, int):
+        shapes = [shapes]
+    if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence):
+        raise TypeError(f"shapes must be an int or a sequence of shapes, got "
+                        f"{type(shapes).__name__}")
+    out = []
+    for s in shapes:
+        shape = (s,) if isinstance(s, int) and not isinstance(s, bool) else tuple(s)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+            raise ValueError(f"bad shape {s!r}: dimensions must be ints >= 0")
+        out.append(shape)
+    return out

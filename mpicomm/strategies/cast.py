@@ -39,12 +39,12 @@ class _CastAllreduce(Strategy):
         return {"strategy": self.name, "wire_dtype": str(self.wire_dtype).replace(
             "torch.", ""), "collective": f"allreduce({self.algorithm})"}
 
-    def predict(self, numel: int, itemsize: int = 4, p: int | None = None,
-                params: cost.CostParams | None = None) -> float:
-        """Modelled seconds to aggregate a buffer of ``numel`` elements over ``p`` ranks."""
-        p = self.comm.size if p is None else p
+    def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
+                      compute: cost.ComputeParams) -> tuple[float, float]:
+        """Allreduce of 2-byte words; compute: the two casts."""
         algorithm = "mpi" if self.algorithm == "auto" else self.algorithm
-        return cost.predict("allreduce", algorithm, 2 * numel, p, params)
+        work = numel * (itemsize + 2) * compute.copy
+        return cost.predict("allreduce", algorithm, 2 * numel, p, params), work
 
 
 class FP16Allreduce(_CastAllreduce):

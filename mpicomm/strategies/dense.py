@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..collectives import allreduce
+from ..collectives import allreduce, cost
+from ..collectives.cost import ComputeParams, CostParams
 from ..comm import Communicator
 from .base import DEFAULT_FUSION_BYTES, Strategy
 
@@ -35,3 +36,9 @@ class Dense(Strategy):
 
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.name, "algorithm": self.algorithm}
+
+    def _predict_flat(self, numel: int, itemsize: int, p: int, params: CostParams,
+                      compute: ComputeParams) -> tuple[float, float]:
+        """The allreduce (gamma covers its reduction); ``auto``: the best algorithm."""
+        algorithm = "mpi" if self.algorithm == "auto" else self.algorithm
+        return cost.predict("allreduce", algorithm, numel * itemsize, p, params), 0.0

@@ -102,10 +102,12 @@ class GTopK(CompressedStrategy):
                 "own_contribution": self.own_contribution,
                 "compressor": "topk", "collective": "gtopk(butterfly)"}
 
-    def predict(self, numel: int, itemsize: int = 4, p: int | None = None,
-                params: cost.CostParams | None = None) -> float:
-        """Modelled seconds to aggregate a buffer of ``numel`` elements over ``p`` ranks."""
-        p = self.comm.size if p is None else p
+    def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
+                      compute: cost.ComputeParams) -> tuple[float, float]:
+        """Butterfly of k pairs; compute: compensation, selection, one merge of <= 2k
+        pairs per round (the term that dominates at large k on a fast link), densify."""
         k = k_of(numel, self.density, self.k)
-        return cost.gtopk(k, index_itemsize(numel) + itemsize, p,
-                          params or cost.CostParams())
+        rounds = 0 if p == 1 else (p.bit_length() - 1) + (p & (p - 1) != 0)
+        work = (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
+                + rounds * 2 * k * compute.merge + numel * compute.scatter)
+        return cost.gtopk(k, index_itemsize(numel) + itemsize, p, params), work

@@ -183,19 +183,22 @@ class PowerSGDAllreduce(CompressedStrategy):
         super().load_state_dict(state)
         self.compressor.load_state_dict({"q": state.get("q", {})})
 
-    def predict(self, shapes: Sequence[tuple[int, ...]], itemsize: int = 4,
-                p: int | None = None, params: cost.CostParams | None = None) -> float:
-        """Modelled seconds for one call on tensors of ``shapes`` over ``p`` ranks."""
-        p = self.comm.size if p is None else p
-        c = params or cost.CostParams()
+    def _predict_shapes(self, shapes: list[tuple[int, ...]], itemsize: int, p: int,
+                        params: cost.CostParams, compute: cost.ComputeParams
+                        ) -> dict[str, float]:
+        """Two allreduces (all P, all Q) + one dense for the uncompressed tensors;
+        compute: compensation, three ``n·m·r`` products per matrix (P, Q, reconstruction)
+        and the residual update."""
+        c = params
         w = 8 if itemsize == 8 else 4
-        n_r = m_r = dense = 0
+        n_r = m_r = dense = flops = 0
         for shape in shapes:
             shape = tuple(shape)
             if self.compressor.should_compress(shape):
                 n, m = matrix_shape(shape)
                 r = self.compressor.rank_for(shape)
                 n_r, m_r = n_r + n * r, m_r + m * r
+                flops += 3 * n * m * r
             else:
                 dense += int(torch.Size(shape).numel())
         algorithm = "mpi" if self.algorithm == "auto" else self.algorithm
@@ -203,4 +206,6 @@ class PowerSGDAllreduce(CompressedStrategy):
         for nbytes in (n_r * w, m_r * w, dense * itemsize):
             if nbytes:
                 total += cost.predict("allreduce", algorithm, nbytes, p, c)
-        return total
+        compressed = sum(int(torch.Size(s).numel()) for s in shapes) - dense
+        work = flops * compute.flop + 2 * compressed * itemsize * compute.copy
+        return {"comm": total, "compute": work}

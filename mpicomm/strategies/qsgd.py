@@ -123,10 +123,10 @@ class QSGDAllgather(CompressedStrategy):
                 "seed": self.seed, "noise": "independent per rank (salt=rank)",
                 "collective": f"allgather({self.algorithm})"}
 
-    def predict(self, numel: int, itemsize: int = 4, p: int | None = None,
-                params: cost.CostParams | None = None) -> float:
-        """Modelled seconds to aggregate a buffer of ``numel`` elements over ``p`` ranks."""
-        p = self.comm.size if p is None else p
+    def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
+                      compute: cost.ComputeParams) -> tuple[float, float]:
+        """Allgather of every rank's packed payload; compute: encode once, decode P."""
         m = QSGD(self.bits, self.bucket_size).wire_bytes(numel)
         algorithm = "mpi" if self.algorithm == "auto" else self.algorithm
-        return cost.predict("allgather", algorithm, m * p, p, params)
+        work = (1 + p) * numel * itemsize * compute.copy * 4
+        return cost.predict("allgather", algorithm, m * p, p, params), work

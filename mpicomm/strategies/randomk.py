@@ -98,10 +98,11 @@ class RandomKAllreduce(CompressedStrategy):
                 "seed": self.seed, "compressor": "randomk",
                 "collective": f"allreduce({self.algorithm})"}
 
-    def predict(self, numel: int, itemsize: int = 4, p: int | None = None,
-                params: cost.CostParams | None = None) -> float:
-        """Modelled seconds to aggregate a buffer of ``numel`` elements over ``p`` ranks."""
-        p = self.comm.size if p is None else p
-        nbytes = k_of(numel, self.density, self.k) * itemsize
+    def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
+                      compute: cost.ComputeParams) -> tuple[float, float]:
+        """Allreduce of k values; compute: compensation, index draw, densify."""
+        k = k_of(numel, self.density, self.k)
         algorithm = "mpi" if self.algorithm == "auto" else self.algorithm
-        return cost.predict("allreduce", algorithm, nbytes, p, params)
+        work = (self._feedback_seconds(numel, itemsize, compute) + k * compute.merge / 8
+                + numel * compute.scatter)
+        return cost.predict("allreduce", algorithm, k * itemsize, p, params), work

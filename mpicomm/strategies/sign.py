@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from ..collectives import allreduce, cost
 from ..compress import SignSGD
 from ..compress.base import Payload
 from ._compressed import CompressedStrategy, pack_bytes, unpack_bytes
-from .base import DEFAULT_FUSION_BYTES, fuse, measure
+from .base import DEFAULT_FUSION_BYTES, fuse, fused_groups, measure
 from .qsgd import check_allgather_algorithm, gather_payloads
 
 __all__ = ["SignAllgather"]
@@ -134,10 +135,16 @@ class SignAllgather(CompressedStrategy):
         return {**super().describe(), "compressor": "sign(scaled, per tensor)",
                 "collective": f"allgather({self.algorithm})"}
 
-    def predict(self, numels: Sequence[int], p: int | None = None,
-                params: cost.CostParams | None = None) -> float:
-        """Modelled seconds for one buffer of tensors with ``numels`` elements."""
-        p = self.comm.size if p is None else p
-        m = sum(self.compressor.wire_bytes(n) for n in numels)
+    def _predict_shapes(self, shapes: list[tuple[int, ...]], itemsize: int, p: int,
+                        params: cost.CostParams, compute: cost.ComputeParams
+                        ) -> dict[str, float]:
+        """Per fused buffer, one allgather of the packed signs and scales of its tensors;
+        compute: compensation, encode, decode of P payloads."""
         algorithm = "mpi" if self.algorithm == "auto" else self.algorithm
-        return cost.predict("allgather", algorithm, m * p, p, params)
+        comm_s = work = 0.0
+        for group in fused_groups(shapes, itemsize, self.fusion_bytes):
+            numels = [math.prod(shapes[i]) for i in group]
+            m = sum(self.compressor.wire_bytes(n) for n in numels)
+            comm_s += cost.predict("allgather", algorithm, m * p, p, params)
+            work += (2 + p) * sum(numels) * itemsize * compute.copy
+        return {"comm": comm_s, "compute": work}

@@ -103,10 +103,12 @@ class TopKAllgather(CompressedStrategy):
                 "compressor": "sampled_topk" if self.sampled else "topk",
                 "collective": "allgatherv(ring)"}
 
-    def predict(self, numel: int, itemsize: int = 4, p: int | None = None,
-                params: cost.CostParams | None = None) -> float:
-        """Modelled seconds to aggregate a buffer of ``numel`` elements over ``p`` ranks."""
-        p = self.comm.size if p is None else p
+    def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
+                      compute: cost.ComputeParams) -> tuple[float, float]:
+        """Ring allgather of k pairs; compute: compensation, selection, densify of the
+        P·k gathered pairs into d elements."""
         k = k_of(numel, self.density, self.k)
         s = index_itemsize(numel) + itemsize
-        return cost.topk_allgather(k, s, p, params or cost.CostParams())
+        work = (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
+                + (numel + p * k) * compute.scatter)
+        return cost.topk_allgather(k, s, p, params), work

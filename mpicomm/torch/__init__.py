@@ -6,6 +6,7 @@
 ``GossipAveraging``         decentralized neighbour averaging (ring / exponential graph)
 ``ddp_comm_hook``           any mpicomm strategy inside PyTorch DDP (``init_process_group``
                            from the MPI ranks, ``MpicommHookState`` + ``mpicomm_hook``)
+``PSOptimizer``             train through a parameter server (``mpicomm.ps.KVStore``)
 ``TorchJob``                a model + optimizer + data as a Crossover scheduler job
 
 Imported lazily so that ``import mpicomm`` does not import torch.
@@ -27,6 +28,7 @@ _EXPORTS = {
     "MpicommHookState": "mpicomm.torch.ddp",
     "init_process_group": "mpicomm.torch.ddp",
     "process_group": "mpicomm.torch.ddp",
+    "PSOptimizer": "mpicomm.torch.ps",
     "TorchJob": "mpicomm.torch.crossover",
 }
 

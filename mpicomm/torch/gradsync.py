@@ -563,6 +563,7 @@ class GradientSync:
         if not self.wait():
             return False
         optimizer.step()
+        self.strategy.step_done(self.model, optimizer)  # adaptive strategies decide here
         return True
 
     @contextlib.contextmanager

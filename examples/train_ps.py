@@ -1,0 +1,166 @@
+"""examples/train.py in parameter-server mode: the same data, model, loop and summary.
+
+The last ``--servers`` ranks become parameter servers (they hold the model and apply SGD
+with momentum and weight decay on their shards); the other ranks are workers that train
+on disjoint shards of the data, push gradients and pull parameters through
+:class:`mpicomm.torch.PSOptimizer`::
+
+    mpiexec -n 5 python examples/train_ps.py --servers 1 --mode ssp --staleness 2
+    mpiexec -n 5 python examples/train_ps.py --servers 2 --mode sync
+    mpiexec -n 4 python examples/train_ps.py --servers 1 --mode async --slow-worker 0
+    mpiexec -n 3 python examples/train_ps.py --servers 1 --compressor topk --density 0.01
+
+``--slow-worker R --slow-factor F`` makes worker ``R`` a straggler: after each step's
+computation it sleeps ``F - 1`` times that computation's duration. Worker 0 prints the
+summary of examples/train.py (the data set is sharded over the workers only; "sent" is
+what each worker pushed, against a dense allreduce over the workers; the worker stats
+in "settings" also give the bytes pulled) plus the
+servers' counters (staleness, updates, idle time).
+"""
+
+from __future__ import annotations
+
+import time
+
+_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train as peer  # noqa: E402  (examples/train.py: data, model, loop, summary)
+
+import mpicomm  # noqa: E402
+from mpicomm.cli import ps_servers  # noqa: E402
+from mpicomm.compress import REGISTRY, make  # noqa: E402
+from mpicomm.ps import MODES, KVStore  # noqa: E402
+from mpicomm.torch import PSOptimizer  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = peer.RankZeroParser(
+        prog=os.path.basename(__file__),
+        description="Train an MLP on scikit-learn's digits through mpicomm's parameter "
+                    "server (run under mpiexec; worker 0 prints the summary).")
+    ap.add_argument("--servers", type=int, default=ps_servers(1),
+                    help="server ranks, the last ones (default: python -m mpicomm run "
+                         "--servers S, else 1)")
+    ap.add_argument("--mode", choices=MODES, default="sync", help="consistency model")
+    ap.add_argument("--staleness", type=int, default=0, help="SSP bound (with --mode ssp)")
+    ap.add_argument("--compressor", default=None, choices=sorted(REGISTRY),
+                    help="compress pushes (error feedback on the worker)")
+    ap.add_argument("--density", type=float, default=0.01, help="for topk/randomk")
+    ap.add_argument("--slow-worker", type=int, default=None, help="make this worker slow")
+    ap.add_argument("--slow-factor", type=float, default=3.0,
+                    help="the slow worker's step takes this many times as long")
+    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--weight-decay", type=float, default=1e-3)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", default=None)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    for name in ("epochs", "batch_size", "hidden"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.slow_factor < 1:
+        ap.error("--slow-factor must be >= 1")
+    # what examples/train.py's loop and summary read, with this script's meaning: the
+    # servers apply plain momentum SGD (no momentum correction), gradients every step
+    args.momentum_correction = None
+    args.local_sgd = "none"
+    args.strategy = f"ps-{args.mode}"
+    return args
+
+
+def make_compressor(args: argparse.Namespace) -> Any:
+    if args.compressor is None:
+        return None
+    if args.compressor in ("topk", "randomk", "sampled_topk"):
+        return make(args.compressor, density=args.density)
+    return make(args.compressor)
+
+
+class Straggler:
+    """Sleep ``factor - 1`` times the step's compute time (measured since ``zero_grad``)."""
+
+    def __init__(self, opt: PSOptimizer, factor: float) -> None:
+        self.opt, self.factor, self.t0 = opt, factor, time.perf_counter()
+
+    def zero_grad(self) -> None:
+        self.t0 = time.perf_counter()
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        time.sleep((self.factor - 1) * (time.perf_counter() - self.t0))
+        self.opt.step()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    comm = mpicomm.init()
+    peer.setup_logging(comm.rank)
+    kv = KVStore(comm, servers=args.servers, mode=args.mode, staleness=args.staleness,
+                 optimizer="sgd", lr=args.lr, momentum=args.momentum,
+                 weight_decay=args.weight_decay, compressor=make_compressor(args))
+    workers = comm.split(0 if kv.is_worker else None)
+    torch.set_num_threads(args.threads or peer.default_threads(comm))
+    summary = None
+    if kv.is_server:
+        kv.serve()
+    else:
+        data = workers.bcast_object(peer.load_data() if workers.rank == 0 else None)
+        model = peer.build_model(args.hidden, args.seed)
+        opt = PSOptimizer(model, kv)
+        driver: Any = opt
+        if args.slow_worker is not None and args.slow_worker == kv.worker_rank:
+            driver = Straggler(opt, args.slow_factor)
+        workers.barrier()
+        start = time.perf_counter()
+        steps, history = peer.run_epochs(model, driver, data, args, workers,
+                                         lambda loss: driver.step())
+        workers.barrier()
+        opt.pull()  # every push is in: one final model (worker 0's, broadcast below)
+        for p in model.parameters():
+            p.data.copy_(torch.from_numpy(workers.bcast_object(p.data.numpy())))
+        train_s = workers.allreduce_value(time.perf_counter() - start, "max")
+        stats = kv.stats()
+        opt.close()
+        test = peer.evaluate(model, data.x_test, data.y_test, workers)
+        describe = {"mode": args.mode, "staleness": args.staleness, "servers": args.servers,
+                    "workers": kv.workers, "compressor": args.compressor,
+                    "slow_worker": args.slow_worker, "worker_stats": stats}
+        outcome = peer.Outcome(steps, stats["bytes_pushed"], describe, history)
+        summary = peer.summarize(outcome, test, peer.dense_bytes_per_step(model, workers),
+                                 train_s, args, workers)
+        summary["mode"] = f"parameter server ({args.mode})"
+        summary["wall_s"] = time.perf_counter() - _START
+    server_stats = comm.allgather_object(kv.stats() if kv.is_server else None)
+    if summary is not None:
+        summary["server_stats"] = [s for s in server_stats if s is not None]
+        if comm.rank == 0:
+            peer.print_summary(summary)
+            servers = summary["server_stats"]
+            print(f"servers           {len(servers)}: max staleness "
+                  f"{max(s['max_staleness'] for s in servers)}, updates "
+                  f"{[s['updates'] for s in servers]}, idle "
+                  f"{[round(s['idle_s'], 1) for s in servers]} s", flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(summary, f, indent=2)
+    if workers is not None:
+        workers.free()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

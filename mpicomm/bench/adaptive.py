@@ -1,0 +1,233 @@
+"""Adaptive selector: time-to-accuracy of dense, static (scheme, ratio) and auto; L-GreCo bytes.
+
+Run under MPI with 4+ ranks, e.g.
+``mpiexec -n 4 python -m mpicomm.bench adaptive --json adaptive.json``.
+
+* Task: scikit-learn's bundled digits (real data; 1437 train / 360 test images, train
+  sharded over ranks), an MLP 64-``hidden``-``hidden``-10, SGD with momentum, ``--epochs``.
+* Network: an *injected* delay (``comm.resources["emulated_link"]``, see
+  :func:`mpicomm.strategies.base.link_delay`): after each aggregation every rank sleeps
+  ``alpha·messages + beta·bytes`` of the traffic it really sent, i.e. the alpha-beta time
+  of a slower link on top of shared memory. ``--schedule`` changes it during the run
+  (``"EPOCH:GBPS:ALPHA_US,..."``, default 1 Gbit/s and 50 us, from epoch 6 on 0.25
+  Gbit/s and 200 us; the emulated
+  cluster with tc-shaped veth links is issue 9's and can replace this).
+* Methods: ``dense``; each static ``scheme@ratio`` of ``--static``; ``auto``
+  (:class:`mpicomm.control.AutoStrategy`: calibrated selector + CR controller with
+  exploration windows). Each run reports the wall time (max over ranks, evaluation
+  excluded) until the test accuracy first reaches ``--target`` (checked every epoch),
+  the final accuracy, the time per step and the bytes sent per step.
+* L-GreCo: ``auto`` at fixed ratio ``--lgreco-ratio``, per-layer top-k, with every
+  layer at that density (uniform) and with L-GreCo's densities (DP every 10 steps);
+  bytes per step (measured) and the DP's own size vs the uniform size at the same total
+  error (its budget), averaged over the adjustments.
+
+Targets (issue 8): auto within 10% of the best static choice; >= 2x faster than dense at
+<= 1 Gbit/s; <= 1 point of final accuracy lost; L-GreCo >= 1.5x fewer bytes than uniform.
+Times on a shared machine are noisy: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..comm import Communicator, init
+from ..control import AutoStrategy
+from ..control.selector import build
+from ..strategies import Dense, Strategy
+from ..torch import GradientSync
+from ._util import machine, print_table, write_json
+
+GBPS = 1.25e8  # bytes per second per Gbit/s
+DEFAULT_STATIC = ("allgather_topk@0.01", "gtopk@0.01", "artopk_ring@0.01", "artopk_tree@0.01",
+                  "allgather_topk@0.1")
+COLUMNS = ("method", "time_to_target_s", "final_acc", "step_ms", "sent_kB_step", "x_dense",
+           "choices")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=32, help="per-rank batch")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--target", type=float, default=0.93, help="test accuracy target")
+    parser.add_argument("--schedule", default="0:1:50,6:0.25:200",
+                        help="EPOCH:GBPS:ALPHA_US,... emulated link from that epoch on")
+    parser.add_argument("--static", default=",".join(DEFAULT_STATIC),
+                        help="comma-separated scheme@ratio static baselines")
+    parser.add_argument("--window", type=int, default=1,
+                        help="auto: exploration window (steps per candidate ratio)")
+    parser.add_argument("--lgreco-ratio", type=float, default=0.01)
+    parser.add_argument("--lgreco-steps", type=int, default=120)
+
+
+def parse_schedule(text: str) -> list[tuple[int, float, float]]:
+    out = []
+    for part in text.split(","):
+        epoch, gbps, alpha_us = part.split(":")
+        out.append((int(epoch), float(gbps), float(alpha_us)))
+    if not out or out[0][0] != 0 or any(g <= 0 or a < 0 for _, g, a in out):
+        raise ValueError(f"bad --schedule {text!r}: starts at epoch 0, GBPS > 0, ALPHA >= 0")
+    return sorted(out)
+
+
+def link_at(schedule: list[tuple[int, float, float]], epoch: int) -> tuple[float, float]:
+    gbps, alpha_us = [(g, a) for e, g, a in schedule if e <= epoch][-1]
+    return alpha_us * 1e-6, 1 / (gbps * GBPS)
+
+
+def load(comm: Communicator) -> tuple[torch.Tensor, ...]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = data.data.astype(np.float64)
+    x = (x - x.mean(axis=0)) / np.where(x.std(axis=0) > 0, x.std(axis=0), 1.0)
+    order = np.random.default_rng(12345).permutation(len(x))
+    x, y = x[order], data.target[order]
+    split = int(0.8 * len(x))
+    mine = slice(comm.rank, split, comm.size)
+    t = torch.tensor
+    return (t(x[mine], dtype=torch.float32), t(y[mine]), t(x[split:], dtype=torch.float32),
+            t(y[split:]))
+
+
+def make_model(hidden: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, 10))
+
+
+def make_strategy(method: str) -> Strategy:
+    if method == "dense":
+        return Dense()
+    if method == "auto":
+        raise AssertionError("auto is built by train()")
+    scheme, ratio = method.split("@")
+    s = build(scheme, float(ratio))
+    if s is None:
+        raise ValueError(f"scheme {scheme!r} is not applicable")
+    return s
+
+
+def train(method: str, data: tuple[torch.Tensor, ...], comm: Communicator,
+          args: argparse.Namespace, strategy: Strategy | None = None) -> dict[str, Any]:
+    xtr, ytr, xte, yte = data
+    schedule = parse_schedule(args.schedule)
+    model = make_model(args.hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if strategy is None:
+        strategy = (AutoStrategy(window=args.window) if method == "auto"
+                    else make_strategy(method))
+    gen = torch.Generator().manual_seed(comm.rank)
+    elapsed, reached, steps, acc = 0.0, None, 0, 0.0
+    with GradientSync(model, strategy=strategy, comm=comm, bucket_mb=64) as sync:
+        tcomm = sync.strategy.comm
+        before = tcomm.traffic.snapshot()
+        for epoch in range(args.epochs):
+            tcomm.resources["emulated_link"] = link_at(schedule, epoch)
+            order = torch.randperm(xtr.shape[0], generator=gen)
+            batches = xtr.shape[0] // args.batch
+            batches = int(comm.allreduce_value(batches, "min"))
+            comm.barrier()
+            start = time.perf_counter()
+            for b in range(batches):
+                idx = order[b * args.batch:(b + 1) * args.batch]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+                sync.step(opt)
+                steps += 1
+            elapsed += float(comm.allreduce_value(time.perf_counter() - start, "max"))
+            with torch.no_grad():
+                acc = float((model(xte).argmax(1) == yte).float().mean())
+            if reached is None and acc >= args.target:
+                reached = elapsed
+        sent = (tcomm.traffic - before).sent_bytes
+    row = {"method": method, "time_to_target_s": reached, "final_acc": acc,
+           "seconds": elapsed, "steps": steps, "step_ms": 1e3 * elapsed / max(steps, 1),
+           "sent_kB_step": float(comm.allreduce_value(sent, "max")) / max(steps, 1) / 1e3}
+    if isinstance(strategy, AutoStrategy):
+        counts: dict[str, int] = {}
+        for r in strategy.records:
+            key = f"{r.scheme}@{r.ratio:g}"
+            counts[key] = counts.get(key, 0) + 1
+        row["choices"] = " ".join(f"{k}:{v}" for k, v in sorted(counts.items()))
+        row["cr_history"] = ([(h.step, h.reason, h.ratio) for h in strategy.controller.history]
+                             if strategy.controller is not None else [])
+        errors = [abs(r.measured - r.predicted) / r.measured for r in strategy.records
+                  if r.measured > 0]
+        row["pred_rel_err_median"] = float(np.median(errors)) if errors else None
+    return row
+
+
+def lgreco_rows(data: tuple[torch.Tensor, ...], comm: Communicator,
+                args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per-layer uniform density (every layer at ``--lgreco-ratio``: the budget's total
+    error) against L-GreCo's per-layer densities (total error <= that budget)."""
+    rows = []
+    quick = argparse.Namespace(**{**vars(args), "epochs": max(1, args.lgreco_steps // max(
+        1, data[0].shape[0] // args.batch))})
+    for name, factors in (("uniform", (1.0,)), ("lgreco", None)):
+        extra = {} if factors is None else {"lgreco_factors": factors}
+        s = AutoStrategy(ratio=args.lgreco_ratio, lgreco=True, lgreco_every=10,
+                         lgreco_acc_steps=5, schemes=("allgather_topk",), **extra)
+        row = train(name, data, comm, quick, strategy=s)
+        history = s.lgreco.history if s.lgreco is not None else []
+        if history:
+            row["dp_size_vs_uniform"] = float(np.mean([h["size"] / h["uniform_size"]
+                                                       for h in history]))
+            row["dp_error_vs_budget"] = float(np.max([h["error"] / h["budget"]
+                                                      for h in history if h["budget"]]))
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    comm = init()
+    data = load(comm)
+    warm = make_model(8)  # the first optimizer step imports torch._dynamo (seconds): not
+    torch.optim.SGD(warm.parameters(), lr=0.1).step()  # in any method's time
+    methods = ["dense", *[m for m in args.static.split(",") if m], "auto"]
+    rows = [train(m, data, comm, args) for m in methods]
+    dense = rows[0]
+    for r in rows:
+        r["x_dense"] = (dense["time_to_target_s"] / r["time_to_target_s"]
+                        if r["time_to_target_s"] and dense["time_to_target_s"] else None)
+        r.setdefault("choices", "")
+    static = [r for r in rows[1:-1] if r["time_to_target_s"]]
+    best = min(static, key=lambda r: r["time_to_target_s"]) if static else None
+    auto = rows[-1]
+    summary = {
+        "auto_vs_best_static": (auto["time_to_target_s"] / best["time_to_target_s"]
+                                if best and auto["time_to_target_s"] else None),
+        "best_static": best["method"] if best else None,
+        "auto_speedup_vs_dense": auto["x_dense"],
+        "auto_acc_loss_points": 100 * (dense["final_acc"] - auto["final_acc"]),
+    }
+    lg = lgreco_rows(data, comm, args)
+    summary["lgreco_bytes_ratio"] = (lg[0]["sent_kB_step"] / lg[1]["sent_kB_step"]
+                                     if lg[1]["sent_kB_step"] else None)
+    summary["lgreco_dp_size_vs_uniform"] = lg[1].get("dp_size_vs_uniform")
+    if comm.rank == 0:
+        print(f"# adaptive: {comm.size} ranks, digits MLP 64-{args.hidden}-{args.hidden}-10, "
+              f"batch {args.batch}/rank, {args.epochs} epochs, target acc {args.target}, "
+              f"emulated link schedule {args.schedule} (EPOCH:Gbit/s:alpha_us)")
+        print_table(rows, COLUMNS)
+        print("\n# L-GreCo vs per-layer uniform density (allgather_topk, ratio "
+              f"{args.lgreco_ratio}); DP error <= budget = uniform's error (the first "
+              "10 steps of both run uniform)")
+        print_table(lg, ("method", "sent_kB_step", "final_acc", "dp_size_vs_uniform",
+                         "dp_error_vs_budget"))
+        print("\n# targets")
+        for k, v in summary.items():
+            print(f"{k}: {v}")
+        write_json(args.json, {"suite": "adaptive", "machine": machine(), "ranks": comm.size,
+                               "options": dict(vars(args)), "rows": rows, "lgreco": lg,
+                               "summary": summary})
+    comm.barrier()
+    return 0

@@ -1,0 +1,292 @@
+"""Parameter server: push+pull time vs the alpha-beta model and ring allreduce; async and
+SSP against sync with a straggler; compressed against dense push on digits.
+
+Run under MPI, e.g. ``mpiexec -n 5 python -m mpicomm.bench ps`` (S servers = the last
+ranks, W = N - S workers, for every S in ``--servers`` below N).
+
+1. **Communication** (``--sections comm``): every worker pushes and pulls one key of
+   ``n`` bytes (float32, split over the S servers), sync mode with ``lr = 0``; median
+   over ``--repeats`` of the slowest worker's push+pull time. Next to it, in the same
+   run: the prediction ``2 alpha + 2 W (n/S) beta + W (n/S) gamma``
+   (:func:`mpicomm.collectives.cost.ps_push_pull`, alpha/beta/gamma fitted by
+   :func:`mpicomm.collectives.calibrate.measure` at the start) and mpicomm's ring
+   allreduce of the same ``n`` bytes over the W workers (measured and predicted).
+2. **Straggler** (``straggler``): digits, MLP 64-64-10, plain SGD on 1 server; each step
+   a worker computes a real minibatch gradient and then sleeps ``--compute-ms`` (worker
+   0: ``--slow-factor`` times as long). Sync runs ``--steps`` steps per worker; async and
+   SSP (``--staleness``) run until the server has applied as many pushes in total
+   (``W * steps``). Throughput = pushes applied / W / wall time (sync steps per second);
+   final loss = training-set cross-entropy of the final model. Target: async >= 1.5x
+   sync's throughput, final loss within 10% of sync's. SSP is bounded by the straggler
+   (the fast workers may lead by ``s`` steps only), so it lands near sync with a
+   persistent straggler; it helps when slowness moves between workers.
+3. **Accuracy** (``accuracy``): the examples' recipe (MLP 64-128-128-10, SGD lr 0.05,
+   momentum 0.9, weight decay 1e-3, batch 32 per worker, stratified 80/20 split) for
+   ``--epochs`` epochs in sync mode, dense push against top-k 0.01 with error feedback.
+   Target: compressed test accuracy within 1 point of dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+from ..comm import Communicator, init
+from ._util import machine, median_seconds, print_table, write_json
+
+SECTIONS = ("comm", "straggler", "accuracy")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    parser.add_argument("--servers", default="1,2", help="server counts to measure")
+    parser.add_argument("--sizes", default="65536,1048576,4194304",
+                        help="bytes per key for the communication section")
+    parser.add_argument("--repeats", type=int, default=15, help="timed push+pull steps")
+    parser.add_argument("--steps", type=int, default=60, help="straggler: sync steps")
+    parser.add_argument("--compute-ms", type=float, default=10.0,
+                        help="straggler: emulated compute per step of a normal worker")
+    parser.add_argument("--slow-factor", type=float, default=3.0,
+                        help="straggler: worker 0 computes this many times longer")
+    parser.add_argument("--staleness", type=int, default=2, help="straggler: SSP bound")
+    parser.add_argument("--epochs", type=int, default=30, help="accuracy: epochs")
+
+
+# ---------------------------------------------------------------------- helpers
+def _store(comm: Communicator, servers: int, **kw: Any) -> tuple[Any, Communicator | None]:
+    from ..ps import KVStore
+
+    kv = KVStore(comm, servers=servers, **kw)
+    return kv, comm.split(0 if kv.is_worker else None)
+
+
+def _finish(kv: Any, wc: Communicator | None) -> None:
+    if kv.is_server:
+        kv.serve()
+    else:
+        kv.close()
+    if wc is not None:
+        wc.free()
+
+
+# ---------------------------------------------------------------------- 1. communication
+def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
+    from .. import allreduce
+    from ..collectives import calibrate
+    from ..collectives.cost import allreduce_ring, ps_push_pull
+
+    params = calibrate.measure(comm)
+    rows = []
+    for servers in [int(s) for s in args.servers.split(",")]:
+        if not 1 <= servers < comm.size:
+            continue
+        workers = comm.size - servers
+        for nbytes in [int(s) for s in args.sizes.split(",")]:
+            kv, wc = _store(comm, servers, mode="sync", lr=0.0)
+            if kv.is_worker:
+                assert wc is not None
+                g = np.ones(nbytes // 4, dtype=np.float32)
+                kv.init("g", g)
+
+                def step(kv: Any = kv, g: np.ndarray = g) -> None:
+                    kv.push("g", g)
+                    kv.pull("g", out=g)
+
+                def ring(g: np.ndarray = g, wc: Communicator = wc) -> None:
+                    allreduce(g, op="sum", algorithm="ring", comm=wc)
+
+                ps_s = median_seconds(step, wc, repeats=args.repeats)
+                ar_s = median_seconds(ring, wc, repeats=args.repeats)
+                rows.append({"servers": servers, "workers": workers, "bytes": nbytes,
+                             "ps_ms": ps_s * 1e3,
+                             "ps_pred_ms": ps_push_pull(nbytes, workers, servers, params) * 1e3,
+                             "ring_ms": ar_s * 1e3,
+                             "ring_pred_ms": allreduce_ring(nbytes, workers, params) * 1e3,
+                             "ps/ring": ps_s / ar_s if ar_s else float("nan")})
+            _finish(kv, wc)
+    rows = comm.bcast_object(rows, root=0)
+    if comm.rank == 0:
+        print(f"\n== push+pull per step vs prediction and ring allreduce over the workers "
+              f"(alpha {params.alpha * 1e6:.1f} us, beta {1 / params.beta / 1e9:.2f} GB/s, "
+              f"gamma {1 / params.gamma / 1e9:.2f} GB/s)")
+        print_table(rows, ["servers", "workers", "bytes", "ps_ms", "ps_pred_ms", "ring_ms",
+                           "ring_pred_ms", "ps/ring"])
+    return rows
+
+
+# ---------------------------------------------------------------------- data and model
+def _digits(wc: Communicator) -> dict[str, Any]:
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
+    std[std == 0] = 1.0
+
+    def t(a: np.ndarray) -> Any:
+        return torch.tensor((a - mean) / std, dtype=torch.float32)
+
+    return {"x": t(x_tr), "y": torch.tensor(y_tr), "x_test": t(x_te), "y_test": torch.tensor(y_te)}
+
+
+def _mlp(*widths: int) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _loss_acc(model: Any, x: Any, y: Any, wc: Communicator) -> tuple[float, float]:
+    import torch
+
+    with torch.no_grad():
+        out = model(x[wc.rank::wc.size])
+        yy = y[wc.rank::wc.size]
+        loss = float(torch.nn.functional.cross_entropy(out, yy, reduction="sum"))
+        hit = float((out.argmax(1) == yy).sum())
+    total = wc.allgather_object((loss, hit, len(yy)))
+    n = sum(t[2] for t in total)
+    return sum(t[0] for t in total) / n, sum(t[1] for t in total) / n
+
+
+# ---------------------------------------------------------------------- 2. straggler
+def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
+    import torch
+
+    from ..torch.ps import PSOptimizer
+
+    rows = []
+    for mode in ("sync", "async", "ssp"):
+        kw = {"staleness": args.staleness} if mode == "ssp" else {}
+        kv, wc = _store(comm, 1, mode=mode, lr=0.1, **kw)
+        if kv.is_worker:
+            assert wc is not None
+            data = _digits(wc)
+            model = _mlp(64, 64, 10)
+            opt = PSOptimizer(model, kv)
+            rng = np.random.default_rng(wc.rank)
+            target = kv.workers * args.steps
+            pause = args.compute_ms / 1e3 * (args.slow_factor if wc.rank == 0 else 1.0)
+            wc.barrier()
+            start, steps = time.perf_counter(), 0
+            while True:
+                idx = torch.from_numpy(rng.integers(0, len(data["y"]), 32))
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(data["x"][idx]),
+                                                  data["y"][idx]).backward()
+                time.sleep(pause)
+                opt.step()
+                steps += 1
+                done = (steps >= args.steps if mode == "sync"
+                        else kv.stats()["server_pushes"] >= target)
+                if done:
+                    break
+            wall = wc.allreduce_value(time.perf_counter() - start, "max")
+            stats = kv.stats()
+            wc.barrier()
+            opt.pull()
+            for p in model.parameters():  # one final model: worker 0's
+                p.data.copy_(torch.from_numpy(wc.bcast_object(p.data.numpy())))
+            loss, _ = _loss_acc(model, data["x"], data["y"], wc)
+            pushes = wc.allreduce_value(steps, "sum")
+            staleness = wc.allreduce_value(stats["max_staleness"], "max")
+            rows.append({"mode": mode if mode != "ssp" else f"ssp(s={args.staleness})",
+                         "workers": kv.workers, "pushes": pushes, "wall_s": wall,
+                         "steps_per_s": pushes / kv.workers / wall, "final_loss": loss,
+                         "max_staleness": staleness})
+        _finish(kv, wc)
+    rows = comm.bcast_object(rows, root=0)
+    if rows:
+        sync = rows[0]
+        for r in rows:
+            r["speedup"] = r["steps_per_s"] / sync["steps_per_s"]
+            r["loss/sync"] = r["final_loss"] / sync["final_loss"]
+    if comm.rank == 0 and rows:
+        print(f"\n== straggler: worker 0 computes {args.slow_factor:g}x longer "
+              f"({args.compute_ms:g} ms vs {args.compute_ms * args.slow_factor:g} ms per step)")
+        print_table(rows, ["mode", "workers", "pushes", "wall_s", "steps_per_s", "speedup",
+                           "final_loss", "loss/sync", "max_staleness"])
+        a = rows[1]
+        ok = a["speedup"] >= 1.5 and a["loss/sync"] <= 1.10
+        print(f"target async >= 1.5x sync steps/s and final loss within 10%: "
+              f"{'met' if ok else 'NOT met'} ({a['speedup']:.2f}x, {a['loss/sync']:.3f})")
+    return rows
+
+
+# ---------------------------------------------------------------------- 3. accuracy
+def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
+    import torch
+
+    from ..compress import TopK
+    from ..torch.ps import PSOptimizer
+
+    rows = []
+    for name, compressor in (("dense", None), ("topk 0.01 + EF", TopK(density=0.01))):
+        kv, wc = _store(comm, 1, mode="sync", lr=0.05, momentum=0.9, weight_decay=1e-3,
+                        compressor=compressor)
+        if kv.is_worker:
+            assert wc is not None
+            data = _digits(wc)
+            model = _mlp(64, 128, 128, 10)
+            opt = PSOptimizer(model, kv)
+            n = len(data["y"])
+            per = n // wc.size
+            start = time.perf_counter()
+            for epoch in range(args.epochs):
+                perm = np.random.default_rng([0, epoch]).permutation(n)
+                mine = torch.from_numpy(perm[wc.rank * per:(wc.rank + 1) * per])
+                for b in range(0, per, 32):
+                    idx = mine[b:b + 32]
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(data["x"][idx]),
+                                                      data["y"][idx]).backward()
+                    opt.step()
+            wall = wc.allreduce_value(time.perf_counter() - start, "max")
+            stats = kv.stats()
+            _, acc = _loss_acc(model, data["x_test"], data["y_test"], wc)
+            rows.append({"push": name, "workers": kv.workers, "epochs": args.epochs,
+                         "test_acc": acc, "bytes_pushed": stats["bytes_pushed"],
+                         "train_s": wall})
+        _finish(kv, wc)
+    rows = comm.bcast_object(rows, root=0)
+    if comm.rank == 0 and rows:
+        print("\n== compressed push vs dense push (sync, 1 server)")
+        print_table(rows, ["push", "workers", "epochs", "test_acc", "bytes_pushed", "train_s"])
+        gap = (rows[0]["test_acc"] - rows[1]["test_acc"]) * 100
+        print(f"target compressed within 1 point of dense: {'met' if gap <= 1 else 'NOT met'} "
+              f"({gap:+.2f} points below dense)")
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    comm = init()
+    if comm.size < 2:
+        if comm.rank == 0:
+            print("bench ps needs >= 2 ranks (servers + workers); run under mpiexec -n 5")
+        return 1
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    out: dict[str, Any] = {"machine": machine(), "args": vars(args)}
+    t0 = time.perf_counter()
+    if "comm" in sections:
+        out["comm"] = bench_comm(args, comm)
+    if "straggler" in sections:
+        out["straggler"] = bench_straggler(args, comm)
+    if "accuracy" in sections:
+        out["accuracy"] = bench_accuracy(args, comm)
+    if comm.rank == 0:
+        print(f"\n(bench ps took {time.perf_counter() - t0:.0f} s; timings on a shared machine "
+              "are noisy, ratios from one run are the figures to compare)")
+        write_json(args.json, out)
+    return 0

@@ -1,0 +1,513 @@
+r"""``strategy="auto"``: the selector, the CR controller and L-GreCo in the training loop.
+
+:class:`AutoStrategy` is a :class:`~mpicomm.strategies.Strategy` that, per fused bucket,
+runs whichever of dense / Allgather Top-k / gTop-k / AR-Top-k ring and tree / PowerSGD
+the selector (:mod:`mpicomm.control.selector`) predicts cheapest at the current
+compression ratio, and adapts while training::
+
+    sync = GradientSync(model, strategy="auto")     # or strategies.make("auto", ...)
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward()
+        sync.step(opt)          # = wait + opt.step + strategy.step_done(model, opt)
+
+What happens, on every rank identically:
+
+* first aggregation: :func:`~mpicomm.control.calibration.calibrate` (ping-pong over
+  several links + compute kernels) unless the communicator is calibrated already;
+* each bucket: the cached choice for (bucket, ratio), else :func:`~.selector.select`;
+  its time (wall, including an emulated link's delay) is logged against the prediction;
+* :meth:`AutoStrategy.step_done` (after ``optimizer.step()``) closes the step; at the
+  start of the next aggregation (inside the collective sequence, so no extra wait) the
+  step's measured times are agreed (mean over ranks, one small allreduce with the
+  gains) and refine alpha/beta and each
+  scheme's compute factor
+  (:class:`~.calibration.OnlineCalibration`); a drift of alpha/beta, or of a compute
+  factor by the same fraction, clears the choices (re-decide), and a network drift tells
+  the CR controller; one
+  :class:`~.selector.Record` per bucket is appended to :attr:`records` and passed to each
+  callback in :attr:`callbacks`; the step's compression gain (averaged over ranks) feeds
+  the :class:`~.cr.CRController`, whose ``"save"``/``"restore"`` actions snapshot and
+  restore the model, the optimizer and the error-feedback memory around exploration
+  windows at the next ``step_done`` (decisions lag the measurements by one step: the
+  step that runs while a decision is agreed already uses it, and the update of the
+  first exploration step is kept — ours; the paper's loop is synchronous); every
+  ``lgreco_every`` steps :class:`~.lgreco.LGreco` re-solves per-layer
+  densities on rank 0 and broadcasts them.
+
+Error feedback: one memory shared by every scheme, keyed by bucket name, so a switch
+between sparse schemes keeps the residual; a dense step adds and clears it. PowerSGD keeps
+its residuals per tensor (its own keys): a switch to or from PowerSGD leaves the other
+scheme's residual waiting until that scheme returns (delayed, not lost) — ours, the papers
+do not switch schemes.
+
+Compression gain (B.4): ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over the step's buckets, with
+``||g_c||² = ||g_e||² - ||e_new||²`` (exact for the sparse schemes, whose residual is the
+error-fed gradient minus what was sent; for PowerSGD the residual is relative to the
+global approximation, an estimate), averaged over ranks.
+
+L-GreCo (``lgreco=True``): inside each fused bucket every layer (segment) gets its own
+top-k density; the Allgather and AR-Top-k schemes send the union of per-segment top-k
+(AR-Top-k: the source's), so error feedback is per layer (each segment of the bucket's
+residual is that layer's). gTop-k truncates to one global k and PowerSGD has ranks, so
+with L-GreCo the selector chooses among dense, Allgather Top-k and AR-Top-k.
+
+Without ``step_done`` calls (a loop that neither uses ``GradientSync.step`` nor calls it)
+the strategy keeps its first choices: no records, no refinement, no CR changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..buffers import from_torch, to_torch
+from ..collectives.cost import CostParams, calibrated
+from ..compress import ErrorFeedback
+from ..selection import topk_indices
+from ..sparse import artopk, topk_allgather
+from ..strategies._compressed import CompressedStrategy, check_floating
+from ..strategies.base import DEFAULT_FUSION_BYTES, Strategy, fuse, fused_groups, link_delay
+from .calibration import OnlineCalibration, calibrate
+from .cr import DEFAULT_RATIOS, CRController
+from .lgreco import DEFAULT_FACTORS, LGreco
+from .selector import SCHEMES, Choice, Record, build, select
+
+__all__ = ["AutoStrategy"]
+
+_ALPHA = CostParams(alpha=1.0, beta=0.0, gamma=0.0)
+_BETA = CostParams(alpha=0.0, beta=1.0, gamma=0.0)
+_GAMMA_ONLY = CostParams(alpha=0.0, beta=0.0, gamma=1.0)
+
+
+class AutoStrategy(Strategy):
+    """Adaptive strategy ("auto"): collective selector + CR controller + L-GreCo.
+
+    Parameters
+    ----------
+    ratios:
+        CR candidates (fractions kept) of the controller (default the paper's
+        {0.1, 0.033, 0.011, 0.004, 0.001}).
+    ratio:
+        A fixed CR instead of the controller (1.0 = always dense).
+    schemes:
+        The schemes the selector may pick (default all of :data:`~.selector.SCHEMES`).
+    approximate, min_gain:
+        Accuracy constraints of the selector (see :func:`~.selector.select`).
+    weights, choice, window, trigger, warmup_steps, explore, cooldown:
+        The CR controller's (:class:`~.cr.CRController`).
+    switch_margin:
+        Hysteresis of a re-decision: the running scheme stays unless another is
+        predicted cheaper by more than this fraction (noise on a shared host otherwise
+        flips schemes, each switch costing a cold start).
+    calibrate_links:
+        Ping-pong links of the start-up calibration; ``0`` keeps the communicator's
+        calibration (or the defaults) without measuring.
+    drift, decay:
+        :class:`~.calibration.OnlineCalibration`'s drift fraction and EWMA decay.
+    lgreco, lgreco_every, lgreco_acc_steps, lgreco_factors:
+        Per-layer densities (:class:`~.lgreco.LGreco`), re-solved every so many steps
+        from candidates ``factors × the uniform density`` (``(1.0,)``: per-layer uniform,
+        the baseline at the same total error).
+    history:
+        How many :class:`~.selector.Record` entries :attr:`records` keeps.
+    """
+
+    name = "auto"
+
+    def __init__(self, comm: Any = None, *, ratios: Sequence[float] = DEFAULT_RATIOS,
+                 ratio: Optional[float] = None, schemes: Sequence[str] = SCHEMES,
+                 approximate: bool = True, min_gain: float = 0.0,
+                 weights: tuple[float, float] = (0.6, 0.4), choice: str = "asf",
+                 window: int = 10, trigger: float = 0.1, warmup_steps: int = 0,
+                 explore: bool = True, calibrate_links: int = 3, drift: float = 0.3,
+                 decay: float = 0.9, lgreco: bool = False, lgreco_every: int = 50,
+                 lgreco_acc_steps: int = 5, history: int = 10_000,
+                 switch_margin: float = 0.1, cooldown: int = 50,
+                 lgreco_factors: Sequence[float] = DEFAULT_FACTORS,
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES):
+        super().__init__(comm, fusion_bytes=fusion_bytes)
+        schemes = tuple(schemes)
+        if not schemes or any(s not in SCHEMES for s in schemes):
+            raise ValueError(f"schemes must be a non-empty subset of {SCHEMES}, got {schemes}")
+        if ratio is not None and not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        if isinstance(calibrate_links, bool) or not isinstance(calibrate_links, int) or \
+                calibrate_links < 0:
+            raise ValueError(f"calibrate_links must be an int >= 0, got {calibrate_links!r}")
+        if lgreco:
+            schemes = tuple(s for s in schemes if s not in ("gtopk", "powersgd")) or ("dense",)
+        self.schemes = schemes
+        self.approximate, self.min_gain = bool(approximate), float(min_gain)
+        self.calibrate_links = calibrate_links
+        self._drift, self._decay = drift, decay
+        self.controller: Optional[CRController] = None
+        if ratio is None:
+            self.controller = CRController(self.sync_time, ratios, weights=weights,
+                                           choice=choice, window=window, trigger=trigger,
+                                           warmup_steps=warmup_steps, explore=explore,
+                                           cooldown=cooldown)
+        self._fixed_ratio = None if ratio is None else float(ratio)
+        self.lgreco: Optional[LGreco] = None
+        if lgreco:
+            default = ratio if ratio is not None else max(ratios)
+            self.lgreco = LGreco(min(default, 1.0), every=lgreco_every,
+                                 acc_steps=lgreco_acc_steps, factors=lgreco_factors)
+        self.memory = ErrorFeedback()
+        self.records: deque[Record] = deque(maxlen=history)
+        #: Called with each :class:`~.selector.Record` (e.g. a trace or metrics exporter).
+        self.callbacks: list[Callable[[Record], None]] = []
+        self.online: Optional[OnlineCalibration] = None
+        self.steps = 0
+        self.decisions: list[tuple[int, str, str, float]] = []  # (step, bucket, scheme, c)
+        self._choices: dict[tuple[str, float], Choice] = {}
+        self._subs: dict[tuple[str, float, Any], Strategy] = {}
+        self._layouts: dict[str, tuple[list[tuple[int, ...]], int]] = {}
+        self._segments: dict[str, list[tuple[str, int]]] = {}
+        self._pending: list[dict[str, Any]] = []
+        self._gain_sq = [0.0, 0.0]  # Σ||g_c||², Σ||g_e||² this step
+        self._saved: Optional[dict[str, Any]] = None
+        self._started = False
+        self._done: list[tuple[list[dict[str, Any]], list[float]]] = []
+        self._action: Optional[str] = None
+        self._scales_used: dict[str, float] = {}
+        self._current: dict[tuple[str, float], str] = {}
+        self.switch_margin = float(switch_margin)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def ratio(self) -> float:
+        """The CR in force for the next aggregation."""
+        if self._fixed_ratio is not None:
+            return self._fixed_ratio
+        assert self.controller is not None
+        return self.controller.ratio
+
+    @property
+    def params(self) -> CostParams:
+        """The agreed, refined alpha-beta-gamma in use."""
+        return calibrated(self.comm)[0]
+
+    def bind(self, comm: Any) -> AutoStrategy:
+        super().bind(comm)
+        for s in self._subs.values():
+            s.bind(self.comm)
+        return self
+
+    def describe(self) -> dict[str, Any]:
+        last: dict[str, str] = {}
+        for _, bucket, scheme, c in self.decisions:
+            last[bucket] = f"{scheme}@{c:g}"
+        return {"strategy": self.name, "ratio": self.ratio, "schemes": list(self.schemes),
+                "lgreco": self.lgreco is not None, "choices": last,
+                "params": None if self.online is None else
+                {"alpha": self.params.alpha, "beta": self.params.beta}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals and the sub-strategies' own state (PowerSGD warm starts, AR-Top-k)."""
+        return {"residuals": self.memory.state_dict()["residuals"],
+                "subs": {repr(k): s.state_dict() for k, s in self._subs.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "residuals" not in state:
+            raise ValueError("AutoStrategy.load_state_dict: missing 'residuals'")
+        self.memory.load_state_dict({"residuals": state["residuals"]})
+        for k, s in self._subs.items():
+            if repr(k) in state.get("subs", {}):
+                s.load_state_dict(state["subs"][repr(k)])
+
+    # ------------------------------------------------------------------ prediction
+    def _predict_shapes(self, shapes: list[tuple[int, ...]], itemsize: int, p: int,
+                        params: CostParams, compute: Any) -> dict[str, float]:
+        """The selector's cheapest scheme at the current ratio, per fused buffer."""
+        comm_s = work = 0.0
+        for positions in fused_groups(shapes, itemsize, self.fusion_bytes):
+            group = [shapes[i] for i in positions]
+            choice = select(group, self.ratio, itemsize, p, params, compute,
+                            schemes=self.schemes, approximate=self.approximate)
+            sub = build(choice.scheme, choice.ratio, group, fusion_bytes=self.fusion_bytes)
+            assert sub is not None
+            parts = sub.predict_parts(group, itemsize, p, params, compute)
+            comm_s, work = comm_s + parts["comm"], work + parts["compute"]
+        return {"comm": comm_s, "compute": work}
+
+    def sync_time(self, ratio: float) -> float:
+        """Predicted seconds of one step's synchronization at ``ratio`` (all buckets seen
+        so far, the cheapest scheme each): the CR controller's time objective."""
+        params, compute = calibrated(self.comm)
+        total = 0.0
+        for shapes, itemsize in self._layouts.values():
+            total += select(shapes, ratio, itemsize, self.comm.size, params, compute,
+                            schemes=self.schemes, approximate=self.approximate).predicted
+        return total
+
+    # ------------------------------------------------------------------ aggregation
+    def aggregate(self, tensors: Sequence[Any], names: Optional[Sequence[str]] = None
+                  ) -> list[Any]:
+        tensors, names = self._validate(tensors, names)
+        check_floating(tensors, names)
+        self._ensure_calibrated()
+        if self._done:
+            self._agree()
+        as_torch = [to_torch(t) for t in tensors]
+        results: list[Any] = [None] * len(tensors)
+        comm = self.comm
+        before, start = comm.traffic.snapshot(), time.perf_counter()
+        for buf in fuse(as_torch, names, self.fusion_bytes):
+            shapes = list(buf.shapes)
+            itemsize = buf.flat.element_size()
+            self._layouts[buf.name] = (shapes, itemsize)
+            self._segments[buf.name] = [(names[i], math.prod(s))
+                                        for i, s in zip(buf.indices, shapes)]
+            parts = self._run_bucket(buf, [names[i] for i in buf.indices],
+                                     [as_torch[i] for i in buf.indices])
+            for i, part in zip(buf.indices, parts):
+                results[i] = from_torch(part.view(as_torch[i].shape), like=tensors[i])
+        moved = comm.traffic - before
+        st = self.stats
+        st.calls += 1
+        st.sent_bytes += moved.sent_bytes
+        st.recv_bytes += moved.recv_bytes
+        st.dense_bytes += sum(t.numel() * t.element_size() for t in as_torch)
+        st.seconds += time.perf_counter() - start
+        return results
+
+    def aggregate_flat(self, flat: Any, name: str) -> Any:
+        return self.aggregate([flat], [name])[0]
+
+    def _ensure_calibrated(self) -> None:
+        if self.online is not None:
+            return
+        comm = self.comm
+        if self.calibrate_links and "compute_params" not in comm.resources:
+            calibrate(comm, links=self.calibrate_links, compute_numel=1 << 19)
+        self.online = OnlineCalibration(calibrated(comm)[0], decay=self._decay,
+                                        drift=self._drift)
+
+    def _sub(self, scheme: str, ratio: float, shapes: list[tuple[int, ...]]) -> Strategy:
+        key = (scheme, ratio, tuple(shapes) if scheme == "powersgd" else None)
+        sub = self._subs.get(key)
+        if sub is None:
+            sub = build(scheme, ratio, shapes, comm=self.comm, fusion_bytes=self.fusion_bytes)
+            assert sub is not None, scheme
+            if isinstance(sub, CompressedStrategy) and scheme != "powersgd":
+                sub.memory = self.memory  # one residual per bucket, whatever the scheme
+            self._subs[key] = sub
+        return sub
+
+    def _run_bucket(self, buf: Any, names: list[str], tensors: list[torch.Tensor]
+                    ) -> list[torch.Tensor]:
+        ratio = self.ratio
+        key = (buf.name, ratio)
+        choice = self._choices.get(key)
+        params, compute = calibrated(self.comm)
+        shapes, itemsize = self._layouts[buf.name]
+        p = self.comm.size
+        scales = self.online.compute_scales() if self.online is not None else {}
+        if choice is None:
+            choice = select(shapes, ratio, itemsize, p, params, compute,
+                            schemes=self.schemes, approximate=self.approximate,
+                            fusion_bytes=self.fusion_bytes, compute_scale=scales)
+            current = self._current.get(key)
+            if current is not None and current in choice.candidates and current != \
+                    choice.scheme and choice.candidates[current] <= \
+                    (1 + self.switch_margin) * choice.predicted:
+                # hysteresis: keep the running scheme unless the new one is clearly cheaper
+                choice = Choice(current, 1.0 if current == "dense" else ratio,
+                                choice.candidates[current], choice.candidates)
+            self._choices[key] = choice
+            self._current[key] = choice.scheme
+            self.decisions.append((self.steps, buf.name, choice.scheme, choice.ratio))
+        sub = self._sub(choice.scheme, choice.ratio, shapes)
+        comm = self.comm
+        before, start = comm.traffic.snapshot(), time.perf_counter()
+        if choice.scheme == "powersgd":
+            e_sq = sum(_sq(t) + (_sq(to_torch(sub.memory.residual(n)))  # type: ignore
+                                 if sub.memory is not None and n in sub.memory else 0.0)
+                       for t, n in zip(tensors, names))
+            out = [to_torch(o) for o in sub.aggregate(tensors, names)]  # sleeps its delay
+            left = sum(_sq(to_torch(sub.memory.residual(n)))  # type: ignore
+                       for n in names if sub.memory is not None and n in sub.memory)
+        else:
+            flat = buf.flat
+            if choice.scheme == "dense":
+                if buf.name in self.memory:
+                    flat = self.memory.compensate(buf.name, flat)
+                    self.memory.reset(buf.name)
+                e_sq, left = _sq(flat), 0.0  # gain 1
+                averaged = sub.aggregate_flat(flat, buf.name)
+            else:
+                held = self.memory.residual(buf.name) if buf.name in self.memory else None
+                h = None if held is None else to_torch(held)
+                # ||g + e||² without forming g + e (the strategy forms it once itself)
+                e_sq = _sq(flat) if h is None else max(
+                    _sq(flat) + 2 * float(torch.dot(flat.reshape(-1), h.reshape(-1)))
+                    + _sq(h), 0.0)
+                if self.lgreco is not None:
+                    c = flat if h is None else flat + h
+                    self._accumulate(buf.name, c)
+                    averaged = self._segmented(choice.scheme, choice.ratio, c, buf.name)
+                else:
+                    averaged = sub.aggregate_flat(flat, buf.name)
+                left = _sq(to_torch(self.memory.residual(buf.name)))
+            delay = link_delay(comm, comm.traffic - before)
+            if delay > 0:
+                time.sleep(delay)
+            out = buf.split(averaged)
+        seconds = time.perf_counter() - start
+        self._gain_sq[0] += max(e_sq - left, 0.0)
+        self._gain_sq[1] += e_sq
+        coeff = [build(choice.scheme, choice.ratio, shapes, fusion_bytes=self.fusion_bytes)
+                 .predict_parts(shapes, itemsize, p, c, compute)  # type: ignore[union-attr]
+                 for c in (_ALPHA, _BETA, _GAMMA_ONLY)]
+        work = coeff[0]["compute"] + params.gamma * coeff[2]["comm"]
+        a, b = coeff[0]["comm"], coeff[1]["comm"]
+        kappa = scales.get(choice.scheme, 1.0)
+        self._pending.append({"step": self.steps, "bucket": buf.name,
+                              "scheme": choice.scheme,
+                              "ratio": choice.ratio, "seconds": seconds, "a": a, "b": b,
+                              "work": work,
+                              "predicted": a * params.alpha + b * params.beta + kappa * work})
+        return [o.reshape(-1) for o in out]
+
+    # ------------------------------------------------------------------ L-GreCo path
+    def _accumulate(self, bucket: str, c: torch.Tensor) -> None:
+        lg = self.lgreco
+        if lg is None or self.comm.rank != 0 or not lg.accumulating(self.steps):
+            return
+        offset = 0
+        for layer, n in self._segments[bucket]:
+            lg.accumulate(layer, c[offset:offset + n])
+            offset += n
+
+    def _segment_indices(self, c: torch.Tensor, bucket: str) -> torch.Tensor:
+        """Per-layer top-k of ``c`` with each layer's L-GreCo density, as bucket indices."""
+        assert self.lgreco is not None
+        picks, offset = [], 0
+        for layer, n in self._segments[bucket]:
+            k = max(1, min(n, math.ceil(self.lgreco.density(layer) * n)))
+            picks.append(topk_indices(c[offset:offset + n], k).to(torch.int64) + offset)
+            offset += n
+        return torch.cat(picks).sort().values
+
+    def _segmented(self, scheme: str, ratio: float, c: torch.Tensor, bucket: str
+                   ) -> torch.Tensor:
+        numel = c.shape[0]
+        idx = self._segment_indices(c, bucket)
+        if scheme == "allgather_topk":
+            values = c[idx]
+            self.memory.update_sparse(bucket, c, idx, inplace=False)
+            return topk_allgather(idx, values, numel, op="avg", comm=self.comm)
+        # AR-Top-k: the source's per-segment picks; k agreed from the source's count
+        step = self.steps
+        source = step % self.comm.size
+        k = int(self.comm.bcast_object(int(idx.shape[0]), root=source))
+        got, mean = artopk(c, k, step, "star", self.comm, None, scheme.split("_")[1],
+                           source_indices=idx if self.comm.rank == source else None)
+        self.memory.update_sparse(bucket, c, got, inplace=False)
+        out = torch.zeros(numel, dtype=c.dtype, device=c.device)
+        out[got] = mean
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def step_done(self, model: Any = None, optimizer: Any = None) -> None:
+        """End of a training step (no communication here; see the module docstring).
+
+        The step's measurements are queued for agreement, and an action the controllers
+        decided earlier is carried out now, at this safe point: ``model``/``optimizer``
+        (and the error-feedback memory) are saved or restored around CR exploration
+        windows (without them the windows run but only the memory is restored)."""
+        self._done.append((self._pending, self._gain_sq))
+        self._pending, self._gain_sq = [], [0.0, 0.0]
+        self.steps += 1
+        action, self._action = self._action, None
+        self._act(action, model, optimizer)
+
+    def _agree(self) -> None:
+        """Agree on the finished steps' measurements and decide (collective; runs at the
+        start of the next aggregation, inside the collective sequence every rank is in,
+        so the ranks' waiting for each other is absorbed by the bucket's own exchange).
+        Decisions therefore lag the measurements by one step."""
+        assert self.online is not None
+        comm = self.comm
+        for pending, gain_sq in self._done:
+            self._agree_step(comm, pending, gain_sq)
+        self._done = []
+
+    def _agree_step(self, comm: Any, pending: list[dict[str, Any]],
+                    gain_sq: list[float]) -> None:
+        assert self.online is not None
+        seconds = np.array([r["seconds"] for r in pending] + gain_sq, dtype=np.float64)
+        if comm.size > 1:
+            if comm.check:  # checked mode: the ranks aggregated the same buckets
+                counts = comm.allgather_object(len(pending))
+                if len(set(counts)) != 1:
+                    raise RuntimeError(f"auto strategy: ranks aggregated different numbers "
+                                       f"of buckets in a step: {counts}")
+            agreed = np.empty_like(seconds)  # ONE small allreduce per step
+            comm.ctl.Allreduce(seconds, agreed, op=MPI.SUM)
+            seconds = agreed
+            seconds[:-2] /= comm.size
+        params = self.online.params
+        for r, t in zip(pending, seconds[:-2]):
+            self.online.observe(r["a"], r["b"], float(t), r["work"], r["scheme"])
+            rec = Record(r["step"], r["bucket"], r["scheme"], r["ratio"], r["predicted"],
+                         float(t), params.alpha, params.beta)
+            self.records.append(rec)
+            for cb in self.callbacks:
+                cb(rec)
+        drift = self.online.refine(None)
+        comm.resources["cost_params"] = self.online.params
+        scales = self.online.compute_scales()
+        moved = any(abs(v - self._scales_used.get(k, 1.0)) > self._drift *
+                    self._scales_used.get(k, 1.0) for k, v in scales.items())
+        if drift or moved:  # re-decide every bucket with the refined model
+            self._choices.clear()
+            self._scales_used = scales
+        gain = math.sqrt(seconds[-2] / seconds[-1]) if seconds[-1] > 0 else 1.0
+        step = pending[0]["step"] + 1 if pending else self.steps
+        if self.controller is not None:
+            before = self.controller.ratio
+            if drift:
+                self.controller.network_changed()
+            if not self._started:
+                self._started = True
+                action = self.controller.start()
+            else:
+                action = self.controller.observe(min(gain, 1.0))
+            if action is not None:
+                self._action = action
+            if self.controller.ratio != before:
+                self._choices = {k: v for k, v in self._choices.items()
+                                 if k[1] == self.controller.ratio}
+        lg = self.lgreco
+        if lg is not None and step % lg.every == 0:
+            numels = {layer: n for segs in self._segments.values() for layer, n in segs}
+            lg.adjust(comm, numels)
+
+    def _act(self, action: Optional[str], model: Any, optimizer: Any) -> None:
+        if action == "save":
+            self._saved = {
+                "model": None if model is None else copy.deepcopy(model.state_dict()),
+                "optimizer": None if optimizer is None
+                else copy.deepcopy(optimizer.state_dict()),
+                "strategy": self.state_dict()}
+        elif action == "restore" and self._saved is not None:
+            saved, self._saved = self._saved, None
+            if model is not None and saved["model"] is not None:
+                model.load_state_dict(saved["model"])
+            if optimizer is not None and saved["optimizer"] is not None:
+                optimizer.load_state_dict(saved["optimizer"])
+            self.load_state_dict(saved["strategy"])
+
+
+def _sq(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t.detach())) ** 2
+

@@ -1,0 +1,223 @@
+r"""Multi-objective choice of the compression ratio (pure: decisions, no MPI).
+
+Tyagi & Swany, BigData 2023, section 3.E and their ``run_MOOCompression.py``
+(algorithms.md B.4). CR ``c`` = fraction of entries kept. Two objectives per candidate
+``c``: the predicted synchronization time ``t_sync(c)`` (the selector's cheapest scheme
+for ``c``, from the calibrated model) and ``1/gain(c)``, where the compression gain
+``gain = ||g_c|| / ||g_e||`` (compressed over error-fed gradient, the code's unsquared
+form) is measured during *exploration*:
+
+1. **Warm-up** (optional, code only): ``c`` goes linearly from 1 (dense) to the largest
+   candidate over ``warmup_steps``.
+2. **Exploration**: the caller saves the model (and optimizer, and error-feedback) state
+   (action ``"save"``), every candidate runs ``window`` steps (largest first) while the
+   mean gain is logged, then the caller restores the state (action ``"restore"``) and the
+   MOO solve picks ``c``.
+3. **Triggers**: the smoothed gain (EWMA, ``gain_smoothing``) moving by ``trigger``
+   (10%) relative to its value at the end of a ``cooldown`` (steps after the last solve
+   during which no exploration starts) starts a new exploration (the
+   code smooths the step-to-step relative change instead; that reacts to noise, not to
+   a sustained change, at the few hundred steps of a small job); a network change (drift of the
+   calibration, :meth:`CRController.network_changed`) re-solves with the known gains.
+4. **Solve** (deviation from the code, which fits t_sync and gain with curve_fit and runs
+   NSGA-II over the continuous interval): the candidates are discrete, so we take the
+   Pareto front of the candidate points directly, normalize it by its ideal and nadir
+   points, and pick by ASF with weights ``(0.6 time, 0.4 gain)`` (the code's), i.e. the
+   point minimizing ``max(w_t·t^, w_g·g^)``, or the knee (the front point farthest from
+   the line through the two extreme points), ``choice="knee"``. No pymoo needed.
+
+Every input (gains, times) must already be identical on every rank (allreduced); then
+every rank takes the same decisions. Tuning: ``window`` 10 in the paper (shorter on a
+small problem: exploration steps are thrown away); ``trigger`` 0.1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["CRController", "pareto_front", "asf_choice", "knee_choice", "DEFAULT_RATIOS",
+           "CRDecision"]
+
+#: The paper's candidates: 0.1 down to 0.001 by about 3x.
+DEFAULT_RATIOS: tuple[float, ...] = (0.1, 0.033, 0.011, 0.004, 0.001)
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the non-dominated points (both objectives minimized), by first value."""
+    front = []
+    for i, (a, b) in enumerate(points):
+        dominated = any((c <= a and d <= b) and (c < a or d < b)
+                        for j, (c, d) in enumerate(points) if j != i)
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: (points[i][0], points[i][1], i))
+
+
+def _normalized(points: Sequence[tuple[float, float]], front: list[int]
+                ) -> dict[int, tuple[float, float]]:
+    lo = [min(points[i][d] for i in front) for d in (0, 1)]
+    hi = [max(points[i][d] for i in front) for d in (0, 1)]
+    return {i: tuple((points[i][d] - lo[d]) / (hi[d] - lo[d]) if hi[d] > lo[d] else 0.0
+                     for d in (0, 1)) for i in front}  # type: ignore[misc]
+
+
+def asf_choice(points: Sequence[tuple[float, float]], weights: tuple[float, float] = (0.6, 0.4)
+               ) -> int:
+    """The front point minimizing ``max_i w_i·f^_i`` (f^ normalized by ideal and nadir;
+    a larger weight makes that objective count more). Ties: the lower index."""
+    front = pareto_front(points)
+    norm = _normalized(points, front)
+    return min(front, key=lambda i: (max(weights[0] * norm[i][0], weights[1] * norm[i][1]), i))
+
+
+def knee_choice(points: Sequence[tuple[float, float]]) -> int:
+    """The front point farthest from the line through the front's two extremes."""
+    front = pareto_front(points)
+    if len(front) <= 2:
+        return asf_choice(points)
+    norm = _normalized(points, front)
+    (x0, y0), (x1, y1) = norm[front[0]], norm[front[-1]]
+    length = math.hypot(x1 - x0, y1 - y0) or 1.0
+
+    def distance(i: int) -> float:
+        x, y = norm[i]
+        return abs((y1 - y0) * x - (x1 - x0) * y + x1 * y0 - y1 * x0) / length
+
+    return max(front, key=lambda i: (distance(i), -i))
+
+
+@dataclass(frozen=True)
+class CRDecision:
+    """One entry of :attr:`CRController.history`."""
+
+    step: int
+    reason: str           # "warmup", "explore", "solve", "network"
+    ratio: float
+    points: tuple[tuple[float, float, float], ...] = ()   # (c, t_sync, 1/gain)
+
+
+class CRController:
+    """State machine of the adaptive CR (see the module docstring).
+
+    Call :meth:`observe` once per step with the agreed gain of that step; it returns
+    ``None``, ``"save"`` (snapshot the training state now, before the next step) or
+    ``"restore"`` (restore the snapshot now). :attr:`ratio` is the CR for the next step.
+    ``sync_time(c)`` gives the predicted synchronization seconds at ``c``.
+    """
+
+    def __init__(self, sync_time: Callable[[float], float],
+                 ratios: Sequence[float] = DEFAULT_RATIOS, *, weights: tuple[float, float]
+                 = (0.6, 0.4), choice: str = "asf", window: int = 10, trigger: float = 0.1,
+                 gain_smoothing: float = 0.2,
+                 warmup_steps: int = 0, explore: bool = True, cooldown: int = 50):
+        ratios = sorted({float(c) for c in ratios}, reverse=True)
+        if not ratios or any(not 0 < c <= 1 for c in ratios):
+            raise ValueError(f"ratios must be in (0, 1], got {ratios}")
+        if choice not in ("asf", "knee"):
+            raise ValueError(f"choice must be 'asf' or 'knee', got {choice!r}")
+        if len(weights) != 2 or any(w <= 0 for w in weights):
+            raise ValueError(f"weights must be two positive numbers, got {weights!r}")
+        for name, v in (("window", window), ("warmup_steps", warmup_steps),
+                        ("cooldown", cooldown)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "window"
+                                                                    else 0):
+                raise ValueError(f"{name} must be an int >= {int(name == 'window')}, got {v!r}")
+        for name, v in (("trigger", trigger), ("gain_smoothing", gain_smoothing)):
+            if not 0 < v <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        self.sync_time = sync_time
+        self.ratios = tuple(ratios)
+        self.weights = (float(weights[0]), float(weights[1]))
+        self.choice, self.window, self.trigger = choice, window, float(trigger)
+        self.gain_smoothing = gain_smoothing
+        self.cooldown = cooldown
+        self._gain_ref = 0.0
+        self._solved_at = 0
+        self.warmup_steps, self.explore = warmup_steps, explore
+        self.step = 0
+        self.gains: dict[float, float] = {}
+        self.gain: Optional[float] = None          # EWMA of the gain in exploitation
+        self.change: float = 0.0                   # its relative change since the solve
+        self._exploring: Optional[int] = None      # steps into the current exploration
+        self._explore_sums: dict[float, list[float]] = {}
+        self.history: list[CRDecision] = []
+        self.ratio = 1.0 if warmup_steps else self.ratios[0]
+        self._pending_explore = explore and not warmup_steps
+
+    @property
+    def exploring(self) -> bool:
+        return self._exploring is not None
+
+    def start(self) -> Optional[str]:
+        """Call once before the first step: ``"save"`` if exploration starts at once."""
+        if self._pending_explore:
+            self._pending_explore = False
+            return self._begin()
+        return None
+
+    def observe(self, gain: float) -> Optional[str]:
+        """The agreed gain of the step just done; returns the caller's action."""
+        if not math.isfinite(gain):
+            raise ValueError(f"gain must be finite, got {gain}")
+        self.step += 1
+        if self._exploring is not None:
+            self._explore_sums.setdefault(self.ratio, []).append(gain)
+            self._exploring += 1
+            position = self._exploring // self.window
+            if position < len(self.ratios):
+                self.ratio = self.ratios[position]
+                return None
+            self.gains = {c: sum(v) / len(v) for c, v in self._explore_sums.items()}
+            self._exploring = None
+            self._solved_at = self.step
+            self.gain, self.change = None, 0.0
+            self._solve("solve")
+            return "restore"
+        if self.step <= self.warmup_steps:
+            top = self.ratios[0]
+            self.ratio = 1.0 - (1.0 - top) * self.step / self.warmup_steps
+            if self.step == self.warmup_steps:
+                self.ratio = top
+                self.history.append(CRDecision(self.step, "warmup", top))
+                if self.explore:
+                    return self._begin()
+            return None
+        if self.gain is None:
+            self.gain = gain
+            return None
+        self.gain = (1 - self.gain_smoothing) * self.gain + self.gain_smoothing * gain
+        if self.step - self._solved_at <= self.cooldown:
+            self._gain_ref = self.gain  # the level the trigger compares against
+            return None
+        ref = self._gain_ref
+        self.change = abs(self.gain - ref) / ref if ref > 0 else 0.0
+        if self.explore and self.change >= self.trigger:
+            return self._begin()
+        return None
+
+    def network_changed(self) -> None:
+        """The network moved (calibration drift): re-solve with the known gains."""
+        if self.gains and self._exploring is None and self.step >= self.warmup_steps:
+            self._solve("network")
+
+    def _begin(self) -> str:
+        self._exploring = 0
+        self._explore_sums = {}
+        self.ratio = self.ratios[0]
+        return "save"
+
+    def _solve(self, reason: str) -> None:
+        cands = [c for c in self.ratios if self.gains.get(c, 0.0) > 0]
+        if not cands:
+            self.ratio = self.ratios[0]
+            self.history.append(CRDecision(self.step, reason, self.ratio))
+            return
+        points = [(self.sync_time(c), 1.0 / self.gains[c]) for c in cands]
+        pick = (asf_choice(points, self.weights) if self.choice == "asf"
+                else knee_choice(points))
+        self.ratio = cands[pick]
+        self.history.append(CRDecision(self.step, reason, self.ratio,
+                                       tuple((c, t, g) for c, (t, g) in zip(cands, points))))

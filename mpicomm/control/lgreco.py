@@ -1,0 +1,216 @@
+r"""L-GreCo: per-layer compression parameters under a total-error budget (pure + one bcast).
+
+Alimohammadi, Markov, Frantar & Alistarh, MLSys 2024 (algorithms.md D). For layers
+``l = 1..L`` with candidate settings ``j`` of size ``size[l][j]`` (bytes or elements on
+the wire) and error ``err[l][j] = ||A_l - C_j(A_l)||`` (Frobenius, not squared, on a
+gradient accumulated over recent steps), choose one candidate per layer::
+
+    minimize Σ_l size[l][c_l]   subject to   Σ_l err[l][c_l] <= E_max
+
+with ``E_max`` = the total error of the uniform default (the paper's alpha_budget = 1).
+
+:func:`lgreco_solve` is the paper's knapsack dynamic program over *discretized* error.
+The discretization (ours follows the reference code, D.4): the budget is cut into ``B``
+(default 10,000) units of ``E_max / B``; each error becomes ``ceil(err / unit)`` units
+(a layer costs at least 1 unit; a non-finite error or one above the budget is
+infeasible); ``DP[l][b]`` is the least size of layers ``1..l`` using exactly ``b`` units;
+the answer is the best ``DP[L][b]`` over ``b <= B``, traced back through a parent table.
+Rounding *up* makes every returned assignment truly feasible (Σ err <= E_max); the price
+is that an assignment whose rounded units exceed ``B`` (at most ``L`` units of slack, the
+uniform default among them in rare cases) is not seen. Where the reference takes
+``e_1 < b`` for the first layer we use ``<=`` (the same DP as for the other layers).
+Cost: O(L·|C|·B) time, vectorized over b; O(L·B) memory.
+
+:class:`LGreco` applies it to top-k densities inside fused buffers: candidates around the
+default density (``default·{1/4, 1/2, 1, 2, 4}``, within (0, 1]), size = ``2·k`` wire
+words (value + index), error = the exact top-k tail ``sqrt(Σ_{i>k} |A|²_(i))`` of the
+layer's accumulated error-fed gradient (the analogue of the reference's SVD tail for
+PowerSGD ranks; exact, hence non-increasing in k). Rank 0 accumulates
+``A_l = Σ_t G_l,t / T`` over the last ``acc_steps`` steps before each adjustment, solves,
+and broadcasts the densities, so every rank uses the same. If the solution were larger
+than the uniform default (the discretization slack above), the uniform default is kept,
+so the total size never exceeds it. Top-k is our instantiation; the public L-GreCo code
+implements only PowerSGD ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["lgreco_solve", "LGreco", "DEFAULT_FACTORS"]
+
+#: Candidate densities, as multiples of the uniform default.
+DEFAULT_FACTORS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def lgreco_solve(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]],
+                 budget: float, buckets: int = 10_000) -> list[int]:
+    """One candidate index per layer: least total size with total error <= ``budget``.
+
+    ``sizes[l][j]`` and ``errors[l][j]`` for layer l, candidate j (non-negative; errors
+    may be ``inf``/``nan`` for unusable candidates). ``ValueError`` when the shapes
+    differ, a value is negative, or no assignment fits the discretized budget.
+
+    Discretization: ``budget`` is cut into ``buckets`` units; an error costs
+    ``max(1, ceil(err / (budget / buckets)))`` units and the DP is exact over those
+    integers (optimal among assignments whose rounded units sum to <= ``buckets``).
+    Rounding up keeps the true total error <= ``budget``; an assignment within the budget
+    but over it after rounding (at most one unit of slack per layer) is not found. Ties
+    in size go to fewer error units, then to lower candidate indices.
+    """
+    if len(sizes) != len(errors):
+        raise ValueError(f"sizes has {len(sizes)} layers but errors has {len(errors)}")
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+        raise ValueError(f"buckets must be an int >= 1, got {buckets!r}")
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget must be a finite number > 0, got {budget!r}")
+    if not sizes:
+        return []
+    layers = []
+    for l, (s, e) in enumerate(zip(sizes, errors)):
+        s = np.asarray(s, dtype=np.float64)
+        e = np.asarray(e, dtype=np.float64)
+        if s.ndim != 1 or s.shape != e.shape or s.size == 0:
+            raise ValueError(f"layer {l}: sizes and errors must be equal, non-empty lists")
+        if np.any(s < 0) or np.any(~np.isfinite(s)) or np.any(e < 0):
+            raise ValueError(f"layer {l}: sizes must be finite >= 0 and errors >= 0")
+        unit = budget / buckets
+        with np.errstate(invalid="ignore", over="ignore"):
+            units = np.ceil(e / unit)
+        ok = np.isfinite(units) & (units <= buckets)
+        layers.append((s, np.where(ok, np.maximum(units, 1), -1).astype(np.int64)))
+    width = buckets + 1
+    inf = np.inf
+    dp = np.full(width, inf)
+    dp[0] = 0.0
+    parents = np.zeros((len(layers), width), dtype=np.int64)
+    for l, (s, units) in enumerate(layers):
+        new = np.full(width, inf)
+        choice = np.full(width, -1, dtype=np.int64)
+        for j in range(s.size):  # ties: the lowest candidate index wins
+            u = int(units[j])
+            if u < 0:
+                continue
+            cand = np.full(width, inf)
+            cand[u:] = dp[:width - u] + s[j]
+            better = cand < new
+            new[better] = cand[better]
+            choice[better] = j
+        dp = new
+        parents[l] = choice
+    if not np.isfinite(dp).any():
+        raise ValueError("no assignment meets the error budget (after discretization)")
+    b = int(np.argmin(dp))  # least size; ties: fewest error units
+    picks = [0] * len(layers)
+    for l in range(len(layers) - 1, -1, -1):
+        j = int(parents[l][b])
+        picks[l] = j
+        b -= int(layers[l][1][j])
+    return picks
+
+
+def topk_tail_errors(a: torch.Tensor, ks: Sequence[int]) -> list[float]:
+    """``||a - topk_k(a)||`` for each k: the norm of all but the k largest magnitudes."""
+    sq = a.detach().reshape(-1).double().pow(2).sort(descending=True).values
+    total = float(sq.sum())
+    prefix = torch.cumsum(sq, 0)
+    out = []
+    for k in ks:
+        kept = float(prefix[k - 1]) if k > 0 else 0.0
+        out.append(math.sqrt(max(total - kept, 0.0)))
+    return out
+
+
+class LGreco:
+    """Per-layer top-k densities for the layers (segments) of fused buffers.
+
+    ``default`` is the uniform density; ``every`` the steps between adjustments;
+    ``acc_steps`` how many steps before an adjustment rank 0 accumulates gradients;
+    ``factors`` the candidate multiples of the default. :meth:`density` gives a layer's
+    density (the default until the first adjustment). Decisions are rank 0's, broadcast.
+    """
+
+    def __init__(self, default: float, *, every: int = 50, acc_steps: int = 5,
+                 factors: Sequence[float] = DEFAULT_FACTORS, buckets: int = 10_000):
+        if not 0 < default <= 1:
+            raise ValueError(f"default density must be in (0, 1], got {default!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        if isinstance(acc_steps, bool) or not isinstance(acc_steps, int) or \
+                not 1 <= acc_steps <= every:
+            raise ValueError(f"acc_steps must be an int in [1, every], got {acc_steps!r}")
+        if not factors or any(f <= 0 for f in factors):
+            raise ValueError("factors must be positive")
+        self.default = float(default)
+        self.every, self.acc_steps, self.buckets = every, acc_steps, buckets
+        self.factors = tuple(sorted(set(float(f) for f in factors)))
+        self.densities: dict[str, float] = {}
+        self._acc: dict[str, torch.Tensor] = {}
+        self.history: list[dict[str, Any]] = []
+
+    def density(self, layer: str) -> float:
+        return self.densities.get(layer, self.default)
+
+    def candidates(self) -> list[float]:
+        return sorted({min(1.0, self.default * f) for f in self.factors})
+
+    def accumulating(self, step: int) -> bool:
+        """Whether step ``step`` (0-based) feeds the accumulator (the last ``acc_steps``
+        before an adjustment)."""
+        return (step % self.every) >= self.every - self.acc_steps
+
+    def accumulate(self, layer: str, grad: torch.Tensor) -> None:
+        """Add one step's error-fed layer gradient (call on rank 0 only)."""
+        g = grad.detach().reshape(-1).double() / self.acc_steps
+        held = self._acc.get(layer)
+        self._acc[layer] = g.clone() if held is None else held + g
+
+    def problem(self, numels: dict[str, int]) -> tuple[list[str], list[list[float]],
+                                                        list[list[float]], list[float]]:
+        """(layers, sizes, errors, candidates) from the accumulated gradients."""
+        cands = self.candidates()
+        layers = [name for name in numels if name in self._acc]
+        sizes, errors = [], []
+        for name in layers:
+            ks = [max(1, min(numels[name], math.ceil(c * numels[name]))) for c in cands]
+            sizes.append([2.0 * k for k in ks])
+            errors.append(topk_tail_errors(self._acc[name], ks))
+        return layers, sizes, errors, cands
+
+    def adjust(self, comm: Any, numels: dict[str, int]) -> dict[str, float]:
+        """Solve on rank 0 and broadcast the densities (collective)."""
+        decision = None
+        if comm.rank == 0:
+            decision = self._solve(numels)
+        decision = comm.bcast_object(decision, root=0)
+        self.densities = dict(decision["densities"])
+        self.history.append(decision)
+        self._acc.clear()
+        return self.densities
+
+    def _solve(self, numels: dict[str, int]) -> dict[str, Any]:
+        layers, sizes, errors, cands = self.problem(numels)
+        uniform = cands.index(min(cands, key=lambda c: abs(c - self.default)))
+        if not layers:
+            return {"densities": {}, "size": 0.0, "uniform_size": 0.0, "error": 0.0,
+                    "budget": 0.0}
+        budget = sum(e[uniform] for e in errors)
+        uniform_size = sum(s[uniform] for s in sizes)
+        picks = [uniform] * len(layers)
+        if budget > 0:
+            try:
+                found = lgreco_solve(sizes, errors, budget, self.buckets)
+                if sum(s[j] for s, j in zip(sizes, found)) <= uniform_size:
+                    picks = found
+            except ValueError:
+                pass  # uniform stays (its rounded units exceeded the budget)
+        return {"densities": {n: cands[j] for n, j in zip(layers, picks)},
+                "size": float(sum(s[j] for s, j in zip(sizes, picks))),
+                "uniform_size": float(uniform_size),
+                "error": float(sum(e[j] for e, j in zip(errors, picks))),
+                "budget": float(budget)}

@@ -1,0 +1,204 @@
+"""The :class:`KVStore` front end: one object per rank, a server or a worker."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable
+from typing import Any
+
+from ..comm import Communicator, install_abort_handler, resolve
+from ..compress import Compressor, make
+from ..config import env_flag
+from ..linkdelay import link_delay
+from ..validate import check_choice, check_int
+from .optim import OPTIMIZERS, ShardOptimizer
+from .server import Server
+from .worker import Worker
+
+__all__ = ["KVStore", "MODES"]
+
+MODES = ("sync", "async", "ssp")
+
+
+class KVStore:
+    r"""A sharded key-value store of parameters: servers apply updates, workers push/pull.
+
+    Built on every rank of ``comm`` (collective). The last ``servers`` ranks are servers
+    (they call :meth:`serve`, which returns once every worker has called :meth:`close`);
+    the others are workers, numbered ``worker_rank = 0..W-1`` in rank order.
+
+    Workers ``init`` every key (same keys, shapes and dtypes on every worker, in the same
+    order; worker 0's value is the initial one), then per step ``push(key, grad)`` and
+    ``pull(key)``. Servers apply ``optimizer`` (``"sgd"``: ``torch.optim.SGD`` with
+    ``momentum``/``weight_decay``; ``"adam"``: ``torch.optim.Adam`` with ``weight_decay``)
+    to their shards.
+
+    Modes (see :mod:`mpicomm.ps.server` for the exact rules):
+
+    ``"sync"`` (BSP)
+        One update per step once all ``W`` pushes are in: ``p <- p - lr * mean_w g_w``
+        for plain SGD, i.e. exactly synchronous allreduce-averaged SGD. A pull waits for
+        the update of the worker's last push.
+    ``"async"`` (ASP, Hogwild-style server)
+        Each push applied on arrival, scaled by ``1/W`` (one push from every worker equals
+        one sync step for plain SGD); a pull returns the current value at once.
+    ``"ssp"`` with ``staleness=s`` (Ho et al., NIPS 2013)
+        Applied as async, but a worker's pull after its push of step ``t`` waits until
+        every worker has pushed step ``t - s``: nobody runs more than ``s`` steps ahead.
+        ``s = 0`` keeps the workers in lock-step like sync (a pull sees every push of its
+        step, and possibly some of the next: SSP bounds staleness from below only); a
+        large ``s`` is async.
+
+    ``compressor``: a :class:`mpicomm.compress.Compressor` (or its registry name) applied
+    to each pushed piece after error feedback, which the worker keeps; the server
+    decompresses. Pulls are dense. Two-phase compressors (PowerSGD) are not supported.
+
+    Cost model (alpha-beta): a dense push + pull of ``M`` bytes by each of ``W`` workers
+    through one server port takes about ``2 alpha + 2 W M beta`` per step (Table I of
+    Tyagi & Swany gives ``2 alpha + 2 (N-1) M beta`` with N ranks); with the ``M`` bytes
+    split over ``S`` servers each port carries ``2 W M / S``. A ring allreduce moves
+    ``2 (W-1)/W M`` per rank. So PS wins when servers bring their own bandwidth
+    (``S`` comparable to ``W``), loses on a flat network with ``S = 1``
+    (:func:`mpicomm.collectives.cost.ps_push_pull`). Tuning: ``S ~ W`` for bandwidth-bound
+    models; ``ssp`` with ``s = 1..4`` when one worker straggles (the others keep going,
+    staleness stays bounded); ``async`` for the most throughput at unbounded staleness.
+
+    Faults: an uncaught exception on any rank ends the whole job (``MPI_Abort``) with the
+    rank's traceback; a server that fails aborts with ``parameter server failed`` and its
+    rank. Every push carries a per-(worker, key) sequence number: duplicates are skipped,
+    gaps stop the job; :meth:`checkpoint` saves the numbers with the shards, so after
+    :meth:`restore` no update is lost or applied twice.
+    """
+
+    def __init__(self, comm: Communicator | None = None, *, servers: int, mode: str = "sync",
+                 staleness: int = 0, optimizer: str = "sgd", lr: float = 0.1,
+                 momentum: float = 0.0, weight_decay: float = 0.0,
+                 compressor: Compressor | str | None = None) -> None:
+        comm = resolve(comm)
+        with comm.validating("ps.KVStore") as agreed:
+            servers = check_int("servers", servers, 1)
+            if servers >= comm.size:
+                raise ValueError(
+                    f"servers must be in [1, size - 1] = [1, {comm.size - 1}] so that at least "
+                    f"one worker remains (a parameter server needs >= 2 ranks), got {servers}")
+            mode = check_choice("mode", mode, MODES)
+            staleness = check_int("staleness", staleness, 0)
+            if staleness and mode != "ssp":
+                raise ValueError(f"staleness={staleness} needs mode='ssp' (got {mode!r})")
+            check_choice("optimizer", optimizer, OPTIMIZERS)
+            opt = ShardOptimizer(optimizer, lr, momentum, weight_decay)
+            if isinstance(compressor, str):
+                compressor = make(compressor)
+            if compressor is not None:
+                if not isinstance(compressor, Compressor):
+                    raise TypeError("compressor must be an mpicomm.compress.Compressor, its "
+                                    f"name, or None; got {type(compressor).__name__}")
+                if compressor.phases != 1:
+                    raise ValueError(f"compressor {compressor.name!r} needs {compressor.phases} "
+                                     "communication rounds; the PS push takes one-shot "
+                                     "compressors")
+            agreed.update(servers=servers, mode=mode, staleness=staleness, **opt.describe(),
+                          compressor=repr(compressor))
+        if env_flag("MPICOMM_ABORT_ON_ERROR", True):
+            install_abort_handler()
+        self.servers = servers
+        self.workers = comm.size - servers
+        self.mode = mode
+        self.staleness = staleness
+        self.is_server = comm.rank >= self.workers
+        self.is_worker = not self.is_server
+        self.worker_rank: int | None = comm.rank if self.is_worker else None
+        self._comm = comm.dup()
+        self._group = self._comm.split(0 if self.is_worker else 1)
+        self._closed = False
+        self._server: Server | None = None
+        self._worker: Worker | None = None
+        if self.is_server:
+            self._server = Server(self._comm, self.workers, mode, staleness, opt,
+                                  compressor)
+        else:
+            assert self._group is not None
+            self._worker = Worker(self._comm.p2p, self._group, self.workers, servers, mode,
+                                  opt.describe(), compressor, link_delay(self._comm))
+
+    def __repr__(self) -> str:
+        role = "server" if self.is_server else f"worker {self.worker_rank}"
+        return (f"KVStore({role}, servers={self.servers}, workers={self.workers}, "
+                f"mode={self.mode!r}, staleness={self.staleness})")
+
+    # ------------------------------------------------------------------ roles
+    def _as_worker(self, what: str) -> Worker:
+        if self._worker is None:
+            raise RuntimeError(f"KVStore.{what} is a worker call; this rank is a server "
+                               "(call serve())")
+        if self._closed:
+            raise RuntimeError(f"KVStore.{what} after close()")
+        return self._worker
+
+    def serve(self) -> None:
+        """Servers: answer the workers until every one has closed, then release."""
+        if self._server is None:
+            raise RuntimeError("KVStore.serve is a server call; this rank is a worker")
+        if self._closed:
+            raise RuntimeError("KVStore.serve after the store was released")
+        try:
+            self._server.serve()
+        finally:
+            self._release()
+
+    # ------------------------------------------------------------------ worker calls
+    def init(self, key: Hashable, value: Any) -> None:
+        """Register ``key`` with worker 0's ``value`` (collective over the workers)."""
+        self._as_worker("init").init_many([(key, value)])
+
+    def push(self, key: Hashable, grad: Any) -> None:
+        """Send ``grad`` (the key's shape and dtype) for ``key``; returns without waiting."""
+        self._as_worker("push").push(key, grad)
+
+    def pull(self, key: Hashable, out: Any = None) -> Any:
+        """The current value of ``key`` as the consistency mode allows (``out=``: in place)."""
+        return self._as_worker("pull").pull(key, out)
+
+    def close(self) -> None:
+        """Workers: tell the servers this worker is done and release. Idempotent; on a
+        server it only releases (after :meth:`serve`)."""
+        if self._closed:
+            return
+        if self._worker is not None:
+            self._worker.close()
+        self._release()
+
+    def checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save every shard, optimizer state and counter to ``path`` (collective over the
+        workers; call it between steps, after the pulls). Worker 0 writes the file."""
+        self._as_worker("checkpoint").checkpoint(path)
+
+    def restore(self, path: str | os.PathLike[str]) -> None:
+        """Load ``path`` into this new store, instead of ``init`` (collective over the
+        workers). Same number of workers and the same optimizer kind as when saved."""
+        self._as_worker("restore").restore(path)
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's counters: ``max_staleness``, ``pushes``, ``pulls``, ``bytes_pushed``,
+        ``bytes_pulled`` (whole messages, headers included); servers add ``updates``
+        (optimizer steps), ``duplicates`` (pushes skipped as already applied),
+        ``idle_s`` (time asleep waiting for messages), ``cpu_s`` and ``wall_s`` (process
+        CPU time and wall time of :meth:`serve`); workers add ``server_pushes`` (pushes the
+        servers had applied at the last pull) and ``wait_s`` (time spent in pulls)."""
+        part = self._server if self._server is not None else self._worker
+        assert part is not None
+        return dict(part.stats)
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._group is not None:
+            self._group.free()
+        self._comm.free()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

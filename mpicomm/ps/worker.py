@@ -1,0 +1,365 @@
+"""The worker side of the parameter server: push gradients, pull values, by key.
+
+A worker talks to every server point to point on the store's private communicator:
+
+* ``push``: one message per piece of the key (see :mod:`mpicomm.ps.sharding`), sent with
+  ``MPI_Isend`` and completed lazily (the call returns at once; a later call, ``pull``
+  or ``close`` waits for the sends). Every push of a key carries the worker's next
+  sequence number for that key (1, 2, ...). With a compressor, each piece is compressed
+  on its own (name ``"<key>/<piece>"``) after error feedback, which stays on the worker.
+* ``pull``: one small request per piece, then the replies are received by matched probe
+  as they come (a server may hold a pull back for consistency) and copied into place.
+
+Cost of a dense push + pull of ``n`` bytes with ``S`` servers (alpha-beta, one worker):
+``S`` requests and ``S`` replies each way, ``about 2*alpha + 2*n*beta`` per worker plus
+the server's queueing; with ``W`` workers on one server link the server's port carries
+``2*W*n`` bytes per step, see :func:`mpicomm.collectives.cost.ps_push_pull`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..buffers import FLOAT_DTYPES, from_torch, inspect, to_torch
+from ..comm import Communicator
+from ..compress import Compressor, ErrorFeedback
+from ..linkdelay import LinkDelay
+from . import checkpoint as ckpt
+from . import wire
+from .sharding import Piece, ShardPlan
+
+__all__ = ["KeyInfo", "Worker", "piece_name"]
+
+
+def piece_name(key: Hashable, index: int) -> str:
+    """The name a piece's compressor state and error-feedback residual go by."""
+    return f"{key}/{index}"
+
+
+@dataclass
+class KeyInfo:
+    """What a worker knows about a key."""
+
+    key: Hashable
+    key_id: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    framework: str
+    device: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def like(self) -> Any:
+        """An empty array of the caller's framework, for :func:`from_torch`."""
+        if self.framework == "numpy":
+            return np.empty(0)
+        if self.framework == "cupy":
+            import cupy
+
+            return cupy.empty(0)
+        return torch.empty(0)
+
+
+class Worker:
+    """One worker's client (built by :class:`~mpicomm.ps.KVStore`)."""
+
+    def __init__(self, mpi: MPI.Intracomm, group: Communicator, workers: int, servers: int,
+                 mode: str, optimizer: dict[str, Any], compressor: Compressor | None,
+                 delay: LinkDelay | None = None) -> None:
+        self.mpi = mpi
+        self.delay = delay  # the emulated cluster's injected latency; None elsewhere
+        self.group = group
+        self.rank = group.rank
+        self.workers = workers
+        self.servers = servers
+        self.mode = mode
+        self.optimizer = optimizer
+        self.compressor = compressor
+        self.ef = ErrorFeedback() if compressor is not None else None
+        self.plan = ShardPlan(servers)
+        self.keys: dict[Hashable, KeyInfo] = {}
+        self.seq: dict[int, int] = {}
+        self.sends: list[tuple[MPI.Request, Any]] = []
+        self.stats = {"max_staleness": 0, "pushes": 0, "pulls": 0, "bytes_pushed": 0,
+                      "bytes_pulled": 0, "server_pushes": 0, "wait_s": 0.0}
+
+    def server_rank(self, server: int) -> int:
+        """The rank (in the store's communicator) of server index ``server``."""
+        return self.workers + server
+
+    # ------------------------------------------------------------------ init
+    def init_many(self, items: Sequence[tuple[Hashable, Any]]) -> None:
+        """Register keys with their initial values (worker 0's values win); collective
+        over the workers. Mismatched keys, shapes or dtypes: ``ValueError`` everywhere."""
+        error, desc = None, []
+        try:
+            for key, value in items:
+                desc.append(self._describe(key, value))
+        except (TypeError, ValueError) as exc:
+            error = exc
+        everyone = self.group.allgather_object(
+            (None if error is None else f"{type(error).__name__}: {error}", desc))
+        for w, (err, _) in enumerate(everyone):
+            if err is not None:
+                if error is not None:
+                    raise error
+                raise ValueError(f"KVStore.init: worker {w} rejected its arguments: {err}")
+        for w, (_, theirs) in enumerate(everyone):
+            if theirs != desc:
+                raise ValueError(f"KVStore.init: worker {w} initialises {_show(theirs)}, "
+                                 f"worker {self.rank} {_show(desc)}; every worker must init "
+                                 "the same keys with the same shapes and dtypes, in order")
+        new = [self._register(key, shape, dtype, fw, dev)
+               for (key, shape, dtype, fw, dev) in desc]
+        messages: dict[int, list[dict[str, Any]]] = {}
+        if self.rank == 0:
+            for info, (_, value) in zip(new, items):
+                flat = _flat_cpu(value)
+                for p in info.pieces:
+                    messages.setdefault(p.server, []).append(
+                        self._init_piece(info, p, flat[p.start:p.stop]))
+        self._send_init(messages)
+
+    def _describe(self, key: Hashable, value: Any) -> tuple[Any, ...]:
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise TypeError(f"keys must be str or int, got {type(key).__name__}")
+        if key in self.keys:
+            raise ValueError(f"key {key!r} is already initialised")
+        info = inspect(value)
+        if info.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"key {key!r}: values must be floating point, got {info.dtype}")
+        return (key, info.shape, info.dtype, info.framework, info.device)
+
+    def _register(self, key: Hashable, shape: tuple[int, ...], dtype: str, framework: str,
+                  device: str) -> KeyInfo:
+        key_id = len(self.keys)
+        tdtype = getattr(torch, dtype)
+        numel = int(np.prod(shape, dtype=np.int64))
+        pieces = self.plan.place(key_id, numel, tdtype.itemsize)
+        info = KeyInfo(key, key_id, tuple(shape), tdtype, framework, device, pieces)
+        self.keys[key] = info
+        self.seq[key_id] = 0
+        return info
+
+    def _init_piece(self, info: KeyInfo, p: Piece, value: torch.Tensor,
+                    state: dict[str, Any] | None = None) -> dict[str, Any]:
+        msg = {"key_id": info.key_id, "index": p.index, "name": piece_name(info.key, p.index),
+               "dtype": str(info.dtype).replace("torch.", ""), "value": ckpt.to_numpy(value)}
+        if state is not None:
+            msg.update(state)
+        return msg
+
+    def _send_init(self, messages: dict[int, list[dict[str, Any]]]) -> None:
+        """Worker 0 sends each server its new pieces and waits for the acks; then every
+        worker waits for worker 0, so no push can reach a server before its piece."""
+        if self.rank == 0 and messages:
+            reqs = [self.mpi.isend({"op": "init", "pieces": pieces}, self.server_rank(s),
+                                   wire.TAG_CONTROL) for s, pieces in messages.items()]
+            for s in messages:
+                msg, _ = wire.probe_wait(self.mpi, self.server_rank(s), wire.TAG_CONTROL)
+                msg.recv()
+            wire.wait_requests(reqs)
+        self.group.barrier()
+
+    # ------------------------------------------------------------------ push / pull
+    def info(self, key: Hashable) -> KeyInfo:
+        try:
+            return self.keys[key]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown key {key!r}; init() it first (known: "
+                             f"{list(self.keys)[:8]})") from None
+
+    def check_value(self, info: KeyInfo, x: Any, what: str) -> None:
+        xi = inspect(x)
+        if xi.shape != info.shape:
+            raise ValueError(f"{what} of key {info.key!r}: shape {xi.shape}, the key has "
+                             f"{info.shape}")
+        if getattr(torch, xi.dtype) != info.dtype:
+            raise TypeError(f"{what} of key {info.key!r}: dtype {xi.dtype}, the key has "
+                            f"{str(info.dtype).replace('torch.', '')}")
+
+    def push(self, key: Hashable, grad: Any) -> None:
+        info = self.info(key)
+        self.check_value(info, grad, "push")
+        self._reap()
+        seq = self.seq[info.key_id] + 1
+        self.send_push(info, _flat_cpu(grad), seq)
+        self.seq[info.key_id] = seq
+
+    def send_push(self, info: KeyInfo, flat: torch.Tensor, seq: int) -> None:
+        """Send the pieces of one push numbered ``seq`` (also used to replay a push)."""
+        for p in info.pieces:
+            part = flat[p.start:p.stop]
+            if self.compressor is not None:
+                assert self.ef is not None
+                name = piece_name(info.key, p.index)
+                comp = self.ef.compensate(name, part)
+                payload = self.compressor.compress(comp, name=name, step=seq)
+                self.ef.update(name, comp, self.compressor.decompress(payload))
+                arrays = [payload.arrays[k] for k in sorted(payload.arrays)]
+            else:
+                arrays = [part]
+            buf = wire.pack(wire.PUSH, info.key_id, p.index, seq, self.rank, seq,
+                            arrays=arrays)
+            self.stats["bytes_pushed"] += buf.nbytes
+            self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(p.server),
+                                              wire.TAG_REQUEST, self.delay), buf))
+        self.stats["pushes"] += 1
+
+    def pull(self, key: Hashable, out: Any = None) -> Any:
+        info = self.info(key)
+        if out is not None:
+            self.check_value(info, out, "pull out=")
+            contiguous = (out.is_contiguous() if isinstance(out, torch.Tensor)
+                          else out.flags.c_contiguous)
+            if not contiguous:
+                raise ValueError("pull: out must be contiguous")
+        flat = self.pull_many([info])[0]
+        if out is not None:
+            target = to_torch(out).detach().reshape(-1)
+            target.copy_(flat)
+            if inspect(out).is_cuda:
+                torch.cuda.current_stream(target.device).synchronize()
+            return out
+        result = flat.reshape(info.shape)
+        if info.device != "cpu":
+            result = result.to(info.device)
+        return from_torch(result, like=info.like())
+
+    def pull_many(self, infos: Sequence[KeyInfo]) -> list[torch.Tensor]:
+        """Request every piece of ``infos`` at once; return their flat CPU values."""
+        import time
+
+        t0 = time.perf_counter()
+        results = [torch.empty(i.numel, dtype=i.dtype) for i in infos]
+        where = {}
+        for slot, info in enumerate(infos):
+            for p in info.pieces:
+                where[(info.key_id, p.index)] = (slot, p)
+                buf = wire.pack(wire.PULL, info.key_id, p.index, self.rank)
+                self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(p.server),
+                                                  wire.TAG_REQUEST, self.delay), buf))
+        seen_pushes = None
+        backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
+        status = MPI.Status()
+        while where:
+            msg = self.mpi.improbe(MPI.ANY_SOURCE, wire.TAG_REPLY, status)
+            if msg is None:
+                self._reap()
+                backoff.idle(urgent=bool(self.sends))
+                continue
+            backoff.busy()
+            buf = wire.recv_bytes(msg, status, self.delay)
+            m = wire.unpack(buf)
+            slot, p = where.pop((m.key_id, m.piece))
+            results[slot][p.start:p.stop] = m.arrays[0]
+            self.stats["bytes_pulled"] += buf.nbytes
+            self.stats["max_staleness"] = max(self.stats["max_staleness"], m.a)
+            seen_pushes = m.b if seen_pushes is None else min(seen_pushes, m.b)
+        self._reap()
+        self.stats["pulls"] += len(infos)
+        if seen_pushes is not None:
+            self.stats["server_pushes"] = seen_pushes
+        self.stats["wait_s"] += time.perf_counter() - t0
+        return results
+
+    def _reap(self) -> None:
+        if self.sends:
+            self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+
+    def flush(self) -> None:
+        wire.wait_requests([r for r, _ in self.sends])
+        self.sends.clear()
+
+    def _to_all_servers(self, op: int) -> None:
+        for s in range(self.servers):
+            buf = wire.pack(op, 0, 0, self.rank)
+            self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(s),
+                                              wire.TAG_REQUEST, self.delay), buf))
+
+    def close(self) -> None:
+        self._to_all_servers(wire.CLOSE)
+        self.flush()
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Collective over the workers: every server's shards, optimizer state and counters,
+        and every worker's sequence numbers and residuals, into one file (worker 0)."""
+        self._to_all_servers(wire.CKPT)
+        mine = {"seq": [self.seq[self.keys[k].key_id] for k in self.keys],
+                "residuals": ({} if self.ef is None else
+                              {n: ckpt.to_torch_cpu(v) for n, v in
+                               self.ef.state_dict()["residuals"].items()})}
+        gathered = self.group.ctl.gather(mine, root=0)
+        error = None
+        if self.rank == 0:
+            try:
+                states = {}
+                for s in range(self.servers):
+                    msg, _ = wire.probe_wait(self.mpi, self.server_rank(s), wire.TAG_STATE)
+                    states[s] = msg.recv()["pieces"]
+                data = ckpt.assemble(list(self.keys.values()), states, gathered,
+                                     workers=self.workers, mode=self.mode,
+                                     optimizer=self.optimizer)
+                ckpt.write_atomic(data, path)
+            except Exception as exc:  # noqa: BLE001 - reported on every worker below
+                error = f"{type(exc).__name__}: {exc}"
+        self.flush()
+        error = self.group.bcast_object(error)
+        if error is not None:
+            raise RuntimeError(f"KVStore.checkpoint({os.fspath(path)!r}) failed on worker 0: "
+                               f"{error}")
+
+    def restore(self, path: str | os.PathLike[str]) -> None:
+        """Collective over the workers: load a checkpoint into this (empty) store."""
+        if self.keys:  # the same on every worker (init is collective): no message needed
+            raise ValueError("KVStore.restore: the store already has keys; restore into a new "
+                             "store instead of calling init()")
+        data, error = None, None
+        if self.rank == 0:
+            try:
+                data = ckpt.load(path, workers=self.workers, optimizer=self.optimizer)
+            except (OSError, ValueError, TypeError, RuntimeError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        error = self.group.bcast_object(error)
+        if error is not None:
+            raise ValueError(f"KVStore.restore({os.fspath(path)!r}): {error}")
+        meta = self.group.bcast_object(None if data is None else ckpt.metadata(data))
+        residuals = self.group.ctl.scatter(None if data is None else data["residuals"], root=0)
+        infos = [self._register(k, tuple(shape), dt, fw, "cpu")
+                 for k, shape, dt, fw in zip(meta["keys"], meta["shapes"], meta["dtypes"],
+                                             meta["frameworks"])]
+        for info, seqs in zip(infos, meta["last_seq"]):
+            self.seq[info.key_id] = int(seqs[self.rank])
+        if self.ef is not None:
+            self.ef.load_state_dict({"residuals": residuals})
+        messages: dict[int, list[dict[str, Any]]] = {}
+        if data is not None:
+            for k, info in enumerate(infos):
+                flat = data["values"][k].reshape(-1)
+                for p in info.pieces:
+                    state = ckpt.piece_state(data, k, p.start, p.stop)
+                    messages.setdefault(p.server, []).append(
+                        self._init_piece(info, p, flat[p.start:p.stop], state))
+        self._send_init(messages)
+
+
+def _flat_cpu(x: Any) -> torch.Tensor:
+    t = to_torch(x).detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.reshape(-1)
+
+
+def _show(desc: list[tuple[Any, ...]]) -> str:
+    return ", ".join(f"{k!r} {tuple(s)} {d}" for k, s, d, *_ in desc) or "no keys"

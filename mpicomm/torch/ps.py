@@ -1,0 +1,82 @@
+"""Train a ``torch.nn.Module`` through a parameter server (:class:`mpicomm.ps.KVStore`).
+
+:class:`PSOptimizer` takes the optimizer's place in a training loop: the update rule runs
+on the servers, the worker only pushes its gradients and pulls the new parameters::
+
+    kv = mpicomm.ps.KVStore(servers=1, mode="ssp", staleness=2, lr=0.05, momentum=0.9)
+    if kv.is_server:
+        kv.serve()                          # until every worker has closed
+    else:
+        opt = PSOptimizer(model, kv)        # init: every worker starts from worker 0's model
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()                      # push every gradient, pull every parameter
+        opt.close()
+
+One parameter = one key (its name in ``named_parameters``). ``step`` pushes all
+gradients first (nonblocking sends) and then pulls all parameters with every request in
+flight at once, so the servers work on all keys in parallel; the pulled values are copied
+into ``param.data`` in place. A parameter without a gradient pushes zeros (for plain SGD
+a no-op; with weight decay or momentum the rule still applies, as ``torch.optim`` would).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ps import KVStore
+
+__all__ = ["PSOptimizer"]
+
+
+class PSOptimizer:
+    """Optimizer-shaped client of a :class:`~mpicomm.ps.KVStore` for one module (workers)."""
+
+    def __init__(self, module: torch.nn.Module, kv: KVStore) -> None:
+        if not isinstance(kv, KVStore):
+            raise TypeError(f"kv must be an mpicomm.ps.KVStore, got {type(kv).__name__}")
+        if not kv.is_worker:
+            raise ValueError("PSOptimizer runs on workers; servers call kv.serve()")
+        self.kv = kv
+        self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the module has no trainable parameters")
+        self._worker = kv._as_worker("init")
+        self._worker.init_many([(n, p.detach()) for n, p in self.params])
+        self._infos = [self._worker.info(n) for n, _ in self.params]
+        self.steps = 0
+        self.pull()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Push every gradient, then pull every parameter (in place)."""
+        worker = self.kv._as_worker("push")
+        for name, p in self.params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            worker.push(name, g)
+        self.steps += 1
+        self.pull()
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Overwrite the module's parameters with the servers' current values."""
+        values = self.kv._as_worker("pull").pull_many(self._infos)
+        for (_, p), v in zip(self.params, values):
+            p.copy_(v.reshape(p.shape))
+
+    def stats(self) -> dict[str, Any]:
+        return self.kv.stats()
+
+    def close(self) -> None:
+        self.kv.close()

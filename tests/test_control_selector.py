@@ -1,0 +1,381 @@
+"""The selector in the training loop: paper cost model, L-GreCo DP, CR controller,
+calibration, selector, and ``strategy="auto"`` (serial parts + multi-rank agreement)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mpicomm import strategies
+from mpicomm.collectives.cost import CALIBRATION_KEYS, ComputeParams, CostParams
+from mpicomm.control import CRController, lgreco_solve, predict, select
+from mpicomm.control.calibration import OnlineCalibration, choose_peers
+from mpicomm.control.cr import asf_choice, knee_choice, pareto_front
+from mpicomm.control.lgreco import LGreco, topk_tail_errors
+
+GBPS = 1.25e8
+PARAMS = {"resnet18": 11_689_512, "resnet50": 25_557_032, "alexnet": 61_100_840}
+# the Table VI rows tests/test_cost.py checks (algorithms.md B.3), (AG, ART-Ring, ART-Tree)
+TABLE_VI = [
+    ("resnet18", 10, 0.1, (54.0, 35.0, 43.2), 0.03),
+    ("resnet18", 1, 0.1, (526.3, 194.7, 345.6), 0.03),
+    ("alexnet", 1, 0.1, (2718.7, 964.4, 1778.0), 0.03),
+    ("resnet50", 5, 0.1, (232.0, 94.7, 156.2), 0.03),
+    ("resnet18", 10, 0.01, (7.66, 18.1, 12.2), 0.08),
+    ("resnet18", 10, 0.001, (3.28, 16.7, 9.0), 0.08),
+    ("resnet18", 1, 0.001, (8.86, 19.5, 12.8), 0.08),
+    ("alexnet", 1, 0.001, (31.33, 27.0, 27.3), 0.08),
+]
+
+
+# ---------------------------------------------------------------------- predict
+@pytest.mark.parametrize(("model", "gbps", "c", "table", "rel"), TABLE_VI)
+def test_predict_reproduces_table_vi(model, gbps, c, table, rel):
+    M, beta = 4 * PARAMS[model], 1 / (gbps * GBPS)
+    got = tuple(1e3 * predict(s, M, 8, 1e-3, beta, cr=c)
+                for s in ("allgather_topk", "artopk_ring", "artopk_tree"))
+    assert got == pytest.approx(table, rel=rel)
+    assert int(np.argmin(got)) == int(np.argmin(table))
+
+
+def test_predict_dense_schemes_and_errors():
+    M, a, b = 1e6, 1e-4, 1e-9
+    assert predict("allreduce_ring", M, 4, a, b) == pytest.approx(6 * a + 1.5 * M * b)
+    assert predict("allreduce_tree", M, 4, a, b) == pytest.approx(4 * a + 4 * M * b)
+    assert predict("broadcast", M, 8, a, b) == pytest.approx(3 * a + 3 * M * b)
+    assert predict("gtopk", M, 8, a, b, cr=0.01) == pytest.approx(3 * a + 6 * 0.01 * M * b)
+    assert predict("allreduce_ring", M, 1, a, b) == 0.0
+    with pytest.raises(ValueError, match="scheme"):
+        predict("alltoall", M, 4, a, b)
+    with pytest.raises(ValueError, match="cr"):
+        predict("gtopk", M, 4, a, b, cr=0.0)
+    with pytest.raises(ValueError, match="ranks"):
+        predict("gtopk", M, 0, a, b)
+    with pytest.raises(TypeError, match="alpha"):
+        predict("gtopk", M, 4, "1ms", b)
+
+
+# ---------------------------------------------------------------------- L-GreCo
+def brute(sizes, errors, budget, buckets):
+    unit = budget / buckets
+    best = None
+    for picks in itertools.product(*[range(len(s)) for s in sizes]):
+        units = [max(1, math.ceil(errors[l][j] / unit)) for l, j in enumerate(picks)]
+        if sum(units) > buckets:
+            continue
+        size = sum(sizes[l][j] for l, j in enumerate(picks))
+        if best is None or size < best:
+            best = size
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lgreco_dp_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    layers, cands = rng.randint(1, 6), rng.randint(1, 4)
+    sizes = [[rng.randint(1, 50) for _ in range(cands)] for _ in range(layers)]
+    errors = [[rng.uniform(0.0, 5.0) for _ in range(cands)] for _ in range(layers)]
+    budget = sum(min(e) for e in errors) + rng.uniform(0.5, 6.0)
+    buckets = rng.choice([20, 100, 1000])
+    expected = brute(sizes, errors, budget, buckets)
+    if expected is None:
+        with pytest.raises(ValueError, match="budget"):
+            lgreco_solve(sizes, errors, budget, buckets)
+        return
+    picks = lgreco_solve(sizes, errors, budget, buckets)
+    assert len(picks) == layers
+    assert sum(sizes[l][j] for l, j in enumerate(picks)) == expected
+    assert sum(errors[l][j] for l, j in enumerate(picks)) <= budget + 1e-12
+
+
+def test_lgreco_solve_input_checks():
+    assert lgreco_solve([], [], 1.0) == []
+    assert lgreco_solve([[3, 1]], [[0.1, float("inf")]], 1.0) == [0]
+    with pytest.raises(ValueError, match="layers"):
+        lgreco_solve([[1]], [], 1.0)
+    with pytest.raises(ValueError, match="budget"):
+        lgreco_solve([[1]], [[1]], 0.0)
+    with pytest.raises(ValueError, match="equal"):
+        lgreco_solve([[1, 2]], [[1]], 1.0)
+
+
+def test_topk_tail_error_is_exact_and_non_increasing():
+    a = torch.tensor([3.0, -4.0, 1.0, 0.5])
+    errs = topk_tail_errors(a, [1, 2, 3, 4])
+    assert errs == pytest.approx([math.sqrt(9 + 1 + 0.25), math.sqrt(1.25), 0.5, 0.0])
+
+
+def test_lgreco_per_layer_budget_beats_uniform_at_the_same_error():
+    """Layers with very different gradient spectra: the DP moves density to where it
+    buys the most error, total size <= uniform and total error <= uniform's."""
+    gen = torch.Generator().manual_seed(0)
+    lg = LGreco(0.05, every=10, acc_steps=2)
+    numels = {"flat": 4000, "peaky": 4000, "mid": 2000}
+    for _ in range(2):
+        lg.accumulate("flat", torch.randn(4000, generator=gen) * 0.01)
+        peaky = torch.zeros(4000)
+        peaky[:50] = torch.randn(50, generator=gen) * 10
+        lg.accumulate("peaky", peaky + torch.randn(4000, generator=gen) * 0.001)
+        lg.accumulate("mid", torch.randn(2000, generator=gen) ** 3)
+    decision = lg._solve(numels)
+    assert decision["error"] <= decision["budget"] + 1e-9
+    assert decision["size"] <= decision["uniform_size"]
+    assert decision["size"] < 0.8 * decision["uniform_size"]
+    assert decision["densities"]["peaky"] < 0.05  # its mass sits in 50 entries
+
+
+# ---------------------------------------------------------------------- CR / Pareto
+def test_pareto_front_asf_and_knee():
+    pts = [(1.0, 10.0), (2.0, 4.0), (3.0, 3.5), (4.0, 1.0), (5.0, 5.0)]
+    assert pareto_front(pts) == [0, 1, 2, 3]
+    assert asf_choice(pts, (0.6, 0.4)) in (1, 2)
+    assert asf_choice(pts, (100.0, 0.01)) == 0   # only time counts
+    assert asf_choice(pts, (0.01, 100.0)) == 3   # only gain counts
+    assert knee_choice(pts) == 1
+
+
+def test_cr_controller_explores_restores_and_picks_by_asf():
+    times = {0.1: 10.0, 0.033: 4.0, 0.011: 2.0, 0.004: 1.5, 0.001: 1.4}
+    gains = {0.1: 0.9, 0.033: 0.8, 0.011: 0.6, 0.004: 0.3, 0.001: 0.1}
+    cr = CRController(times.__getitem__, window=2, warmup_steps=2, cooldown=5)
+    assert cr.ratio == 1.0 and cr.start() is None  # warm-up from dense first
+    assert cr.observe(1.0) is None and 0.1 < cr.ratio < 1.0
+    assert cr.observe(1.0) == "save"               # warm-up over: explore
+    actions = []
+    for _ in range(10):
+        actions.append(cr.observe(gains[cr.ratio]))
+    assert actions[-1] == "restore" and actions[:-1] == [None] * 9
+    assert cr.gains == pytest.approx(gains)
+    points = [(times[c], 1 / gains[c]) for c in sorted(times, reverse=True)]
+    assert cr.ratio == sorted(times, reverse=True)[asf_choice(points)]
+    assert cr.history[-1].reason == "solve"
+    # a steady gain never triggers; a sustained >= 10% change does, within a few steps,
+    # once the cooldown after the solve is over
+    for _ in range(20):
+        assert cr.observe(0.6) is None
+    actions = [cr.observe(0.2) for _ in range(10)]
+    assert "save" in actions
+
+
+def test_cr_controller_resolves_on_network_change():
+    t = {"scale": 1.0}
+    cr = CRController(lambda c: c * t["scale"] + 0.01 / c, ratios=(0.1, 0.01), window=1)
+    assert cr.start() == "save"
+    cr.observe(0.9)
+    assert cr.observe(0.5) == "restore"
+    first = cr.ratio
+    t["scale"] = 1e6   # bandwidth collapses: the time of large c explodes
+    cr.network_changed()
+    assert cr.history[-1].reason == "network"
+    assert cr.ratio <= first and cr.ratio == 0.01
+
+
+# ---------------------------------------------------------------------- calibration
+def test_choose_peers_prefers_other_nodes():
+    assert choose_peers([0, 0, 1, 1, 2, 2], 3) == [2, 4, 1]
+    assert choose_peers([0, 0, 0], 5) == [1, 2]
+    assert choose_peers([0], 3) == []
+
+
+def test_online_calibration_tracks_a_bandwidth_change_and_flags_drift():
+    base = CostParams(alpha=1e-5, beta=1e-9, gamma=0.0)
+    cal = OnlineCalibration(base, decay=0.7, drift=0.3)
+    shapes = [(4, 1e3), (4, 1e6), (10, 1e5), (2, 1e7)]  # (messages, bytes)
+    for _ in range(3):
+        for a, b in shapes:
+            cal.observe(a, b, a * base.alpha + b * base.beta)
+        assert cal.refine(None) is False
+    assert cal.params.beta == pytest.approx(base.beta, rel=0.05)
+    slow = 4e-9   # bandwidth drops 4x
+    drift = []
+    for _ in range(6):
+        for a, b in shapes:
+            cal.observe(a, b, a * base.alpha + b * slow)
+        drift.append(cal.refine(None))
+    assert drift[0] or drift[1]
+    assert cal.params.beta == pytest.approx(slow, rel=0.15)
+    assert cal.params.alpha == pytest.approx(base.alpha, rel=0.5)
+
+
+def test_link_delay_is_the_alpha_beta_time_of_the_traffic_sent():
+    from mpicomm.comm import Traffic
+    from mpicomm.strategies.base import link_delay
+
+    class Fake:
+        resources: dict = {}
+
+    fake = Fake()
+    assert link_delay(fake, Traffic(1000, 0, 3)) == 0.0
+    fake.resources = {"emulated_link": (1e-4, 1e-8)}
+    assert link_delay(fake, Traffic(1000, 500, 3)) == pytest.approx(3e-4 + 1e-5)
+
+
+def test_calibration_keys_match_the_communicator():
+    from mpicomm import comm as comm_module
+
+    assert comm_module._CALIBRATION_KEYS == CALIBRATION_KEYS
+
+
+# ---------------------------------------------------------------------- selector
+ZERO = ComputeParams(select=0, merge=0, scatter=0, flop=0, copy=0)
+
+
+def test_selector_follows_the_network_and_counts_compute():
+    shapes = [(1000, 1000)]
+    slow = CostParams(alpha=1e-4, beta=1 / (1 * GBPS), gamma=0.0)   # 1 Gbit/s
+    choice = select(shapes, 0.01, 4, 8, slow, ZERO)
+    assert choice.scheme != "dense"
+    assert choice.predicted == min(choice.candidates.values())
+    assert set(choice.candidates) == {"dense", "allgather_topk", "gtopk", "artopk_ring",
+                                      "artopk_tree", "powersgd"}
+    # a very fast link: the dense allreduce wins as soon as compute is counted
+    fast = CostParams(alpha=1e-6, beta=1e-12, gamma=0.0)
+    work = ComputeParams(select=1e-8, merge=1e-7, scatter=1e-9, flop=1e-10, copy=1e-10)
+    assert select(shapes, 0.01, 4, 8, fast, work).scheme == "dense"
+    # expensive merges rule gTop-k out where bytes alone would pick it
+    bytes_only = select(shapes, 0.01, 4, 8, slow, ZERO, schemes=("gtopk", "allgather_topk"))
+    assert bytes_only.scheme == "gtopk"
+    merges = ComputeParams(select=0, merge=1e-5, scatter=0, flop=0, copy=0)
+    assert select(shapes, 0.01, 4, 8, slow, merges,
+                  schemes=("gtopk", "allgather_topk")).scheme == "allgather_topk"
+    # accuracy constraint: no approximate aggregation
+    assert "gtopk" not in select(shapes, 0.01, 4, 8, slow, ZERO, approximate=False).candidates
+    assert select(shapes, 1.0, 4, 8, slow, ZERO).scheme == "dense"
+    with pytest.raises(ValueError, match="schemes"):
+        select(shapes, 0.01, 4, 8, slow, ZERO, schemes=("nope",))
+
+
+# ---------------------------------------------------------------------- auto (one rank)
+def test_make_auto_and_its_prediction():
+    s = strategies.make("auto", ratio=0.01, calibrate_links=0)
+    assert s.name == "auto"
+    slow = CostParams(alpha=1e-4, beta=1 / GBPS, gamma=0.0)
+    best = select([(1000, 1000)], 0.01, 4, 8, slow, ZERO).predicted
+    assert s.predict([(1000, 1000)], 4, 8, slow, ZERO) == pytest.approx(best)
+    with pytest.raises(ValueError, match="schemes"):
+        strategies.make("auto", schemes=("bogus",))
+    with pytest.raises(ValueError, match="ratio"):
+        strategies.make("auto", ratio=2.0)
+
+
+# ---------------------------------------------------------------------- multi-rank
+@pytest.mark.mpi
+def test_calibrate_gives_every_rank_the_same_numbers_and_dup_keeps_them(comm):
+    from mpicomm.control import calibrate
+
+    saved = {k: comm.resources.pop(k) for k in CALIBRATION_KEYS if k in comm.resources}
+    try:
+        params, compute, links = calibrate(comm, links=2, sizes=(8, 4096, 1 << 15),
+                                           repeats=2, compute_numel=1 << 14)
+        assert comm.allgather_object((params, compute, links)) == \
+            [(params, compute, links)] * comm.size
+        assert len(links) == min(2, comm.size - 1)
+        assert compute.select > 0 and compute.merge > 0
+        dup = comm.dup()
+        try:
+            assert dup.resources["cost_params"] is params
+            assert dup.resources["compute_params"] is compute
+        finally:
+            dup.free()
+        half = comm.split(comm.rank % 2)
+        try:
+            assert half.resources["cost_params"] is params
+        finally:
+            half.free()
+    finally:
+        for k in CALIBRATION_KEYS:
+            comm.resources.pop(k, None)
+        comm.resources.update(saved)
+
+
+def _train_auto(comm, steps, calibrate_links=0, **options):
+    from mpicomm.control import AutoStrategy
+    from mpicomm.torch import GradientSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    auto = AutoStrategy(calibrate_links=calibrate_links, **options)
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    seen = []
+    with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
+        for _ in range(steps):
+            x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            sync.step(opt)
+            seen.append(auto.ratio)
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return auto, weights, seen
+
+
+@pytest.mark.mpi
+def test_auto_in_gradsync_decides_identically_and_restores_after_exploring(comm):
+    auto, weights, seen = _train_auto(comm, 9, calibrate_links=1, window=1,
+                                      ratios=(0.5, 0.1, 0.02))
+    try:
+        mine = (auto.decisions, [(h.step, h.reason, h.ratio) for h in auto.controller.history],
+                [(r.bucket, r.scheme, r.ratio, r.measured) for r in auto.records], seen)
+        assert comm.allgather_object(mine) == [mine] * comm.size
+        # one record per bucket per step (the last step is agreed at the next one)
+        assert len(auto.records) == 8 * len({r.bucket for r in auto.records})
+        assert all(r.measured > 0 for r in auto.records)
+        # exploration ran the three ratios once and then solved
+        assert [h.reason for h in auto.controller.history][:1] == ["solve"]
+        assert set(auto.controller.gains) == {0.5, 0.1, 0.02}
+        assert all(0 < g <= 1 for g in auto.controller.gains.values())
+        # replicas agree after exploring and restoring
+        gathered = comm.allgather_object(weights.numpy())
+        for w in gathered:
+            np.testing.assert_allclose(w, gathered[0], rtol=1e-5, atol=1e-6)
+    finally:
+        auto.callbacks.clear()
+
+
+@pytest.mark.mpi
+def test_auto_exploration_restores_the_saved_model(comm):
+    """window=2, two ratios, decisions one step behind the measurements: exploration
+    starts with step 1 and the state is saved after it; steps 1-4 are measured, the
+    restore comes after step 5, back to the state saved after step 1; step 6 trains on."""
+    from mpicomm.control import AutoStrategy
+    from mpicomm.torch import GradientSync
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    auto = AutoStrategy(calibrate_links=0, window=2, ratios=(0.5, 0.2))
+    states = []
+    with GradientSync(model, strategy=auto, comm=comm) as sync:
+        for step in range(7):
+            opt.zero_grad()
+            model(torch.full((4, 6), float(step + comm.rank))).sum().backward()
+            sync.step(opt)
+            states.append(copy_state(model))
+    assert states[5] == states[1]
+    assert states[2] != states[1] and states[6] != states[5]
+    reasons = [h.reason for h in auto.controller.history]  # + re-solves on timing drift
+    assert reasons[0] == "solve" and set(reasons[1:]) <= {"network"}
+
+
+def copy_state(model):
+    return [tuple(p.detach().reshape(-1).tolist()) for p in model.parameters()]
+
+
+@pytest.mark.mpi
+def test_auto_lgreco_densities_identical_and_no_larger_than_uniform(comm):
+    auto, _, _ = _train_auto(comm, 7, ratio=0.1, lgreco=True, lgreco_every=3,
+                             lgreco_acc_steps=2, schemes=("allgather_topk", "artopk_ring"))
+    assert len(auto.lgreco.history) == 2
+    mine = [sorted(h["densities"].items()) for h in auto.lgreco.history]
+    assert comm.allgather_object(mine) == [mine] * comm.size
+    for h in auto.lgreco.history:
+        assert h["densities"], "rank 0 accumulated every layer"
+        assert h["size"] <= h["uniform_size"]
+        assert h["error"] <= h["budget"] * (1 + 1e-9)
+    assert {r.scheme for r in auto.records} <= {"allgather_topk", "artopk_ring", "dense"}

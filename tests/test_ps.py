@@ -1,0 +1,464 @@
+"""Parameter-server mode (:mod:`mpicomm.ps`).
+
+Multi-rank tests (``@pytest.mark.mpi``) run every (servers, workers) split the rank count
+allows: 2 ranks (1, 1); 3 ranks (1, 2) and (2, 1); 4 ranks (1, 3) and (2, 2); 5 ranks
+(1, 4) and (2, 3). At 1 rank a parameter server cannot exist (it needs a server and a
+worker): those tests skip, the configuration test checks the error instead. Serial tests
+cover sharding, the update rules against ``torch.optim``, the wire format, checkpoint
+atomicity, and (child jobs) faults ending the job and the examples' PS training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpicomm
+from mpicomm.ps import KVStore, wire
+from mpicomm.ps import checkpoint as ckpt
+from mpicomm.ps.optim import ShardOptimizer
+from mpicomm.ps.sharding import ShardPlan
+
+torch.set_num_threads(1)
+
+
+def splits(size: int) -> list[tuple[int, int]]:
+    """The (servers, workers) splits exercised at ``size`` ranks."""
+    if size < 2:
+        pytest.skip("a parameter server needs >= 2 ranks (one server, one worker)")
+    return [(s, size - s) for s in (1, 2) if size - s >= 1]
+
+
+@pytest.fixture
+def split_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split keys of >= 1 KiB over the servers, so that 2 servers share the big key."""
+    monkeypatch.setenv("MPICOMM_PS_SPLIT_BYTES", "1024")
+
+
+def problem(w: int, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Worker ``w``'s least-squares gradient maps ``g(p) = A p - b`` per key."""
+    rng = np.random.default_rng([seed, w])
+    return {"weight": (rng.standard_normal((320, 320)) / 40, rng.standard_normal(320)),
+            "bias": (rng.standard_normal((7, 7)) / 10, rng.standard_normal(7))}
+
+
+SHAPES = {"weight": (20, 16), "bias": (7,)}  # weight: 2560 bytes in float64 -> split
+
+
+def grad(prob, key: str, p: np.ndarray) -> np.ndarray:
+    a, b = prob[key]
+    return (a @ p.reshape(-1) - b).reshape(p.shape)
+
+
+def init_values(seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s) for k, s in SHAPES.items()}
+
+
+def finish(kv: KVStore) -> dict:
+    """Servers serve; workers close. Returns this rank's stats."""
+    if kv.is_server:
+        kv.serve()
+    else:
+        kv.close()
+    return kv.stats()
+
+
+def worker_comm(comm, servers: int):
+    """A communicator of the worker ranks (for reference allreduces), None on servers."""
+    return comm.split(0 if comm.rank < comm.size - servers else None)
+
+
+# ====================================================================== multi-rank
+@pytest.mark.mpi
+@pytest.mark.parametrize("opt", [dict(optimizer="sgd"),
+                                 dict(optimizer="sgd", momentum=0.9, weight_decay=0.01),
+                                 dict(optimizer="adam", weight_decay=0.01, lr=0.01)],
+                         ids=["sgd", "momentum", "adam"])
+def test_sync_equals_allreduce_sgd(comm, split_small, opt):
+    for servers, _ in splits(comm.size):
+        kv = KVStore(comm, servers=servers, mode="sync", **opt)
+        wc = worker_comm(comm, servers)
+        if kv.is_worker:
+            prob = problem(kv.worker_rank)
+            start = init_values()
+            ref = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in start.items()}
+            cls = torch.optim.Adam if opt["optimizer"] == "adam" else torch.optim.SGD
+            kw = {k: v for k, v in opt.items() if k != "optimizer"}
+            kw.setdefault("lr", 0.1)
+            ref_opt = cls(list(ref.values()), **kw)
+            for k, v in start.items():
+                kv.init(k, v if kv.worker_rank == 0 else np.zeros_like(v))
+            params = {k: kv.pull(k) for k in SHAPES}
+            assert all(np.array_equal(params[k], start[k]) for k in SHAPES)
+            for _ in range(6):
+                for k in SHAPES:
+                    kv.push(k, grad(prob, k, params[k]))
+                    kv.pull(k, out=params[k])
+                for k, p in ref.items():
+                    g = grad(prob, k, p.detach().numpy())
+                    p.grad = torch.from_numpy(mpicomm.allreduce(g, op="avg", comm=wc))
+                ref_opt.step()
+            for k in SHAPES:
+                np.testing.assert_allclose(params[k], ref[k].detach().numpy(), rtol=0,
+                                           atol=1e-12)
+            wc.free()
+        stats = finish(kv)
+        assert stats["max_staleness"] == 0
+        if kv.is_server:
+            assert stats["duplicates"] == 0 and stats["updates"] > 0
+
+
+@pytest.mark.mpi
+def test_ssp_bound_with_slow_worker(comm):
+    for servers, workers in splits(comm.size):
+        s = 2
+        kv = KVStore(comm, servers=servers, mode="ssp", staleness=s, lr=0.01)
+        if kv.is_worker:
+            kv.init("x", np.zeros(64, dtype=np.float32))
+            for _ in range(10):
+                if kv.worker_rank == 0:
+                    time.sleep(0.02)  # the straggler
+                kv.push("x", np.ones(64, dtype=np.float32))
+                kv.pull("x")
+        stats = finish(kv)
+        seen = comm.allgather_object(stats["max_staleness"])
+        assert max(seen) <= s, seen
+        if workers > 1:  # the fast workers did run ahead (not lock-step)
+            assert max(seen) >= 1, seen
+
+
+@pytest.mark.mpi
+def test_async_pushes_scaled_by_workers(comm):
+    for servers, workers in splits(comm.size):
+        kv = KVStore(comm, servers=servers, mode="async", lr=0.5)
+        wc = worker_comm(comm, servers)
+        if kv.is_worker:
+            x0 = torch.linspace(-1, 1, 50, dtype=torch.float64)
+            kv.init("x", x0)
+            for _ in range(4):
+                kv.push("x", torch.full((50,), float(kv.worker_rank + 1), dtype=torch.float64))
+                assert isinstance(kv.pull("x"), torch.Tensor)
+            wc.barrier()  # every push sent before anyone's final pull
+            kv.push("x", torch.zeros(50, dtype=torch.float64))
+            final = kv.pull("x")
+            mean_g = (workers + 1) / 2
+            torch.testing.assert_close(final, x0 - 0.5 * 4 * mean_g, rtol=0, atol=1e-12)
+            wc.free()
+        finish(kv)
+
+
+def _run_steps(kv: KVStore, params: dict, prob, steps: range) -> None:
+    for _ in steps:
+        for k in SHAPES:
+            kv.push(k, grad(prob, k, params[k]))
+            kv.pull(k, out=params[k])
+
+
+@pytest.mark.mpi
+def test_checkpoint_restore_exactly_once(comm, split_small, tmp_path_factory):
+    folder = comm.bcast_object(str(tmp_path_factory.mktemp("ps")) if comm.rank == 0 else None)
+    for servers, workers in splits(comm.size):
+        path = os.path.join(folder, f"kv-{servers}.pt")
+        settings = dict(servers=servers, mode="sync", optimizer="adam", lr=0.01,
+                        compressor=mpicomm.compress.TopK(density=0.25))
+        # uninterrupted run (8 steps) that also saves a checkpoint after step 4
+        kv = KVStore(comm, **settings)
+        final_a = None
+        if kv.is_worker:
+            prob = problem(kv.worker_rank, seed=3)
+            for k, v in init_values(4).items():
+                kv.init(k, v)
+            params = {k: kv.pull(k) for k in SHAPES}
+            _run_steps(kv, params, prob, range(4))
+            kv.checkpoint(path)
+            _run_steps(kv, params, prob, range(4, 8))
+            final_a = params
+        finish(kv)
+        saved = torch.load(path, weights_only=True)  # no pickle of code
+        assert saved["keys"] == list(SHAPES) and saved["workers"] == workers
+        assert all(s.tolist() == [4] * workers for s in saved["last_seq"])
+        assert not [f for f in os.listdir(folder) if ".tmp-" in f]
+        # a new store restored from the checkpoint continues from step 4
+        kv = KVStore(comm, **settings)
+        if kv.is_worker:
+            kv.restore(path)
+            params = {k: kv.pull(k) for k in SHAPES}
+            np.testing.assert_array_equal(params["bias"], saved["values"][1].numpy())
+            # a replay of the last push before the checkpoint (sequence number 4) must be
+            # skipped by the servers, not applied a second time
+            for k in SHAPES:
+                info = kv._worker.info(k)
+                for p in info.pieces:
+                    buf = wire.pack(wire.PUSH, info.key_id, p.index, 4, kv.worker_rank, 4,
+                                    arrays=[torch.ones(p.numel, dtype=torch.float64)])
+                    kv._worker.mpi.Send([buf, MPI.BYTE], kv._worker.server_rank(p.server),
+                                        wire.TAG_REQUEST)
+            _run_steps(kv, params, prob, range(4, 8))
+            for k in SHAPES:  # bit for bit the uninterrupted run
+                np.testing.assert_array_equal(params[k], final_a[k])
+        stats = finish(kv)
+        if kv.is_server:
+            pieces = stats["updates"] // 4  # 4 steps after the restore, one update per piece
+            assert stats["updates"] == 4 * pieces and pieces >= 1
+            assert stats["duplicates"] == workers * pieces  # each replay skipped once
+        comm.barrier()
+
+
+@pytest.mark.mpi
+def test_compressed_push_applies_what_was_sent(comm, split_small):
+    """One-shot compressors (top-k, random-k whose indices depend on the step, QSGD,
+    sign): the servers apply exactly the decompressed payloads, i.e.
+    after plain SGD with lr 1 the value is minus the mean over workers of (gradients -
+    residual) (error feedback conservation); at 3+ ranks the key is split over 2 servers."""
+    servers, workers = splits(comm.size)[-1]
+    for name, kw in [("topk", dict(density=0.1)), ("randomk", dict(density=0.1)),
+                     ("qsgd", {}), ("sign", {})]:
+        kv = KVStore(comm, servers=servers, lr=1.0, compressor=mpicomm.compress.make(name, **kw))
+        wc = worker_comm(comm, servers)
+        if kv.is_worker:
+            kv.init("x", torch.zeros(600, dtype=torch.float64))
+            rng = np.random.default_rng(kv.worker_rank)
+            total = torch.zeros(600, dtype=torch.float64)
+            for _ in range(3):
+                g = torch.from_numpy(rng.standard_normal(600))
+                total += g
+                kv.push("x", g)
+                x = kv.pull("x")
+            ef = kv._worker.ef
+            pieces = kv._worker.info("x").pieces
+            sent = total - torch.cat([ef.residual(f"x/{p.index}") for p in pieces])
+            expected = -mpicomm.allreduce(sent, op="avg", comm=wc)
+            torch.testing.assert_close(x, expected, rtol=0, atol=1e-12, msg=name)
+            assert kv.stats()["bytes_pushed"] < 3 * 600 * 8
+            wc.free()
+        finish(kv)
+
+
+@pytest.mark.mpi
+def test_idle_server_does_not_spin(comm):
+    for servers, _ in splits(comm.size)[:1]:
+        kv = KVStore(comm, servers=servers, mode="async")
+        if kv.is_worker:
+            kv.init("x", np.zeros(8))
+            time.sleep(0.5)  # the servers have nothing to do
+            kv.push("x", np.ones(8))
+            kv.pull("x")
+        stats = finish(kv)
+        if kv.is_server:
+            assert stats["wall_s"] > 0.5
+            assert stats["cpu_s"] < 0.5 * stats["wall_s"], stats  # asleep, not polling
+
+
+@pytest.mark.mpi(min_size=4)
+def test_restore_onto_more_servers(comm, split_small, tmp_path_factory):
+    """A checkpoint holds whole keys: saved by 1 server + 2 workers (ranks 0-2), restored
+    by 2 servers + 2 workers (ranks 0-3), which split the big key and continue."""
+    folder = comm.bcast_object(str(tmp_path_factory.mktemp("ps")) if comm.rank == 0 else None)
+    path = os.path.join(folder, "kv.pt")
+    saved: dict[str, np.ndarray] = {}  # the workers' values at the checkpoint
+    for size, servers in ((3, 1), (4, 2)):
+        sub = comm.split(0 if comm.rank < size else None)
+        if sub is not None:
+            kv = KVStore(sub, servers=servers, optimizer="sgd", momentum=0.9)
+            if kv.is_worker:
+                prob = problem(kv.worker_rank)
+                if servers == 1:
+                    for k, v in init_values().items():
+                        kv.init(k, v)
+                else:
+                    kv.restore(path)
+                    assert len(kv._worker.info("weight").pieces) == 2
+                params = {k: kv.pull(k) for k in SHAPES}
+                if servers == 2:
+                    for k, p in params.items():
+                        np.testing.assert_array_equal(p, saved[k])
+                _run_steps(kv, params, prob, range(2))
+                if servers == 1:
+                    kv.checkpoint(path)
+                    saved.update({k: v.copy() for k, v in params.items()})
+            finish(kv)
+            sub.free()
+        comm.barrier()
+
+
+@pytest.mark.mpi
+def test_bad_configuration_raises_everywhere(comm):
+    cases = [dict(servers=0), dict(servers=comm.size), dict(servers=1, mode="bsp"),
+             dict(servers=1, mode="ssp", staleness=-1), dict(servers=1, staleness=2),
+             dict(servers=1, optimizer="lamb"), dict(servers=1, lr=-1.0),
+             dict(servers=1, compressor="powersgd")]
+    for kwargs in cases:
+        if comm.size == 1 and kwargs["servers"] == 1 and len(kwargs) > 1:
+            kwargs = dict(kwargs, servers=0)  # at one rank every store is refused
+        with pytest.raises(ValueError):
+            KVStore(comm, **kwargs)
+    with pytest.raises(TypeError):  # NotAnIntegerError: a TypeError and a ValueError
+        KVStore(comm, servers=1.0)
+    with pytest.raises(ValueError):  # NotAnIntegerError is also a ValueError
+        KVStore(comm, servers=1, mode="ssp", staleness=1.5)
+
+
+@pytest.mark.mpi
+def test_bad_keys_and_values(comm):
+    for servers, workers in splits(comm.size):
+        kv = KVStore(comm, servers=servers)
+        if kv.is_worker:
+            with pytest.raises(RuntimeError, match="server call"):
+                kv.serve()
+            kv.init("a", np.zeros((3, 4)))
+            with pytest.raises(ValueError, match="already initialised"):
+                kv.init("a", np.zeros((3, 4)))
+            with pytest.raises(ValueError, match="unknown key"):
+                kv.push("b", np.zeros((3, 4)))
+            with pytest.raises(ValueError, match="shape"):
+                kv.push("a", np.zeros(12))
+            with pytest.raises(TypeError, match="dtype"):
+                kv.push("a", np.zeros((3, 4), dtype=np.float32))
+            with pytest.raises(TypeError, match="floating"):
+                kv.init("i", np.zeros(3, dtype=np.int64))
+            if workers > 1:  # a shape mismatch between workers: ValueError on every worker
+                with pytest.raises(ValueError, match="same keys"):
+                    kv.init("c", np.zeros(2 + (kv.worker_rank == 1)))
+            np.testing.assert_array_equal(kv.pull("a"), np.zeros((3, 4)))
+        else:
+            with pytest.raises(RuntimeError, match="worker call"):
+                kv.push("a", np.zeros((3, 4)))
+        stats = finish(kv)
+        if kv.is_server:
+            assert stats["updates"] == 0  # nothing bad reached a server
+
+
+# ====================================================================== serial
+def test_sharding_balances_bytes_and_splits_large_keys():
+    plan = ShardPlan(3, split_bytes=4000)
+    big = plan.place(0, 3001, 4)  # 12004 bytes: split over all servers
+    assert [p.server for p in big] == [0, 1, 2]
+    assert sum(p.numel for p in big) == 3001 and big[0].start == 0 and big[-1].stop == 3001
+    assert max(p.numel for p in big) - min(p.numel for p in big) <= 1
+    for k, n in enumerate([900, 10, 500, 400, 20, 800], start=1):
+        (piece,) = plan.place(k, n, 4)
+        assert piece.numel == n
+    assert max(plan.load) - min(plan.load) <= 900 * 4  # within the largest unsplit key
+    assert ShardPlan(1, split_bytes=8).place(0, 100, 8)[0].server == 0
+    with pytest.raises(ValueError):
+        plan.place(0, 5, 4)
+
+
+@pytest.mark.parametrize("kind,kw", [("sgd", {}), ("sgd", dict(momentum=0.9, weight_decay=0.1)),
+                                     ("adam", dict(weight_decay=0.05))])
+def test_update_rules_match_torch_optim(kind, kw):
+    torch.manual_seed(0)
+    p_ref = torch.nn.Parameter(torch.randn(1000, dtype=torch.float64))
+    p = p_ref.detach().clone()
+    cls = torch.optim.Adam if kind == "adam" else torch.optim.SGD
+    ref = cls([p_ref], lr=0.05, **kw)
+    opt = ShardOptimizer(kind, 0.05, **kw)
+    halves = [p[:400], p[400:]]  # a key split over two servers: elementwise rules
+    states = [opt.init_state(h) for h in halves]
+    for _ in range(20):
+        g = torch.randn(1000, dtype=torch.float64)
+        p_ref.grad = g.clone()
+        ref.step()
+        for h, st, gh in zip(halves, states, (g[:400], g[400:])):
+            opt.step(h, gh.clone(), st)
+    assert torch.equal(p, p_ref.detach())
+
+
+def test_update_rule_arguments():
+    with pytest.raises(ValueError):
+        ShardOptimizer("rmsprop", 0.1)
+    with pytest.raises(ValueError):
+        ShardOptimizer("sgd", 0.1, momentum=1.0)
+    with pytest.raises(ValueError):
+        ShardOptimizer("adam", 0.1, momentum=0.9)
+    with pytest.raises(TypeError):
+        ShardOptimizer("sgd", "0.1")
+
+
+def test_wire_roundtrip():
+    arrays = [torch.randn(5, dtype=torch.float64), torch.arange(3, dtype=torch.int32),
+              torch.randn(4).to(torch.bfloat16), torch.zeros(0, dtype=torch.float32)]
+    m = wire.unpack(wire.pack(wire.PUSH, 7, 1, 11, 2, 13, arrays=arrays))
+    assert (m.op, m.key_id, m.piece, m.a, m.b, m.c) == (wire.PUSH, 7, 1, 11, 2, 13)
+    assert all(torch.equal(x, y) for x, y in zip(arrays, m.arrays))
+    assert wire.reply_nbytes(5, 8) == len(wire.pack(wire.REPLY, 0, 0, arrays=arrays[:1]))
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "kv.pt"
+    ckpt.write_atomic({"format": "other", "v": torch.ones(3)}, path)
+
+    def broken_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.write_atomic({"format": ckpt.FORMAT, "v": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["kv.pt"]  # no temp file left behind
+    assert torch.equal(torch.load(path, weights_only=True)["v"], torch.ones(3))  # old one
+    with pytest.raises(ValueError, match="not a parameter-server checkpoint"):
+        ckpt.load(path, workers=1, optimizer={"optimizer": "sgd"})
+    ckpt.write_atomic({"format": ckpt.FORMAT, "workers": 1}, path)
+    with pytest.raises(ValueError, match="corrupt checkpoint"):
+        ckpt.load(path, workers=1, optimizer={"optimizer": "sgd"})
+
+
+# ====================================================================== child jobs
+@pytest.mark.parametrize("scenario,rank,message", [
+    ("worker-raises", 1, "worker failed on purpose"),
+    ("server-raises", 2, "lost update"),
+    ("worker-dies", None, None),
+])
+def test_failure_ends_the_job_naming_the_rank(scenario, rank, message):
+    from .launch import run_job
+
+    res = run_job(3, [sys.executable, "tests/ps_jobs.py", scenario], timeout=120)
+    ended = time.time()
+    assert res.returncode != 0, res.output
+    if rank is not None:  # a process that vanishes prints nothing; the launcher ends the job
+        assert f"rank {rank}" in res.output and message in res.output, res.output
+    fault_at = float(res.output.split("FAULT AT ")[1].split()[0])
+    assert ended - fault_at < 10, (ended - fault_at, res.output)
+
+
+def test_examples_train_ps(tmp_path):
+    """examples/train_ps.py with 1 server and 2 workers, in one child job: SSP (1 epoch),
+    async with a 3x straggler (3 epochs), top-k 0.01 compressed push (2 epochs). The
+    full-length compressed-vs-dense accuracy comparison is `python -m mpicomm.bench ps`."""
+    from .launch import run_job
+
+    res = run_job(3, [sys.executable, "tests/ps_jobs.py", "train", str(tmp_path)], timeout=300)
+    assert res.returncode == 0, res.output
+    assert "test accuracy" in res.output and "max staleness" in res.output, res.output
+    s = {name: json.loads((tmp_path / f"{name}.json").read_text())
+         for name in ("ssp", "async-straggler", "topk")}
+    assert s["ssp"]["describe"]["worker_stats"]["max_staleness"] <= 2
+    assert max(x["max_staleness"] for x in s["ssp"]["server_stats"]) <= 2
+    assert s["ssp"]["test_accuracy"] > 0.8
+    assert s["async-straggler"]["test_accuracy"] > 0.9  # async converges with a straggler
+    assert s["async-straggler"]["history"][-1]["train_loss"] < 0.3
+    dense, topk = (s[n]["describe"]["worker_stats"] for n in ("ssp", "topk"))
+    assert topk["bytes_pushed"] / topk["pushes"] * 20 < dense["bytes_pushed"] / dense["pushes"]
+    assert s["topk"]["test_accuracy"] > 0.7  # learning (2 epochs; full length: bench)
+
+
+def test_ps_cost_formula():
+    from mpicomm.collectives.cost import CostParams, paper, ps_push_pull
+
+    c = CostParams(alpha=3e-5, beta=1e-9, gamma=0.0)
+    for w in (1, 2, 4, 7):  # one server: Table I of Tyagi & Swany with N - 1 = W
+        assert ps_push_pull(1e6, w, 1, c) == pytest.approx(
+            paper.parameter_server(1e6, w + 1, c.alpha, c.beta), rel=1e-12)
+    assert ps_push_pull(1e6, 4, 4, c) == pytest.approx(2 * 3e-5 + 2e6 * 1e-9)
+    with pytest.raises(ValueError):
+        ps_push_pull(1.0, 0, 1, c)
