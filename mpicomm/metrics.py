@@ -62,7 +62,6 @@ are per rank: ``sent_bytes`` is this rank's.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import time
@@ -256,10 +255,11 @@ def _counters(source: Any) -> dict[str, Any]:
 def predict_step_comm(source: Any) -> float | None:
     """The cost model's seconds for one step's (or round's) communication, or ``None``.
 
-    GradientSync: the strategy's ``predict(numel, itemsize)`` summed over the buckets
-    (dense: the best allreduce algorithm of :mod:`mpicomm.collectives.cost`); LocalSGD:
-    one allreduce of the averaged bytes. Strategies whose ``predict`` takes other
-    arguments (PowerSGD's shapes, Sign's list) get ``None``.
+    GradientSync: the ``"comm"`` part of the strategy's
+    :meth:`~mpicomm.strategies.Strategy.predict_parts` summed over the buckets (with the
+    communicator's calibration); LocalSGD: one allreduce of the averaged bytes with the
+    algorithm the cost model picks. Other sources (a bare strategy, the DDP hook) do
+    not know their buffers ahead of time: ``None``.
     """
     from .collectives import cost
 
@@ -271,23 +271,12 @@ def predict_step_comm(source: Any) -> float | None:
         return cost.predict("allreduce", cost.choose("allreduce", n, p, params), n, p, params)
     strategy = _strategy_of(source)
     model = getattr(source, "model", None)
-    if strategy is None or model is None:
+    if strategy is None or model is None or not hasattr(strategy, "predict_parts"):
         return None
-    sizes = []
-    params_by_name = dict(model.named_parameters())
-    for names in getattr(source, "buckets", []):
-        ps = [params_by_name[n] for n in names]
-        sizes.append((sum(q.numel() for q in ps), ps[0].element_size()))
-    predict = getattr(strategy, "predict", None)
+    by_name = dict(model.named_parameters())
     total = 0.0
-    for numel, itemsize in sizes:
-        if predict is None:
-            n = numel * itemsize
-            total += cost.predict("allreduce", cost.choose("allreduce", n, p, params), n, p,
-                                  params)
-            continue
-        names = list(inspect.signature(predict).parameters)
-        if not names or names[0] != "numel":
-            return None
-        total += predict(numel, itemsize, p=p, params=params)
+    for names in getattr(source, "buckets", []):
+        ps = [by_name[n] for n in names]
+        total += strategy.predict_parts([tuple(q.shape) for q in ps], ps[0].element_size(),
+                                        p)["comm"]
     return total
