@@ -63,19 +63,11 @@ __all__ = ["init_process_group", "process_group", "MpicommHookState", "mpicomm_h
 
 
 # ---------------------------------------------------------------------- process group
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _rendezvous_address(comm: Communicator) -> tuple[str, int]:
-    """(address, port) of a TCP store on rank 0: loopback when all ranks share one node."""
+def _store_host(comm: Communicator) -> str:
+    """Rank 0's address for the TCP store: loopback when every rank shares its node."""
     if comm.nodes == 1:
-        host = "127.0.0.1"
-    else:
-        host = socket.gethostbyname(socket.gethostname())
-    return host, _free_port(host)
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
 
 
 def init_process_group(comm: Communicator | None = None, backend: str = "gloo", *,
@@ -83,8 +75,9 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     """Start ``torch.distributed``'s default process group over the ranks of ``comm``.
 
     Rank ``r`` of ``comm`` (default: the world) becomes rank ``r`` of the process group.
-    Rank 0 picks a free TCP port on its host (loopback when every rank is on one node,
-    else the address its hostname resolves to) and broadcasts it over MPI, so no
+    Rank 0 starts torch's TCP store on a free port of its host (loopback when every rank
+    is on one node, else the address its hostname resolves to) and broadcasts the
+    address over MPI, so no
     ``MASTER_ADDR``/``MASTER_PORT``/``torchrun`` is needed. Collective. Raises
     ``RuntimeError`` on every rank when a default group already exists, and
     ``ValueError`` for an unknown backend. ``backend="nccl"`` works the same way on GPUs.
@@ -102,18 +95,27 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     failed = comm.allreduce_value(error is not None, op="max")
     if failed:
         raise error or RuntimeError("init_process_group failed on another rank")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store: Any = None
     address: tuple[str, int] | str
-    try:
-        address = _rendezvous_address(comm) if comm.rank == 0 else ""
-    except OSError as exc:  # no usable address on rank 0: every rank must learn it
-        address = f"rank 0 found no address for the TCP store: {exc}"
+    if comm.rank == 0:  # the store picks its own free port: no race with other processes
+        try:
+            host = _store_host(comm)
+            store = dist.TCPStore(host, 0, comm.size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            address = (host, int(store.port))
+        except (OSError, RuntimeError) as exc:
+            address = f"rank 0 could not start the TCP store: {exc}"
+    else:
+        address = ""
     address = comm.bcast_object(address)
     if isinstance(address, str):
         raise RuntimeError(address)
-    host, port = address
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.rank,
-                            world_size=comm.size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    if store is None:
+        store = dist.TCPStore(address[0], address[1], comm.size, is_master=False,
+                              timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size,
+                            timeout=timeout)
 
 
 @contextlib.contextmanager
