@@ -454,12 +454,18 @@ ABORT_GRACE_S = 0.5
 
 
 def abort_after_flush(code: int = 1) -> None:
-    """Flush stdout/stderr, give the launcher a moment to forward them, then abort."""
+    """Flush stdout/stderr, give the launcher a moment to forward them, then abort.
+
+    Never returns: ``MPI_Abort`` may hand the kill to the launcher and return before
+    this process is gone (seen with MPICH's hydra on a loaded machine), so the process
+    then leaves at once with ``code`` rather than run the caller's next statement.
+    """
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed or broken stream
             stream.flush()
     time.sleep(ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
 
 
 def install_abort_handler() -> None:

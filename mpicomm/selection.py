@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from .validate import check_int
+
 __all__ = ["topk_indices", "topk_threshold", "topk_indices_approx", "index_dtype_for",
            "PREFILTER_MIN_K"]
 
@@ -146,8 +148,7 @@ def topk_indices_approx(x: Any, k: int, *, sample_rank: int = 512) -> Any:
 
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
-    if isinstance(sample_rank, bool) or not isinstance(sample_rank, int) or sample_rank < 1:
-        raise ValueError(f"sample_rank must be a positive int, got {sample_rank!r}")
+    sample_rank = check_int("sample_rank", sample_rank, 1)
     n = x.shape[0]
     if k >= n or 8 * k > n:
         return topk_indices(x, k)

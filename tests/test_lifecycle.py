@@ -184,6 +184,7 @@ _ABORT_JOB = textwrap.dedent("""
         else:
             with job_scope("gamma"):
                 raise RuntimeError("bad batch")
+        print("abort returned", flush=True)
     comm.barrier()
     print("never reached", flush=True)
 """)
@@ -198,4 +199,4 @@ def test_abort_message_names_the_job(mode, expected):
     result = run_job(2, [sys.executable, "-c", _ABORT_JOB, mode], timeout=60)
     assert result.returncode != 0
     assert expected in result.output, result.output[-3000:]
-    assert "never reached" not in result.output
+    assert "abort returned" not in result.output and "never reached" not in result.output

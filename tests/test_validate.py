@@ -19,6 +19,8 @@ from mpicomm.comm import Traffic
 from mpicomm.compress import QSGD, PowerSGD, RandomK, SampledTopK, TopK
 from mpicomm.control import AdaComm
 from mpicomm.roles.gossip import make_topology
+from mpicomm.sched.job import check_steps
+from mpicomm.selection import topk_indices_approx
 from mpicomm.sparse.reference import simulate_gtopk
 from mpicomm.validate import NotAnIntegerError, check_algorithm, check_choice, check_int
 
@@ -69,6 +71,9 @@ NON_INTEGER = [
     ("root", lambda v: mpicomm.broadcast(np.ones(2), root=v)),
     ("split color", lambda v: mpicomm.world().split(v)),
     ("split_roles num_servers", lambda v: mpicomm.world().split_roles(v)),
+    ("sched steps", lambda v: check_steps(v)),
+    ("approximate top-k sample_rank",
+     lambda v: topk_indices_approx(torch.ones(100), 2, sample_rank=v)),
 ]
 
 

@@ -29,17 +29,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..comm import Communicator
+from ..validate import check_int
 
 __all__ = ["Job", "FunctionJob"]
 
 
 def check_steps(steps: Any) -> int:
-    """``steps`` as an int >= 0, or ``TypeError``/``ValueError``."""
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"steps must be an int, got {type(steps).__name__}")
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
-    return steps
+    """``steps`` as an int >= 0, or ``TypeError``/``ValueError`` (:func:`check_int`)."""
+    return check_int("steps", steps, 0)
 
 
 class Job(ABC):
