@@ -13,7 +13,9 @@ trace.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +49,18 @@ def check_trace(doc: dict, ranks: int) -> list[dict]:
 
 
 @pytest.mark.mpi
-def test_recording_everything(comm: mpicomm.Communicator, tmp_path_factory) -> None:
-    path = Path(comm.bcast_object(str(tmp_path_factory.mktemp("trace")))) / "t.json"
+def test_recording_everything(comm: mpicomm.Communicator) -> None:
+    # rank 0's own directory: pytest's per-process tmp dirs are pruned by the other ranks
+    folder = tempfile.mkdtemp(prefix="mpicomm-trace-") if comm.rank == 0 else None
+    path = Path(comm.bcast_object(folder) or ".") / "t.json"
+    try:
+        _record_and_check(comm, path)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _record_and_check(comm: mpicomm.Communicator, path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 2))
     with trace.recording(path, comm) as tl:
