@@ -16,7 +16,7 @@ from mpicomm.collectives.cost import CALIBRATION_KEYS, ComputeParams, CostParams
 from mpicomm.control import CRController, lgreco_solve, predict, select
 from mpicomm.control.calibration import OnlineCalibration, choose_peers
 from mpicomm.control.cr import asf_choice, knee_choice, pareto_front
-from mpicomm.control.lgreco import LGreco, topk_tail_errors
+from mpicomm.control.lgreco import LGreco, _shape, topk_tail_errors
 
 GBPS = 1.25e8
 PARAMS = {"resnet18": 11_689_512, "resnet50": 25_557_032, "alexnet": 61_100_840}
@@ -127,6 +127,55 @@ def test_lgreco_per_layer_budget_beats_uniform_at_the_same_error():
     assert decision["size"] <= decision["uniform_size"]
     assert decision["size"] < 0.8 * decision["uniform_size"]
     assert decision["densities"]["peaky"] < 0.05  # its mass sits in 50 entries
+
+
+def _lgreco_layers(lg, gen, scale=1.0):
+    """Four layers with different spectra: iid noise, a fixed rank-2 matrix, a cubed
+    (heavy-tailed) matrix and a bias vector."""
+    u, v = torch.randn(48, 2, generator=gen), torch.randn(2, 40, generator=gen)
+    for _ in range(lg.acc_steps):
+        lg.accumulate("flat", torch.randn(48 * 40, generator=gen) * 0.01 * scale)
+        lg.accumulate("lowrank", (u @ v).reshape(-1) * scale
+                      + torch.randn(48 * 40, generator=gen) * 1e-3)
+        lg.accumulate("heavy", torch.randn(32 * 60, generator=gen) ** 3 * scale)
+        lg.accumulate("bias", torch.randn(48, generator=gen) * scale)
+    return {"flat": (48, 40), "lowrank": (48, 40), "heavy": (32, 60), "bias": 48}
+
+
+@pytest.mark.parametrize(("family", "default"), [("topk", 0.05), ("qsgd", 4),
+                                                 ("powersgd", 4)])
+def test_lgreco_families_fit_the_budget_and_beat_uniform(family, default):
+    lg = LGreco(default, family=family, every=4, acc_steps=2)
+    shapes = _lgreco_layers(lg, torch.Generator().manual_seed(3))
+    layers, sizes, errors, cands = lg.problem(shapes)
+    assert default in cands and len(cands) >= 3
+    decision = lg._solve(shapes)
+    uniform = cands.index(default)
+    assert decision["budget"] == pytest.approx(sum(e[uniform] for e in errors))
+    assert decision["error"] <= decision["budget"] * (1 + 1e-9)
+    assert decision["size"] < decision["uniform_size"]
+    # sizes are the project's compressor's wire bytes at the chosen settings
+    if family != "topk":
+        lg.values = dict(decision["densities"])
+        wire = 0
+        for n in layers:
+            shape = _shape(shapes[n])
+            extra = {"shape": shape} if family == "powersgd" else {}
+            wire += lg.compressor(n).wire_bytes(math.prod(shape), 4, **extra)
+        assert decision["size"] == wire
+    if family == "powersgd":
+        assert decision["densities"]["lowrank"] <= 2  # a rank-2 layer needs no more
+
+
+def test_lgreco_family_input_checks():
+    with pytest.raises(ValueError, match="family"):
+        LGreco(0.1, family="sign")
+    with pytest.raises(ValueError, match="bits"):
+        LGreco(9, family="qsgd")
+    with pytest.raises(ValueError, match="rank"):
+        LGreco(0.5, family="powersgd")
+    with pytest.raises(ValueError, match="bucket_size"):
+        LGreco(4, family="qsgd", bucket_size=0)
 
 
 # ---------------------------------------------------------------------- CR / Pareto
@@ -379,3 +428,21 @@ def test_auto_lgreco_densities_identical_and_no_larger_than_uniform(comm):
         assert h["size"] <= h["uniform_size"]
         assert h["error"] <= h["budget"] * (1 + 1e-9)
     assert {r.scheme for r in auto.records} <= {"allgather_topk", "artopk_ring", "dense"}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("family", "default"), [("topk", 0.05), ("qsgd", 4),
+                                                 ("powersgd", 4)])
+def test_lgreco_families_agree_on_every_rank(comm, family, default):
+    """Every rank accumulates different gradients; rank 0's solution is everyone's."""
+    lg = LGreco(default, family=family, every=4, acc_steps=2)
+    shapes = _lgreco_layers(lg, torch.Generator().manual_seed(10 + comm.rank),
+                            scale=1.0 + comm.rank)
+    values = lg.adjust(comm, shapes)
+    assert set(values) == set(shapes)
+    assert comm.allgather_object(sorted(values.items())) == [sorted(values.items())] * \
+        comm.size
+    h = lg.history[-1]
+    assert h["family"] == family
+    assert h["error"] <= h["budget"] * (1 + 1e-9) and h["size"] <= h["uniform_size"]
+    assert all(lg.value(n) == v for n, v in values.items())

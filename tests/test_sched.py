@@ -214,6 +214,16 @@ def test_trace_shows_one_compute_at_a_time_and_sync_behind_compute(comm):
     assert stats.jobs["A"].wait_seconds < stats.jobs["A"].sync_seconds
 
 
+@pytest.mark.mpi
+def test_gated_sync_phases_give_the_same_trajectories(comm):
+    reference = quadratic_alone(comm, comm.rank, 4)
+    a, traj_a = quadratic_job("a", comm.rank, 4)
+    b, traj_b = quadratic_job("b", comm.rank, 4, compute_s=0.002)
+    with CrossoverScheduler([a, b], comm=comm, gate_poll_s=1e-4) as sched:
+        sched.run()
+    assert traj_a == traj_b == reference
+
+
 @pytest.mark.mpi(min_size=2)
 def test_different_job_lists_raise_on_every_rank(comm):
     steps = 3 if comm.rank == comm.size - 1 else 2
@@ -263,6 +273,8 @@ def test_arguments_are_checked():
         CrossoverScheduler([a, quadratic_job("a", 0, 1)[0]])
     with pytest.raises(TypeError, match="Job"):
         CrossoverScheduler([a, lambda step: None])
+    with pytest.raises(ValueError, match="gate_poll_s"):
+        CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], gate_poll_s=0)
     with pytest.raises(TypeError, match="timeline"):
         CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], timeline="yes")
     with pytest.raises(TypeError, match="callable"):
@@ -380,3 +392,38 @@ def test_a_sync_phase_that_never_returns_cannot_hang_a_failed_run():
         sched.run()
     assert time.perf_counter() - start < 15
     release.set()
+
+
+def test_benchmark_runs_every_mode_and_reports_the_bound(tmp_path):
+    out = tmp_path / "crossover.json"
+    result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "crossover", "--steps", "3",
+                         "--repeats", "1", "--batch", "16", "--hidden", "16", "--json",
+                         str(out)], timeout=150)
+    assert result.returncode == 0, result.output
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert summary["identical_to_sequential"] is True  # the scheduler changed no math
+    assert 1.0 <= summary["bound"] <= 2.0
+    (row,) = report["rows"]
+    for mode in ("sequential", "colocated", "crossover"):
+        assert row[f"{mode}_s"] > 0 and row[f"{mode}_it_s"] == pytest.approx(6 / row[f"{mode}_s"])
+    assert "bound (C+S)/max(C,S)" in result.output
+
+
+def test_jobs_of_any_length_run_in_cyclic_order():
+    log: list[str] = []
+
+    def job(name: str, steps: int) -> FunctionJob:
+        return FunctionJob(name, lambda s: log.append(f"{name}{s}"),
+                           lambda s, c: log.append(f"{name}{s}s"), steps,
+                           finish=lambda: log.append(f"{name}."))
+
+    with CrossoverScheduler([job("a", 3), job("b", 0), job("c", 1)]) as sched:
+        stats = sched.run()
+    computes = [e for e in log if not e.endswith("s")]
+    assert computes == ["a0", "b.", "c0", "a1", "c.", "a2", "a."]
+    for name, steps in (("a", 3), ("c", 1)):  # every sync ends before the next phase
+        mine = [e for e in log if e.startswith(name)]
+        assert mine == [x for s in range(steps) for x in (f"{name}{s}", f"{name}{s}s")] + [
+            f"{name}."]
+    assert [stats.jobs[n].steps for n in "abc"] == [3, 0, 1]

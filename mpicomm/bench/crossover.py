@@ -8,7 +8,10 @@ Setup (every choice is an option):
   64-``hidden``x``layers``-10 on scikit-learn's bundled digits (standardized, sharded
   round-robin over the ranks), SGD lr 0.05 momentum 0.9, ``--batch`` samples per rank,
   gradients averaged by :class:`~mpicomm.torch.GradientSync` with ``--strategy``
-  (dense allreduce), ``--steps`` iterations each.
+  (dense allreduce), ``--steps`` iterations each. ``--sync localsgd`` averages the
+  parameters with :class:`~mpicomm.torch.LocalSGD` (period 1) instead, so that all the
+  communication happens in the sync phase (GradientSync starts it during backward);
+  ``--gate-ms`` turns on the scheduler's arrival gate (``gate_poll_s``).
 * Communication: every sync phase sleeps an injected delay ``D`` after the real
   allreduce (``TorchJob(delay_s=D)``), modelling a slower network's latency: on one
   host, MPI's shared-memory copies compete with the other job's compute for the same
@@ -22,7 +25,7 @@ Setup (every choice is an option):
   scheduler), ``crossover`` (:class:`~mpicomm.sched.CrossoverScheduler`). The order of
   the modes rotates between repeats. A mode's time is the slowest rank's wall clock
   for the training loops (set-up excluded); throughput = all jobs' iterations / time.
-* Bounds, from ``C``, ``S`` = the per-iteration compute and sync times measured in the
+* Bounds, from ``C``, ``S`` = the median per-iteration compute and sync times in the
   sequential runs, printed next to the measured speedup: ``bound = (C + S) / max(C, S)``
   (issue 10 / algorithms.md E.4: compute and network each serve one job at a time) and
   ``token_bound = n(C + S) / max(nC, C + S)`` (only compute is exclusive; syncs of
@@ -59,13 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="identical jobs sharing the ranks")
     parser.add_argument("--steps", type=int, default=40, help="iterations per job")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every mode (median)")
-    parser.add_argument("--batch", type=int, default=512, help="samples per rank and step")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2, help="hidden layers")
+    parser.add_argument("--batch", type=int, default=1024, help="samples per rank and step")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=3, help="hidden layers")
     parser.add_argument("--strategy", default="dense", help="GradientSync strategy")
     parser.add_argument("--delay-ms", default="auto",
                         help="injected delay per sync phase in ms, or 'auto' (S = C)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--sync", choices=("gradsync", "localsgd"), default="gradsync",
+                        help="gradsync: GradientSync(--strategy), averaging during backward; "
+                             "localsgd: LocalSGD with period 1, averaging in the sync phase")
+    parser.add_argument("--gate-ms", type=float, default=None,
+                        help="CrossoverScheduler(gate_poll_s=...) in ms (default off)")
 
 
 # ---------------------------------------------------------------------- jobs
@@ -87,8 +95,10 @@ def make_job(name: str, seed: int, shard: Any, args: argparse.Namespace, delay_s
     for _ in range(args.steps):
         idx = torch.from_numpy(rng.integers(0, len(shard.y), args.batch))
         data.append((shard.x[idx], shard.y[idx]))
+    how: dict[str, Any] = ({"local_sgd": 1} if args.sync == "localsgd"
+                           else {"strategy": args.strategy})
     return TorchJob(name, model, opt, data, torch.nn.functional.cross_entropy,
-                    strategy=args.strategy, delay_s=delay_s)
+                    delay_s=delay_s, **how)
 
 
 def make_jobs(shard: Any, args: argparse.Namespace, delay_s: float, rank: int) -> list[Any]:
@@ -102,7 +112,7 @@ def digest(job: Any) -> str:
     return h.hexdigest()
 
 
-def loop(job: Any, times: dict[str, float] | None = None) -> None:
+def loop(job: Any, times: dict[str, list[float]] | None = None) -> None:
     """The job's iterations run by themselves (no token): compute, then sync."""
     for step in range(job.steps):
         t0 = time.perf_counter()
@@ -110,12 +120,9 @@ def loop(job: Any, times: dict[str, float] | None = None) -> None:
         t1 = time.perf_counter()
         job.sync(step)
         if times is not None:
-            times["compute"] += t1 - t0
-            times["sync"] += time.perf_counter() - t1
-    t0 = time.perf_counter()
+            times["compute"].append(t1 - t0)
+            times["sync"].append(time.perf_counter() - t1)
     job.finish()
-    if times is not None:
-        times["compute"] += time.perf_counter() - t0
 
 
 def slowest(comm: Communicator, seconds: float) -> float:
@@ -123,8 +130,10 @@ def slowest(comm: Communicator, seconds: float) -> float:
 
 
 def run_sequential(jobs: list[Any], comm: Communicator) -> tuple[float, float, float]:
-    """(seconds, compute s/iteration, sync s/iteration): each job alone, in turn."""
-    total, times = 0.0, {"compute": 0.0, "sync": 0.0}
+    """(seconds, compute s/iteration, sync s/iteration; medians, slowest rank): each job
+    alone, in turn."""
+    total: float = 0.0
+    times: dict[str, list[float]] = {"compute": [], "sync": []}
     for job in jobs:
         job_comm = comm.dup()
         try:
@@ -136,9 +145,8 @@ def run_sequential(jobs: list[Any], comm: Communicator) -> tuple[float, float, f
             job.close()
         finally:
             job_comm.free()
-    steps = sum(j.steps for j in jobs)
-    return (total, slowest(comm, times["compute"] / steps),
-            slowest(comm, times["sync"] / steps))
+    return (total, slowest(comm, statistics.median(times["compute"])),
+            slowest(comm, statistics.median(times["sync"])))
 
 
 def run_colocated(jobs: list[Any], comm: Communicator) -> float:
@@ -174,12 +182,13 @@ def run_colocated(jobs: list[Any], comm: Communicator) -> float:
     return seconds
 
 
-def run_crossover(jobs: list[Any], comm: Communicator) -> tuple[float, float, float]:
+def run_crossover(jobs: list[Any], comm: Communicator,
+                  gate_poll_s: float | None = None) -> tuple[float, float, float]:
     """(seconds, share of the sync time hidden, compute s/iteration) under the
     CrossoverScheduler; compute phases slower than alone mean the jobs contend."""
     from ..sched import CrossoverScheduler
 
-    with CrossoverScheduler(jobs, comm=comm) as sched:
+    with CrossoverScheduler(jobs, comm=comm, gate_poll_s=gate_poll_s) as sched:
         comm.barrier()
         start = time.perf_counter()
         stats = sched.run()
@@ -222,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     if comm.rank == 0:
         print(f"# crossover: {comm.size} ranks, {n} jobs x {args.steps} steps, MLP 64-"
               f"{args.hidden}x{args.layers}-10, batch {args.batch}/rank, strategy "
-              f"{args.strategy}, torch threads {args.threads}")
+              f"{args.strategy if args.sync == 'gradsync' else 'local SGD, period 1'}, "
+              f"torch threads {args.threads}, gate {args.gate_ms} ms")
         print(f"# alone, no delay: compute C = {c0 * 1e3:.2f} ms, real sync = "
               f"{s0 * 1e3:.2f} ms per iteration; injected delay D = {delay_s * 1e3:.2f} ms "
               f"per sync phase", flush=True)
@@ -240,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
             elif mode == "colocated":
                 row["colocated_s"] = run_colocated(jobs, comm)
             else:
-                row["crossover_s"], row["hidden"], cx = run_crossover(jobs, comm)
+                gate = None if args.gate_ms is None else args.gate_ms / 1e3
+                row["crossover_s"], row["hidden"], cx = run_crossover(jobs, comm, gate)
                 row["Cx_ms"] = cx * 1e3
                 final = [digest(j) for j in jobs]
         row["identical"] = bool(comm.allreduce_value(int(final == reference), "min"))

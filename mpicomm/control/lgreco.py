@@ -31,6 +31,30 @@ and broadcasts the densities, so every rank uses the same. If the solution were 
 than the uniform default (the discretization slack above), the uniform default is kept,
 so the total size never exceeds it. Top-k is our instantiation; the public L-GreCo code
 implements only PowerSGD ranks.
+
+Three families (``family=``), each measured with the project's own compressor
+(:mod:`mpicomm.compress`), so sizes are its ``wire_bytes`` and errors are
+``||A - decompress(compress(A))||`` of that very compressor:
+
+* ``"topk"``: densities ``default·factors`` (above); size ``2·k`` words, exact tail error.
+* ``"qsgd"``: bits ``default + {-2, -1, 0, 1, 2}`` within [1, 8]
+  (:class:`~mpicomm.compress.qsgd.QSGD`, ``bucket_size``); size its wire bytes; error one
+  sample of the stochastic quantization with a fixed seed (the expectation falls with
+  the bits; one sample is the paper's per-layer measurement as well).
+* ``"powersgd"``: ranks ``round(default·factors)`` (>= 1)
+  (:class:`~mpicomm.compress.powersgd.PowerSGD`, no warm start, ``seed``), on the layer
+  reshaped to its matrix view; size its wire bytes (a layer too small to compress is
+  sent dense at every rank: same size, zero error). The reference measures the SVD tail
+  (the best rank-r error); ours is the error of the one power-iteration step the
+  training loop actually applies, which is at least the SVD tail.
+
+Where the layers come from: :meth:`LGreco.adjust` takes ``{layer: numel or shape}``
+(a shape is needed for PowerSGD's matrix view; an int means a vector).
+:meth:`LGreco.compressor` gives the configured compressor of a layer, to keep one
+compressor (and its error-feedback memory) per layer.
+What is ours and not yet wired: :class:`~.auto.AutoStrategy` uses only ``"topk"``
+inside its fused buckets; the other two families are solved and agreed here and applied
+by a caller that compresses per layer.
 """
 
 from __future__ import annotations
@@ -42,10 +66,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["lgreco_solve", "LGreco", "DEFAULT_FACTORS"]
+from ..validate import check_int
+
+__all__ = ["lgreco_solve", "LGreco", "DEFAULT_FACTORS", "FAMILIES", "QSGD_OFFSETS"]
 
 #: Candidate densities, as multiples of the uniform default.
 DEFAULT_FACTORS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
+#: Candidate QSGD bits, as offsets from the uniform default (clipped to [1, 8]).
+QSGD_OFFSETS: tuple[int, ...] = (-2, -1, 0, 1, 2)
+#: The compression families L-GreCo chooses a per-layer parameter for.
+FAMILIES: tuple[str, ...] = ("topk", "qsgd", "powersgd")
 
 
 def lgreco_solve(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[float]],
@@ -126,19 +156,39 @@ def topk_tail_errors(a: torch.Tensor, ks: Sequence[int]) -> list[float]:
     return out
 
 
-class LGreco:
-    """Per-layer top-k densities for the layers (segments) of fused buffers.
+def _shape(spec: Any) -> tuple[int, ...]:
+    """A layer's shape from ``numel`` (a vector) or a shape."""
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        return (spec,)
+    return tuple(int(d) for d in spec)
 
-    ``default`` is the uniform density; ``every`` the steps between adjustments;
-    ``acc_steps`` how many steps before an adjustment rank 0 accumulates gradients;
-    ``factors`` the candidate multiples of the default. :meth:`density` gives a layer's
-    density (the default until the first adjustment). Decisions are rank 0's, broadcast.
+
+class LGreco:
+    """Per-layer compression parameters (top-k density, QSGD bits or PowerSGD rank).
+
+    ``default`` is the uniform setting (a density in (0, 1] for ``"topk"``, bits in
+    [1, 8] for ``"qsgd"``, a rank >= 1 for ``"powersgd"``); ``every`` the steps between
+    adjustments; ``acc_steps`` how many steps before an adjustment rank 0 accumulates
+    gradients; ``factors`` the candidate multiples of the default (top-k, PowerSGD;
+    QSGD takes :data:`QSGD_OFFSETS`). :meth:`value` (alias :meth:`density`) gives a
+    layer's setting (the default until the first adjustment). Decisions are rank 0's,
+    broadcast.
     """
 
     def __init__(self, default: float, *, every: int = 50, acc_steps: int = 5,
-                 factors: Sequence[float] = DEFAULT_FACTORS, buckets: int = 10_000):
-        if not 0 < default <= 1:
+                 factors: Sequence[float] = DEFAULT_FACTORS, buckets: int = 10_000,
+                 family: str = "topk", bucket_size: int = 512, seed: int = 0):
+        if family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+        if family == "topk" and not (isinstance(default, (int, float))
+                                     and 0 < default <= 1):
             raise ValueError(f"default density must be in (0, 1], got {default!r}")
+        if family == "qsgd" and (isinstance(default, bool) or not isinstance(default, int)
+                                 or not 1 <= default <= 8):
+            raise ValueError(f"default bits must be an int in [1, 8], got {default!r}")
+        if family == "powersgd" and (isinstance(default, bool)
+                                     or not isinstance(default, int) or default < 1):
+            raise ValueError(f"default rank must be an int >= 1, got {default!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
         if isinstance(acc_steps, bool) or not isinstance(acc_steps, int) or \
@@ -146,18 +196,46 @@ class LGreco:
             raise ValueError(f"acc_steps must be an int in [1, every], got {acc_steps!r}")
         if not factors or any(f <= 0 for f in factors):
             raise ValueError("factors must be positive")
-        self.default = float(default)
+        check_int("bucket_size", bucket_size, 1)  # here, not on rank 0 alone in adjust
+        check_int("seed", seed, 0)
+        self.family = family
+        self.default = float(default) if family == "topk" else int(default)
         self.every, self.acc_steps, self.buckets = every, acc_steps, buckets
+        self.bucket_size, self.seed = bucket_size, seed
         self.factors = tuple(sorted(set(float(f) for f in factors)))
-        self.densities: dict[str, float] = {}
+        self.values: dict[str, float] = {}
         self._acc: dict[str, torch.Tensor] = {}
         self.history: list[dict[str, Any]] = []
 
-    def density(self, layer: str) -> float:
-        return self.densities.get(layer, self.default)
+    @property
+    def densities(self) -> dict[str, float]:
+        """The per-layer settings (named for the top-k family; any family's values)."""
+        return self.values
+
+    def value(self, layer: str) -> float:
+        return self.values.get(layer, self.default)
+
+    density = value
 
     def candidates(self) -> list[float]:
-        return sorted({min(1.0, self.default * f) for f in self.factors})
+        if self.family == "topk":
+            return sorted({min(1.0, self.default * f) for f in self.factors})
+        if self.family == "qsgd":
+            return sorted({min(8, max(1, int(self.default) + d)) for d in QSGD_OFFSETS})
+        return sorted({max(1, round(self.default * f)) for f in self.factors})
+
+    def compressor(self, layer: str, value: Any = None) -> Any:
+        """The project's compressor for ``layer`` at its setting (or at ``value``)."""
+        from ..compress.powersgd import PowerSGD
+        from ..compress.qsgd import QSGD
+        from ..compress.topk import TopK
+
+        v = self.value(layer) if value is None else value
+        if self.family == "topk":
+            return TopK(density=float(v))
+        if self.family == "qsgd":
+            return QSGD(bits=int(v), bucket_size=self.bucket_size, seed=self.seed)
+        return PowerSGD(rank=int(v), warm_start=False, seed=self.seed)
 
     def accumulating(self, step: int) -> bool:
         """Whether step ``step`` (0-based) feeds the accumulator (the last ``acc_steps``
@@ -170,35 +248,50 @@ class LGreco:
         held = self._acc.get(layer)
         self._acc[layer] = g.clone() if held is None else held + g
 
-    def problem(self, numels: dict[str, int]) -> tuple[list[str], list[list[float]],
-                                                        list[list[float]], list[float]]:
-        """(layers, sizes, errors, candidates) from the accumulated gradients."""
+    def problem(self, numels: dict[str, Any]) -> tuple[list[str], list[list[float]],
+                                                       list[list[float]], list[float]]:
+        """(layers, sizes, errors, candidates) from the accumulated gradients;
+        ``numels[layer]`` a numel or a shape."""
         cands = self.candidates()
         layers = [name for name in numels if name in self._acc]
         sizes, errors = [], []
         for name in layers:
-            ks = [max(1, min(numels[name], math.ceil(c * numels[name]))) for c in cands]
-            sizes.append([2.0 * k for k in ks])
-            errors.append(topk_tail_errors(self._acc[name], ks))
+            shape = _shape(numels[name])
+            n = math.prod(shape)
+            if self.family == "topk":
+                ks = [max(1, min(n, math.ceil(c * n))) for c in cands]
+                sizes.append([2.0 * k for k in ks])
+                errors.append(topk_tail_errors(self._acc[name], ks))
+                continue
+            a = self._acc[name].float().reshape(shape)
+            row_s, row_e = [], []
+            for c in cands:
+                comp = self.compressor(name, c)
+                approx = comp.decompress(comp.compress(a, name=name))
+                row_s.append(float(comp.wire_bytes(n, 4, shape=shape)
+                                   if self.family == "powersgd" else comp.wire_bytes(n, 4)))
+                row_e.append(float(torch.linalg.vector_norm((a - approx).double())))
+            sizes.append(row_s)
+            errors.append(row_e)
         return layers, sizes, errors, cands
 
-    def adjust(self, comm: Any, numels: dict[str, int]) -> dict[str, float]:
-        """Solve on rank 0 and broadcast the densities (collective)."""
+    def adjust(self, comm: Any, numels: dict[str, Any]) -> dict[str, float]:
+        """Solve on rank 0 and broadcast the settings (collective)."""
         decision = None
         if comm.rank == 0:
             decision = self._solve(numels)
         decision = comm.bcast_object(decision, root=0)
-        self.densities = dict(decision["densities"])
+        self.values = dict(decision["densities"])
         self.history.append(decision)
         self._acc.clear()
-        return self.densities
+        return self.values
 
-    def _solve(self, numels: dict[str, int]) -> dict[str, Any]:
+    def _solve(self, numels: dict[str, Any]) -> dict[str, Any]:
         layers, sizes, errors, cands = self.problem(numels)
         uniform = cands.index(min(cands, key=lambda c: abs(c - self.default)))
         if not layers:
             return {"densities": {}, "size": 0.0, "uniform_size": 0.0, "error": 0.0,
-                    "budget": 0.0}
+                    "budget": 0.0, "family": self.family}
         budget = sum(e[uniform] for e in errors)
         uniform_size = sum(s[uniform] for s in sizes)
         picks = [uniform] * len(layers)
@@ -213,4 +306,4 @@ class LGreco:
                 "size": float(sum(s[j] for s, j in zip(sizes, picks))),
                 "uniform_size": float(uniform_size),
                 "error": float(sum(e[j] for e, j in zip(errors, picks))),
-                "budget": float(budget)}
+                "budget": float(budget), "family": self.family}

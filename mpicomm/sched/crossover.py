@@ -137,8 +137,10 @@ class CrossoverStats:
 class _SyncThread:
     """A job's synchronization thread: runs ``job.sync(step)`` when started, one at a time."""
 
-    def __init__(self, job: Job, stats: JobStats, timeline: Timeline, row: str):
+    def __init__(self, job: Job, stats: JobStats, timeline: Timeline, row: str,
+                 gate_poll_s: float | None = None):
         self.job = job
+        self._gate_poll_s = gate_poll_s
         self._stats = stats
         self._timeline = timeline
         self._row = row
@@ -173,6 +175,20 @@ class _SyncThread:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def _gate(self) -> None:
+        """Meet the job's other ranks at a nonblocking barrier polled with short sleeps.
+
+        MPI libraries busy-poll while a blocking call waits for a late peer; on cores
+        shared with the next job's compute phase that polling slows the compute. After
+        the gate every rank of the job is in its sync phase, so the job's collectives
+        only move data."""
+        comm = self.job.comm
+        if self._gate_poll_s is None or comm is None or comm.size == 1:
+            return
+        request = comm.ctl.Ibarrier()
+        while not request.Test():
+            time.sleep(self._gate_poll_s)
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -184,6 +200,7 @@ class _SyncThread:
             start = time.perf_counter()
             try:
                 with self._timeline.span("sync", cat="comm", tid=self._row, step=step):
+                    self._gate()
                     self.job.sync(step)
             except BaseException as exc:  # reported by the scheduler's thread
                 self.error, self.error_step = exc, step
@@ -231,6 +248,15 @@ class CrossoverScheduler:
         blocked in its collectives; ``False`` raises :class:`CrossoverError` here
         instead (then the caller must end the run itself). Default
         ``MPICOMM_ABORT_ON_ERROR`` (on). With one rank it always raises.
+    gate_poll_s:
+        ``None`` (default) starts each sync phase at once. Seconds: each sync phase
+        first meets the job's other ranks at a nonblocking barrier (on the job's control
+        communicator) polled every ``gate_poll_s``, so that a rank whose peers are late
+        sleeps instead of busy-polling inside MPI while another job computes on its
+        cores (ours; useful when ranks share CPU cores with compute, e.g. CPU training
+        or oversubscription; costs one barrier latency per iteration plus up to one poll
+        interval; try 1e-4-1e-3). Jobs whose communication starts inside the compute
+        phase (GradientSync's buckets during backward) are not gated by it.
 
     Requires ``MPI_THREAD_MULTIPLE`` with more than one rank (the jobs' sync threads
     communicate concurrently); mpi4py requests it by default.
@@ -238,12 +264,16 @@ class CrossoverScheduler:
 
     def __init__(self, jobs: Sequence[Job], comm: Communicator | None = None, *,
                  timeline: Timeline | bool | None = None,
-                 abort_on_error: bool | None = None):
+                 abort_on_error: bool | None = None, gate_poll_s: float | None = None):
         self.comm = resolve(comm)
         error: Exception | None = None
         try:
             jobs = self._check_jobs(jobs)
             timeline = self._check_timeline(timeline)
+            if gate_poll_s is not None and (isinstance(gate_poll_s, bool) or not isinstance(
+                    gate_poll_s, (int, float)) or not 0 < gate_poll_s < 1):
+                raise ValueError(f"gate_poll_s must be None or seconds in (0, 1), got "
+                                 f"{gate_poll_s!r}")
             self._check_thread_level()
         except (TypeError, ValueError, RuntimeError) as exc:
             error = exc
@@ -266,7 +296,8 @@ class CrossoverScheduler:
                 job.setup(job_comm)
             for job in self.jobs:
                 self._threads[job.name] = _SyncThread(job, self.stats.jobs[job.name],
-                                                      self.timeline, self.row(job.name))
+                                                      self.timeline, self.row(job.name),
+                                                      gate_poll_s)
         except BaseException:
             self._release(collective=False)
             raise

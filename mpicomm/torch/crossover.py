@@ -13,7 +13,8 @@ so the floating-point operations, and their order, are exactly those of the ordi
 loop ``zero_grad; backward; sync.step(optimizer)`` (or ``...; optimizer.step();
 local.step(loss)``): the trajectory is bit-identical to running the job alone. Moving
 the optimizer step of a GradientSync job to the start of the next compute phase keeps it
-under the token (it is compute) and off the sync thread.
+under the token (it is compute) and off the sync thread (our choice: the paper's
+abstract does not say where the update runs; see :mod:`mpicomm.sched.crossover`).
 
 With GradientSync the buckets start averaging during backward, on GradientSync's own
 communication thread; the sync phase waits for the rest. The communicator is the
