@@ -68,7 +68,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(MPI_INSTALL)
-	$(PIP) -e ".[test,examples,dev,bench]"
+	$(PIP) -e ".[test,examples,plot,dev,bench]"
 	@touch $@
 
 test: test-serial test-mpi

@@ -67,6 +67,7 @@ import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
 from mpicomm.linkdelay import report_step  # noqa: E402
+from mpicomm.metrics import Metrics  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.torch import GradientSync, LocalSGD  # noqa: E402
 
@@ -151,6 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="write the summary as JSON here (rank 0)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar on rank 0")
+    ap.add_argument("--metrics", metavar="PATH", default=None,
+                    help="per-step metrics as JSON lines (mpicomm.metrics; rank 0, or one "
+                         "file per rank with {rank} in PATH) and their plots as PATH.png "
+                         "when matplotlib is installed")
     args = ap.parse_args(argv)
     for name in ("epochs", "batch_size", "hidden", "period", "tau0"):
         if getattr(args, name) < 1:
@@ -325,7 +330,8 @@ class Outcome:
 
 def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
                args: argparse.Namespace, comm: mpicomm.Communicator,
-               update: Callable[[torch.Tensor], Any]) -> tuple[int, list[dict[str, float]]]:
+               update: Callable[[torch.Tensor], Any], metrics: Metrics | None = None
+               ) -> tuple[int, list[dict[str, float]]]:
     """The training loop of both modes; ``update(loss)``, called after ``backward``,
     synchronizes and steps the optimizer as the mode does. Returns the number of steps and
     the per-epoch training metrics (averaged over all ranks)."""
@@ -348,6 +354,8 @@ def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
                 (loss + 0.5 * args.weight_decay * decay).backward()
             else:
                 loss.backward()
+            if metrics is not None:
+                metrics.note(loss=loss.item())
             update(loss)
             loss_sum += loss.item() * len(batch)
             correct += float((out.argmax(1) == y).sum())
@@ -357,6 +365,8 @@ def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
             bar.update(1)
         train_loss, train_acc = global_mean(comm, loss_sum, correct, len(idx))
         history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc})
+        if metrics is not None:
+            metrics.record("epoch", epoch=epoch + 1, loss=train_loss, accuracy=train_acc)
         bar.set_postfix(epoch=epoch + 1, loss=f"{train_loss:.3f}", acc=f"{train_acc:.3f}")
     bar.close()
     return steps, history
@@ -371,9 +381,11 @@ def train_gradient_sync(model: torch.nn.Module, opt: torch.optim.Optimizer, data
         kwargs["schedule"] = parse_schedule(kwargs["schedule"],
                                             steps_per_epoch=-(-per_rank // args.batch_size))
     strategy = strategies.make(args.strategy, **kwargs)
-    with GradientSync(model, strategy, comm=comm) as sync:
+    metrics = Metrics(args.metrics) if args.metrics else None
+    with GradientSync(model, strategy, comm=comm, metrics=metrics) as sync:
         steps, history = run_epochs(model, opt, data, args, comm,
-                                    lambda loss: sync.step(opt))  # wait, then opt.step()
+                                    lambda loss: sync.step(opt),  # wait, then opt.step()
+                                    metrics)
         stats = sync.stats
         return Outcome(steps, stats.strategy.sent_bytes, sync.strategy.describe(), history,
                        sync={"steps": stats.steps, "comm_s": stats.comm_seconds,
@@ -392,12 +404,15 @@ def train_local_sgd(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Di
     else:
         period = args.period
     local = LocalSGD(model, period, opt, comm=comm)
+    metrics = Metrics(args.metrics) if args.metrics else None
 
     def update(loss: torch.Tensor) -> None:
         opt.step()  # a local step
         local.step(loss)  # averages the parameters when the period is reached
+        if metrics is not None:
+            metrics.observe(local)  # tau, rounds, bytes of this step
 
-    steps, history = run_epochs(model, opt, data, args, comm, update)
+    steps, history = run_epochs(model, opt, data, args, comm, update, metrics)
     local.average()  # every rank ends with the same (averaged) model
     describe = {"mode": f"local-sgd {args.local_sgd}", "algorithm": local.algorithm,
                 "rounds": local.rounds, "final_period": local.period,
@@ -508,7 +523,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)
+        if args.metrics and "{rank}" not in args.metrics:
+            plot_metrics_file(args.metrics)
     return summary
+
+
+def plot_metrics_file(path: str) -> None:
+    """``path``.png: the panels of ``python -m mpicomm plot`` (skipped without matplotlib)."""
+    try:
+        from mpicomm.plot import plot_metrics
+        log.info("metrics plots: %s", plot_metrics(path, path + ".png"))
+    except ImportError as exc:
+        log.warning("no plots of %s: %s", path, exc)
 
 
 if __name__ == "__main__":

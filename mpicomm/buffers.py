@@ -41,6 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .config import env_choice
+from .trace import traced
 
 __all__ = [
     "DTYPES",
@@ -545,6 +546,8 @@ class Buffer:
         return self.ops.reshape(work, shape)
 
     # -- device transfers (staged mode only)
+    @traced("stage to host", cat="staging",
+            describe=lambda b, _: {"bytes": b.arguments["self"].info.nbytes})
     def _download(self, dev: Any, host: Any) -> None:
         if self.info.framework == "torch":
             host.copy_(dev.reshape(-1))
@@ -554,6 +557,8 @@ class Buffer:
             with dev.device:  # a non-contiguous input is copied on its own device
                 cupy.ascontiguousarray(dev).reshape(-1).get(out=host)
 
+    @traced("stage to device", cat="staging",
+            describe=lambda b, _: {"bytes": b.arguments["self"].info.nbytes})
     def _upload(self, host: Any, dev: Any) -> None:
         if self.info.framework == "torch":
             dev.view(-1).copy_(host)

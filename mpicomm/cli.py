@@ -3,7 +3,13 @@
 ``python -m mpicomm info``
     Versions (mpicomm, Python, numpy, torch, mpi4py), the MPI library, the thread level,
     whether CUDA is available, the CUDA-aware decision with its reason, and the default
-    alpha-beta-gamma cost parameters. Runs as a single process.
+    alpha-beta-gamma cost parameters. Under ``mpiexec -n N`` (rank 0 prints) also the
+    nodes and local ranks, alpha and beta measured per link kind (intra-/inter-node) and
+    which buffer backends work (:mod:`mpicomm.topology`).
+
+``python -m mpicomm plot metrics.jsonl [-o out.png]``
+    PNG plots of a metrics file (:mod:`mpicomm.metrics`) or of a Chrome trace
+    (:mod:`mpicomm.trace`); needs matplotlib (the ``plot`` extra).
 
 ``python -m mpicomm run -n N [--servers S] [--] command ...``
     Runs ``mpiexec -n N command ...`` with the ``mpiexec`` of the MPI library that mpi4py
@@ -191,11 +197,47 @@ def info() -> dict[str, Any]:
     }
 
 
+def _world_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def job_info() -> dict[str, str]:
+    """Under ``mpiexec -n N`` (N > 1): nodes, local ranks, measured alpha/beta per link
+    kind and usable buffer backends (:mod:`mpicomm.topology`; collective). One process
+    gets its placement and backends (no link to measure)."""
+    from .comm import init
+    from .topology import describe_job, format_job
+
+    return format_job(describe_job(init()))
+
+
 def _mpiexec_or_none() -> str:
     try:
         return find_mpiexec()
     except FileNotFoundError as exc:
         return str(exc)
+
+
+# ---------------------------------------------------------------------- plot
+def plot(path: str, output: str | None = None) -> int:
+    """``python -m mpicomm plot``: a metrics file's panels, or a trace's spans, as PNG."""
+    from .plot import plot_metrics, plot_trace
+
+    out = output or str(Path(path).with_suffix(".png"))
+    try:
+        with open(path) as f:
+            head = f.read(64).lstrip()
+        if head.startswith('{"traceEvents"') or head.startswith('{ "traceEvents"'):
+            written = plot_trace(path, out)
+        else:
+            written = plot_metrics(path, out)
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"python -m mpicomm plot: {exc}", file=sys.stderr)
+        return 2
+    print(written)
+    return 0
 
 
 # ---------------------------------------------------------------------- entry point
@@ -204,7 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="mpicomm command-line tools.")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, MPI library, thread level, CUDA-awareness, "
-                                "cost-model defaults")
+                                "cost-model defaults; under mpiexec also nodes, links "
+                                "(alpha/beta) and usable buffer backends")
+    pp = sub.add_parser("plot", help="PNG plots of a metrics JSON-lines file (or a trace)",
+                        description="Plot a metrics file of mpicomm.metrics (loss and "
+                                    "accuracy against time and bytes, tau, collective, "
+                                    "traffic, predicted vs measured communication) or, for "
+                                    "a Chrome-trace JSON, its spans. Needs matplotlib.")
+    pp.add_argument("file", help="metrics.jsonl (or a trace .json)")
+    pp.add_argument("-o", "--output", default=None, help="PNG path (default: FILE.png)")
     rp = sub.add_parser("run", help="mpiexec for mpi4py's MPI (Open MPI settings included)",
                         description="Run `mpiexec -n N command...` with the mpiexec of the "
                                     "MPI library mpi4py uses; exits with its status.")
@@ -222,9 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "info":
-        for key, value in info().items():
-            print(f"{key:16s} {value}")
+        report = info()
+        report.update(job_info())
+        if _world_rank() == 0:
+            for key, value in report.items():
+                print(f"{key:18s} {value}")
         return 0
+    if args.command == "plot":
+        return plot(args.file, args.output)
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]

@@ -560,8 +560,13 @@ def init(
     if abort_on_error:
         install_abort_handler()
     configure_logging()
+    from . import stall, trace
+
+    trace.start_from_env()  # MPICOMM_TIMELINE: record the whole run (no communication)
     if mpi_comm is None:
         comm = world()
+        # MPICOMM_STALL_S / checked mode: collective over the world, so only here
+        stall.start_from_env(comm.check if check is None else bool(check))
         if check is not None:
             comm.check = bool(check)
         return comm

@@ -19,6 +19,13 @@ variable                         meaning
 ``MPICOMM_RING_SEGMENT_BYTES``   bytes per pipelined segment of the ring passes (default
                                  1 MiB, an integer >= 1). Must be the same on every rank:
                                  checked mode compares it before each collective.
+``MPICOMM_METRICS``              path of a per-step metrics JSON-lines file
+                                 (:mod:`mpicomm.metrics`; ``{rank}``: one per rank).
+``MPICOMM_TIMELINE``             path of a merged Chrome trace of every collective, written
+                                 by rank 0 at exit (:mod:`mpicomm.trace`).
+``MPICOMM_STALL_S``              seconds a collective may wait before the stall inspector
+                                 reports who has not arrived (:mod:`mpicomm.stall`; ``0``:
+                                 off; checked mode defaults to 300).
 ``MPICOMM_MPIEXEC``              the launcher ``python -m mpicomm run`` and the tests use
                                  (default: the ``mpiexec`` beside this Python, else PATH).
 ``MPICOMM_PS_SPLIT_BYTES``       parameter server: keys of at least this many bytes are

@@ -20,6 +20,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "gossip": (30, 40),        # neighbour averaging
     "emulate": (40, 50),       # emulated-cluster verification ping-pong
     "control": (50, 60),       # calibration ping-pongs of the selector (mpicomm.control)
+    "stall": (60, 70),         # stall inspector queries and replies (own communicator)
     "ps": (100, 200),          # parameter server requests and replies
     "sched": (200, 300),       # Crossover scheduler tokens
     "user": (1000, 32768),     # free for applications on their own communicators
@@ -71,3 +72,6 @@ TAG_PS_STATE = tag("ps", 4)     # server -> worker 0: shard state for a checkpoi
 TAG_PINGPONG = tag("emulate", 1)
 # Calibration ping-pong over several links (mpicomm.control.calibration).
 TAG_CALIBRATE = tag("control", 1)
+# Stall inspector (mpicomm.stall, on its own duplicate of the world).
+TAG_STALL_QUERY = tag("stall", 1)
+TAG_STALL_REPLY = tag("stall", 2)

@@ -58,11 +58,23 @@ def test_train_dense(tmp_path: Path) -> None:
 
 
 def test_train_gtopk(tmp_path: Path) -> None:
-    _, s = train(tmp_path, "--strategy", "gtopk", "--density", "0.01", "--no-progress")
+    metrics = tmp_path / "metrics.jsonl"
+    _, s = train(tmp_path, "--strategy", "gtopk", "--density", "0.01", "--no-progress",
+                 "--metrics", str(metrics))
     check_summary(s)
     assert s["describe"]["strategy"] == "gtopk" and s["describe"]["density"] == 0.01
     assert s["sent_bytes_per_rank"] < s["dense_bytes_per_rank"]
     assert s["compression"] > 5
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert len(steps) == s["steps"] and len(epochs) == 2
+    assert sum(r["sent_bytes"] for r in steps) == s["sent_bytes_per_rank"]  # rank 0's
+    assert all(r["strategy"] == "gtopk" and r["compression"] > 5 and r["loss"] > 0
+               and r["predicted_comm_s"] > 0 and r["comm_s"] > 0 for r in steps)
+    assert epochs[-1]["accuracy"] == s["history"][-1]["train_acc"]
+    png = tmp_path / "metrics.jsonl.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_train_local_sgd_adacomm(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from mpi4py import MPI
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
+from ..trace import describe_dense, traced
 from . import cost, native
 from ._common import (
     TAG_ALLGATHER,
@@ -143,6 +144,7 @@ def _gathered_shape(shape: tuple[int, ...], rows_total: int) -> tuple[int, ...]:
     return (rows_total, *shape[1:])
 
 
+@traced("allgather", describe=describe_dense("allgather"))
 def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = None,
               out: Any = None) -> Any:
     """Concatenate every rank's ``buf`` along axis 0, in rank order, on every rank.
@@ -184,6 +186,7 @@ def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = Non
     return b.deliver(res, out_shape, out)
 
 
+@traced("allgatherv", describe=describe_dense("allgatherv"))
 def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
                algorithm: str = "auto", return_counts: bool = False) -> Any:
     """Concatenate along axis 0 buffers whose first dimension differs between ranks.

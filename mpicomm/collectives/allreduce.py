@@ -35,6 +35,7 @@ from typing import Any
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
+from ..trace import describe_dense, traced
 from . import cost, native
 from ._common import (
     TAG_ALLREDUCE,
@@ -93,6 +94,7 @@ ALGORITHMS = {"ring": ring, "recursive_doubling": recursive_doubling,
               "rabenseifner": rabenseifner}
 
 
+@traced("allreduce", describe=describe_dense("allreduce"))
 def allreduce(buf: Any, op: str = "sum", algorithm: str = "auto",
               comm: Communicator | None = None, out: Any = None) -> Any:
     """Reduce ``buf`` elementwise over all ranks; every rank gets the result.

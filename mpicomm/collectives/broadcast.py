@@ -22,6 +22,7 @@ from typing import Any
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
+from ..trace import describe_dense, traced
 from . import cost, native
 from ._common import TAG_BCAST, Ctx, block_bounds, check_algorithm, check_root
 from ._ring import allgather_pass
@@ -70,6 +71,7 @@ def scatter_allgather(work: Any, root: int, ctx: Ctx) -> None:
 ALGORITHMS = {"binomial": binomial, "scatter_allgather": scatter_allgather}
 
 
+@traced("broadcast", describe=describe_dense("broadcast"))
 def broadcast(buf: Any, root: int = 0, comm: Communicator | None = None,
               algorithm: str = "auto", out: Any = None) -> Any:
     """Return the ``root`` rank's ``buf`` on every rank.

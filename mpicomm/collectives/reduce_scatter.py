@@ -30,6 +30,7 @@ from mpi4py import MPI
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
+from ..trace import describe_dense, traced
 from . import cost, native
 from ._common import (
     TAG_FOLD,
@@ -100,6 +101,7 @@ def direct(src: Any, res: Any, m: int, op: str, ctx: Ctx) -> None:
 ALGORITHMS = {"ring": ring, "recursive_halving": recursive_halving, "direct": direct}
 
 
+@traced("reduce_scatter", describe=describe_dense("reduce_scatter"))
 def reduce_scatter(buf: Any, op: str = "sum", algorithm: str = "auto",
                    comm: Communicator | None = None, out: Any = None) -> Any:
     """Reduce ``buf`` over all ranks and return this rank's block of the result.

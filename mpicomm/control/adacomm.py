@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Optional
 
+from ..trace import traced
 from ..validate import check_int
 
 __all__ = ["AdaComm", "AdaCommDecision", "adacomm_period"]
@@ -244,6 +245,7 @@ class AdaComm:
         assert self._interval_start is not None and self.interval_s is not None
         return elapsed - self._interval_start >= self.interval_s
 
+    @traced("adacomm.observe", cat="control", outcome=lambda tau: {"tau": tau})
     def observe(self, loss: Optional[float] = None, lr: Optional[float] = None,
                 elapsed: Optional[float] = None) -> int:
         """Count one averaging round; at an interval boundary, re-decide ``tau``.

@@ -34,6 +34,7 @@ import torch
 
 from ..collectives.allgather import allgatherv
 from ..comm import Communicator, resolve
+from ..trace import describe_sparse, traced
 from ._common import (
     Pairs,
     SparseInput,
@@ -61,6 +62,7 @@ def gather_sets(sp: SparseInput, comm: Communicator, index_dtype: torch.dtype) -
     return sets
 
 
+@traced("topk_allgather", cat="sparse", describe=describe_sparse("topk_allgather"))
 def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
                    comm: Communicator | None = None, *, allow_nonfinite: bool = False) -> Any:
     """Gather every rank's sparse (indices, values) and scatter-add them into a dense vector.
@@ -101,6 +103,7 @@ def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
     return to_caller(dense, sp.like_val)
 
 
+@traced("exact_topk", cat="sparse", describe=describe_sparse("exact_topk"))
 def exact_topk(indices: Any, values: Any, k: int, comm: Communicator | None = None, *,
                size: int | None = None, allow_nonfinite: bool = False) -> tuple[Any, Any]:
     """Exact global top-k of the sum of every rank's sparse vector (the reference).

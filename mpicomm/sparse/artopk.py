@@ -57,6 +57,7 @@ from ..collectives.allreduce import allreduce
 from ..collectives.broadcast import broadcast
 from ..comm import Communicator, resolve
 from ..selection import topk_indices
+from ..trace import describe_sparse, traced
 from ..validate import check_algorithm
 from ._common import (
     FLOAT_TORCH,
@@ -113,6 +114,7 @@ def _argmax_lowest(values: list[float]) -> int:
     return best
 
 
+@traced("artopk", cat="sparse", describe=describe_sparse("artopk"))
 def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator | None = None,
            state: ARTopKState | None = None, algorithm: str = "ring", *,
            return_residual: bool = False, grad: Any = None, source_indices: Any = None,

@@ -59,6 +59,7 @@ import torch
 
 from ..collectives._common import fold_layout, real_rank, virtual_rank
 from ..comm import Communicator, resolve
+from ..trace import describe_sparse, traced
 from ._common import (
     TAG_GTOPK_FOLD,
     TAG_GTOPK_ROUND,
@@ -76,6 +77,7 @@ from ._common import (
 __all__ = ["gtopk"]
 
 
+@traced("gtopk", cat="sparse", describe=describe_sparse("gtopk"))
 def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
           return_dropped: bool = False, *, size: int | None = None,
           allow_nonfinite: bool = False, own_contribution: bool = False

@@ -50,6 +50,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from .. import trace
 from ..buffers import from_torch, inspect, to_torch
 from ..collectives.cost import ComputeParams, CostParams, calibrated
 from ..comm import Communicator, Traffic, resolve
@@ -187,7 +188,9 @@ def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
     sleeps the :func:`link_delay` of an emulated link when one is set."""
     start = time.perf_counter()
     comm = strategy.comm
-    with comm.traffic.measure() as moved:
+    with comm.traffic.measure() as moved, trace.block(
+            f"{strategy.name}.aggregate", "strategy", comm,
+            **(trace.describe_strategy(strategy, tensors) if trace.active() else {})):
         yield
     delay = link_delay(comm, moved)
     if delay > 0:

@@ -4,6 +4,8 @@
 ``DistributedOptimizer``    the same, shaped as a wrapper around your optimizer
 ``LocalSGD``                periodic parameter averaging, fixed period or AdaComm
 ``GossipAveraging``         decentralized neighbour averaging (ring / exponential graph)
+``ddp_comm_hook``           any mpicomm strategy inside PyTorch DDP (``init_process_group``
+                           from the MPI ranks, ``MpicommHookState`` + ``mpicomm_hook``)
 ``PSOptimizer``             train through a parameter server (``mpicomm.ps.KVStore``)
 ``TorchJob``                a model + optimizer + data as a Crossover scheduler job
 
@@ -21,6 +23,11 @@ _EXPORTS = {
     "broadcast_module": "mpicomm.torch.gradsync",
     "LocalSGD": "mpicomm.torch.localsgd",
     "GossipAveraging": "mpicomm.torch.gossip",
+    "ddp_comm_hook": "mpicomm.torch.ddp",
+    "mpicomm_hook": "mpicomm.torch.ddp",
+    "MpicommHookState": "mpicomm.torch.ddp",
+    "init_process_group": "mpicomm.torch.ddp",
+    "process_group": "mpicomm.torch.ddp",
     "PSOptimizer": "mpicomm.torch.ps",
     "TorchJob": "mpicomm.torch.crossover",
 }

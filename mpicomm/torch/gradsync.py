@@ -48,8 +48,10 @@ import torch
 from .. import fusion
 from ..collectives import allreduce, broadcast
 from ..comm import Communicator, resolve
+from ..metrics import metrics_from
 from ..strategies import Dense, Strategy, StrategyStats, make
 from ..timeline import Timeline
+from ..trace import active as active_timeline
 
 __all__ = [
     "GradientSync",
@@ -337,7 +339,13 @@ class GradientSync:
         A :class:`~mpicomm.timeline.Timeline` to record into (``True`` makes a new one):
         ``bucket ready`` instants on the autograd thread, one ``aggregate`` span per bucket
         on the communication thread (with bytes and parameter count), and ``wait`` spans
-        on the caller's thread. ``None``: a disabled timeline (no cost).
+        on the caller's thread. ``None``: the recording of :mod:`mpicomm.trace` active at
+        construction (``MPICOMM_TIMELINE``), else a disabled timeline (no cost).
+    metrics:
+        A :class:`~mpicomm.metrics.Metrics` (or a path for a new one) that gets one record
+        per step from :meth:`wait` (bytes, compression, strategy and collective, predicted
+        and measured communication time, wait time; ``skipped`` for a skipped step).
+        ``None``: one from ``MPICOMM_METRICS`` when that is set, else none (no cost).
 
     Unused parameters
     -----------------
@@ -416,7 +424,7 @@ class GradientSync:
     def __init__(self, model: torch.nn.Module, strategy: Strategy | str | None = None,
                  bucket_mb: float = 25.0, comm: Communicator | None = None,
                  broadcast: bool = True, on_nonfinite: str = "raise",
-                 timeline: Timeline | bool | None = None):
+                 timeline: Timeline | bool | None = None, metrics: Any = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) \
@@ -431,7 +439,9 @@ class GradientSync:
         elif not isinstance(strategy, Strategy):
             raise TypeError("strategy must be an mpicomm Strategy, a strategy name or None, "
                             f"got {type(strategy).__name__}")
-        if timeline is None or timeline is False:
+        if timeline is None:  # the MPICOMM_TIMELINE / trace.recording() one, if any
+            timeline = active_timeline() or Timeline(enabled=False)
+        elif timeline is False:
             timeline = Timeline(enabled=False)
         elif timeline is True:
             timeline = Timeline()
@@ -444,6 +454,7 @@ class GradientSync:
         self.on_nonfinite = on_nonfinite
         self.bucket_mb = float(bucket_mb)
         self.timeline = timeline
+        self.metrics = metrics_from(metrics)
 
         # collective set-up: every rank runs these in this order
         check_same_module(model, self.comm, buffers=broadcast)
@@ -538,7 +549,10 @@ class GradientSync:
                 self._ready = [False] * len(self._slots)
                 self._remaining = [len(b.params) for b in self._buckets]
         self._stats.wait_seconds += time.perf_counter() - start
-        return self._conclude(step)
+        ok = self._conclude(step)
+        if self.metrics is not None:
+            self.metrics.observe(self, skipped=not ok)
+        return ok
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """:meth:`wait`, then ``optimizer.step()`` unless the step was skipped.

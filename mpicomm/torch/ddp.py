@@ -1,0 +1,274 @@
+"""Drop-in for PyTorch DDP: a ``torch.distributed`` process group from the MPI ranks, and
+a DDP communication hook that aggregates each gradient bucket with any mpicomm strategy.
+
+An existing ``DistributedDataParallel`` script changes in two places::
+
+    comm = mpicomm.init()
+    mpicomm.torch.init_process_group(comm)            # gloo, rank/size from MPI
+    model = DistributedDataParallel(net)
+    hook = mpicomm.torch.ddp_comm_hook("gtopk", density=0.01, comm=comm)
+    model.register_comm_hook(hook.state, hook)         # or (None, hook)
+    ...                                                 # the training loop, unchanged
+    hook.state.close()
+
+What runs where
+---------------
+DDP still does what it always does: it broadcasts rank 0's parameters when the model is
+wrapped (over gloo), groups gradients into buckets during backward, and launches the
+buckets strictly in index order, calling the hook once per bucket with a
+``GradBucket`` whose ``buffer()`` is the bucket's flat local gradient (not yet divided
+by the number of ranks: DDP leaves the averaging to the hook). The hook hands the buffer to a
+background thread that runs ``strategy.aggregate`` on a private duplicate of the mpicomm
+communicator (so it never interleaves with the training loop's own MPI traffic) and
+returns a ``torch.futures.Future`` that the thread completes with the averaged buffer;
+DDP waits on it at the end of backward and writes it into ``param.grad``. Buckets are
+therefore aggregated while backward is still computing earlier layers, as with DDP's own
+allreduce. ``overlap=False`` aggregates on the calling thread instead (simpler to debug;
+no MPI_THREAD_MULTIPLE needed).
+
+Error feedback of compressing strategies is keyed by ``"ddp/b<index>/<numel>"``: DDP
+rebuilds its buckets once, after the first iteration, so the residual of that first
+step is kept under the old key and dropped (a one-step loss of residual, harmless in
+practice); afterwards buckets are stable and the memory carries from step to step.
+
+CUDA buckets: the hook records an event on the autograd stream and the thread waits for
+it before the strategy reads the buffer, and synchronizes its own stream before handing
+the result to DDP (as :class:`~mpicomm.torch.GradientSync` does).
+
+Cost: the strategy's own (see :mod:`mpicomm.strategies`) per bucket, plus one queue
+hand-off (~10 µs). DDP's ``bucket_cap_mb`` (default 25) is the fusion size: a sparsifier
+selects top-k per bucket. The process group's own traffic is only DDP's set-up
+broadcast (and ``broadcast_buffers`` for models with buffers, e.g. BatchNorm).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import queue
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import trace
+from ..comm import Communicator, resolve
+from ..strategies import Dense, Strategy, make
+
+__all__ = ["init_process_group", "process_group", "MpicommHookState", "mpicomm_hook",
+           "ddp_comm_hook"]
+
+
+# ---------------------------------------------------------------------- process group
+def _store_host(comm: Communicator) -> str:
+    """Rank 0's address for the TCP store: loopback when every rank shares its node."""
+    if comm.nodes == 1:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def init_process_group(comm: Communicator | None = None, backend: str = "gloo", *,
+                       timeout_s: float = 300.0) -> None:
+    """Start ``torch.distributed``'s default process group over the ranks of ``comm``.
+
+    Rank ``r`` of ``comm`` (default: the world) becomes rank ``r`` of the process group.
+    Rank 0 starts torch's TCP store on a free port of its host (loopback when every rank
+    is on one node, else the address its hostname resolves to) and broadcasts the
+    address over MPI, so no
+    ``MASTER_ADDR``/``MASTER_PORT``/``torchrun`` is needed. Collective. Raises
+    ``RuntimeError`` on every rank when a default group already exists, and
+    ``ValueError`` for an unknown backend. ``backend="nccl"`` works the same way on GPUs.
+    Release with ``torch.distributed.destroy_process_group()`` (or use
+    :func:`process_group`).
+    """
+    comm = resolve(comm)
+    error: Exception | None = None
+    if dist.is_initialized():
+        error = RuntimeError("torch.distributed's default process group already exists")
+    elif backend not in ("gloo", "nccl", "mpi"):
+        error = ValueError(f"backend must be 'gloo', 'nccl' or 'mpi', got {backend!r}")
+    elif not timeout_s > 0:
+        error = ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    failed = comm.allreduce_value(error is not None, op="max")
+    if failed:
+        raise error or RuntimeError("init_process_group failed on another rank")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store: Any = None
+    address: tuple[str, int] | str
+    if comm.rank == 0:  # the store picks its own free port: no race with other processes
+        try:
+            host = _store_host(comm)
+            store = dist.TCPStore(host, 0, comm.size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            address = (host, int(store.port))
+        except (OSError, RuntimeError) as exc:
+            address = f"rank 0 could not start the TCP store: {exc}"
+    else:
+        address = ""
+    address = comm.bcast_object(address)
+    if isinstance(address, str):
+        raise RuntimeError(address)
+    if store is None:
+        store = dist.TCPStore(address[0], address[1], comm.size, is_master=False,
+                              timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size,
+                            timeout=timeout)
+
+
+@contextlib.contextmanager
+def process_group(comm: Communicator | None = None, backend: str = "gloo",
+                  **kwargs: Any) -> Iterator[None]:
+    """:func:`init_process_group` for the body of a ``with`` block, destroyed on exit."""
+    init_process_group(comm, backend, **kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- the hook
+class MpicommHookState:
+    """The state of :func:`mpicomm_hook`: a strategy, its communicator and its thread.
+
+    Construction is collective over ``comm`` (it duplicates the communicator). Every rank
+    must register the hook on the same DDP model configuration (same buckets).
+
+    Parameters
+    ----------
+    strategy:
+        A :class:`~mpicomm.strategies.Strategy`, a name for :func:`mpicomm.strategies.make`
+        (then ``**options`` go to its constructor), or ``None`` for dense allreduce.
+    comm:
+        The :class:`~mpicomm.Communicator` over the DDP ranks (default: the world); its
+        ranks must be the process group's, in the same order.
+    overlap:
+        Aggregate on a background thread (default) so communication overlaps backward.
+    """
+
+    def __init__(self, strategy: Strategy | str | None = None,
+                 comm: Communicator | None = None, *, overlap: bool = True,
+                 **options: Any):
+        if strategy is None:
+            strategy = Dense(**options)
+        elif isinstance(strategy, str):
+            strategy = make(strategy, **options)
+        elif not isinstance(strategy, Strategy):
+            raise TypeError("strategy must be an mpicomm Strategy, a strategy name or None, "
+                            f"got {type(strategy).__name__}")
+        elif options:
+            raise TypeError(f"options {sorted(options)} only go with a strategy name")
+        self.comm = resolve(comm)
+        if dist.is_initialized() and dist.get_world_size() != self.comm.size:
+            raise ValueError(f"the process group has {dist.get_world_size()} ranks but the "
+                             f"communicator {self.comm.size}")
+        self.overlap = bool(overlap)
+        self._hcomm = self.comm.dup()
+        self.strategy = strategy.bind(self._hcomm)
+        self.buckets = 0
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if self.overlap:
+            self._thread = threading.Thread(target=self._run, name="mpicomm-ddp-hook",
+                                            daemon=True)
+            self._thread.start()
+
+    def __repr__(self) -> str:
+        return (f"MpicommHookState(strategy={self.strategy.name!r}, ranks={self.comm.size}, "
+                f"overlap={self.overlap}, buckets={self.buckets}"
+                f"{', closed' if self._closed else ''})")
+
+    @property
+    def stats(self) -> Any:
+        """The strategy's :class:`~mpicomm.strategies.StrategyStats` (bytes, time)."""
+        return self.strategy.stats
+
+    def submit(self, index: int, grad: torch.Tensor) -> torch.futures.Future:
+        """Aggregate one bucket's flat gradient; a future of the averaged tensor."""
+        if self._closed:
+            raise RuntimeError("this MpicommHookState is closed")
+        fut: torch.futures.Future = torch.futures.Future()
+        ready = None
+        if grad.is_cuda:  # the hook thread must not read before autograd's stream wrote
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(grad.device))
+        if self._thread is None:
+            self._complete(index, grad, ready, fut)
+        else:
+            self._queue.put((index, grad, ready, fut))
+        return fut
+
+    def _complete(self, index: int, grad: torch.Tensor, ready: Any,
+                  fut: torch.futures.Future) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            with trace.block(f"ddp bucket {index}", "bucket", None, bucket=index,
+                             bytes=grad.numel() * grad.element_size()):
+                (out,) = self.strategy.aggregate([grad], [f"ddp/b{index}/{grad.numel()}"])
+            if out.is_cuda:  # finished on this thread's stream before DDP reads it
+                torch.cuda.current_stream(out.device).synchronize()
+            self.buckets += 1
+        except BaseException as exc:  # handed to DDP, which raises it in backward
+            fut.set_exception(exc)
+            return
+        fut.set_result(out)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._complete(*item)
+
+    def close(self) -> None:
+        """Stop the thread and free the private communicator (collective). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+        self._hcomm.free()
+
+    def __enter__(self) -> MpicommHookState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def mpicomm_hook(state: MpicommHookState, bucket):  # noqa: ANN001, ANN201
+    """DDP communication hook: average ``bucket`` with ``state``'s mpicomm strategy.
+
+    ``bucket`` is DDP's ``torch.distributed.GradBucket``; the return value is a
+    ``torch.futures.Future[torch.Tensor]`` (not annotated: DDP compares annotations with
+    its own classes, and this module's are strings).
+
+    Register with ``ddp_model.register_comm_hook(state, mpicomm_hook)``. Returns the
+    future DDP expects, completed with the bucket's average over ranks (for compressing
+    strategies, the strategy's estimate of it).
+    """
+    return state.submit(bucket.index(), bucket.buffer())
+
+
+def ddp_comm_hook(strategy: Strategy | str | None = None, comm: Communicator | None = None,
+                  *, overlap: bool = True, **options: Any) -> Any:
+    """A ready-made hook for ``ddp_model.register_comm_hook(hook.state, hook)``.
+
+    Builds a :class:`MpicommHookState` (collective; arguments as there) and returns a
+    hook function with that state attached as ``hook.state``; the hook ignores the
+    ``state`` DDP passes back, so ``register_comm_hook(None, hook)`` works too. Call
+    ``hook.state.close()`` when training ends.
+    """
+    state = MpicommHookState(strategy, comm, overlap=overlap, **options)
+
+    def hook(_state, bucket):  # noqa: ANN001, ANN202 - see mpicomm_hook
+        return state.submit(bucket.index(), bucket.buffer())
+
+    hook.state = state  # type: ignore[attr-defined]
+    hook.__name__ = f"mpicomm_{state.strategy.name}_hook"
+    return hook
