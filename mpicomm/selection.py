@@ -117,10 +117,9 @@ def topk_threshold(x: Any, k: int) -> Any:
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
     n = x.shape[0]
-    if k >= n:
-        return torch.arange(n, dtype=torch.int64, device=x.device)
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64, device=x.device)
+    trivial = _trivial_torch(x, k)
+    if trivial is not None:
+        return trivial
     mag = x.abs()
     if 8 * k <= n:
         for widen in (1, 4):
@@ -210,7 +209,8 @@ def _select_numpy(mag: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.concatenate([above, ties])).astype(np.int64, copy=False)
 
 
-def _topk_torch(x: Any, k: int) -> Any:
+def _trivial_torch(x: Any, k: int) -> Any:
+    """The answer when no selection is needed (``k == 0`` or ``k >= n``), else ``None``."""
     import torch
 
     n = x.shape[0]
@@ -218,6 +218,16 @@ def _topk_torch(x: Any, k: int) -> Any:
         return torch.arange(n, dtype=torch.int64, device=x.device)
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
+    return None
+
+
+def _topk_torch(x: Any, k: int) -> Any:
+    import torch
+
+    n = x.shape[0]
+    trivial = _trivial_torch(x, k)
+    if trivial is not None:
+        return trivial
     mag = x.abs()
     plan = _sample_plan(n, k)
     if plan is not None:

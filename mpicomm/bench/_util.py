@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -12,6 +13,17 @@ from typing import Any
 from mpi4py import MPI
 
 from ..comm import Communicator
+
+
+def positive_floats(text: str) -> list[float]:
+    """An argparse type: a comma-separated list of positive numbers (``"1e6,2.5e7"``)."""
+    try:
+        values = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad list {text!r}: {exc}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError("values must be positive")
+    return values
 
 
 def median_seconds(fn: Callable[[], Any], comm: Communicator, repeats: int = 10,

@@ -36,27 +36,17 @@ import torch
 
 from ..compress import TopK
 from ..selection import _topk_torch, topk_indices, topk_indices_approx, topk_threshold
-from ._util import print_table, write_json
+from ._util import positive_floats, print_table, write_json
 
 COLUMNS = ("device", "d", "density", "k", "method", "time_ms", "x_topk", "exact", "recall")
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(s) for s in text.split(",") if s.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"bad list {text!r}: {exc}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError("values must be positive")
-    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda[:N] (default: cuda when available)")
-    parser.add_argument("--sizes", type=lambda t: [int(v) for v in _floats(t)],
+    parser.add_argument("--sizes", type=lambda t: [int(v) for v in positive_floats(t)],
                         default=[25_000_000], help="comma-separated lengths (default 2.5e7)")
-    parser.add_argument("--densities", type=_floats, default=[0.001, 0.01],
+    parser.add_argument("--densities", type=positive_floats, default=[0.001, 0.01],
                         help="comma-separated densities (default 0.001,0.01)")
     parser.add_argument("--repeats", type=int, default=30, help="timed runs per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per row")
