@@ -187,7 +187,7 @@ class Metrics:
                 derived[key] = now[key] - before.get(key, 0)
         if derived.get("sent_bytes"):
             derived["compression"] = derived.get("dense_bytes", 0) / derived["sent_bytes"]
-        for key in ("strategy", "collective", "tau", "rounds"):
+        for key in ("strategy", "collective", "tau", "rounds", "gain", "staleness"):
             if key in now:
                 derived[key] = now[key]
         predicted = self._predicted.get(id(source), ...)
@@ -237,6 +237,9 @@ def _counters(source: Any) -> dict[str, Any]:
         out["strategy"] = desc.get("strategy", strategy.name)
         out["collective"] = desc.get("collective") or \
             f"allreduce({desc.get('algorithm', 'auto')})"
+        gain = getattr(strategy, "last_gain", None)  # the selector's (strategy "auto")
+        if gain is not None:
+            out["gain"] = gain
     stats = getattr(source, "stats", None)
     if stats is not None and hasattr(stats, "wait_seconds"):  # GradientSync
         out["comm_s"] = stats.comm_seconds
@@ -246,9 +249,17 @@ def _counters(source: Any) -> dict[str, Any]:
                    tau=source.period, rounds=source.rounds,
                    strategy="local-sgd" + (" adacomm" if source.adacomm else ""),
                    collective=f"allreduce({source.algorithm})")
-    if strategy is None and "rounds" not in out:
+    kv = getattr(source, "kv", source)  # a KVStore, or the PSOptimizer wrapping one
+    if hasattr(kv, "is_worker") and hasattr(kv, "stats") and callable(kv.stats):
+        if not kv.is_worker:
+            raise TypeError("observe a KVStore on its workers (servers record no steps)")
+        s = kv.stats()
+        out.update(sent_bytes=s["bytes_pushed"], recv_bytes=s["bytes_pulled"],
+                   wait_s=s["wait_s"], staleness=s["staleness"], strategy=f"ps-{kv.mode}",
+                   collective=f"push/pull ({kv.servers} servers)")
+    if strategy is None and "rounds" not in out and "staleness" not in out:
         raise TypeError(f"cannot observe a {type(source).__name__}: expected a GradientSync, "
-                        "LocalSGD, MpicommHookState or Strategy")
+                        "LocalSGD, MpicommHookState, KVStore (or PSOptimizer) or Strategy")
     return out
 
 

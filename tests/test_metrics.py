@@ -163,3 +163,48 @@ def test_gradient_sync_metrics_on_every_rank(comm: mpicomm.Communicator) -> None
     assert m.last["predicted_comm_s"] > 0 or comm.size == 1
     if comm.size > 1:
         assert m.last["sent_bytes"] > 0 and m.last["compression"] > 1
+
+
+@pytest.mark.mpi
+def test_parameter_server_staleness_and_bytes(comm: mpicomm.Communicator) -> None:
+    """PS mode: per-step records carry the pull's staleness (<= the SSP bound) and the
+    bytes pushed/pulled since the previous record."""
+    import numpy as np
+
+    from mpicomm.ps import KVStore
+
+    if comm.size < 2:
+        pytest.skip("a parameter server needs >= 2 ranks (one server, one worker)")
+    kv = KVStore(comm, servers=1, mode="ssp", staleness=1, lr=0.01)
+    if kv.is_server:
+        kv.serve()
+        with pytest.raises(TypeError, match="workers"):
+            Metrics().observe(kv)
+        return
+    m = Metrics()
+    kv.init("x", np.zeros(32, dtype=np.float32))
+    for _ in range(4):
+        pushed = kv.stats()["bytes_pushed"]
+        kv.push("x", np.ones(32, dtype=np.float32))
+        kv.pull("x")
+        rec = m.observe(kv)
+        assert rec["strategy"] == "ps-ssp" and 0 <= rec["staleness"] <= 1
+        assert rec["sent_bytes"] == kv.stats()["bytes_pushed"] - pushed > 0
+        assert rec["recv_bytes"] > 0
+    kv.close()
+
+
+@pytest.mark.mpi
+def test_auto_strategy_reports_its_compression_gain(comm: mpicomm.Communicator) -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m = Metrics()
+    with GradientSync(model, "auto", comm=comm, metrics=m) as sync:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8) + comm.rank).pow(2).mean().backward()
+            sync.step(opt)
+    gains = [r["gain"] for r in m.records if "gain" in r]
+    assert gains and all(0.0 <= g <= 1.0 for g in gains), m.records
+    assert comm.allgather_object(gains[-1]) == [gains[-1]] * comm.size  # agreed

@@ -166,6 +166,8 @@ class AutoStrategy(Strategy):
         self.callbacks: list[Callable[[Record], None]] = []
         self.online: Optional[OnlineCalibration] = None
         self.steps = 0
+        #: The last step's compression gain ``||g_c|| / ||g_e||`` (``None`` before one).
+        self.last_gain: Optional[float] = None
         self.decisions: list[tuple[int, str, str, float]] = []  # (step, bucket, scheme, c)
         self._choices: dict[tuple[str, float], Choice] = {}
         self._subs: dict[tuple[str, float, Any], Strategy] = {}
@@ -472,6 +474,7 @@ class AutoStrategy(Strategy):
             self._choices.clear()
             self._scales_used = scales
         gain = math.sqrt(seconds[-2] / seconds[-1]) if seconds[-1] > 0 else 1.0
+        self.last_gain = min(gain, 1.0)  # agreed across ranks; read by mpicomm.metrics
         step = pending[0]["step"] + 1 if pending else self.steps
         if self.controller is not None:
             before = self.controller.ratio

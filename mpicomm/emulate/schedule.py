@@ -146,8 +146,9 @@ class Applier(threading.Thread):
         return ready
 
     def apply(self, entry: Entry) -> None:
-        self.set_rate(entry.rate_bits)
+        # Delay first: whoever sees the new rate also sees the new delay.
         write_atomic(self.delay_file, repr(entry.delay))
+        self.set_rate(entry.rate_bits)
         elapsed = time.monotonic() - self.start_time
         self.applied.append((elapsed, entry))
         when = f"step {int(entry.at)}" if entry.kind == "step" else f"{entry.at:g}s"

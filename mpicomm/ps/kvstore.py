@@ -184,7 +184,8 @@ class KVStore:
         (optimizer steps), ``duplicates`` (pushes skipped as already applied),
         ``idle_s`` (time asleep waiting for messages), ``cpu_s`` and ``wall_s`` (process
         CPU time and wall time of :meth:`serve`); workers add ``server_pushes`` (pushes the
-        servers had applied at the last pull) and ``wait_s`` (time spent in pulls)."""
+        servers had applied at the last pull), ``staleness`` (the largest staleness served by
+        the last pull) and ``wait_s`` (time spent in pulls)."""
         part = self._server if self._server is not None else self._worker
         assert part is not None
         return dict(part.stats)

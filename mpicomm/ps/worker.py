@@ -91,7 +91,8 @@ class Worker:
         self.seq: dict[int, int] = {}
         self.sends: list[tuple[MPI.Request, Any]] = []
         self.stats = {"max_staleness": 0, "pushes": 0, "pulls": 0, "bytes_pushed": 0,
-                      "bytes_pulled": 0, "server_pushes": 0, "wait_s": 0.0}
+                      "bytes_pulled": 0, "server_pushes": 0, "wait_s": 0.0,
+                      "staleness": 0}
 
     def server_rank(self, server: int) -> int:
         """The rank (in the store's communicator) of server index ``server``."""
@@ -250,6 +251,7 @@ class Worker:
                 self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(p.server),
                                                   wire.TAG_REQUEST, self.delay), buf))
         seen_pushes = None
+        stalest = 0
         backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
         status = MPI.Status()
         while where:
@@ -265,9 +267,11 @@ class Worker:
             results[slot][p.start:p.stop] = m.arrays[0]
             self.stats["bytes_pulled"] += buf.nbytes
             self.stats["max_staleness"] = max(self.stats["max_staleness"], m.a)
+            stalest = max(stalest, m.a)
             seen_pushes = m.b if seen_pushes is None else min(seen_pushes, m.b)
         self._reap()
         self.stats["pulls"] += len(infos)
+        self.stats["staleness"] = stalest  # of this pull, for per-step metrics
         if seen_pushes is not None:
             self.stats["server_pushes"] = seen_pushes
         self.stats["wait_s"] += time.perf_counter() - t0
