@@ -143,12 +143,7 @@ def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
 
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out, 90)
 
 
 def plot_trace(trace: str | Path | dict[str, Any], out: str | Path,
@@ -185,10 +180,15 @@ def plot_trace(trace: str | Path | dict[str, Any], out: str | Path,
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors(i % 10)) for i in range(len(cats))]
     ax.legend(handles, [c or "(none)" for c in cats], loc="upper right", fontsize=8,
               ncol=min(len(cats), 6))
+    return _save(plt, fig, out, 100)
+
+
+def _save(plt: Any, fig: Any, out: str | Path, dpi: int) -> Path:
+    """Lay out ``fig``, write it to ``out`` (parents created), close it; return the path."""
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
 

@@ -82,6 +82,14 @@ class StrategyStats:
         """Dense bytes divided by bytes actually sent (>1 means savings); 0 before use."""
         return self.dense_bytes / self.sent_bytes if self.sent_bytes else 0.0
 
+    def add_call(self, moved: Traffic, tensors: Sequence[Any], seconds: float) -> None:
+        """Account one aggregation of ``tensors`` that moved ``moved`` in ``seconds``."""
+        self.calls += 1
+        self.sent_bytes += moved.sent_bytes
+        self.recv_bytes += moved.recv_bytes
+        self.dense_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.seconds += seconds
+
 
 @dataclass
 class FusedBuffer:
@@ -195,12 +203,7 @@ def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
     delay = link_delay(comm, moved)
     if delay > 0:
         time.sleep(delay)
-    stats = strategy.stats
-    stats.calls += 1
-    stats.sent_bytes += moved.sent_bytes
-    stats.recv_bytes += moved.recv_bytes
-    stats.dense_bytes += sum(t.numel() * t.element_size() for t in tensors)
-    stats.seconds += time.perf_counter() - start
+    strategy.stats.add_call(moved, tensors, time.perf_counter() - start)
 
 
 class Strategy(ABC):
