@@ -20,7 +20,9 @@ answers that it has no CUDA support. The decision is logged once at INFO level.
 Before MPI reads device memory, the producing stream is synchronized: MPI knows nothing
 of CUDA streams, so without it MPI could send data a kernel has not written yet.
 When staging, device data is copied to a pinned host buffer taken from a per-communicator
-:class:`StagingPool` (allocated once, grown on demand, reused by every later call).
+:class:`StagingPool` (allocated once, grown on demand, reused by every later call), in
+chunks queued asynchronously on the data's own stream; the large-message ring algorithms
+stream those copies so that they overlap the communication (:mod:`mpicomm.staging`).
 
 Reductions on work arrays use the framework's own kernels (numpy ufuncs, torch ops, cupy
 ufuncs), so float16 and bfloat16 are reduced in their own precision, as NCCL does.
@@ -40,7 +42,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .config import env_choice
+from .config import env_choice, staging_chunk_bytes
+from .staging import Pipeline, device_io
 from .trace import traced
 
 __all__ = [
@@ -457,7 +460,15 @@ class Buffer:
         self.staged = self.info.is_cuda and not cuda_aware()
         self.ops = ops_for(self.info.framework, self.info.is_cuda and not self.staged)
         self._resources = resources if resources is not None else {}
-        synchronize(self.x, self.info)
+        #: Staged mode: the streamed copies of this call (see :meth:`stream`).
+        self.pipe: Pipeline | None = None
+        self._dev_result: Any = None
+        if self.staged:
+            # Staging copies are queued on the data's own stream, behind its producer:
+            # no host-side wait is needed before them.
+            self.io = device_io(self.x, self.info.framework)
+        else:
+            synchronize(self.x, self.info)
 
     # -- work arrays
     @property
@@ -473,7 +484,7 @@ class Buffer:
         """The input as a flat work array; may alias the caller's memory (do not write)."""
         if self.staged:
             host = staging_pool(self._resources).get(self.info, self.info.numel, "in")
-            self._download(self.x, host)
+            self._download(self.device_flat(), host)
             return host
         return self.ops.flat(self.x)
 
@@ -503,6 +514,33 @@ class Buffer:
         if out is not None:
             return self.ops.flat(out)
         return self.empty(numel)
+
+    def stream(self, numel: int, shape: tuple[int, ...], out: Any = None,
+               slot: str = "out") -> Pipeline:
+        """Staged mode: a :class:`~mpicomm.staging.Pipeline` whose host array (``numel``
+        elements, the pool's ``slot``) the algorithm runs on, streaming uploads into
+        ``out`` (or a new device array of ``shape``) as parts become final; downloads
+        are queued with :meth:`Pipeline.prefetch` from :meth:`device_flat`.
+        :meth:`deliver` of the host array waits for the last upload."""
+        if not self.staged:
+            raise RuntimeError("Buffer.stream is for staged CUDA data only")
+        host = staging_pool(self._resources).get(self.info, numel, slot)
+        self._dev_result = self.io.empty(tuple(shape)) if out is None else out
+        dev_out = self._dev_result.reshape(-1)
+        self.pipe = Pipeline(self.io, host, dev_out, self._chunk_elems())
+        return self.pipe
+
+    def device_flat(self) -> Any:
+        """Staged mode: the caller's device data as one flat contiguous device array."""
+        if self.info.framework == "torch":
+            return self.x.reshape(-1)
+        import cupy
+
+        with self.x.device:  # a non-contiguous input is copied on its own device
+            return cupy.ascontiguousarray(self.x).reshape(-1)
+
+    def _chunk_elems(self) -> int:
+        return max(1, staging_chunk_bytes() // self.info.itemsize)
 
     def empty(self, numel: int) -> Any:
         """Scratch space: a flat work array of ``numel`` elements, same dtype."""
@@ -534,8 +572,20 @@ class Buffer:
         """Turn the finished work array into the caller's kind of object of ``shape``."""
         shape = tuple(shape)
         if self.staged:
+            pipe = self.pipe
+            if pipe is not None and work is pipe.host:  # streamed (see stream)
+                n = int(work.shape[0])
+                if pipe.uploaded == 0:
+                    self._upload_via(pipe, n)
+                elif pipe.uploaded != n:
+                    raise RuntimeError(f"streamed staging uploaded {pipe.uploaded} of {n} "
+                                       "elements: the algorithm missed a final part")
+                else:
+                    pipe.drain()
+                self.pipe = None
+                return self._dev_result.reshape(shape) if out is None else out
             if out is None:
-                out = self._new_device_array(shape)
+                out = self.io.empty(shape)
             self._upload(work, out)
             return out
         if out is not None:
@@ -545,40 +595,22 @@ class Buffer:
             return out
         return self.ops.reshape(work, shape)
 
-    # -- device transfers (staged mode only)
+    # -- device transfers (staged mode only): chunked copies on the data's own stream
     @traced("stage to host", cat="staging",
             describe=lambda b, _: {"bytes": b.arguments["self"].info.nbytes})
     def _download(self, dev: Any, host: Any) -> None:
-        if self.info.framework == "torch":
-            host.copy_(dev.reshape(-1))
-        else:
-            import cupy
-
-            with dev.device:  # a non-contiguous input is copied on its own device
-                cupy.ascontiguousarray(dev).reshape(-1).get(out=host)
+        Pipeline(self.io, host, None, self._chunk_elems()).download_all(dev)
 
     @traced("stage to device", cat="staging",
             describe=lambda b, _: {"bytes": b.arguments["self"].info.nbytes})
     def _upload(self, host: Any, dev: Any) -> None:
-        if self.info.framework == "torch":
-            dev.view(-1).copy_(host)
-            import torch
+        self._upload_via(Pipeline(self.io, host, dev.reshape(-1), self._chunk_elems()),
+                         int(host.shape[0]))
 
-            torch.cuda.current_stream(dev.device).synchronize()
-        else:
-            with dev.device:
-                dev.reshape(-1).set(host)
-            dev.device.synchronize()
-
-    def _new_device_array(self, shape: tuple[int, ...]) -> Any:
-        if self.info.framework == "torch":
-            import torch
-
-            return torch.empty(shape, dtype=self.x.dtype, device=self.x.device)
-        import cupy
-
-        with self.x.device:
-            return cupy.empty(shape, dtype=self.x.dtype)
+    @staticmethod
+    def _upload_via(pipe: Pipeline, n: int) -> None:
+        pipe.final(0, n)
+        pipe.drain()
 
 
 # ---------------------------------------------------------------------- conversions

@@ -19,6 +19,10 @@ variable                         meaning
 ``MPICOMM_RING_SEGMENT_BYTES``   bytes per pipelined segment of the ring passes (default
                                  1 MiB, an integer >= 1). Must be the same on every rank:
                                  checked mode compares it before each collective.
+``MPICOMM_STAGING_CHUNK_BYTES``  bytes per asynchronous copy when CUDA data is staged
+                                 through pinned host memory (default 4 MiB, an integer
+                                 >= 1; :mod:`mpicomm.staging` has the tuning advice).
+                                 Changes no message: ranks may differ.
 ``MPICOMM_METRICS``              path of a per-step metrics JSON-lines file
                                  (:mod:`mpicomm.metrics`; ``{rank}``: one per rank).
 ``MPICOMM_TIMELINE``             path of a merged Chrome trace of every collective, written
@@ -90,6 +94,15 @@ RING_SEGMENT_BYTES = 1 << 20
 def ring_segment_bytes() -> int:
     """``MPICOMM_RING_SEGMENT_BYTES`` (checked; read on every call, so it is never stale)."""
     return env_int("MPICOMM_RING_SEGMENT_BYTES", RING_SEGMENT_BYTES, 1)
+
+
+#: Default of ``MPICOMM_STAGING_CHUNK_BYTES``.
+STAGING_CHUNK_BYTES = 4 << 20
+
+
+def staging_chunk_bytes() -> int:
+    """``MPICOMM_STAGING_CHUNK_BYTES`` (checked; read on every call)."""
+    return env_int("MPICOMM_STAGING_CHUNK_BYTES", STAGING_CHUNK_BYTES, 1)
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:

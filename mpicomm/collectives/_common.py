@@ -11,6 +11,7 @@ from ..buffers import REDUCE_OPS, ArrayOps, BufferInfo
 from ..comm import Traffic
 from ..config import RING_SEGMENT_BYTES, ring_segment_bytes
 from ..linkdelay import LinkDelay, link_delay
+from ..staging import Pipeline
 from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the algorithms)
     TAG_ALLGATHER,
     TAG_ALLREDUCE,
@@ -36,16 +37,33 @@ class Ctx:
     segment_bytes: int = RING_SEGMENT_BYTES
     #: The emulated cluster's injected latency (:mod:`mpicomm.linkdelay`); None outside it.
     delay: LinkDelay | None = None
+    #: Staged CUDA data: the streamed copies (:class:`mpicomm.staging.Pipeline`) whose
+    #: :meth:`need` / :meth:`final` hooks the ring passes call; None otherwise.
+    stage: Pipeline | None = None
 
     @classmethod
-    def of(cls, comm: Any, ops: ArrayOps, segment_bytes: int | None = None) -> Ctx:
+    def of(cls, comm: Any, ops: ArrayOps, segment_bytes: int | None = None,
+           stage: Pipeline | None = None) -> Ctx:
         """The context for running an algorithm on ``comm`` (an mpicomm Communicator).
 
         ``segment_bytes`` defaults to the environment's (checked) value; collectives pass
         the value their argument checks read, which checked mode compared across ranks.
         """
         seg = ring_segment_bytes() if segment_bytes is None else segment_bytes
-        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, link_delay(comm))
+        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, link_delay(comm),
+                   stage)
+
+    def need(self, a: int, b: int) -> None:
+        """Elements ``a:b`` of the work array are about to be read: wait for their
+        staging download (no-op unless streaming staged data)."""
+        if self.stage is not None:
+            self.stage.need(a, b)
+
+    def final(self, a: int, b: int) -> None:
+        """Elements ``a:b`` of the work array hold their result: start their staging
+        upload (no-op unless streaming staged data)."""
+        if self.stage is not None:
+            self.stage.final(a, b)
 
     def _nbytes(self, a: Any) -> int:
         return int(a.shape[0]) * self.ops.itemsize(a)

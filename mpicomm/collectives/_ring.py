@@ -9,6 +9,11 @@ different sizes (allgatherv) and may be empty.
 
 Cost per pass: (p-1) steps of one block each, i.e. (p-1)α + (p-1)/p·nβ for equal blocks
 (+ (p-1)/p·nγ for the reducing pass); segmentation adds no bytes, only messages.
+Staged CUDA data (:mod:`mpicomm.staging`): each segment's download is waited for right
+before the pass first reads it (``ctx.need``), and each segment is uploaded as soon as it
+is final (``ctx.final``: the own block, then every segment of the allgather pass as it
+arrives), so the copies overlap the communication of the other segments.
+
 Tuning: ``MPICOMM_RING_SEGMENT_BYTES`` (default 1 MiB; see :mod:`mpicomm.config`, read
 by each collective's argument checks and passed down, so every rank of a call uses the
 value checked mode compared). Smaller segments pipeline more but cost a Python round
@@ -48,14 +53,17 @@ def reduce_scatter_pass(work: Any, bounds: list[int], final_block: int, op: str,
     seg = _segment_elems(work, ctx, segment_bytes)
     largest = max(bounds[j + 1] - bounds[j] for j in range(p))
     scratch = ops.empty_like(work, largest)
-    sends = [ctx.isend(work[a:b], right, tag)
-             for a, b in _segments(bounds, (final_block - 1) % p, seg)]
+    sends = []
+    for a, b in _segments(bounds, (final_block - 1) % p, seg):
+        ctx.need(a, b)
+        sends.append(ctx.isend(work[a:b], right, tag))
     for step in range(p - 1):
         block = (final_block - 2 - step) % p
         base = bounds[block]
         segs = _segments(bounds, block, seg)
         recvs = [ctx.irecv(scratch[a - base:b - base], left, tag) for a, b in segs]
         for (a, b), req in zip(segs, recvs):
+            ctx.need(a, b)
             req.Wait()
             ops.reduce_(work[a:b], scratch[a - base:b - base], op)
             if step < p - 2:
@@ -118,14 +126,18 @@ def allgather_pass(work: Any, bounds: list[int], own_block: int, ctx: Ctx, tag: 
     right = (ctx.rank + 1) % p if right is None else right
     left = (ctx.rank - 1) % p if left is None else left
     seg = _segment_elems(work, ctx, segment_bytes)
-    sends = [ctx.isend(work[a:b], right, tag)
-             for a, b in _segments(bounds, own_block, seg)]
+    sends = []
+    for a, b in _segments(bounds, own_block, seg):
+        ctx.need(a, b)
+        sends.append(ctx.isend(work[a:b], right, tag))
+        ctx.final(a, b)
     for step in range(p - 1):
         block = (own_block - 1 - step) % p
         segs = _segments(bounds, block, seg)
         recvs = [ctx.irecv(work[a:b], left, tag) for a, b in segs]
         for (a, b), req in zip(segs, recvs):
             req.Wait()
+            ctx.final(a, b)
             if step < p - 2:
                 sends.append(ctx.isend(work[a:b], right, tag))
     MPI.Request.Waitall(sends)

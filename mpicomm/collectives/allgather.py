@@ -140,6 +140,19 @@ ALGORITHMS = {"ring": ring, "bruck": bruck, "recursive_doubling": recursive_doub
               "direct": direct}
 
 
+def _streamed_ring(b: Buffer, bounds: list[int], out_shape: tuple[int, ...], out: Any,
+                   ctx: Ctx) -> Any:
+    """Ring allgather(v) of staged CUDA data: this rank's block is downloaded straight
+    into its slot of the pinned result, and every segment is uploaded as it arrives
+    (:mod:`mpicomm.staging`); same messages as the host ring."""
+    pipe = b.stream(bounds[-1], out_shape, out)
+    r = ctx.rank
+    pipe.prefetch(b.device_flat(), bounds[r], [(bounds[r], bounds[r + 1])])
+    ctx.stage = pipe
+    allgather_pass(pipe.host, bounds, r, ctx, TAG_ALLGATHER)
+    return b.deliver(pipe.host, out_shape, out)
+
+
 def _gathered_shape(shape: tuple[int, ...], rows_total: int) -> tuple[int, ...]:
     return (rows_total, *shape[1:])
 
@@ -169,6 +182,9 @@ def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = Non
         out_shape = _gathered_shape(shape, comm.size * shape[0])
         b.check_out(out, out_shape)
     m, p = b.info.numel, comm.size
+    if b.staged and algorithm == "ring" and p > 1 and m > 0:
+        return _streamed_ring(b, [i * m for i in range(p + 1)], out_shape, out,
+                              Ctx.of(comm, b.ops, seg))
     res = b.result_array(m * p, out)
     src = b.input_view()
     if p > 1 and m > 0 and algorithm == "direct":  # sends from src, copies meanwhile
@@ -238,6 +254,9 @@ def allgatherv(buf: Any, comm: Communicator | None = None, out: Any = None,
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
+    if b.staged and algorithm == "ring" and comm.size > 1 and bounds[-1] > 0:
+        result = _streamed_ring(b, bounds, out_shape, out, Ctx.of(comm, b.ops, seg))
+        return (result, rows) if return_counts else result
     res = b.result_array(bounds[-1], out)
     src = b.input_view()
     if comm.size > 1 and bounds[-1] > 0 and algorithm == "direct":

@@ -54,10 +54,24 @@ from ._ring import allgather_pass, reduce_scatter_pass
 __all__ = ["allreduce", "ALGORITHMS"]
 
 
+def ring_read_order(n: int, rank: int, size: int) -> list[tuple[int, int]]:
+    """The blocks of an ``n``-element work array in the order :func:`ring` first reads
+    them on ``rank`` (its reduce-scatter sends block ``rank``, then reduces ``rank-1``,
+    ``rank-2``, ...): the order in which staged data is downloaded."""
+    bounds = block_bounds(n, size)
+    return [(bounds[j], bounds[j + 1]) for j in ((rank - s) % size for s in range(size))]
+
+
 def ring(work: Any, op: str, ctx: Ctx) -> None:
+    """Ring reduce-scatter, then (``avg``) each rank divides the block it owns, then ring
+    allgather. Dividing before the allgather gives the same bits as dividing the whole
+    result afterwards (each element is divided once, by its owner) and lets every
+    segment be final, hence uploaded when staging, the moment it arrives."""
     bounds = block_bounds(work.shape[0], ctx.size)
     owned = (ctx.rank + 1) % ctx.size
     reduce_scatter_pass(work, bounds, owned, op, ctx, TAG_ALLREDUCE)
+    if op == "avg":
+        ctx.ops.divide_(work[bounds[owned]:bounds[owned + 1]], ctx.size)
     allgather_pass(work, bounds, owned, ctx, TAG_ALLREDUCE)
 
 
@@ -130,13 +144,21 @@ def allreduce(buf: Any, op: str = "sum", algorithm: str = "auto",
         agreed.update(shape=b.info.shape, dtype=b.info.dtype, op=op, algorithm=algorithm,
                       segment_bytes=seg)
         b.check_out(out, b.info.shape)
+    n, p = b.info.numel, comm.size
+    if b.staged and algorithm == "ring" and p > 1 and n > 0:
+        # Streamed staging: downloads in the ring's read order, uploads as segments
+        # become final (mpicomm.staging); the host array is the pool's whole "in" slot.
+        pipe = b.stream(n, b.info.shape, out, slot="in")
+        pipe.prefetch(b.device_flat(), 0, ring_read_order(n, comm.rank, p))
+        ring(pipe.host, op, Ctx.of(comm, b.ops, seg, stage=pipe))
+        return b.deliver(pipe.host, b.info.shape, out)
     work = b.writable_copy(out)
-    if comm.size > 1 and b.info.numel > 0:
+    if p > 1 and n > 0:
         ctx = Ctx.of(comm, b.ops, seg)
         if algorithm == "mpi":
             native.allreduce(work, op, ctx, b.info.dtype)
         else:
             ALGORITHMS[algorithm](work, op, ctx)
-    if op == "avg" and comm.size > 1:
-        b.ops.divide_(work, comm.size)
+    if op == "avg" and p > 1 and algorithm != "ring":  # the ring divides its own blocks
+        b.ops.divide_(work, p)
     return b.deliver(work, b.info.shape, out)

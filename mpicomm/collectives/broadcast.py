@@ -91,6 +91,15 @@ def broadcast(buf: Any, root: int = 0, comm: Communicator | None = None,
         agreed.update(shape=b.info.shape, dtype=b.info.dtype, root=root, algorithm=algorithm,
                       segment_bytes=seg)
         b.check_out(out, b.info.shape)
+    if b.staged and algorithm == "scatter_allgather" and comm.size > 1 and b.info.numel:
+        # Streamed staging: the root needs its whole input for the scatter; every rank
+        # uploads each segment of the allgather pass as it arrives (mpicomm.staging).
+        pipe = b.stream(b.info.numel, b.info.shape, out,
+                        slot="in" if comm.rank == root else "out")
+        if comm.rank == root:
+            pipe.download_all(b.device_flat())
+        scatter_allgather(pipe.host, root, Ctx.of(comm, b.ops, seg, stage=pipe))
+        return b.deliver(pipe.host, b.info.shape, out)
     if comm.rank == root:
         work = b.writable_copy(out)
     else:
