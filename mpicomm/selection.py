@@ -51,8 +51,8 @@ import numpy as np
 
 from .validate import check_int
 
-__all__ = ["topk_indices", "topk_threshold", "topk_indices_approx", "index_dtype_for",
-           "PREFILTER_MIN_K"]
+__all__ = ["topk_indices", "topk_threshold", "topk_indices_approx", "topk_among",
+           "index_dtype_for", "PREFILTER_MIN_K"]
 
 #: Smallest k for which the sample prefilter is tried (below it, a plain partial
 #: selection is already cheap).
@@ -94,9 +94,10 @@ def _sample_cut(mag: Any, stride: int, rank: int) -> Any:
     return torch.topk(sample, rank, sorted=False).values.min()
 
 
-def _compact_top(mag: Any, candidates: Any, k: int) -> Any:
-    """Of ``candidates`` (ascending positions), the k largest ``mag`` under the total
-    order, ascending: a stable descending sort keeps ties in index order."""
+def topk_among(mag: Any, candidates: Any, k: int) -> Any:
+    """Of ``candidates`` (ascending positions, at least ``k``), the k largest ``mag``
+    under the total order, ascending: a stable descending sort keeps ties in index
+    order. Torch, any device; no host synchronization (sorts only)."""
     import torch
 
     order = torch.sort(mag[candidates], descending=True, stable=True).indices[:k]
@@ -126,7 +127,7 @@ def topk_threshold(x: Any, k: int) -> Any:
             stride, rank = _threshold_rank(n, k, 1.25 * widen, 4.0, 256)
             candidates = torch.nonzero(mag >= _sample_cut(mag, stride, rank)).view(-1)
             if candidates.shape[0] >= k:
-                return _compact_top(mag, candidates, k)
+                return topk_among(mag, candidates, k)
     return _select_torch(mag, k)
 
 
@@ -158,7 +159,7 @@ def topk_indices_approx(x: Any, k: int, *, sample_rank: int = 512) -> Any:
     candidates = torch.nonzero(mag >= _sample_cut(mag, stride, rank)).view(-1)
     if candidates.shape[0] <= k:
         return candidates
-    return _compact_top(mag, candidates, k)
+    return topk_among(mag, candidates, k)
 
 
 def index_dtype_for(numel: int) -> str:

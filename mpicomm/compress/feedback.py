@@ -112,17 +112,23 @@ class ErrorFeedback:
         if not inplace or not c.is_contiguous():
             c = c.clone()
         i = to_torch(indices).reshape(-1).to(device=c.device, dtype=torch.int64)
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= info.numel):
+        # No host round trip for the range check (reading i.min()/i.max() would wait for
+        # the device): a negative index is mapped past the end, so the indexing kernel's
+        # own bounds check rejects every bad index (on the CPU as the ValueError below;
+        # on CUDA as a device-side assertion at the next synchronization).
+        i = torch.where(i < 0, info.numel, i)
+        try:
+            c.view(-1).index_fill_(0, i, 0)
+        except IndexError:
             raise ValueError(
                 f"update_sparse: index out of range for tensor {name!r} of {info.numel} "
                 "elements"
-            )
-        c.view(-1)[i] = 0
+            ) from None
         self._store(name, from_torch(c, like=compensated))
         held = self._velocities.get(name) if self.masking else None
         if held is not None:  # momentum factor masking
             u = to_torch(held)
-            u.view(-1)[i] = 0
+            u.view(-1).index_fill_(0, i, 0)
             self._velocities[name] = from_torch(u, like=held)
 
     def _advance_velocity(self, name: str, x: Any, t: Any) -> Any:
@@ -172,12 +178,17 @@ class ErrorFeedback:
             self._velocities.pop(name, None)
 
     def norm(self, name: str | None = None) -> float:
-        """L2 norm of one residual, or of all residuals together (a diagnostic)."""
+        """L2 norm of one residual, or of all residuals together (a diagnostic).
+
+        The squares are summed on each residual's device; the host reads one number
+        per device (a float must come back, but not one per tensor)."""
         items = [self.residual(name)] if name is not None else self._residuals.values()
-        total = 0.0
+        sums: dict[Any, torch.Tensor] = {}
         for r in items:
-            total += float(torch.sum(to_torch(r).detach().double() ** 2))
-        return math.sqrt(total)
+            t = to_torch(r).detach()
+            part = torch.sum(t.double() ** 2)
+            sums[t.device] = sums[t.device] + part if t.device in sums else part
+        return math.sqrt(sum(float(v) for v in sums.values()))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

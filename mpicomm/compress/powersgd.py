@@ -94,7 +94,11 @@ class PowerSGD(Compressor):
     Q memory (keyed by name) is local compressor state; :meth:`state_dict` and
     :meth:`load_state_dict` save and restore it. The initial Q is drawn on the CPU from a
     generator seeded by ``(seed, name)`` (by ``(seed, name, step)`` without warm start),
-    so it is the same on every rank and device.
+    so it is the same on every rank and device (CUDA generators differ between devices).
+    With the default warm start that host draw and its copy to the device happen once
+    per tensor; every later step runs on the device with no host round trip except the
+    finiteness check (one synchronization per tensor and step; ``allow_nonfinite=True``
+    drops it).
     """
 
     name = "powersgd"
@@ -118,6 +122,7 @@ class PowerSGD(Compressor):
         self.allow_nonfinite = bool(allow_nonfinite)
         self._q: dict[str, torch.Tensor] = {}
         self._meta: dict[str, TensorMeta] = {}
+        self._finite: dict[str, tuple[Any, ...]] = {}  # see _check_finite_once
 
     # ------------------------------------------------------------------ shape rules
     def rank_for(self, shape: tuple[int, ...]) -> int:
@@ -205,9 +210,11 @@ class PowerSGD(Compressor):
         if name is None:
             self._q.clear()
             self._meta.clear()
+            self._finite.clear()
         else:
             self._q.pop(name, None)
             self._meta.pop(name, None)
+            self._finite.pop(name, None)
 
     def q_memory(self, name: str) -> torch.Tensor | None:
         """The warm-start Q kept for ``name`` (a torch tensor), or None."""
@@ -231,9 +238,24 @@ class PowerSGD(Compressor):
                 "(see should_compress); send it dense"
             )
         if not self.allow_nonfinite:
-            check_finite(t, name, "PowerSGD")
+            self._check_finite_once(t, meta)
         n, m = matrix_shape(meta.shape)
         return t.to(_work_dtype(t.dtype)).view(n, m), meta
+
+    def _check_finite_once(self, t: torch.Tensor, meta: TensorMeta) -> None:
+        """The finiteness check (one host synchronization on a GPU), skipped when the
+        same unmodified torch tensor was checked last for this name: ``q_phase`` gets the
+        ``x`` that ``p_phase`` checked, so a step costs one synchronization, not two. A
+        torch tensor's version counter changes with every in-place write; arrays of
+        other frameworks are checked every time (their views carry no such counter)."""
+        stamp = None
+        if meta.framework == "torch":
+            stamp = (t.device, t.data_ptr(), t._version, t.shape[0])
+            if self._finite.get(meta.name) == stamp:
+                return
+        check_finite(t, meta.name, "PowerSGD")
+        if stamp is not None:
+            self._finite[meta.name] = stamp
 
     def _q_for(self, name: str, m: int, r: int, like: torch.Tensor,
                step: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..buffers import to_torch
-from ..selection import index_dtype_for, topk_indices
+from ..selection import index_dtype_for, topk_among, topk_indices
 from ..validate import check_int
 from ._rng import generator
 from ._tensor import check_finite, flatten, to_native, torch_dtype
@@ -110,8 +110,8 @@ class SampledTopK(Compressor):
             ks = min(s, max(1, math.ceil(oversample * k / n * s)))
             threshold = torch.topk(mag[pos], ks, sorted=False).values.min()
             cand = torch.nonzero(mag >= threshold).view(-1)
-            if cand.shape[0] >= k:
-                return cand[topk_indices(key[cand], k)]
+            if cand.shape[0] >= k:  # sorts only: no second host synchronization
+                return topk_among(mag, cand, k)
             sample *= 4
             oversample *= 2
         return cand  # exact top-|cand|, fewer than k entries
