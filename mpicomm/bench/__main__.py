@@ -21,6 +21,7 @@ SUITES = {
     "ps": "mpicomm.bench.ps",
     "selection": "mpicomm.bench.selection",
     "fusion": "mpicomm.bench.fusion",
+    "staging": "mpicomm.bench.staging",
     "crossover": "mpicomm.bench.crossover",
     "adaptive": "mpicomm.bench.adaptive",
 }
