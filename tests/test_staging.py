@@ -190,7 +190,7 @@ def test_staged_results_are_bitwise_the_host_results(own_comm, fake_gpu, name, k
     """Odd sizes, sizes on chunk and segment boundaries, fresh and ``out=`` results."""
     comm = own_comm
     gen = torch.Generator().manual_seed(1234 + comm.rank)
-    for n in (1, 7, 10, 16, 97, 160, 1003):
+    for n in (1, 7, 20, 161, 1003):  # < p, odd, on chunk edges, many segments
         data = torch.randn(n, generator=gen)
         expected = run(comm, name, kwargs, data.clone())
         got = run(comm, name, kwargs, mark(data.clone()))
