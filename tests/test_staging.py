@@ -21,6 +21,8 @@ from mpicomm.buffers import StagingPool, staging_pool
 from mpicomm.collectives._common import Ctx
 from mpicomm.staging import Pipeline
 
+from .test_buffers import needs_cuda, needs_cupy
+
 CHUNK_BYTES = 40          # 10 float32 elements per staging copy
 SEGMENT_BYTES = 64        # 16 float32 elements per ring segment
 
@@ -250,3 +252,54 @@ def test_copies_overlap_the_ring_communication(own_comm, fake_gpu):
     last_recv = max(i for i, k in enumerate(kinds) if k == "irecv")
     assert uploads and uploads[0] < last_recv
     assert sum(log[i][2] for i in uploads) == n             # every element uploaded once
+
+
+# ---------------------------------------------------------------------- real CUDA (gpu)
+@pytest.mark.mpi
+@needs_cuda
+def test_real_cuda_streamed_staging_is_bitwise_the_host_result(own_comm, monkeypatch):
+    """The same comparison with real CUDA tensors, async copies and events (TorchIO)."""
+    comm = own_comm
+    buffers._probe_cuda_aware.cache_clear()
+    monkeypatch.setenv("MPICOMM_CUDA_AWARE", "0")
+    monkeypatch.setenv("MPICOMM_STAGING_CHUNK_BYTES", str(CHUNK_BYTES))
+    monkeypatch.setenv("MPICOMM_RING_SEGMENT_BYTES", str(SEGMENT_BYTES))
+    try:
+        gen = torch.Generator().manual_seed(99 + comm.rank)
+        for name, kwargs in CASES:
+            for n in (7, 1003):
+                data = torch.randn(n, generator=gen)
+                expected = run(comm, name, kwargs, data.clone())
+                dev = data.cuda()
+                got = run(comm, name, kwargs, dev)
+                assert got.device == dev.device
+                assert bits(got.cpu()) == bits(expected), (name, kwargs, n)
+                if name == "allreduce":
+                    run(comm, name, kwargs, dev, out=dev)
+                    assert bits(dev.cpu()) == bits(expected), (name, kwargs, n, "in place")
+    finally:
+        buffers._probe_cuda_aware.cache_clear()
+
+
+@pytest.mark.mpi
+@needs_cupy
+def test_real_cupy_streamed_staging_is_bitwise_the_host_result(own_comm, monkeypatch):
+    """cupy through CupyIO (``get(blocking=False)`` / ``set`` on the array's stream)."""
+    import cupy
+    import numpy as np
+
+    comm = own_comm
+    buffers._probe_cuda_aware.cache_clear()
+    monkeypatch.setenv("MPICOMM_CUDA_AWARE", "0")
+    monkeypatch.setenv("MPICOMM_STAGING_CHUNK_BYTES", str(CHUNK_BYTES))
+    monkeypatch.setenv("MPICOMM_RING_SEGMENT_BYTES", str(SEGMENT_BYTES))
+    try:
+        data = np.random.default_rng(comm.rank).standard_normal(1003).astype(np.float32)
+        for name, kwargs in CASES:
+            expected = run(comm, name, kwargs, data.copy())
+            got = run(comm, name, kwargs, cupy.asarray(data))
+            assert isinstance(got, cupy.ndarray)
+            assert cupy.asnumpy(got).view(np.int32).tolist() == \
+                expected.view(np.int32).tolist(), (name, kwargs)
+    finally:
+        buffers._probe_cuda_aware.cache_clear()
