@@ -530,6 +530,15 @@ class Buffer:
         self.pipe = Pipeline(self.io, host, dev_out, self._chunk_elems())
         return self.pipe
 
+    def streamed_input(self, ranges: list[tuple[int, int]]) -> Pipeline:
+        """Staged mode: the whole input in the pool's ``"in"`` slot, its downloads queued
+        in the order ``ranges`` will be read (the algorithm waits with ``Ctx.need``); for
+        algorithms whose result is small and uploaded whole by :meth:`deliver`."""
+        host = staging_pool(self._resources).get(self.info, self.info.numel, "in")
+        pipe = Pipeline(self.io, host, None, self._chunk_elems())
+        pipe.prefetch(self.device_flat(), 0, ranges)
+        return pipe
+
     def device_flat(self) -> Any:
         """Staged mode: the caller's device data as one flat contiguous device array."""
         if self.info.framework == "torch":

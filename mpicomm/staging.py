@@ -24,14 +24,16 @@ How the collectives use it (:class:`Pipeline`; hooks ``Ctx.need`` / ``Ctx.final`
 
 What is streamed and what is not (ours, not from a paper)
     * Streamed: ring allreduce (both halves), ring allgather / allgatherv, broadcast's
-      scatter-allgather (uploads; the root needs its whole input for the scatter).
+      scatter-allgather (uploads; the root needs its whole input for the scatter), ring
+      reduce-scatter (downloads; its result, one block, is uploaded whole).
       These are the algorithms ``auto`` picks for large messages, where staging costs.
     * Whole-buffer (copies still chunked, but waited for all at once, then uploaded
-      after the algorithm): recursive doubling / Rabenseifner / ``mpi`` allreduce, bruck /
-      recursive-doubling / direct allgather, binomial broadcast, reduce-scatter, and the
-      sparse layer's ``Wire`` (a message of unknown length that a host rank must be able
-      to receive in one piece). Their messages carry the whole buffer, or a reduction
-      needs all of it, so there is nothing to overlap without changing the messages.
+      after the algorithm): recursive doubling / Rabenseifner / ``mpi`` allreduce,
+      bruck / recursive-doubling / direct allgather, binomial broadcast, halving /
+      direct / ``mpi`` reduce-scatter, and the sparse layer's ``Wire`` (a message of
+      unknown length that a host rank must be able to receive in one piece). Their
+      messages carry the whole buffer, or a reduction needs all of it, so there is
+      nothing to overlap without changing the messages.
     * Why not split the *messages* into chunks with two small pinned buffers: it would
       change the message pattern, so a rank with host data and a rank with staged
       device data (both allowed) would no longer match, and chunking a ring reduction

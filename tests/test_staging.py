@@ -176,6 +176,8 @@ CASES = [
     ("allgather", {"algorithm": "bruck"}),
     ("broadcast", {"algorithm": "scatter_allgather", "root": -1}),
     ("broadcast", {"algorithm": "binomial", "root": 0}),
+    ("reduce_scatter", {"algorithm": "ring", "op": "avg"}),
+    ("reduce_scatter", {"algorithm": "direct", "op": "sum"}),
 ]
 
 
@@ -193,7 +195,8 @@ def test_staged_results_are_bitwise_the_host_results(own_comm, fake_gpu, name, k
     comm = own_comm
     gen = torch.Generator().manual_seed(1234 + comm.rank)
     for n in (1, 7, 20, 161, 1003):  # < p, odd, on chunk edges, many segments
-        data = torch.randn(n, generator=gen)
+        data = torch.randn(n * (comm.size if name == "reduce_scatter" else 1),
+                           generator=gen)
         expected = run(comm, name, kwargs, data.clone())
         got = run(comm, name, kwargs, mark(data.clone()))
         assert bits(got) == bits(expected), (name, kwargs, n)
@@ -268,7 +271,8 @@ def test_real_cuda_streamed_staging_is_bitwise_the_host_result(own_comm, monkeyp
         gen = torch.Generator().manual_seed(99 + comm.rank)
         for name, kwargs in CASES:
             for n in (7, 1003):
-                data = torch.randn(n, generator=gen)
+                data = torch.randn(n * (comm.size if name == "reduce_scatter" else 1),
+                                   generator=gen)
                 expected = run(comm, name, kwargs, data.clone())
                 dev = data.cuda()
                 got = run(comm, name, kwargs, dev)
@@ -294,8 +298,10 @@ def test_real_cupy_streamed_staging_is_bitwise_the_host_result(own_comm, monkeyp
     monkeypatch.setenv("MPICOMM_STAGING_CHUNK_BYTES", str(CHUNK_BYTES))
     monkeypatch.setenv("MPICOMM_RING_SEGMENT_BYTES", str(SEGMENT_BYTES))
     try:
-        data = np.random.default_rng(comm.rank).standard_normal(1003).astype(np.float32)
+        rng = np.random.default_rng(comm.rank)
         for name, kwargs in CASES:
+            n = 1003 * (comm.size if name == "reduce_scatter" else 1)
+            data = rng.standard_normal(n).astype(np.float32)
             expected = run(comm, name, kwargs, data.copy())
             got = run(comm, name, kwargs, cupy.asarray(data))
             assert isinstance(got, cupy.ndarray)

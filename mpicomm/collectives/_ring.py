@@ -90,8 +90,10 @@ def reduce_scatter_copy_pass(src: Any, dst: Any, bounds: list[int], final_block:
     received = ops.empty_like(src, largest)
     partial = [ops.empty_like(src, largest), ops.empty_like(src, largest)]
     in_flight: list[list[MPI.Request]] = [[], []]
-    sends = [ctx.isend(src[a:b], right, tag)
-             for a, b in _segments(bounds, (final_block - 1) % p, seg)]
+    sends = []
+    for a, b in _segments(bounds, (final_block - 1) % p, seg):
+        ctx.need(a, b)
+        sends.append(ctx.isend(src[a:b], right, tag))
     for step in range(p - 1):
         block = (final_block - 2 - step) % p
         base = bounds[block]
@@ -105,6 +107,7 @@ def reduce_scatter_copy_pass(src: Any, dst: Any, bounds: list[int], final_block:
         segs = _segments(bounds, block, seg)
         recvs = [ctx.irecv(received[a - base:b - base], left, tag) for a, b in segs]
         for (a, b), req in zip(segs, recvs):
+            ctx.need(a, b)
             req.Wait()
             out = target[a - base:b - base]
             ops.combine_(out, src[a:b], received[a - base:b - base], op)

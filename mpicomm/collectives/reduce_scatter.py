@@ -133,7 +133,14 @@ def reduce_scatter(buf: Any, op: str = "sum", algorithm: str = "auto",
         b.check_out(out, out_shape)
     m = b.info.numel // comm.size
     res = b.result_array(m, out)
-    if comm.size == 1 or m == 0:
+    p = comm.size
+    if b.staged and algorithm == "ring" and p > 1 and m:
+        # Streamed staging: the input's downloads in the ring's read order (block r-1,
+        # r-2, ..., r), each segment waited for just before it is read (mpicomm.staging).
+        pipe = b.streamed_input([(q * m, (q + 1) * m)
+                                 for q in ((comm.rank - 1 - s) % p for s in range(p))])
+        ring(pipe.host, res, m, op, Ctx.of(comm, b.ops, seg, stage=pipe))
+    elif comm.size == 1 or m == 0:
         if m:
             b.ops.copy_(res, b.input_view())
     elif algorithm == "mpi":
