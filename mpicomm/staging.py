@@ -66,8 +66,11 @@ class DeviceIO(Protocol):
     def download(self, host: Any, dev: Any) -> Any:
         """Queue ``host[:] = dev`` on the stream; return an event that marks its end."""
 
-    def upload(self, dev: Any, host: Any) -> Any:
-        """Queue ``dev[:] = host`` on the stream; return an event that marks its end."""
+    def upload(self, dev: Any, host: Any) -> None:
+        """Queue ``dev[:] = host`` on the stream."""
+
+    def event(self) -> Any:
+        """An event marking the end of everything queued on the stream so far."""
 
     def wait(self, event: Any) -> None:
         """Block the host until ``event`` has happened."""
@@ -96,9 +99,11 @@ class TorchIO:
             host.copy_(dev, non_blocking=True)
         return self._event()
 
-    def upload(self, dev: Any, host: Any) -> Any:
+    def upload(self, dev: Any, host: Any) -> None:
         with self.torch.cuda.stream(self.stream):
             dev.copy_(host, non_blocking=True)
+
+    def event(self) -> Any:
         return self._event()
 
     def wait(self, event: Any) -> None:
@@ -130,9 +135,11 @@ class CupyIO:
             dev.get(stream=self.stream, out=host, blocking=False)
         return self._event()
 
-    def upload(self, dev: Any, host: Any) -> Any:
+    def upload(self, dev: Any, host: Any) -> None:
         with self.like.device:
             dev.set(host, stream=self.stream)
+
+    def event(self) -> Any:
         return self._event()
 
     def wait(self, event: Any) -> None:
@@ -154,10 +161,13 @@ class Pipeline:
     ``host`` is the flat pinned work array the algorithm runs on; ``dev_out`` the flat
     device array the result goes to (same length and layout as ``host``).
 
-    Chunks are the pieces of each requested range cut at multiples of ``chunk``
+    Downloads are the pieces of each requested range cut at multiples of ``chunk``
     elements; each gets its own event. Events are numbered in issue order, and since
     one stream runs its work in order, having waited for event ``k`` means every
     earlier copy is done: :meth:`need` waits only for the newest event it needs.
+    Uploads need no event each: contiguous final parts are coalesced until they reach
+    ``chunk`` elements (a ring delivers segments in order), then queued; :meth:`drain`
+    queues the rest and waits for one event recorded after everything.
     """
 
     def __init__(self, io: DeviceIO, host: Any, dev_out: Any, chunk: int):
@@ -167,12 +177,12 @@ class Pipeline:
         self.host = host
         self.dev_out = dev_out
         self.chunk = chunk
-        self._issued = 0       # events issued so far (their sequence numbers: 1, 2, ...)
-        self._done = 0         # every event up to this number has happened
-        self._last: Any = None
-        self._last_seq = 0
+        self._issued = 0       # download events so far (sequence numbers 1, 2, ...)
+        self._done = 0         # every download up to this number has landed
         self._pending: dict[int, list[tuple[int, Any]]] = {}  # grid cell -> downloads
-        self.uploaded = 0      # elements uploaded so far
+        self._up = (0, 0)      # final part not queued yet (coalescing)
+        self._queued = False   # anything queued since the last drain
+        self.uploaded = 0      # elements declared final so far
 
     def _pieces(self, a: int, b: int) -> Iterable[tuple[int, int]]:
         c = self.chunk
@@ -182,11 +192,6 @@ class Pipeline:
             yield lo, hi
             lo = hi
 
-    def _issued_event(self, event: Any) -> int:
-        self._issued += 1
-        self._last, self._last_seq = event, self._issued
-        return self._issued
-
     def prefetch(self, dev_src: Any, host_lo: int, ranges: Iterable[tuple[int, int]]
                  ) -> None:
         """Queue downloads of ``dev_src`` into ``host[host_lo:]`` for the host ranges
@@ -195,8 +200,9 @@ class Pipeline:
             for lo, hi in self._pieces(a, b):
                 event = self.io.download(self.host[lo:hi],
                                          dev_src[lo - host_lo:hi - host_lo])
-                seq = self._issued_event(event)
-                self._pending.setdefault(lo // self.chunk, []).append((seq, event))
+                self._issued += 1
+                self._queued = True
+                self._pending.setdefault(lo // self.chunk, []).append((self._issued, event))
 
     def need(self, a: int, b: int) -> None:
         """Wait until every download overlapping ``host[a:b]`` has landed."""
@@ -212,12 +218,25 @@ class Pipeline:
             self._done = newest[0]
 
     def final(self, a: int, b: int) -> None:
-        """``host[a:b]`` holds its final value: queue its upload."""
+        """``host[a:b]`` holds its final value: queue its upload (coalesced with the
+        parts before it while they are contiguous and shorter than a chunk)."""
         if b <= a:
             return
-        for lo, hi in self._pieces(a, b):
-            self._issued_event(self.io.upload(self.dev_out[lo:hi], self.host[lo:hi]))
         self.uploaded += b - a
+        lo, hi = self._up
+        if a != hi or hi == lo:
+            self._flush()
+            lo = a
+        self._up = (lo, b)
+        if b - lo >= self.chunk:
+            self._flush()
+
+    def _flush(self) -> None:
+        lo, hi = self._up
+        for a, b in self._pieces(lo, hi):
+            self.io.upload(self.dev_out[a:b], self.host[a:b])
+            self._queued = True
+        self._up = (hi, hi)
 
     def download_all(self, dev_src: Any, host_lo: int = 0) -> None:
         """Copy all of ``dev_src`` into ``host[host_lo:]`` and wait for it."""
@@ -226,7 +245,10 @@ class Pipeline:
         self.need(host_lo, host_lo + n)
 
     def drain(self) -> None:
-        """Wait for every copy issued so far (the newest event: one stream, in order)."""
-        if self._last is not None and self._last_seq > self._done:
-            self.io.wait(self._last)
-            self._done = self._last_seq
+        """Queue the last final part and wait for every copy queued so far (one event
+        after all of them: one stream runs them in order)."""
+        self._flush()
+        if self._queued:
+            self.io.wait(self.io.event())
+            self._queued = False
+            self._done = self._issued

@@ -44,8 +44,11 @@ class FakeStream:
     def download(self, host: Any, dev: Any) -> int:
         return self._queue("d2h", host, dev)
 
-    def upload(self, dev: Any, host: Any) -> int:
-        return self._queue("h2d", dev, host)
+    def upload(self, dev: Any, host: Any) -> None:
+        self._queue("h2d", dev, host)
+
+    def event(self) -> int:
+        return len(self.queue)
 
     def wait(self, event: int) -> None:
         self.log.append(("wait", event))
@@ -132,8 +135,16 @@ def test_pipeline_cuts_chunks_at_multiples_and_waits_for_the_newest_needed():
     assert log[-1] == ("wait", 3)
     pipe.need(0, 1)
     assert log[-1] == ("wait", 4) and host.tolist() == list(range(25))
-    pipe.final(5, 25)
+    pipe.final(5, 8)
+    pipe.final(8, 12)                                 # contiguous, < 10: coalesced
+    assert log[-1] == ("wait", 4)                     # nothing queued yet
+    pipe.final(12, 16)                                # 5:16 reaches a chunk: queued
+    assert [e for e in log if e[0] == "h2d"] == [("h2d", 5, 5), ("h2d", 6, 6)]
+    pipe.final(20, 25)
+    pipe.final(16, 20)                                # not contiguous: 20:25 queued
+    assert pipe.dev_out[5:].tolist() == [0] * 20      # nothing ran before the drain
     pipe.drain()
+    assert log[-1] == ("wait", 8)                     # one event after all 8 copies
     assert pipe.uploaded == 20 and pipe.dev_out[5:].tolist() == list(range(5, 25))
     assert pipe.dev_out[:5].tolist() == [0] * 5
 
@@ -194,7 +205,7 @@ def test_staged_results_are_bitwise_the_host_results(own_comm, fake_gpu, name, k
     """Odd sizes, sizes on chunk and segment boundaries, fresh and ``out=`` results."""
     comm = own_comm
     gen = torch.Generator().manual_seed(1234 + comm.rank)
-    for n in (1, 7, 20, 161, 1003):  # < p, odd, on chunk edges, many segments
+    for n in (1, 7, 160, 1003):  # < p, odd, on chunk and segment edges, many segments
         data = torch.randn(n * (comm.size if name == "reduce_scatter" else 1),
                            generator=gen)
         expected = run(comm, name, kwargs, data.clone())
