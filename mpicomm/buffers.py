@@ -18,7 +18,9 @@ for a library that cannot be asked, but is refused with ``ValueError`` when the 
 answers that it has no CUDA support. The decision is logged once at INFO level.
 
 Before MPI reads device memory, the producing stream is synchronized: MPI knows nothing
-of CUDA streams, so without it MPI could send data a kernel has not written yet.
+of CUDA streams, so without it MPI could send data a kernel has not written yet. Staging
+copies need no such wait: they are queued on that same stream, behind the producer, and
+the host waits for their events instead.
 When staging, device data is copied to a pinned host buffer taken from a per-communicator
 :class:`StagingPool` (allocated once, grown on demand, reused by every later call), in
 chunks queued asynchronously on the data's own stream; the large-message ring algorithms
