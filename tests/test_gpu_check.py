@@ -15,6 +15,7 @@ from types import ModuleType
 import pytest
 
 from .launch import ROOT, clean_env
+from .test_buffers import HAVE_CUDA, needs_cuda
 
 
 def load_script() -> ModuleType:
@@ -81,3 +82,35 @@ def test_cpu_smoke_run_writes_json_the_report_renders(tmp_path: Path) -> None:
                                                               ("report", 0)]
     report = (out / "BENCHMARKS.md").read_text()
     assert "gpu_e2e" in report and "GradientSync artopk" in report and "gpu_check" in report
+
+
+@pytest.mark.skipif(HAVE_CUDA, reason="checks the refusal without CUDA")
+def test_staging_bench_refuses_without_cuda() -> None:
+    import argparse
+
+    from mpicomm.bench import staging
+
+    parser = argparse.ArgumentParser()
+    staging.add_arguments(parser)
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        staging.run(parser.parse_args([]))
+    with pytest.raises(ValueError, match="unknown"):
+        staging.run(parser.parse_args(["--collectives", "alltoall"]))
+
+
+@needs_cuda
+def test_staging_bench_on_a_gpu(tmp_path: Path) -> None:
+    from .launch import mpiexec
+
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpicomm.bench", "staging",
+           "--sizes", "1000,4097", "--chunks-mb", "0.001", "--repeats", "1", "--warmup",
+           "0", "--json", str(tmp_path / "staging.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(MPICOMM_CUDA_AWARE="0"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    result = json.loads((tmp_path / "staging.json").read_text())
+    methods = {r["method"] for r in result["rows"]}
+    assert methods == {"host", "staged whole", "staged chunk 0.001 MB"}
+    assert {r["collective"] for r in result["rows"]} == {"allreduce", "allgather",
+                                                         "broadcast"}
