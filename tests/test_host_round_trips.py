@@ -44,14 +44,15 @@ class RoundTrips(TorchFunctionMode):
     """Records every call in :data:`HOST_READS` / :data:`COMPACTIONS` and boolean-mask
     indexing, by name."""
 
-    def __init__(self) -> None:
+    def __init__(self, also: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.calls: list[str] = []
+        self.also = also  # more names to record, to see where the reads fall
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
-        if name in HOST_READS or name in COMPACTIONS:
+        if name in HOST_READS or name in COMPACTIONS or name in self.also:
             self.calls.append(name)
         elif name in ("__getitem__", "__setitem__") and len(args) > 1 and \
                 isinstance(args[1], torch.Tensor) and args[1].dtype == torch.bool:
@@ -59,8 +60,8 @@ class RoundTrips(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def record(fn: Any) -> list[str]:
-    with RoundTrips() as mode:
+def record(fn: Any, also: frozenset[str] = frozenset()) -> list[str]:
+    with RoundTrips(also) as mode:
         fn()
     return mode.calls
 
@@ -93,9 +94,15 @@ def test_qsgd_has_no_host_round_trip(draws):
 
 
 def test_qsgd_finiteness_check_is_its_one_synchronization():
+    """Read once, at the end: the flag is computed first, the host waits for it only
+    after the rest of the work is queued (on a GPU the device never idles meanwhile)."""
     x = grad(5000)
     q = QSGD(bits=4, bucket_size=128)
-    assert record(lambda: q.compress(x, name="w", step=3)) == ["__bool__"]
+    calls = record(lambda: q.compress(x, name="w", step=3), also=frozenset({"rand"}))
+    assert calls == ["rand", "__bool__"]
+    x[7] = float("inf")
+    with pytest.raises(ValueError, match="'w' holds 1 non-finite"):
+        q.compress(x, name="w", step=3)
 
 
 # ---------------------------------------------------------------------- PowerSGD
@@ -127,7 +134,8 @@ def test_powersgd_checks_finiteness_once_per_step():
         p_sum = p.p_phase(m, "w", 1)
         p.q_phase(m, "w", p_sum)  # the same, unmodified tensor: not checked again
 
-    assert record(step) == ["__bool__"]
+    assert record(step, also=frozenset({"matmul"})) == ["matmul", "__bool__",
+                                                        "matmul"]
     m[3, 4] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         p.q_phase(m, "w", p.p_phase(m * 1, "w", 2))
@@ -172,6 +180,16 @@ def test_topk_on_the_device_path_compacts_once(monkeypatch):
     assert record(lambda: c.decompress(payload[0])) == []
     assert payload[0].arrays["indices"].tolist() == \
         selection.topk_indices(x, 2000).tolist()
+
+
+def test_topk_reads_the_finiteness_flag_after_its_compaction(monkeypatch):
+    monkeypatch.setattr(topk, "topk_indices", selection.topk_threshold)
+    x = grad(200_000)
+    assert record(lambda: TopK(density=0.01).compress(x, name="w")) == ["nonzero",
+                                                                        "__bool__"]
+    x[5] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        TopK(density=0.01).compress(x, name="w")
 
 
 def test_sampled_topk_compacts_once_per_pass(draws):

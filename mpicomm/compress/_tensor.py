@@ -18,7 +18,8 @@ import torch
 
 from ..buffers import FLOAT_DTYPES, from_torch, inspect, to_torch
 
-__all__ = ["TensorMeta", "flatten", "to_native", "restore", "check_finite", "torch_dtype"]
+__all__ = ["TensorMeta", "flatten", "to_native", "restore", "check_finite", "FiniteCheck",
+           "torch_dtype"]
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,47 @@ def restore(flat: torch.Tensor, meta: TensorMeta) -> Any:
 
 def check_finite(t: torch.Tensor, name: str, what: str) -> None:
     """``ValueError`` naming the tensor when ``t`` holds NaN or infinity."""
-    if t.numel() and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise ValueError(
-            f"{what}: tensor {name!r} holds {bad} non-finite value(s) (NaN or inf); "
-            "fix the gradient (e.g. loss scaling) or pass allow_nonfinite=True"
-        )
+    FiniteCheck(t, name, what).verify()
+
+
+class FiniteCheck:
+    """The finiteness check of ``t``, started now and verified later.
+
+    The flag ``isfinite(t).all()`` is computed where ``t`` lives; on a GPU it is copied to
+    pinned host memory asynchronously, behind an event. :meth:`verify` waits for that
+    copy and raises ``ValueError`` naming the tensor. Compressors start the check first
+    and verify it after queuing the rest of their work, so the host reads the flag once,
+    at the end (the one host round trip a compressor makes with ``allow_nonfinite``
+    off), and the device never idles while the host waits in the middle of the work.
+    """
+
+    def __init__(self, t: torch.Tensor, name: str, what: str, key: Any = None):
+        self.t, self.name, self.what = t, name, what
+        self.key = key  # the caller's label for what was checked (PowerSGD: a stamp)
+        self.flag: torch.Tensor | None = None
+        self.event: Any = None
+        if not t.numel():
+            return
+        flag = torch.isfinite(t).all()
+        if t.device.type == "cuda":
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(t.device))
+            flag = host
+        self.flag = flag
+
+    def verify(self) -> None:
+        if self.flag is None:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+        if not bool(self.flag):
+            bad = int((~torch.isfinite(self.t)).sum())
+            raise ValueError(
+                f"{self.what}: tensor {self.name!r} holds {bad} non-finite value(s) (NaN "
+                "or inf); fix the gradient (e.g. loss scaling) or pass allow_nonfinite=True"
+            )
 
 
 _NUMPY_LIKE = np.empty(0)

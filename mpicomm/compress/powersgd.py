@@ -11,7 +11,7 @@ import torch
 from ..buffers import to_torch
 from ..validate import check_int
 from ._rng import generator
-from ._tensor import TensorMeta, check_finite, flatten, restore, to_native
+from ._tensor import FiniteCheck, TensorMeta, flatten, restore, to_native
 from .base import Compressor, Payload
 
 __all__ = ["PowerSGD", "PowerSGDCtx", "orthonormalize", "matrix_shape"]
@@ -141,16 +141,20 @@ class PowerSGD(Compressor):
     # ------------------------------------------------------------------ phases
     def p_phase(self, x: Any, name: str, step: int = 0) -> Any:
         """``P = M Q`` (n x r, input framework/device) with the warm-started ``Q``."""
-        mat, meta = self._matrix(x, name, step, "p_phase")
+        mat, meta, check = self._matrix(x, name, step, "p_phase")
         q = self._q_for(name, mat.shape[1], self.rank_for(meta.shape), mat, step)
+        p = mat @ q
+        self._verified(check, name)
         self._meta[name] = meta
-        return to_native(mat @ q, meta.framework)
+        return to_native(p, meta.framework)
 
     def q_phase(self, x: Any, name: str, p_summed: Any) -> Any:
         """``Q = M^T orthonormalize(P_summed)`` (m x r, input framework/device)."""
-        mat, meta = self._matrix(x, name, 0, "q_phase")
+        mat, meta, check = self._matrix(x, name, 0, "q_phase")
         p_hat = orthonormalize(self._factor(p_summed, mat, mat.shape[0], name, "P"))
-        return to_native(mat.T @ p_hat, meta.framework)
+        q = mat.T @ p_hat
+        self._verified(check, name)
+        return to_native(q, meta.framework)
 
     def reconstruct(self, name: str, p: Any, q_summed: Any, world_size: int) -> Any:
         """``orthonormalize(P) Q_summed^T / world_size`` in the input's shape and kind.
@@ -229,33 +233,41 @@ class PowerSGD(Compressor):
         self._q = {k: to_torch(v).detach().clone() for k, v in state["q"].items()}
 
     # ------------------------------------------------------------------ helpers
-    def _matrix(self, x: Any, name: str, step: int, what: str) -> tuple[torch.Tensor,
-                                                                          TensorMeta]:
+    def _matrix(self, x: Any, name: str, step: int, what: str
+                ) -> tuple[torch.Tensor, TensorMeta, FiniteCheck | None]:
+        """``x`` as an n x m matrix in the work dtype, its meta, and its finiteness check
+        (None when not needed), which the caller verifies after queuing its product."""
         t, meta = flatten(x, name=name, step=step)
         if not self.should_compress(meta.shape):
             raise ValueError(
                 f"PowerSGD.{what}: tensor {name!r} of shape {meta.shape} is not compressed "
                 "(see should_compress); send it dense"
             )
-        if not self.allow_nonfinite:
-            self._check_finite_once(t, meta)
+        check = None if self.allow_nonfinite else self._check_finite_once(t, meta)
         n, m = matrix_shape(meta.shape)
-        return t.to(_work_dtype(t.dtype)).view(n, m), meta
+        return t.to(_work_dtype(t.dtype)).view(n, m), meta, check
 
-    def _check_finite_once(self, t: torch.Tensor, meta: TensorMeta) -> None:
-        """The finiteness check (one host synchronization on a GPU), skipped when the
-        same unmodified torch tensor was checked last for this name: ``q_phase`` gets the
-        ``x`` that ``p_phase`` checked, so a step costs one synchronization, not two. A
-        torch tensor's version counter changes with every in-place write; arrays of
-        other frameworks are checked every time (their views carry no such counter)."""
+    def _check_finite_once(self, t: torch.Tensor, meta: TensorMeta) -> FiniteCheck | None:
+        """The finiteness check (one host synchronization on a GPU, verified by the
+        caller after queuing its product), skipped when the same unmodified torch tensor
+        was checked last for this name: ``q_phase`` gets the ``x`` that ``p_phase``
+        checked, so a step costs one synchronization, not two. A torch tensor's version
+        counter changes with every in-place write; arrays of other frameworks are checked
+        every time (their views carry no such counter)."""
         stamp = None
         if meta.framework == "torch":
             stamp = (t.device, t.data_ptr(), t._version, t.shape[0])
             if self._finite.get(meta.name) == stamp:
-                return
-        check_finite(t, meta.name, "PowerSGD")
-        if stamp is not None:
-            self._finite[meta.name] = stamp
+                return None
+        self._finite.pop(meta.name, None)  # recorded only once verified (_verified)
+        return FiniteCheck(t, meta.name, "PowerSGD", key=stamp)
+
+    def _verified(self, check: FiniteCheck | None, name: str) -> None:
+        if check is None:
+            return
+        check.verify()
+        if check.key is not None:
+            self._finite[name] = check.key
 
     def _q_for(self, name: str, m: int, r: int, like: torch.Tensor,
                step: int) -> torch.Tensor:

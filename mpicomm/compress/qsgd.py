@@ -11,7 +11,7 @@ import torch
 from ..buffers import to_torch
 from ..validate import check_int
 from ._rng import generator
-from ._tensor import TensorMeta, check_finite, flatten, restore, to_native
+from ._tensor import FiniteCheck, TensorMeta, flatten, restore, to_native
 from .base import Compressor, Payload
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 
@@ -91,8 +91,7 @@ class QSGD(Compressor):
 
     def compress(self, x: Any, *, name: str = "", step: int = 0) -> Payload:
         t, meta = flatten(x, name=name, step=step)
-        if not self.allow_nonfinite:
-            check_finite(t, name, "QSGD")
+        finite = None if self.allow_nonfinite else FiniteCheck(t, name, "QSGD")
         n, b, s = meta.numel, self.bucket_size, self.levels
         work = torch.float64 if t.dtype == torch.float64 else torch.float32
         nb = math.ceil(n / b)
@@ -110,6 +109,8 @@ class QSGD(Compressor):
         codes = (negative << self.bits) | q
         arrays = {"levels": to_native(pack_bits(codes, self.bits + 1), meta.framework),
                   "scales": to_native(scales, meta.framework)}
+        if finite is not None:
+            finite.verify()  # after queuing the work: see FiniteCheck
         return Payload(arrays, QSGDCtx(meta, self.bits, b))
 
     def decompress(self, payload: Payload) -> Any:

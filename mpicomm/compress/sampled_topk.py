@@ -11,7 +11,7 @@ from ..buffers import to_torch
 from ..selection import index_dtype_for, topk_among, topk_indices
 from ..validate import check_int
 from ._rng import generator
-from ._tensor import check_finite, flatten, to_native, torch_dtype
+from ._tensor import FiniteCheck, flatten, to_native, torch_dtype
 from .base import Compressor, Payload
 from .topk import SparseCtx, check_density, index_itemsize, k_for, resolve_k, sparse_decompress
 
@@ -83,12 +83,15 @@ class SampledTopK(Compressor):
         t, meta = flatten(x, name=name, step=step)
         n = meta.numel
         k = resolve_k(n, self.density, None, name)
+        finite = None
         if self.allow_nonfinite:
             key = torch.nan_to_num(t, nan=math.inf, posinf=math.inf, neginf=-math.inf)
         else:
-            check_finite(t, name, "SampledTopK")
+            finite = FiniteCheck(t, name, "SampledTopK")
             key = t
         idx = self._select(key, k, name, step)
+        if finite is not None:
+            finite.verify()  # its flag arrived with the selection's compaction
         arrays = {
             "values": to_native(t[idx], meta.framework),
             "indices": to_native(idx.to(torch_dtype(index_dtype_for(n))), meta.framework),

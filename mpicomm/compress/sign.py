@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..buffers import to_torch
-from ._tensor import TensorMeta, check_finite, flatten, restore, to_native
+from ._tensor import FiniteCheck, TensorMeta, flatten, restore, to_native
 from .base import Compressor, Payload
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
 
@@ -46,8 +46,7 @@ class SignSGD(Compressor):
 
     def compress(self, x: Any, *, name: str = "", step: int = 0) -> Payload:
         t, meta = flatten(x, name=name, step=step)
-        if not self.allow_nonfinite:
-            check_finite(t, name, "SignSGD")
+        finite = None if self.allow_nonfinite else FiniteCheck(t, name, "SignSGD")
         work = torch.float64 if t.dtype == torch.float64 else torch.float32
         n = meta.numel
         if self.scale and n:
@@ -57,6 +56,8 @@ class SignSGD(Compressor):
         signs = pack_bits((t < 0).to(torch.uint8), 1)
         arrays = {"signs": to_native(signs, meta.framework),
                   "scale": to_native(scale.reshape(1), meta.framework)}
+        if finite is not None:
+            finite.verify()  # after queuing the work: see FiniteCheck
         return Payload(arrays, meta)
 
     def decompress(self, payload: Payload) -> Any:

@@ -11,7 +11,7 @@ import torch
 from ..buffers import to_torch
 from ..selection import index_dtype_for, topk_indices
 from ..validate import check_int
-from ._tensor import TensorMeta, check_finite, flatten, restore, to_native, torch_dtype
+from ._tensor import FiniteCheck, TensorMeta, flatten, restore, to_native, torch_dtype
 from .base import Compressor, Payload
 
 __all__ = ["TopK", "SparseCtx", "k_for", "resolve_k", "check_density", "check_k",
@@ -118,12 +118,15 @@ class TopK(Compressor):
     def compress(self, x: Any, *, name: str = "", step: int = 0) -> Payload:
         t, meta = flatten(x, name=name, step=step)
         k = resolve_k(meta.numel, self.density, self.k, name)
+        finite = None
         if self.allow_nonfinite:
             key = torch.nan_to_num(t, nan=math.inf, posinf=math.inf, neginf=-math.inf)
         else:
-            check_finite(t, name, "TopK")
+            finite = FiniteCheck(t, name, "TopK")
             key = t
         idx = topk_indices(key, k)
+        if finite is not None:
+            finite.verify()  # its flag arrived with the selection's compaction
         values = t[idx]
         indices = idx.to(torch_dtype(index_dtype_for(meta.numel)))
         arrays = {"values": to_native(values, meta.framework),
