@@ -57,6 +57,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from .trace import traced
+
 __all__ = ["DeviceIO", "TorchIO", "CupyIO", "Pipeline", "device_io"]
 
 
@@ -214,7 +216,7 @@ class Pipeline:
                 if seq > self._done and (newest is None or seq > newest[0]):
                     newest = (seq, event)
         if newest is not None:
-            self.io.wait(newest[1])
+            self._wait(newest[1])
             self._done = newest[0]
 
     def final(self, a: int, b: int) -> None:
@@ -244,11 +246,16 @@ class Pipeline:
         self.prefetch(dev_src, host_lo, [(host_lo, host_lo + n)])
         self.need(host_lo, host_lo + n)
 
+    @traced("staging wait", cat="staging")
+    def _wait(self, event: Any) -> None:
+        """The host waits for the copies (a span on the timeline when one records)."""
+        self.io.wait(event)
+
     def drain(self) -> None:
         """Queue the last final part and wait for every copy queued so far (one event
         after all of them: one stream runs them in order)."""
         self._flush()
         if self._queued:
-            self.io.wait(self.io.event())
+            self._wait(self.io.event())
             self._queued = False
             self._done = self._issued

@@ -320,3 +320,14 @@ def test_real_cupy_streamed_staging_is_bitwise_the_host_result(own_comm, monkeyp
                 expected.view(np.int32).tolist(), (name, kwargs)
     finally:
         buffers._probe_cuda_aware.cache_clear()
+
+
+@pytest.mark.mpi
+def test_staging_waits_appear_on_the_timeline(own_comm, fake_gpu):
+    from mpicomm import trace
+
+    with trace.recording(None, own_comm) as tl:
+        mpicomm.allreduce(mark(torch.randn(500)), algorithm="ring", comm=own_comm)
+    waits = [e for e in tl.events() if e.get("name") == "staging wait"]
+    assert waits and all(e["cat"] == "staging" for e in waits)
+    assert len(waits) == sum(1 for e in fake_gpu.log if e[0] == "wait")
