@@ -79,9 +79,12 @@ class KVStore:
     pull of a piece is the whole value. Cost: ``W`` copies of its shards on each server
     (memory ``W x`` the shard), and the compression work on the server, once per worker
     and pull. The copies are not checkpointed: after :meth:`restore` each worker's first
-    pull is a full-precision one. A worker trains on a lagging copy of the parameters:
-    prefer accurate pull compressors (``fp16``, ``qsgd``, PowerSGD with a larger rank)
-    over aggressive sparsification.
+    pull is a full-precision one. Tuning: a worker computes its gradient on a lagging copy
+    of the parameters, which acts like staleness (a rank-``r`` PowerSGD pull needs about
+    ``n / r`` pulls to deliver a full-rank change of an ``n``-row block; meanwhile the
+    server keeps applying gradients of the old copy and may overshoot): prefer accurate
+    pull compressors (``fp16``, ``qsgd``, PowerSGD with a larger rank) and lower the
+    learning rate when the loss oscillates.
 
     Cost model (alpha-beta): a dense push + pull of ``M`` bytes by each of ``W`` workers
     through one server port takes about ``2 alpha + 2 W M beta`` per step (Table I of
