@@ -163,12 +163,15 @@ def _run_steps(kv: KVStore, params: dict, prob, steps: range) -> None:
 
 
 @pytest.mark.mpi
-def test_checkpoint_restore_exactly_once(comm, split_small, tmp_path_factory):
+@pytest.mark.parametrize("compressor", ["topk", "powersgd"])
+def test_checkpoint_restore_exactly_once(comm, split_small, tmp_path_factory, compressor):
+    """With PowerSGD the workers' warm-start Q per piece is in the checkpoint too."""
     folder = comm.bcast_object(str(tmp_path_factory.mktemp("ps")) if comm.rank == 0 else None)
     for servers, workers in splits(comm.size):
         path = os.path.join(folder, f"kv-{servers}.pt")
         settings = dict(servers=servers, mode="sync", optimizer="adam", lr=0.01,
-                        compressor=mpicomm.compress.TopK(density=0.25))
+                        compressor=(mpicomm.compress.TopK(density=0.25) if compressor == "topk"
+                                    else mpicomm.compress.PowerSGD(rank=2)))
         # uninterrupted run (8 steps) that also saves a checkpoint after step 4
         kv = KVStore(comm, **settings)
         final_a = None
@@ -185,6 +188,7 @@ def test_checkpoint_restore_exactly_once(comm, split_small, tmp_path_factory):
         saved = torch.load(path, weights_only=True)  # no pickle of code
         assert saved["keys"] == list(SHAPES) and saved["workers"] == workers
         assert all(s.tolist() == [4] * workers for s in saved["last_seq"])
+        assert all(bool(c) == (compressor == "powersgd") for c in saved["compressor"])
         assert not [f for f in os.listdir(folder) if ".tmp-" in f]
         # a new store restored from the checkpoint continues from step 4
         kv = KVStore(comm, **settings)
@@ -498,15 +502,17 @@ def test_failure_ends_the_job_naming_the_rank(scenario, rank, message):
 
 def test_examples_train_ps(tmp_path):
     """examples/train_ps.py with 1 server and 2 workers, in one child job: SSP (1 epoch),
-    async with a 3x straggler (3 epochs), top-k 0.01 compressed push (2 epochs). The
-    full-length compressed-vs-dense accuracy comparison is `python -m mpicomm.bench ps`."""
+    async with a 3x straggler (3 epochs), 2 epochs each of dense sync, top-k 0.01 and
+    PowerSGD rank-4 compressed push, and QSGD-compressed pull. Tolerance after 2 epochs:
+    PowerSGD push and QSGD pull within 3 points of dense test accuracy (measured: 1.1 and
+    0.0 points). The full-length comparison is `python -m mpicomm.bench ps`."""
     from .launch import run_job
 
     res = run_job(3, [sys.executable, "tests/ps_jobs.py", "train", str(tmp_path)], timeout=300)
     assert res.returncode == 0, res.output
     assert "test accuracy" in res.output and "max staleness" in res.output, res.output
     s = {name: json.loads((tmp_path / f"{name}.json").read_text())
-         for name in ("ssp", "async-straggler", "topk")}
+         for name in ("ssp", "async-straggler", "topk", "dense", "powersgd", "pull")}
     assert s["ssp"]["describe"]["worker_stats"]["max_staleness"] <= 2
     assert max(x["max_staleness"] for x in s["ssp"]["server_stats"]) <= 2
     assert s["ssp"]["test_accuracy"] > 0.8
@@ -515,6 +521,11 @@ def test_examples_train_ps(tmp_path):
     dense, topk = (s[n]["describe"]["worker_stats"] for n in ("ssp", "topk"))
     assert topk["bytes_pushed"] / topk["pushes"] * 20 < dense["bytes_pushed"] / dense["pushes"]
     assert s["topk"]["test_accuracy"] > 0.7  # learning (2 epochs; full length: bench)
+    psgd, pull = (s[n]["describe"]["worker_stats"] for n in ("powersgd", "pull"))
+    assert psgd["bytes_pushed"] / psgd["pushes"] * 5 < dense["bytes_pushed"] / dense["pushes"]
+    assert pull["bytes_pulled"] / pull["pulls"] * 2 < dense["bytes_pulled"] / dense["pulls"]
+    for name in ("powersgd", "pull"):
+        assert s[name]["test_accuracy"] > s["dense"]["test_accuracy"] - 0.03, name
 
 
 def test_ps_cost_formula():
