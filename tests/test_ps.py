@@ -461,6 +461,17 @@ def test_wire_roundtrip():
     assert wire.reply_nbytes(5, 8) == len(wire.pack(wire.REPLY, 0, 0, arrays=arrays[:1]))
 
 
+def test_backoff_windows_from_environment(monkeypatch):
+    assert (wire.Backoff().spin_s, wire.Backoff().max_s) == pytest.approx((200e-6, 1e-3))
+    monkeypatch.setenv("MPICOMM_PS_SPIN_US", "3000")
+    monkeypatch.setenv("MPICOMM_PS_MAX_SLEEP_US", "250")
+    b = wire.Backoff()
+    assert (b.spin_s, b.max_s) == pytest.approx((3e-3, 250e-6))
+    monkeypatch.setenv("MPICOMM_PS_SPIN_US", "-1")
+    with pytest.raises(ValueError, match="MPICOMM_PS_SPIN_US"):
+        wire.Backoff()
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "kv.pt"
     ckpt.write_atomic({"format": "other", "v": torch.ones(3)}, path)
