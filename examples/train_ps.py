@@ -81,9 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rank must be >= 1")
     if args.slow_factor < 1:
         ap.error("--slow-factor must be >= 1")
-    # what examples/train.py's loop and summary read, with this script's meaning: the
-    # servers apply plain momentum SGD (no momentum correction), gradients every step
-    args.momentum_correction = None
+    # what examples/train.py's summary reads, with this script's meaning: gradients
+    # every step (no local SGD)
     args.local_sgd = "none"
     args.strategy = f"ps-{args.mode}"
     return args
@@ -137,8 +136,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             driver = Straggler(opt, args.slow_factor)
         workers.barrier()
         start = time.perf_counter()
-        steps, history = peer.run_epochs(model, driver, data, args, workers,
-                                         lambda loss: driver.step())
+        steps, history = peer.train_loop(model, driver, data, workers,
+                                         lambda loss: driver.step(), epochs=args.epochs,
+                                         batch_size=args.batch_size, seed=args.seed,
+                                         progress=not args.no_progress)
         workers.barrier()
         opt.pull()  # every push is in: one final model (worker 0's, broadcast below)
         for p in model.parameters():
