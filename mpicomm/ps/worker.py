@@ -375,6 +375,11 @@ class Worker:
         meta = self.group.bcast_object(None if data is None else ckpt.metadata(data))
         mine = self.group.ctl.scatter(None if data is None else ckpt.worker_states(data),
                                       root=0)
+        if mine["compressor"] and not hasattr(self.compressor, "load_state_dict"):
+            # every worker gets here alike: all saved the same compressor kind
+            raise ValueError(f"KVStore.restore({os.fspath(path)!r}): the checkpoint holds "
+                             f"push compressor state, this store's compressor "
+                             f"{self.compressor!r} keeps none")
         infos = [self._register(k, tuple(shape), dt, fw, "cpu")
                  for k, shape, dt, fw in zip(meta["keys"], meta["shapes"], meta["dtypes"],
                                              meta["frameworks"])]
@@ -383,11 +388,7 @@ class Worker:
         if self.ef is not None:
             self.ef.load_state_dict({"residuals": mine["residuals"]})
         if mine["compressor"]:
-            if not hasattr(self.compressor, "load_state_dict"):
-                raise ValueError(f"KVStore.restore({os.fspath(path)!r}): the checkpoint holds "
-                                 f"compressor state, this store's compressor "
-                                 f"{self.compressor!r} keeps none")
-            self.compressor.load_state_dict(mine["compressor"])
+            self.compressor.load_state_dict(mine["compressor"])  # type: ignore[union-attr]
         messages: dict[int, list[dict[str, Any]]] = {}
         if data is not None:
             for k, info in enumerate(infos):
