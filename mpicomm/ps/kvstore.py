@@ -207,7 +207,8 @@ class KVStore:
 
     def stats(self) -> dict[str, Any]:
         """This rank's counters: ``max_staleness``, ``pushes``, ``pulls``, ``bytes_pushed``,
-        ``bytes_pulled`` (whole messages, headers included); servers add ``updates``
+        ``bytes_pulled`` (whole messages, headers included; compressed payloads with a
+        compressor / pull compressor); servers add ``updates``
         (optimizer steps), ``duplicates`` (pushes skipped as already applied),
         ``idle_s`` (time asleep waiting for messages), ``cpu_s`` and ``wall_s`` (process
         CPU time and wall time of :meth:`serve`); workers add ``server_pushes`` (pushes the
