@@ -514,3 +514,33 @@ def test_auto_lgreco_bits_and_ranks_are_what_goes_on_the_wire(comm, family, defa
     with torch.no_grad():
         last = float(torch.nn.functional.cross_entropy(model(xte), yte))
     assert last < 0.85 * first, (first, last)  # held-out loss falls: it still learns
+
+
+@pytest.mark.mpi
+def test_auto_decisions_identical_on_every_rank_at_every_step_with_one_step_lag(comm):
+    """The ratio, each bucket's scheme and the saved exploration state, after every step,
+    are the same on every rank; step t's measurements are agreed during step t+1 (the
+    records of step t appear after step t+1), on every rank alike."""
+    from mpicomm.control import AutoStrategy
+    from mpicomm.torch import GradientSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    auto = AutoStrategy(calibrate_links=0, window=1, ratios=(0.5, 0.1, 0.02), cooldown=2)
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    trail = []
+    with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
+        for t in range(10):
+            x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            sync.step(opt)
+            agreed = max((r.step for r in auto.records), default=-1)
+            assert agreed == t - 1, (t, agreed)
+            trail.append((auto.steps, auto.ratio, sorted(auto._current.items()),
+                          auto._saved is not None, len(auto.controller.history)))
+    assert comm.allgather_object(trail) == [trail] * comm.size
+    assert len({ratio for _, ratio, _, _, _ in trail}) >= 3, "the controller explored"
+    assert any(saved for *_, saved, _ in trail), "an exploration window was saved"

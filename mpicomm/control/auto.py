@@ -28,11 +28,35 @@ What happens, on every rank identically:
   callback in :attr:`callbacks`; the step's compression gain (averaged over ranks) feeds
   the :class:`~.cr.CRController`, whose ``"save"``/``"restore"`` actions snapshot and
   restore the model, the optimizer and the error-feedback memory around exploration
-  windows at the next ``step_done`` (decisions lag the measurements by one step: the
-  step that runs while a decision is agreed already uses it, and the update of the
-  first exploration step is kept — ours; the paper's loop is synchronous); every
-  ``lgreco_every`` steps :class:`~.lgreco.LGreco` re-solves per-layer
-  densities on rank 0 and broadcasts them.
+  windows at the next ``step_done`` (see *When decisions take effect*); every
+  ``lgreco_every`` steps :class:`~.lgreco.LGreco` re-solves the per-layer settings on
+  rank 0 and broadcasts them.
+
+When decisions take effect (the "one-step lag"), for steps ``t = 0, 1, ...`` (the
+aggregations of step t, then ``step_done`` after its ``optimizer.step()``):
+
+* the measurements of step ``t-1`` (every bucket's time, the compression gain) are agreed
+  at the *first aggregation of step t*, before any bucket of step t is sent; what they
+  decide (refined alpha/beta and compute factors, re-chosen schemes, the CR controller's
+  ratio, L-GreCo's settings when ``t % lgreco_every == 0``) is used by *every* bucket of
+  step t. No controller can do better: step t's own statistics exist only after it ran.
+* a ``"save"``/``"restore"`` decided there is carried out at ``step_done`` of step t,
+  i.e. after step t's update: the saved state includes the first exploration step's
+  update (kept), and a restore discards the update of step t, which already ran at the
+  ratio chosen after the window. That is the actual lag, one step of work per window —
+  ours; the paper's loop is synchronous.
+* why it is kept: agreeing at ``step_done`` instead would put a blocking allreduce on the
+  main thread after every ``optimizer.step()`` (every rank waiting for the slowest before
+  its next forward); at the first aggregation of the next step every rank is entering a
+  collective with the others anyway, so the agreement costs one small allreduce whose
+  wait the bucket's own exchange would have had. (A restore cannot move earlier either:
+  at that point the backward of step t already runs on the weights it would replace.)
+* the lag is the same on every rank: every rank calls ``step_done`` as often and
+  aggregates the same buckets in the same order (the ``GradientSync`` contract, checked
+  in ``comm.check`` mode), ``_agree`` runs at the first aggregation after a ``step_done``
+  on every rank, and every input of a decision is agreed (allreduce; L-GreCo: rank 0's
+  solution broadcast) — ``tests/test_control_selector.py`` checks the ratio, the schemes,
+  the pending action and the L-GreCo settings step by step on every rank.
 
 Error feedback: one memory shared by every scheme, keyed by bucket name, so a switch
 between sparse schemes keeps the residual; a dense step adds and clears it. PowerSGD keeps
@@ -45,11 +69,19 @@ Compression gain (B.4): ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over the step's buck
 error-fed gradient minus what was sent; for PowerSGD the residual is relative to the
 global approximation, an estimate), averaged over ranks.
 
-L-GreCo (``lgreco=True``): inside each fused bucket every layer (segment) gets its own
-top-k density; the Allgather and AR-Top-k schemes send the union of per-segment top-k
-(AR-Top-k: the source's), so error feedback is per layer (each segment of the bucket's
-residual is that layer's). gTop-k truncates to one global k and PowerSGD has ranks, so
-with L-GreCo the selector chooses among dense, Allgather Top-k and AR-Top-k.
+L-GreCo (``lgreco=True``), ``lgreco_family``:
+
+* ``"topk"`` (default): inside each fused bucket every layer (segment) gets its own top-k
+  density; the Allgather and AR-Top-k schemes send the union of per-segment top-k
+  (AR-Top-k: the source's), so error feedback is per layer (each segment of the bucket's
+  residual is that layer's). gTop-k truncates to one global k and PowerSGD has ranks, so
+  the selector chooses among dense, Allgather Top-k and AR-Top-k.
+* ``"qsgd"`` / ``"powersgd"``: every layer of a bucket gets its own QSGD bits / PowerSGD
+  rank (:mod:`~.perlayer`: still one allgather, resp. two allreduces, per bucket); the
+  selector chooses between dense and that per-layer scheme, predicted for the settings in
+  force (:func:`~.perlayer.predict_bucket`), and re-decides after every L-GreCo solve.
+  PowerSGD keeps error feedback per layer (segments of the bucket's residual) and a
+  warm-start Q per layer; QSGD is unbiased and runs without.
 
 Without ``step_done`` calls (a loop that neither uses ``GradientSync.step`` nor calls it)
 the strategy keeps its first choices: no records, no refinement, no CR changes.
@@ -544,7 +576,8 @@ class AutoStrategy(Strategy):
         """Agree on the finished steps' measurements and decide (collective; runs at the
         start of the next aggregation, inside the collective sequence every rank is in,
         so the ranks' waiting for each other is absorbed by the bucket's own exchange).
-        Decisions therefore lag the measurements by one step."""
+        Its decisions hold for the whole step that is starting; a save/restore waits for
+        that step's ``step_done`` (module docstring, *When decisions take effect*)."""
         assert self.online is not None
         comm = self.comm
         for pending, gain_sq in self._done:
