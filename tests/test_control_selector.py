@@ -544,3 +544,25 @@ def test_auto_decisions_identical_on_every_rank_at_every_step_with_one_step_lag(
     assert comm.allgather_object(trail) == [trail] * comm.size
     assert len({ratio for _, ratio, _, _, _ in trail}) >= 3, "the controller explored"
     assert any(saved for *_, saved, _ in trail), "an exploration window was saved"
+
+
+@pytest.mark.mpi
+def test_auto_min_gain_excludes_a_scheme_whose_measured_gain_is_too_low(comm):
+    if comm.size == 1:
+        pytest.skip("one rank: dense moves no bytes, no compressed scheme is ever chosen")
+    saved = {k: comm.resources.pop(k) for k in CALIBRATION_KEYS if k in comm.resources}
+    comm.resources["cost_params"] = CostParams(alpha=1e-6, beta=1e-6, gamma=0.0)  # 1 MB/s
+    try:
+        auto, _, _ = _train_auto(comm, 4, ratio=0.01, schemes=("dense", "allgather_topk"),
+                                 min_gain=0.999)
+    finally:
+        for k in CALIBRATION_KEYS:
+            comm.resources.pop(k, None)
+        comm.resources.update(saved)
+    first = {bucket: scheme for step, bucket, scheme, _ in auto.decisions if step == 0}
+    assert set(first.values()) == {"allgather_topk"}   # cheapest on the slow link
+    assert auto.scheme_gains["allgather_topk"] < 0.999
+    last = {bucket: scheme for _, bucket, scheme, _ in auto.decisions}
+    assert set(last.values()) == {"dense"}             # its measured gain ruled it out
+    mine = (auto.decisions, sorted(auto.scheme_gains.items()))
+    assert comm.allgather_object(mine) == [mine] * comm.size

@@ -133,7 +133,11 @@ class AutoStrategy(Strategy):
     schemes:
         The schemes the selector may pick (default all of :data:`~.selector.SCHEMES`).
     approximate, min_gain:
-        Accuracy constraints of the selector (see :func:`~.selector.select`).
+        Accuracy constraints of the selector (see :func:`~.selector.select`): no gTop-k
+        with ``approximate=False``; no scheme whose measured compression gain
+        (:attr:`scheme_gains`, EWMA over the steps it ran, agreed) is below ``min_gain``
+        — the buckets are re-decided as soon as a running scheme's gain falls below it.
+        Not applied to the per-layer QSGD/PowerSGD families.
     weights, choice, window, trigger, warmup_steps, explore, cooldown:
         The CR controller's (:class:`~.cr.CRController`).
     switch_margin:
@@ -227,6 +231,9 @@ class AutoStrategy(Strategy):
         self.steps = 0
         #: The last step's compression gain ``||g_c|| / ||g_e||`` (``None`` before one).
         self.last_gain: Optional[float] = None
+        #: Each scheme's compression gain, EWMA over the steps it ran (agreed), checked
+        #: against ``min_gain`` by the selector.
+        self.scheme_gains: dict[str, float] = {}
         self.decisions: list[tuple[int, str, str, float]] = []  # (step, bucket, scheme, c)
         self._choices: dict[tuple[str, float], Choice] = {}
         self._subs: dict[tuple[str, float, Any], Strategy] = {}
@@ -427,7 +434,8 @@ class AutoStrategy(Strategy):
             else:
                 choice = select(shapes, ratio, itemsize, p, params, compute,
                                 schemes=self.schemes, approximate=self.approximate,
-                                fusion_bytes=self.fusion_bytes, compute_scale=scales)
+                                fusion_bytes=self.fusion_bytes, compute_scale=scales,
+                                gains=self.scheme_gains, min_gain=self.min_gain)
             current = self._current.get(key)
             if current is not None and current in choice.candidates and current != \
                     choice.scheme and choice.candidates[current] <= \
@@ -488,6 +496,7 @@ class AutoStrategy(Strategy):
         seconds = time.perf_counter() - start
         self._gain_sq[0] += max(e_sq - left, 0.0)
         self._gain_sq[1] += e_sq
+        kept_sq = max(e_sq - left, 0.0)
         coeff = [self._parts(choice.scheme, choice.ratio, segments, itemsize, p, c, compute)
                  for c in (_ALPHA, _BETA, _GAMMA_ONLY)]
         work = coeff[0]["compute"] + params.gamma * coeff[2]["comm"]
@@ -496,7 +505,7 @@ class AutoStrategy(Strategy):
         self._pending.append({"step": self.steps, "bucket": buf.name,
                               "scheme": choice.scheme,
                               "ratio": choice.ratio, "seconds": seconds, "a": a, "b": b,
-                              "work": work,
+                              "work": work, "kept_sq": kept_sq, "e_sq": e_sq,
                               "predicted": a * params.alpha + b * params.beta + kappa * work})
         return [o.reshape(-1) for o in out]
 
@@ -587,7 +596,9 @@ class AutoStrategy(Strategy):
     def _agree_step(self, comm: Any, pending: list[dict[str, Any]],
                     gain_sq: list[float]) -> None:
         assert self.online is not None
-        seconds = np.array([r["seconds"] for r in pending] + gain_sq, dtype=np.float64)
+        n = len(pending)
+        seconds = np.array([r["seconds"] for r in pending] + [r["kept_sq"] for r in pending]
+                           + [r["e_sq"] for r in pending] + gain_sq, dtype=np.float64)
         if comm.size > 1:
             if comm.check:  # checked mode: the ranks aggregated the same buckets
                 counts = comm.allgather_object(len(pending))
@@ -597,9 +608,10 @@ class AutoStrategy(Strategy):
             agreed = np.empty_like(seconds)  # ONE small allreduce per step
             comm.ctl.Allreduce(seconds, agreed, op=MPI.SUM)
             seconds = agreed
-            seconds[:-2] /= comm.size
+            seconds[:n] /= comm.size
+        self._track_gains(pending, seconds[n:2 * n], seconds[2 * n:3 * n])
         params = self.online.params
-        for r, t in zip(pending, seconds[:-2]):
+        for r, t in zip(pending, seconds[:n]):
             self.online.observe(r["a"], r["b"], float(t), r["work"], r["scheme"])
             rec = Record(r["step"], r["bucket"], r["scheme"], r["ratio"], r["predicted"],
                          float(t), params.alpha, params.beta)
@@ -611,7 +623,9 @@ class AutoStrategy(Strategy):
         scales = self.online.compute_scales()
         moved = any(abs(v - self._scales_used.get(k, 1.0)) > self._drift *
                     self._scales_used.get(k, 1.0) for k, v in scales.items())
-        if drift or moved:  # re-decide every bucket with the refined model
+        low = {k for k, c in self._choices.items()
+               if self.scheme_gains.get(c.scheme, 1.0) < self.min_gain}
+        if drift or moved or low:  # re-decide with the refined model / measured gains
             self._choices.clear()
             self._scales_used = scales
         gain = math.sqrt(seconds[-2] / seconds[-1]) if seconds[-1] > 0 else 1.0
@@ -638,6 +652,21 @@ class AutoStrategy(Strategy):
             lg.adjust(comm, shapes)
             if self.family is not None:  # the predictions changed with the settings
                 self._choices.clear()
+
+    def _track_gains(self, pending: list[dict[str, Any]], kept: Any, total: Any) -> None:
+        """EWMA (weight ``1 - decay``) of each scheme's compression gain
+        ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over its buckets of the step, summed over ranks
+        (agreed), for the selector's ``min_gain`` constraint."""
+        sums: dict[str, list[float]] = {}
+        for r, c, e in zip(pending, kept, total):
+            acc = sums.setdefault(r["scheme"], [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + float(c), acc[1] + float(e)
+        for scheme, (c, e) in sums.items():
+            if e > 0:
+                g = min(1.0, math.sqrt(c / e))
+                old = self.scheme_gains.get(scheme)
+                self.scheme_gains[scheme] = g if old is None else \
+                    self._decay * old + (1 - self._decay) * g
 
     def _act(self, action: Optional[str], model: Any, optimizer: Any) -> None:
         if action == "save":
