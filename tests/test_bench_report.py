@@ -117,7 +117,7 @@ def test_list_names_importable_suites(capsys: pytest.CaptureFixture,
 
 def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> None:
     res = tmp_path / "results"
-    net = dict(EMU, schedule="benchmarks/schedule-adaptive.txt")
+    net = dict(EMU, schedule="/somewhere/benchmarks/schedule-adaptive.txt")
     rows = [{"method": m, "time_to_target_s": t, "final_acc": a, "step_ms": 100.0,
              "sent_kB_step": 10.0, "x_dense": 30.0 / t, "choices": c}
             for m, t, a, c in (("dense", 30.0, 0.98, ""), ("gtopk@0.01", 10.0, 0.97, ""),
@@ -136,7 +136,7 @@ def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> N
     assert report.main(["--results", str(res), "--out", str(out)]) == 0
     text = out.read_text()
     assert "### adaptive: 4 ranks, 1gbit, 0.1 ms" in text
-    assert "schedule `benchmarks/schedule-adaptive.txt`" in text
+    assert "schedule `schedule-adaptive.txt`" in text
     assert "| auto | 12 | 0.965 | 100 | 10 | 2.5 | artopk_ring@0.01:40 |" in text
     assert "| topk lgreco | 150 | 0.96 | 0.5 | 1 |" in text
     lines = text.splitlines()

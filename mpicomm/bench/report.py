@@ -366,7 +366,8 @@ def adaptive(r: dict[str, Any]) -> str:
            f"{opts.get('target')}; network: "
            + (f"injected schedule `{opts.get('schedule')}` (EPOCH:Gbit/s:alpha_us)"
               if opts.get("link") != "emulated" else
-              f"emulated cluster, schedule `{net(r).get('schedule')}`") + ".\n",
+              f"emulated cluster, schedule `{os.path.basename(net(r).get('schedule') or '')}`"
+              ) + ".\n",
            table(r.get("rows", []), ("method", "time_to_target_s", "final_acc", "step_ms",
                                      "sent_kB_step", "x_dense", "choices")),
            "L-GreCo against every layer at the uniform setting (bytes per step measured; "
