@@ -514,6 +514,11 @@ def test_auto_lgreco_bits_and_ranks_are_what_goes_on_the_wire(comm, family, defa
     with torch.no_grad():
         last = float(torch.nn.functional.cross_entropy(model(xte), yte))
     assert last < 0.85 * first, (first, last)  # held-out loss falls: it still learns
+    if family == "powersgd":  # per-layer warm starts travel with the state
+        fresh = AutoStrategy(calibrate_links=0, lgreco=True, lgreco_family=family)
+        fresh.load_state_dict(auto.state_dict())
+        assert {r: sorted(c.state_dict()["q"]) for r, c in fresh._psgd.items()} == \
+            {r: sorted(c.state_dict()["q"]) for r, c in auto._psgd.items()} != {}
 
 
 @pytest.mark.mpi

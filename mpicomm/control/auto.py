@@ -281,9 +281,11 @@ class AutoStrategy(Strategy):
                 {"alpha": self.params.alpha, "beta": self.params.beta}}
 
     def state_dict(self) -> dict[str, Any]:
-        """Residuals and the sub-strategies' own state (PowerSGD warm starts, AR-Top-k)."""
+        """Residuals, the sub-strategies' own state (PowerSGD warm starts, AR-Top-k) and
+        the per-layer PowerSGD family's warm-start Q per layer."""
         return {"residuals": self.memory.state_dict()["residuals"],
-                "subs": {repr(k): s.state_dict() for k, s in self._subs.items()}}
+                "subs": {repr(k): s.state_dict() for k, s in self._subs.items()},
+                "per_layer_q": {r: c.state_dict() for r, c in self._psgd.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "residuals" not in state:
@@ -292,6 +294,13 @@ class AutoStrategy(Strategy):
         for k, s in self._subs.items():
             if repr(k) in state.get("subs", {}):
                 s.load_state_dict(state["subs"][repr(k)])
+        for r, q in state.get("per_layer_q", {}).items():
+            if r not in self._psgd:
+                from ..compress import PowerSGD
+
+                seed = self.lgreco.seed if self.lgreco is not None else 0
+                self._psgd[r] = PowerSGD(rank=int(r), warm_start=True, seed=seed)
+            self._psgd[r].load_state_dict(q)
 
     # ------------------------------------------------------------------ prediction
     def _predict_shapes(self, shapes: list[tuple[int, ...]], itemsize: int, p: int,
