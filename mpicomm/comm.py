@@ -39,7 +39,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .config import env_flag
-from .validate import NotAnIntegerError, check_int
+from .validate import NotAnIntegerError, check_int, check_poll_s
 
 __all__ = [
     "Communicator",
@@ -53,6 +53,7 @@ __all__ = [
     "job_scope",
     "current_job",
     "configure_logging",
+    "wait_all",
 ]
 
 log = logging.getLogger("mpicomm")
@@ -160,12 +161,21 @@ class Communicator:
         Name of the job this communicator serves, when several jobs share the processes
         (the Crossover scheduler): :meth:`abort` names it, because ``MPI_Abort`` ends every
         job of the world, not only the failing one. Inherited by :meth:`dup`/:meth:`split`.
+    wait_poll_s:
+        How mpicomm's own algorithms wait for their messages on this communicator (see
+        :func:`wait_all`): ``None`` (default) blocks in MPI, whose progress engine
+        busy-polls a core until the message is there; seconds in ``(0, 1)`` test the
+        requests and sleep that long between tests, leaving the core to other threads
+        (e.g. another job's compute under the Crossover scheduler) while a slow network
+        carries the data. Inherited by :meth:`dup`/:meth:`split`; settable afterwards.
     """
 
     def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None,
-                 owns: bool = False, job: str | None = None):
+                 owns: bool = False, job: str | None = None,
+                 wait_poll_s: float | None = None):
         if job is not None and not isinstance(job, str):
             raise TypeError(f"job must be a str or None, got {type(job).__name__}")
+        wait_poll_s = check_poll_s("wait_poll_s", wait_poll_s)
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"expected an mpi4py Intracomm, got {type(base).__name__}")
@@ -193,6 +203,8 @@ class Communicator:
         self._freed = False
         #: The job this communicator serves (named in fatal messages), or ``None``.
         self.job: str | None = job
+        #: How mpicomm's algorithms wait for messages (:func:`wait_all`; None: block in MPI).
+        self.wait_poll_s: float | None = wait_poll_s
 
     # ------------------------------------------------------------------ structure
     def __repr__(self) -> str:
@@ -205,12 +217,13 @@ class Communicator:
     def dup(self) -> Communicator:
         """A new communicator over the same ranks (collective).
 
-        It inherits checked mode, the job name and the calibration (the cost-model
+        It inherits checked mode, the job name, ``wait_poll_s`` and the calibration (the
+        cost-model
         parameters in :attr:`resources`, so ``algorithm="auto"`` and every strategy's
         ``predict`` see the same numbers as on this one).
         """
         return self._inherit(Communicator(self.mpi.Dup(), check=self.check, owns=True,
-                                          job=self.job))
+                                          job=self.job, wait_poll_s=self.wait_poll_s))
 
     def _inherit(self, child: Communicator) -> Communicator:
         """Copy the calibrated cost-model parameters (immutable values) into ``child``."""
@@ -231,7 +244,8 @@ class Communicator:
                              self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
             return None
-        return self._inherit(Communicator(sub, check=self.check, owns=True, job=self.job))
+        return self._inherit(Communicator(sub, check=self.check, owns=True, job=self.job,
+                                          wait_poll_s=self.wait_poll_s))
 
     def split_roles(self, num_servers: int, placement: str = "first") -> Roles:
         """Split the ranks into ``num_servers`` parameter servers and the rest workers.
@@ -365,6 +379,29 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.free()
+
+
+def wait_all(requests: Sequence[MPI.Request], poll_s: float | None = None) -> None:
+    """Complete every MPI request of ``requests``.
+
+    ``poll_s=None``: ``MPI_Waitall``, the fastest way for the caller, but MPI libraries
+    spin on a core meanwhile (shared-memory and TCP progress engines alike). Seconds:
+    ``MPI_Testall`` at once and then after every ``time.sleep(poll_s)`` until all are
+    done, so the thread sleeps (and holds no GIL) while the data is on the wire. Costs
+    up to ``poll_s`` extra latency per wait and one ``MPI_Testall`` per interval; the
+    library makes progress only inside the tests (MPICH's default), so keep ``poll_s``
+    below the time the transport's socket buffers take to drain (about 0.5 ms at
+    1 Gbit/s for 64 KiB), e.g. 1e-4 to 5e-4. Useful when the wait is mostly wire time
+    and another thread needs the core; on shared memory the copies themselves need the
+    waiting thread, so blocking is usually better there.
+    """
+    if not requests:
+        return
+    if poll_s is None:
+        MPI.Request.Waitall(requests)
+        return
+    while not MPI.Request.Testall(requests):
+        time.sleep(poll_s)
 
 
 def describe_mismatch(calls: Sequence[tuple[str, tuple[tuple[str, Any], ...]]]) -> str | None:

@@ -12,13 +12,21 @@ Setup (every choice is an option):
   parameters with :class:`~mpicomm.torch.LocalSGD` (period 1) instead, so that all the
   communication happens in the sync phase (GradientSync starts it during backward);
   ``--gate-ms`` turns on the scheduler's arrival gate (``gate_poll_s``).
-* Communication: every sync phase sleeps an injected delay ``D`` after the real
-  allreduce (``TorchJob(delay_s=D)``), modelling a slower network's latency: on one
-  host, MPI's shared-memory copies compete with the other job's compute for the same
-  cores, so only waiting can be hidden (see :mod:`mpicomm.sched.crossover`).
-  ``--delay-ms auto`` sets ``D`` so that the sync phase ``S`` (real allreduce + D)
-  equals the compute phase ``C``, both measured first in a job run alone: the case
-  with the most to gain.
+* Communication, on the emulated cluster (``launchers/emulated-cluster``, one rank per
+  host): the real allreduce over the shaped links is the sync phase, no injected delay
+  (``--delay-ms auto`` means 0 there); pick the link rate so that ``S ~ C`` (the suite
+  prints the rate that would make them equal for the model size: ``bytes per rank per
+  allreduce x 8 / C``). On shared memory every sync phase sleeps an injected delay
+  ``D`` after the real allreduce (``TorchJob(delay_s=D)``), modelling a slower network's
+  latency: on one host, MPI's shared-memory copies compete with the other job's compute
+  for the same cores, so only waiting can be hidden (see :mod:`mpicomm.sched.crossover`);
+  ``--delay-ms auto`` sets ``D`` so that the sync phase ``S`` (real allreduce + D) equals
+  the compute phase ``C``, both measured first in a job run alone.
+* Waiting: ``--wait-poll-ms`` (default ``auto``: 0.2 ms when the ranks span several
+  hosts, off on one) sets the jobs' communicators' ``wait_poll_s`` in the co-located and
+  Crossover modes: mpicomm's collectives then test their requests and sleep in between
+  instead of spinning in MPI, leaving the core to the job that computes. The sequential
+  mode always blocks in MPI (the fastest way for a job alone).
 * Modes, each from freshly built, identical jobs: ``sequential`` (each job alone, one
   after the other, the jobs' ideal exclusive time), ``colocated`` (all jobs at once on
   the same ranks, each in its own thread, no token: plain co-location without a
@@ -53,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import Communicator, init
-from ._util import machine, print_table, write_json
+from ._util import UsageError, machine, print_table, write_json
 
 MODES = ("sequential", "colocated", "crossover")
 
@@ -74,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "localsgd: LocalSGD with period 1, averaging in the sync phase")
     parser.add_argument("--gate-ms", type=float, default=None,
                         help="CrossoverScheduler(gate_poll_s=...) in ms (default off)")
+    parser.add_argument("--wait-poll-ms", default="auto",
+                        help="wait_poll_s of the jobs' communicators in ms (co-located and "
+                             "crossover modes): 'auto' (0.2 ms across hosts, off on one), "
+                             "'off', or a number")
 
 
 # ---------------------------------------------------------------------- jobs
@@ -149,9 +161,12 @@ def run_sequential(jobs: list[Any], comm: Communicator) -> tuple[float, float, f
             slowest(comm, statistics.median(times["sync"])))
 
 
-def run_colocated(jobs: list[Any], comm: Communicator) -> float:
+def run_colocated(jobs: list[Any], comm: Communicator,
+                  wait_poll_s: float | None = None) -> float:
     """All jobs at once, one thread each, no token (plain co-location)."""
     comms = [comm.dup() for _ in jobs]
+    for c in comms:
+        c.wait_poll_s = wait_poll_s
     errors: list[BaseException] = []
 
     def body(job: Any) -> None:
@@ -182,13 +197,14 @@ def run_colocated(jobs: list[Any], comm: Communicator) -> float:
     return seconds
 
 
-def run_crossover(jobs: list[Any], comm: Communicator,
-                  gate_poll_s: float | None = None) -> tuple[float, float, float]:
+def run_crossover(jobs: list[Any], comm: Communicator, gate_poll_s: float | None = None,
+                  wait_poll_s: float | None = None) -> tuple[float, float, float]:
     """(seconds, share of the sync time hidden, compute s/iteration) under the
     CrossoverScheduler; compute phases slower than alone mean the jobs contend."""
     from ..sched import CrossoverScheduler
 
-    with CrossoverScheduler(jobs, comm=comm, gate_poll_s=gate_poll_s) as sched:
+    with CrossoverScheduler(jobs, comm=comm, gate_poll_s=gate_poll_s,
+                            wait_poll_s=wait_poll_s) as sched:
         comm.barrier()
         start = time.perf_counter()
         stats = sched.run()
@@ -206,6 +222,23 @@ def bound(c: float, s: float) -> float:
     return (c + s) / max(c, s)
 
 
+def resolve_wait_poll(text: str, comm: Communicator) -> float | None:
+    """``--wait-poll-ms`` as seconds (the scheduler's ``"auto"`` rule) or None."""
+    from ..sched.crossover import NETWORK_WAIT_POLL_S
+
+    if text == "auto":
+        return NETWORK_WAIT_POLL_S if comm.nodes > 1 else None
+    if text == "off":
+        return None
+    return float(text) / 1e3
+
+
+def sync_bytes(job: Any, p: int) -> float:
+    """Bytes one rank sends per dense ring allreduce of the job's gradients."""
+    n = sum(q.numel() * q.element_size() for q in job.model.parameters())
+    return 2 * (p - 1) / p * n
+
+
 def token_bound(n: int, c: float, s: float) -> float:
     """Ideal speedup of n identical jobs when only compute is exclusive (the token) and
     syncs may overlap each other: a round of iterations takes max(nC, C + S)."""
@@ -218,24 +251,47 @@ def run(args: argparse.Namespace) -> int:
 
     from .localsgd import load_shard
 
-    if args.jobs < 2:
-        raise ValueError(f"--jobs must be >= 2, got {args.jobs}")
+    if args.jobs < 2 or args.steps < 1 or args.repeats < 1:
+        raise UsageError(f"needs --jobs >= 2, --steps >= 1 and --repeats >= 1 (got "
+                         f"{args.jobs}, {args.steps}, {args.repeats})")
+    if args.wait_poll_ms not in ("auto", "off"):
+        try:
+            ok = 0 < float(args.wait_poll_ms) < 1000
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UsageError(f"--wait-poll-ms must be auto, off or milliseconds in (0, 1000), "
+                             f"got {args.wait_poll_ms!r}")
     torch.set_num_threads(args.threads)
     comm = init()
     shard = load_shard(comm)
     n = args.jobs
+    wait_poll_s = resolve_wait_poll(args.wait_poll_ms, comm)
+    network = machine()["network"]
 
     # calibration: one job alone, no injected delay
-    _, c0, s0 = run_sequential([make_job("calibrate", 99, shard, args, 0.0, comm.rank)], comm)
-    delay_s = max(0.0, c0 - s0) if args.delay_ms == "auto" else float(args.delay_ms) / 1e3
+    calibration = make_job("calibrate", 99, shard, args, 0.0, comm.rank)
+    _, c0, s0 = run_sequential([calibration], comm)
+    if args.delay_ms != "auto":
+        delay_s = float(args.delay_ms) / 1e3
+    elif network["kind"] == "emulated cluster":
+        delay_s = 0.0  # the shaped links are the communication
+    else:
+        delay_s = max(0.0, c0 - s0)
     if comm.rank == 0:
-        print(f"# crossover: {comm.size} ranks, {n} jobs x {args.steps} steps, MLP 64-"
-              f"{args.hidden}x{args.layers}-10, batch {args.batch}/rank, strategy "
+        nbytes = sync_bytes(calibration, comm.size)
+        print(f"# crossover: {comm.size} ranks on {network['kind']} "
+              f"({network.get('hosts')} host(s), rate {network.get('rate', '-')}), {n} jobs "
+              f"x {args.steps} steps, MLP 64-{args.hidden}x{args.layers}-10, batch "
+              f"{args.batch}/rank, strategy "
               f"{args.strategy if args.sync == 'gradsync' else 'local SGD, period 1'}, "
-              f"torch threads {args.threads}, gate {args.gate_ms} ms")
+              f"torch threads {args.threads}, gate {args.gate_ms} ms, wait poll "
+              f"{'off' if wait_poll_s is None else f'{wait_poll_s * 1e3:g} ms'}")
         print(f"# alone, no delay: compute C = {c0 * 1e3:.2f} ms, real sync = "
               f"{s0 * 1e3:.2f} ms per iteration; injected delay D = {delay_s * 1e3:.2f} ms "
-              f"per sync phase", flush=True)
+              f"per sync phase; {nbytes / 1e6:.2f} MB sent per rank per ring allreduce, "
+              f"S = C at a link rate of about {nbytes * 8 / c0 / 1e6:.0f} Mbit/s",
+              flush=True)
 
     rows, reference = [], None
     for rep in range(args.repeats):
@@ -248,10 +304,11 @@ def run(args: argparse.Namespace) -> int:
                 row["S_ms"] *= 1e3
                 reference = [digest(j) for j in jobs]
             elif mode == "colocated":
-                row["colocated_s"] = run_colocated(jobs, comm)
+                row["colocated_s"] = run_colocated(jobs, comm, wait_poll_s)
             else:
                 gate = None if args.gate_ms is None else args.gate_ms / 1e3
-                row["crossover_s"], row["hidden"], cx = run_crossover(jobs, comm, gate)
+                row["crossover_s"], row["hidden"], cx = run_crossover(jobs, comm, gate,
+                                                                      wait_poll_s)
                 row["Cx_ms"] = cx * 1e3
                 final = [digest(j) for j in jobs]
         row["identical"] = bool(comm.allreduce_value(int(final == reference), "min"))
@@ -296,8 +353,11 @@ def run(args: argparse.Namespace) -> int:
               f"identical to sequential: {summary['identical_to_sequential']}")
         write_json(args.json, {
             "suite": "crossover", "machine": machine(), "args": vars(args),
-            "calibration": {"C_s": c0, "real_sync_s": s0}, "delay_s": delay_s,
+            "calibration": {"C_s": c0, "real_sync_s": s0,
+                            "sync_bytes_per_rank": sync_bytes(calibration, comm.size)},
+            "delay_s": delay_s,
             "delay_kind": "sleep after the real allreduce in every sync phase",
+            "wait_poll_s": wait_poll_s,
             "rows": rows, "summary": summary,
         })
     return 0
