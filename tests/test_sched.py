@@ -224,6 +224,43 @@ def test_gated_sync_phases_give_the_same_trajectories(comm):
     assert traj_a == traj_b == reference
 
 
+@pytest.mark.mpi
+def test_sleep_polling_waits_give_the_same_trajectories_and_still_overlap(comm):
+    from mpicomm.sched.crossover import NETWORK_WAIT_POLL_S
+
+    specs = [SPECS[0], SPECS[2]]  # GradientSync (its own thread communicator) and LocalSGD
+    references = {name: run_alone(comm, name, w, s, how) for name, w, s, how in specs}
+    fn_reference = quadratic_alone(comm, comm.rank, 5)
+    trajectories: dict[str, list[str]] = {name: [] for name, *_ in specs}
+    jobs: list[Job] = [torch_job(comm, name, w, s, how, trajectories[name])
+                       for name, w, s, how in specs]
+    fn_job, fn_trajectory = quadratic_job("numpy", comm.rank, 5, compute_s=0.01, sync_s=0.02)
+    jobs.append(fn_job)
+    with CrossoverScheduler(jobs, comm=comm, timeline=True, wait_poll_s=1e-4) as sched:
+        assert sched.wait_poll_s == 1e-4
+        for job in jobs:  # set before setup: what the jobs build on it inherits it
+            assert job.comm.wait_poll_s == 1e-4, job.name
+        assert jobs[0].sync_object._tcomm.wait_poll_s == 1e-4
+        sched.run()
+        events = sched.timeline.gather(comm)
+    for name, *_ in specs:
+        assert trajectories[name] == references[name], name
+    assert fn_trajectory == fn_reference
+    if comm.rank == 0:
+        for pid in range(comm.size):  # the numpy job's sync hides behind the others' compute
+            others = [c for j in ("dense", "local") for c in spans(events, pid, f"job {j}",
+                                                                   "compute")]
+            assert any(overlaps(s, c) for s in spans(events, pid, "job numpy", "sync")
+                       for c in others), pid
+    # "auto": sleep-polling only when the ranks span several nodes (a network)
+    a, _ = quadratic_job("a", comm.rank, 1)
+    b, _ = quadratic_job("b", comm.rank, 1)
+    with CrossoverScheduler([a, b], comm=comm) as sched:
+        want = NETWORK_WAIT_POLL_S if comm.nodes > 1 else None
+        assert sched.wait_poll_s == want and a.comm.wait_poll_s == want
+        sched.run()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_different_job_lists_raise_on_every_rank(comm):
     steps = 3 if comm.rank == comm.size - 1 else 2
@@ -275,6 +312,10 @@ def test_arguments_are_checked():
         CrossoverScheduler([a, lambda step: None])
     with pytest.raises(ValueError, match="gate_poll_s"):
         CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], gate_poll_s=0)
+    with pytest.raises(ValueError, match="wait_poll_s"):
+        CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], wait_poll_s=2.0)
+    with pytest.raises(TypeError, match="wait_poll_s"):
+        CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], wait_poll_s="network")
     with pytest.raises(TypeError, match="timeline"):
         CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], timeline="yes")
     with pytest.raises(TypeError, match="callable"):

@@ -115,5 +115,9 @@ def broadcast(work: Any, root: int, ctx: Ctx) -> None:
 
 def reduce_scatter(send: Any, recv: Any, op: str, ctx: Ctx, dtype: str) -> None:
     """``MPI_Reduce_scatter_block``: rank r receives reduced block r."""
-    ctx.mpi.Reduce_scatter_block([send, mpi_type(dtype)], [recv, mpi_type(dtype)],
-                                 op=mpi_op(dtype, op, ctx.ops.device))
+    args = ([send, mpi_type(dtype)], [recv, mpi_type(dtype)],
+            mpi_op(dtype, op, ctx.ops.device))
+    if ctx.poll_s is None:
+        ctx.mpi.Reduce_scatter_block(*args)
+    else:
+        ctx.wait(ctx.mpi.Ireduce_scatter_block(*args))
