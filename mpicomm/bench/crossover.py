@@ -39,8 +39,13 @@ Setup (every choice is an option):
   ``token_bound = n(C + S) / max(nC, C + S)`` (only compute is exclusive; syncs of
   different jobs may overlap each other, as injected delays do). They agree when
   ``S <= C``.
-* ``Cx_ms``: the compute phase per iteration under the scheduler; above ``C_ms`` it
-  shows the other job's synchronization (MPI's polling, copies) slowing compute down.
+* Where the time goes under the scheduler (per iteration, slowest rank): ``Cx_ms`` the
+  compute phase (above ``C_ms``: the other job's synchronization, MPI's spinning or
+  copies, slows compute down), ``Sx_ms`` the sync phase (above ``S_ms``: the jobs'
+  syncs share the link, or the ranks drift apart so a sync waits for a late peer),
+  ``wait_ms`` the token's wait for a sync (the part not hidden). A round of the ``n``
+  jobs takes about ``n (Cx + wait)``. ``<mode>_cpu_ms``: CPU time of the rank's process
+  (all threads) per iteration; waits that spin in MPI show up there.
 * Check: the crossover run's final parameters are bit-identical to the sequential
   run's (``identical``), i.e. the scheduler changed no job's mathematics.
 
@@ -198,9 +203,12 @@ def run_colocated(jobs: list[Any], comm: Communicator,
 
 
 def run_crossover(jobs: list[Any], comm: Communicator, gate_poll_s: float | None = None,
-                  wait_poll_s: float | None = None) -> tuple[float, float, float]:
-    """(seconds, share of the sync time hidden, compute s/iteration) under the
-    CrossoverScheduler; compute phases slower than alone mean the jobs contend."""
+                  wait_poll_s: float | None = None
+                  ) -> tuple[float, float, float, float, float]:
+    """(seconds, share of the sync time hidden, compute, sync and token-wait s/iteration;
+    slowest rank) under the CrossoverScheduler: compute phases slower than alone mean
+    the jobs contend for the cores, sync phases slower than alone that they contend for
+    the link or that the ranks drift apart."""
     from ..sched import CrossoverScheduler
 
     with CrossoverScheduler(jobs, comm=comm, gate_poll_s=gate_poll_s,
@@ -212,8 +220,10 @@ def run_crossover(jobs: list[Any], comm: Communicator, gate_poll_s: float | None
     wait = sum(j.wait_seconds for j in stats.jobs.values())
     sync = sum(j.sync_seconds for j in stats.jobs.values())
     hidden = 1.0 - wait / sync if sync > 0 else 1.0
-    compute = sum(j.compute_seconds for j in stats.jobs.values()) / max(stats.steps, 1)
-    return (seconds, float(comm.allreduce_value(hidden, "min")), slowest(comm, compute))
+    steps = max(stats.steps, 1)
+    compute = sum(j.compute_seconds for j in stats.jobs.values()) / steps
+    return (seconds, float(comm.allreduce_value(hidden, "min")), slowest(comm, compute),
+            slowest(comm, sync / steps), slowest(comm, wait / steps))
 
 
 def bound(c: float, s: float) -> float:
@@ -298,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
         row: dict[str, Any] = {"repeat": rep}
         for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
             jobs = make_jobs(shard, args, delay_s, comm.rank)
+            cpu0 = time.process_time()
             if mode == "sequential":
                 row["sequential_s"], row["C_ms"], row["S_ms"] = run_sequential(jobs, comm)
                 row["C_ms"] *= 1e3
@@ -307,10 +318,14 @@ def run(args: argparse.Namespace) -> int:
                 row["colocated_s"] = run_colocated(jobs, comm, wait_poll_s)
             else:
                 gate = None if args.gate_ms is None else args.gate_ms / 1e3
-                row["crossover_s"], row["hidden"], cx = run_crossover(jobs, comm, gate,
-                                                                      wait_poll_s)
-                row["Cx_ms"] = cx * 1e3
+                (row["crossover_s"], row["hidden"], cx, sx,
+                 wx) = run_crossover(jobs, comm, gate, wait_poll_s)
+                row["Cx_ms"], row["Sx_ms"], row["wait_ms"] = cx * 1e3, sx * 1e3, wx * 1e3
                 final = [digest(j) for j in jobs]
+            # CPU time of the whole process per iteration (set-up included, slowest rank):
+            # spinning waits show up here
+            row[f"{mode}_cpu_ms"] = slowest(comm, time.process_time() - cpu0) / (
+                n * args.steps) * 1e3
         row["identical"] = bool(comm.allreduce_value(int(final == reference), "min"))
         steps = n * args.steps
         for mode in MODES:
@@ -334,12 +349,16 @@ def run(args: argparse.Namespace) -> int:
         "colocated_vs_sequential": med["colocated_vs_sequential"],
         "bound": med["bound"], "token_bound": med["token_bound"],
         "C_ms": med["C_ms"], "S_ms": med["S_ms"], "crossover_C_ms": med["Cx_ms"],
+        "crossover_S_ms": med["Sx_ms"], "crossover_wait_ms": med["wait_ms"],
+        "cpu_ms_per_iteration": {m: med[f"{m}_cpu_ms"] for m in MODES},
         "hidden_fraction": med["hidden"],
         "identical_to_sequential": all(r["identical"] for r in rows),
         "target_met": med["x_vs_sequential"] >= 1.3,
     }
     if comm.rank == 0:
-        print_table(rows, ["repeat", "C_ms", "S_ms", "Cx_ms", "sequential_s", "colocated_s",
+        print_table(rows, ["repeat", "C_ms", "S_ms", "Cx_ms", "Sx_ms", "wait_ms",
+                           "sequential_cpu_ms", "crossover_cpu_ms", "sequential_s",
+                           "colocated_s",
                            "crossover_s", "x_vs_sequential", "x_vs_colocated", "bound",
                            "token_bound", "hidden", "identical"])
         print()

@@ -379,7 +379,8 @@ def crossover_section(r: dict[str, Any]) -> str:
     return ("Medians over the repeats (speedups are medians of per-repeat ratios); "
             "C, S: compute and sync time per iteration of a job run alone.\n\n"
             + table([line]) + "\n"
-            + table(rows, ("repeat", "C_ms", "S_ms", "Cx_ms", "sequential_s", "colocated_s",
+            + table(rows, ("repeat", "C_ms", "S_ms", "Cx_ms", "Sx_ms", "wait_ms",
+                           "sequential_s", "colocated_s",
                            "crossover_s", "x_vs_sequential", "x_vs_colocated", "bound",
                            "hidden", "identical")))
 

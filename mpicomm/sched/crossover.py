@@ -48,7 +48,14 @@ phase (tens of microseconds). Real gains are lower wherever the sync phase *uses
 resources the compute phase needs: with MPI shared-memory transports on a CPU-only
 host, the copies of an allreduce compete with the other job's compute for the cores,
 so only the part of ``S`` that is waiting (network latency, a slow link, stragglers)
-can be hidden.
+can be hidden. Waiting itself costs a core too: MPI libraries spin in their blocking
+calls (MPICH over shared memory and over TCP alike), so a job whose data are on the wire
+would keep a core busy that the computing job needs. ``wait_poll_s`` (ours; default on
+when the ranks span several nodes) makes the jobs' collectives test their requests and
+sleep in between (:func:`mpicomm.comm.wait_all`); the waiting thread then holds neither a
+core nor the GIL (``time.sleep`` and mpi4py's MPI calls release it), and the compute
+phase runs at nearly its solo speed (the ``Cx_ms`` column of ``python -m mpicomm.bench
+crossover``).
 
 Tuning: pair jobs whose sync time is comparable to the compute time of the *others*
 (``S <= (n-1)C``); beyond that the token idles. Keep compute phases free of
