@@ -6,6 +6,8 @@
 #                             memory (JSON under bench-results/), then BENCHMARKS.md + plots
 #   make bench-cluster        the suites on the emulated cluster (root + iproute2): 4 and 8
 #                             hosts at 1 and 10 Gbit/s (bench-results/cluster/), then report
+#   make bench-crossover      the Crossover scheduler on shared memory (2 ranks) and on
+#                             the emulated cluster (2 and 4 hosts at CROSSOVER_RATE), report
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
 #   make lint                 ruff
 #
@@ -60,7 +62,8 @@ endif
 PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: install test test-serial test-mpi demo bench bench-cluster report lint clean
+.PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover report lint \
+	clean
 
 install: $(STAMP)
 
@@ -91,8 +94,9 @@ demo: $(STAMP)
 # the first host count (bench-cluster; a failure there is reported at the end, after the
 # report, and fails the target).
 KNOWN_SUITES := collectives sparse localsgd
-# single-process suites: nothing to measure on the emulated network
-CLUSTER_SKIP := selection
+# single-process suites: nothing to measure on the emulated network; crossover has its own
+# target (bench-crossover: a link rate at which its sync time matches its compute time)
+CLUSTER_SKIP := selection crossover
 bench: $(STAMP)
 	@mkdir -p $(BENCH_OUT)
 	for n in 2 4; do \
@@ -147,6 +151,21 @@ bench-cluster: $(STAMP)
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT) || exit 1; \
 	if [ -n "$$failed" ]; then echo "suites that failed on the emulated cluster:$$failed"; \
 	  exit 1; fi
+
+# Crossover (issue 10): a rate at which the model's sync time S ~ its compute time C
+# (the suite prints the rate that equalizes them on this machine); about 4 min per run.
+CROSSOVER_RATE ?= 150mbit
+CROSSOVER_ARGS ?= --steps 60 --repeats 5 --hidden 256 --layers 2 --batch 512
+bench-crossover: $(STAMP)
+	@mkdir -p $(BENCH_OUT)/cluster
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --repeats 5 \
+	  --json $(BENCH_OUT)/crossover-shm-2.json
+	for h in 2 4; do \
+	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts $$h --rate $(CROSSOVER_RATE) \
+	    --timeout 900 -- $(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) \
+	    --json $(BENCH_OUT)/cluster/crossover-$(CROSSOVER_RATE)-$$h.json || exit 1; \
+	done
+	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 
 report: $(STAMP)
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
