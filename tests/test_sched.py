@@ -438,8 +438,8 @@ def test_a_sync_phase_that_never_returns_cannot_hang_a_failed_run():
 def test_benchmark_runs_every_mode_and_reports_the_bound(tmp_path):
     out = tmp_path / "crossover.json"
     result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "crossover", "--steps", "3",
-                         "--repeats", "1", "--batch", "16", "--hidden", "16", "--json",
-                         str(out)], timeout=150)
+                         "--repeats", "1", "--batch", "16", "--hidden", "16",
+                         "--wait-poll-ms", "0.5", "--json", str(out)], timeout=150)
     assert result.returncode == 0, result.output
     report = json.loads(out.read_text())
     summary = report["summary"]
@@ -448,7 +448,10 @@ def test_benchmark_runs_every_mode_and_reports_the_bound(tmp_path):
     (row,) = report["rows"]
     for mode in ("sequential", "colocated", "crossover"):
         assert row[f"{mode}_s"] > 0 and row[f"{mode}_it_s"] == pytest.approx(6 / row[f"{mode}_s"])
-    assert "bound (C+S)/max(C,S)" in result.output
+        assert row[f"{mode}_cpu_ms"] > 0
+    assert row["Cx_ms"] > 0 and row["Sx_ms"] > 0 and row["wait_ms"] >= 0
+    assert report["wait_poll_s"] == 5e-4 and report["machine"]["network"]["hosts"] == 1
+    assert "bound (C+S)/max(C,S)" in result.output and "wait poll 0.5 ms" in result.output
 
 
 def test_jobs_of_any_length_run_in_cyclic_order():

@@ -264,7 +264,9 @@ class CrossoverScheduler:
         cores (ours; useful when ranks share CPU cores with compute, e.g. CPU training
         or oversubscription; costs one barrier latency per iteration plus up to one poll
         interval; try 1e-4-1e-3). Jobs whose communication starts inside the compute
-        phase (GradientSync's buckets during backward) are not gated by it.
+        phase (GradientSync's buckets during backward) are not gated by it. With
+        ``wait_poll_s`` set, the jobs' collectives already sleep while a peer is late,
+        so the gate adds little.
     wait_poll_s:
         How the jobs' communication waits for messages: set as ``wait_poll_s`` on every
         job's communicator before :meth:`~mpicomm.sched.Job.setup` (so what the job
