@@ -39,7 +39,7 @@ Setup (every choice is an option):
   ``token_bound = n(C + S) / max(nC, C + S)`` (only compute is exclusive; syncs of
   different jobs may overlap each other, as injected delays do). They agree when
   ``S <= C``.
-* Where the time goes under the scheduler (per iteration, slowest rank): ``Cx_ms`` the
+* Where the time goes under the scheduler (per iteration, mean over ranks): ``Cx_ms`` the
   compute phase (above ``C_ms``: the other job's synchronization, MPI's spinning or
   copies, slows compute down), ``Sx_ms`` the sync phase (above ``S_ms``: the jobs'
   syncs share the link, or the ranks drift apart so a sync waits for a late peer),
@@ -205,10 +205,10 @@ def run_colocated(jobs: list[Any], comm: Communicator,
 def run_crossover(jobs: list[Any], comm: Communicator, gate_poll_s: float | None = None,
                   wait_poll_s: float | None = None
                   ) -> tuple[float, float, float, float, float]:
-    """(seconds, share of the sync time hidden, compute, sync and token-wait s/iteration;
-    slowest rank) under the CrossoverScheduler: compute phases slower than alone mean
-    the jobs contend for the cores, sync phases slower than alone that they contend for
-    the link or that the ranks drift apart."""
+    """(seconds, share of the sync time hidden, compute, sync and token-wait s/iteration,
+    the last three averaged over the ranks) under the CrossoverScheduler: compute phases
+    slower than alone mean the jobs contend for the cores, sync phases slower than alone
+    that they contend for the link or that the ranks drift apart."""
     from ..sched import CrossoverScheduler
 
     with CrossoverScheduler(jobs, comm=comm, gate_poll_s=gate_poll_s,
@@ -222,8 +222,11 @@ def run_crossover(jobs: list[Any], comm: Communicator, gate_poll_s: float | None
     hidden = 1.0 - wait / sync if sync > 0 else 1.0
     steps = max(stats.steps, 1)
     compute = sum(j.compute_seconds for j in stats.jobs.values()) / steps
-    return (seconds, float(comm.allreduce_value(hidden, "min")), slowest(comm, compute),
-            slowest(comm, sync / steps), slowest(comm, wait / steps))
+    def mean(x: float) -> float:
+        return float(comm.allreduce_value(x, "avg"))
+
+    return (seconds, float(comm.allreduce_value(hidden, "min")), mean(compute),
+            mean(sync / steps), mean(wait / steps))
 
 
 def bound(c: float, s: float) -> float:
