@@ -72,3 +72,30 @@ def test_wait_all_completes_requests_by_polling(comm):
     wait_all([comm.p2p.Irecv(got, left, 7), comm.p2p.Isend(out, right, 7)], 1e-4)
     assert (got == left).all()
     wait_all([], 1e-4)  # nothing to wait for
+
+
+@pytest.mark.mpi
+def test_the_sparse_layer_gives_the_same_bits_when_polling(comm):
+    import torch
+
+    from mpicomm.sparse import artopk, gtopk, topk_allgather
+
+    blocking, polling = comm.dup(), comm.dup()
+    polling.wait_poll_s = 1e-4
+    try:
+        x = torch.from_numpy(_inputs(comm, 500))
+        idx = torch.topk(x.abs(), 20).indices.sort().values
+        runs = {
+            "gtopk": lambda c: gtopk(idx, x[idx], 20, comm=c, size=500),
+            "topk_allgather": lambda c: (topk_allgather(idx, x[idx], 500, comm=c),),
+            "artopk": lambda c: artopk(x, 20, 0, comm=c),
+        }
+        for name, run in runs.items():
+            want, got = run(blocking), run(polling)
+            assert len(want) == len(got), name
+            for a, b in zip(want, got):
+                if isinstance(a, torch.Tensor):
+                    assert torch.equal(a, b), name
+    finally:
+        polling.free()
+        blocking.free()
