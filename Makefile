@@ -155,7 +155,7 @@ bench-cluster: $(STAMP)
 # Crossover (issue 10): a rate at which the model's sync time S ~ its compute time C
 # (the suite prints the rate that equalizes them on this machine); about 4 min per run.
 CROSSOVER_RATE ?= 150mbit
-CROSSOVER_ARGS ?= --steps 60 --repeats 5 --hidden 256 --layers 2 --batch 512
+CROSSOVER_ARGS ?= --steps 60 --repeats 5 --hidden 256 --layers 2 --batch 512 --compare-spin
 bench-crossover: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/cluster
 	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --repeats 5 \

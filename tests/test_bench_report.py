@@ -103,8 +103,9 @@ def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
     assert "all good" in text
     # crossover: the three modes' median throughput next to the bound
     assert ("| sequential it/s | co-located it/s | crossover it/s | co-located x seq | "
-            "crossover x seq | crossover x co-located | bound (C+S)/max(C,S) |") in text
-    assert "| 0.2 | 11 | 12 | 15 | 1.16 | 1.36 | 1.17 | 1.93 | 0.8 | True | True |" in text
+            "crossover x seq | crossover x co-located | crossover spinning x seq | "
+            "bound (C+S)/max(C,S) |") in text
+    assert "| 0.2 | 11 | 12 | 15 | 1.16 | 1.36 | 1.17 |  | 1.93 | 0.8 | True | True |" in text
     assert "notes.json" in text and "broken.json" in text
     plots = tmp_path / "benchmarks"
     for name in ("sparse-scaling.png", "collectives-2.png", "localsgd-4.png"):

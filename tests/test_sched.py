@@ -439,16 +439,19 @@ def test_benchmark_runs_every_mode_and_reports_the_bound(tmp_path):
     out = tmp_path / "crossover.json"
     result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "crossover", "--steps", "3",
                          "--repeats", "1", "--batch", "16", "--hidden", "16",
-                         "--wait-poll-ms", "0.5", "--json", str(out)], timeout=150)
+                         "--wait-poll-ms", "0.5", "--compare-spin", "--json", str(out)],
+                     timeout=150)
     assert result.returncode == 0, result.output
     report = json.loads(out.read_text())
     summary = report["summary"]
     assert summary["identical_to_sequential"] is True  # the scheduler changed no math
     assert 1.0 <= summary["bound"] <= 2.0
     (row,) = report["rows"]
-    for mode in ("sequential", "colocated", "crossover"):
+    for mode in ("sequential", "colocated", "crossover", "crossover_spin"):
         assert row[f"{mode}_s"] > 0 and row[f"{mode}_it_s"] == pytest.approx(6 / row[f"{mode}_s"])
         assert row[f"{mode}_cpu_ms"] > 0
+    assert summary["spin_vs_sequential"] == pytest.approx(row["sequential_s"]
+                                                          / row["crossover_spin_s"])
     assert row["Cx_ms"] > 0 and row["Sx_ms"] > 0 and row["wait_ms"] >= 0
     assert report["wait_poll_s"] == 5e-4 and report["machine"]["network"]["hosts"] == 1
     assert "bound (C+S)/max(C,S)" in result.output and "wait poll 0.5 ms" in result.output

@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "localsgd: LocalSGD with period 1, averaging in the sync phase")
     parser.add_argument("--gate-ms", type=float, default=None,
                         help="CrossoverScheduler(gate_poll_s=...) in ms (default off)")
+    parser.add_argument("--compare-spin", action="store_true",
+                        help="add a mode 'crossover_spin': the scheduler with "
+                             "wait_poll_s=None (waits spin in MPI), to compare in one run")
     parser.add_argument("--wait-poll-ms", default="auto",
                         help="wait_poll_s of the jobs' communicators in ms (co-located and "
                              "crossover modes): 'auto' (0.2 ms across hosts, off on one), "
@@ -306,10 +309,11 @@ def run(args: argparse.Namespace) -> int:
               f"S = C at a link rate of about {nbytes * 8 / c0 / 1e6:.0f} Mbit/s",
               flush=True)
 
-    rows, reference = [], None
+    rows, reference, spun = [], None, None
+    modes = MODES + (("crossover_spin",) if args.compare_spin else ())
     for rep in range(args.repeats):
         row: dict[str, Any] = {"repeat": rep}
-        for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
+        for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
             jobs = make_jobs(shard, args, delay_s, comm.rank)
             cpu0 = time.process_time()
             if mode == "sequential":
@@ -319,6 +323,10 @@ def run(args: argparse.Namespace) -> int:
                 reference = [digest(j) for j in jobs]
             elif mode == "colocated":
                 row["colocated_s"] = run_colocated(jobs, comm, wait_poll_s)
+            elif mode == "crossover_spin":
+                gate = None if args.gate_ms is None else args.gate_ms / 1e3
+                row["crossover_spin_s"], *_ = run_crossover(jobs, comm, gate, None)
+                spun = [digest(j) for j in jobs]
             else:
                 gate = None if args.gate_ms is None else args.gate_ms / 1e3
                 (row["crossover_s"], row["hidden"], cx, sx,
@@ -329,10 +337,13 @@ def run(args: argparse.Namespace) -> int:
             # spinning waits show up here
             row[f"{mode}_cpu_ms"] = slowest(comm, time.process_time() - cpu0) / (
                 n * args.steps) * 1e3
-        row["identical"] = bool(comm.allreduce_value(int(final == reference), "min"))
+        same = final == reference and (spun is None or spun == reference)
+        row["identical"] = bool(comm.allreduce_value(int(same), "min"))
         steps = n * args.steps
-        for mode in MODES:
+        for mode in modes:
             row[f"{mode}_it_s"] = steps / row[f"{mode}_s"]
+        if args.compare_spin:  # the same scheduler, waits spinning in MPI
+            row["spin_vs_sequential"] = row["sequential_s"] / row["crossover_spin_s"]
         row["x_vs_sequential"] = row["sequential_s"] / row["crossover_s"]
         row["x_vs_colocated"] = row["colocated_s"] / row["crossover_s"]
         row["colocated_vs_sequential"] = row["sequential_s"] / row["colocated_s"]
@@ -356,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
         "cpu_ms_per_iteration": {m: med[f"{m}_cpu_ms"] for m in MODES},
         "hidden_fraction": med["hidden"],
         "identical_to_sequential": all(r["identical"] for r in rows),
+        "spin_vs_sequential": med.get("spin_vs_sequential"),
         "target_met": med["x_vs_sequential"] >= 1.3,
     }
     if comm.rank == 0:
@@ -363,7 +375,9 @@ def run(args: argparse.Namespace) -> int:
                            "sequential_cpu_ms", "crossover_cpu_ms", "sequential_s",
                            "colocated_s",
                            "crossover_s", "x_vs_sequential", "x_vs_colocated", "bound",
-                           "token_bound", "hidden", "identical"])
+                           "token_bound", "hidden", "identical"]
+                    + (["crossover_spin_s", "spin_vs_sequential"] if args.compare_spin
+                       else []))
         print()
         print(f"# median: crossover {summary['speedup_vs_sequential']:.2f}x sequential "
               f"(bound (C+S)/max(C,S) = {summary['bound']:.2f}x, token bound "
@@ -373,6 +387,9 @@ def run(args: argparse.Namespace) -> int:
               f"(co-location: {summary['colocated_vs_sequential']:.2f}x sequential); "
               f"{summary['hidden_fraction']:.0%} of the sync time hidden; trajectories "
               f"identical to sequential: {summary['identical_to_sequential']}")
+        if args.compare_spin:
+            print(f"# the scheduler with waits spinning in MPI (wait_poll_s=None): "
+                  f"{summary['spin_vs_sequential']:.2f}x sequential")
         write_json(args.json, {
             "suite": "crossover", "machine": machine(), "args": vars(args),
             "calibration": {"C_s": c0, "real_sync_s": s0,

@@ -371,6 +371,7 @@ def crossover_section(r: dict[str, Any]) -> str:
         "co-located x seq": summary.get("colocated_vs_sequential"),
         "crossover x seq": summary.get("speedup_vs_sequential"),
         "crossover x co-located": summary.get("speedup_vs_colocated"),
+        "crossover spinning x seq": summary.get("spin_vs_sequential"),
         "bound (C+S)/max(C,S)": summary.get("bound"),
         "hidden": summary.get("hidden_fraction"),
         "target >= 1.3x": summary.get("target_met"),

@@ -279,6 +279,10 @@ class CrossoverScheduler:
         cross a network, where the wait is mostly wire time), ``None`` on one node
         (shared memory: the copies need the waiting thread's core anyway). Only
         mpicomm's own algorithms follow it; code that calls mpi4py directly still spins.
+        Cost: up to one interval per dependent message step (a ring allreduce over p
+        ranks has 2(p-1)), negligible on a link where a step takes milliseconds, not on
+        a microsecond network with many ranks: there pass ``None`` or ~2e-5 (and keep
+        the cores the compute needs free of MPI progress some other way).
 
     Requires ``MPI_THREAD_MULTIPLE`` with more than one rank (the jobs' sync threads
     communicate concurrently); mpi4py requests it by default.
