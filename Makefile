@@ -7,7 +7,7 @@
 #   make bench-cluster        the suites on the emulated cluster (root + iproute2): 4 and 8
 #                             hosts at 1 and 10 Gbit/s (bench-results/cluster/), then report
 #   make bench-crossover      the Crossover scheduler on shared memory (2 ranks) and on
-#                             the emulated cluster (2 and 4 hosts at CROSSOVER_RATE), report
+#                             the emulated cluster (2 and 4 hosts), then report
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
 #   make lint                 ruff
 #
@@ -152,18 +152,23 @@ bench-cluster: $(STAMP)
 	if [ -n "$$failed" ]; then echo "suites that failed on the emulated cluster:$$failed"; \
 	  exit 1; fi
 
-# Crossover (issue 10): a rate at which the model's sync time S ~ its compute time C
-# (the suite prints the rate that equalizes them on this machine); about 4 min per run.
-CROSSOVER_RATE ?= 150mbit
+# Crossover (issue 10): the link rate at which the model's sync takes about its compute
+# time (auto: measured first by `crossover --suggest-rate HOSTS`, or e.g. 150mbit).
+CROSSOVER_RATE ?= auto
 CROSSOVER_ARGS ?= --steps 60 --repeats 5 --hidden 256 --layers 2 --batch 512 --compare-spin
 bench-crossover: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/cluster
 	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --repeats 5 \
 	  --json $(BENCH_OUT)/crossover-shm-2.json
 	for h in 2 4; do \
-	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts $$h --rate $(CROSSOVER_RATE) \
+	  rate=$(CROSSOVER_RATE); \
+	  if [ $$rate = auto ]; then \
+	    rate=$$($(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) --suggest-rate $$h) \
+	      || exit 1; fi; \
+	  echo "crossover: $$h hosts at $$rate"; \
+	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts $$h --rate $$rate \
 	    --timeout 900 -- $(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) \
-	    --json $(BENCH_OUT)/cluster/crossover-$(CROSSOVER_RATE)-$$h.json || exit 1; \
+	    --json $(BENCH_OUT)/cluster/crossover-$$rate-$$h.json || exit 1; \
 	done
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 

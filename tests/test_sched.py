@@ -474,3 +474,27 @@ def test_jobs_of_any_length_run_in_cyclic_order():
         assert mine == [x for s in range(steps) for x in (f"{name}{s}", f"{name}{s}s")] + [
             f"{name}."]
     assert [stats.jobs[n].steps for n in "abc"] == [3, 0, 1]
+
+
+def test_benchmark_suggests_the_rate_that_balances_sync_and_compute(monkeypatch):
+    import argparse
+
+    from mpicomm.bench import crossover as bench
+    from mpicomm.bench.localsgd import load_shard
+
+    comm = mpicomm.init()
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--steps", "3", "--hidden", "16", "--layers", "1",
+                              "--batch", "8"])
+    monkeypatch.setattr(bench, "run_sequential", lambda jobs, c: (1.0, 0.010, 0.0))
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    shard = load_shard(comm)
+    job = bench.make_job("x", 99, shard, args, 0.0, comm.rank)
+    params = sum(p.numel() for p in job.model.parameters())
+    # 2 hosts: a ring allreduce sends the whole float32 gradient once, at 0.8 C = 8 ms
+    assert bench.sync_bytes(job, 2) == 4 * params
+    assert bench.suggest_rate(2, shard, args, comm) == f"{round(32 * params / 8e-3 / 1e6)}mbit"
+    # 4 hosts on 2 cores: 1.5x the bytes, compute twice as slow
+    want = round(1.5 * 32 * params / 16e-3 / 1e6)
+    assert bench.suggest_rate(4, shard, args, comm) == f"{max(1, want)}mbit"

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
 import threading
 import time
@@ -87,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "localsgd: LocalSGD with period 1, averaging in the sync phase")
     parser.add_argument("--gate-ms", type=float, default=None,
                         help="CrossoverScheduler(gate_poll_s=...) in ms (default off)")
+    parser.add_argument("--suggest-rate", type=int, default=None, metavar="HOSTS",
+                        help="print the tc rate (e.g. 240mbit) for launchers/emulated-cluster "
+                             "at which the sync's wire time is 0.8 C on HOSTS hosts of one "
+                             "rank each (C measured here, alone), then exit")
     parser.add_argument("--compare-spin", action="store_true",
                         help="add a mode 'crossover_spin': the scheduler with "
                              "wait_poll_s=None (waits spin in MPI), to compare in one run")
@@ -255,6 +260,22 @@ def sync_bytes(job: Any, p: int) -> float:
     return 2 * (p - 1) / p * n
 
 
+def suggest_rate(hosts: int, shard: Any, args: argparse.Namespace,
+                 comm: Communicator) -> str:
+    """The link rate (tc units) at which a job's ring allreduce over ``hosts`` ranks takes
+    0.8 of its compute time ``C`` on the wire: the compute and the network nearly
+    balanced, with some slack for jitter (the bound (C+S)/max(C,S) is then about 1.8).
+
+    ``C`` is measured here with one job alone; with more emulated hosts than usable
+    cores the ranks share cores, so it is scaled by ``hosts / cores``."""
+    job = make_job("calibrate", 99, shard, args, 0.0, comm.rank)
+    _, c, _ = run_sequential([job], comm)
+    cores = len(os.sched_getaffinity(0))
+    c *= max(1.0, hosts / cores)
+    bits = sync_bytes(job, hosts) * 8
+    return f"{max(1, round(bits / (0.8 * c) / 1e6))}mbit"
+
+
 def token_bound(n: int, c: float, s: float) -> float:
     """Ideal speedup of n identical jobs when only compute is exclusive (the token) and
     syncs may overlap each other: a round of iterations takes max(nC, C + S)."""
@@ -278,9 +299,16 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             raise UsageError(f"--wait-poll-ms must be auto, off or milliseconds in (0, 1000), "
                              f"got {args.wait_poll_ms!r}")
+    if args.suggest_rate is not None and args.suggest_rate < 2:
+        raise UsageError(f"--suggest-rate needs >= 2 hosts, got {args.suggest_rate}")
     torch.set_num_threads(args.threads)
     comm = init()
     shard = load_shard(comm)
+    if args.suggest_rate is not None:
+        rate = suggest_rate(args.suggest_rate, shard, args, comm)
+        if comm.rank == 0:
+            print(rate)
+        return 0
     n = args.jobs
     wait_poll_s = resolve_wait_poll(args.wait_poll_ms, comm)
     network = machine()["network"]
