@@ -299,6 +299,11 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             raise UsageError(f"--wait-poll-ms must be auto, off or milliseconds in (0, 1000), "
                              f"got {args.wait_poll_ms!r}")
+    from ..strategies import available
+
+    if args.sync == "gradsync" and args.strategy not in available():
+        raise UsageError(f"unknown --strategy {args.strategy!r}; available: "
+                         f"{', '.join(available())}")
     if args.suggest_rate is not None and args.suggest_rate < 2:
         raise UsageError(f"--suggest-rate needs >= 2 hosts, got {args.suggest_rate}")
     torch.set_num_threads(args.threads)
