@@ -2,7 +2,8 @@
 
 Every collective algorithm gives bit-identical results whether it blocks in MPI or tests
 its requests and sleeps in between; the setting is inherited by dup/split and checked.
-Runs at every rank count of ``make test`` (1..5).
+Multi-rank tests run at every rank count of ``make test`` (1..5); the backoff is a
+serial unit test.
 """
 
 from __future__ import annotations
@@ -99,3 +100,13 @@ def test_the_sparse_layer_gives_the_same_bits_when_polling(comm):
     finally:
         polling.free()
         blocking.free()
+
+
+def test_polling_backs_off_from_a_sixteenth_to_the_interval(monkeypatch):
+    from mpicomm import comm as comm_module
+
+    slept: list[float] = []
+    monkeypatch.setattr(comm_module.time, "sleep", slept.append)
+    answers = iter([None, False, None, None, None, None, None, "done"])
+    assert comm_module.poll_until(lambda: next(answers), 1.6e-3) == "done"
+    assert slept == pytest.approx([1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3, 1.6e-3, 1.6e-3])

@@ -22,7 +22,7 @@ Setup (every choice is an option):
   for the same cores, so only waiting can be hidden (see :mod:`mpicomm.sched.crossover`);
   ``--delay-ms auto`` sets ``D`` so that the sync phase ``S`` (real allreduce + D) equals
   the compute phase ``C``, both measured first in a job run alone.
-* Waiting: ``--wait-poll-ms`` (default ``auto``: 0.2 ms when the ranks span several
+* Waiting: ``--wait-poll-ms`` (default ``auto``: 1 ms when the ranks span several
   hosts, off on one) sets the jobs' communicators' ``wait_poll_s`` in the co-located and
   Crossover modes: mpicomm's collectives then test their requests and sleep in between
   instead of spinning in MPI, leaving the core to the job that computes. The sequential
@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "wait_poll_s=None (waits spin in MPI), to compare in one run")
     parser.add_argument("--wait-poll-ms", default="auto",
                         help="wait_poll_s of the jobs' communicators in ms (co-located and "
-                             "crossover modes): 'auto' (0.2 ms across hosts, off on one), "
+                             "crossover modes): 'auto' (1 ms across hosts, off on one), "
                              "'off', or a number")
 
 

@@ -93,7 +93,7 @@ _STOP_GRACE_S = 1.0
 #: The timeline row of the token (waits for a job's sync, i.e. communication not hidden).
 TOKEN_ROW = "token"
 #: ``wait_poll_s="auto"`` on a communicator that spans several nodes (hosts).
-NETWORK_WAIT_POLL_S = 2e-4
+NETWORK_WAIT_POLL_S = 1e-3
 
 
 class CrossoverError(RuntimeError):

@@ -20,7 +20,6 @@ header message is needed; ``s = index bytes + value bytes`` bytes per pair.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from ..buffers import (
     staging_pool,
     to_torch,
 )
-from ..comm import Communicator, wait_all
+from ..comm import Communicator, poll_until, wait_all
 from ..linkdelay import link_delay
 from ..selection import index_dtype_for, topk_indices
 from ..tags import TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401  (re-exported)
@@ -340,8 +339,7 @@ class Wire:
         if self.poll_s is None:
             message = self.mpi.Mprobe(source, tag, status)
         else:
-            while (message := self.mpi.Improbe(source, tag, status)) is None:
-                time.sleep(self.poll_s)
+            message = poll_until(lambda: self.mpi.Improbe(source, tag, status), self.poll_s)
         n = status.Get_count(MPI.BYTE)
         if self.staged:
             buf = self._host(n, "sparse-recv")
