@@ -155,10 +155,12 @@ bench-cluster: $(STAMP)
 # Crossover (issue 10): the link rate at which the model's sync takes about its compute
 # time (auto: measured first by `crossover --suggest-rate HOSTS`, or e.g. 150mbit).
 CROSSOVER_RATE ?= auto
-CROSSOVER_ARGS ?= --steps 60 --repeats 5 --hidden 256 --layers 2 --batch 512 --compare-spin
+# Batch 4096: about 27 ms of compute per step on one idle core, so that millisecond
+# overheads (thread wake-ups, the 1 ms polling of waits) stay small next to C and S.
+CROSSOVER_ARGS ?= --steps 60 --repeats 5 --hidden 256 --layers 2 --batch 4096
 bench-crossover: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/cluster
-	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover --repeats 5 \
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) \
 	  --json $(BENCH_OUT)/crossover-shm-2.json
 	for h in 2 4; do \
 	  rate=$(CROSSOVER_RATE); \
@@ -167,7 +169,7 @@ bench-crossover: $(STAMP)
 	      || exit 1; fi; \
 	  echo "crossover: $$h hosts at $$rate"; \
 	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts $$h --rate $$rate \
-	    --timeout 900 -- $(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) \
+	    --timeout 1800 -- $(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) --compare-spin \
 	    --json $(BENCH_OUT)/cluster/crossover-$$rate-$$h.json || exit 1; \
 	done
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)

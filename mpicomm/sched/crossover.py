@@ -279,10 +279,11 @@ class CrossoverScheduler:
         cross a network, where the wait is mostly wire time), ``None`` on one node
         (shared memory: the copies need the waiting thread's core anyway). Only
         mpicomm's own algorithms follow it; code that calls mpi4py directly still spins.
-        Cost: up to one interval per dependent message step (a ring allreduce over p
-        ranks has 2(p-1)), negligible on a link where a step takes milliseconds, not on
-        a microsecond network with many ranks: there pass ``None`` or ~2e-5 (and keep
-        the cores the compute needs free of MPI progress some other way).
+        Cost: up to about one interval per dependent message step (a ring allreduce
+        over p ranks has 2(p-1); the sleeps back off from ``wait_poll_s / 16``),
+        negligible when steps take tens of milliseconds, not for phases of a few
+        milliseconds or on a microsecond network with many ranks: there pass a smaller
+        value (e.g. 1e-4) or ``None``.
 
     Requires ``MPI_THREAD_MULTIPLE`` with more than one rank (the jobs' sync threads
     communicate concurrently); mpi4py requests it by default.
