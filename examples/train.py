@@ -65,6 +65,7 @@ from tqdm import tqdm  # noqa: E402
 
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
+from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
 from mpicomm.linkdelay import report_step  # noqa: E402
 from mpicomm.metrics import Metrics  # noqa: E402
@@ -79,25 +80,6 @@ STRATEGY_OPTIONS = ("density", "bits", "rank", "source", "schedule", "momentum_c
 
 
 # ---------------------------------------------------------------------- options
-class RankZeroParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` for MPI jobs: help and errors are printed by rank 0 only (one
-    copy instead of one per rank), and an error is one ``prog: error: ...`` line; every
-    rank exits with status 2, so no rank goes on to communicate alone."""
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if _world_rank() == 0:
-            super()._print_message(message, file)
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _world_rank() -> int:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_rank()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = RankZeroParser(
         prog=os.path.basename(__file__),

@@ -66,9 +66,18 @@ def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
         "suite": "pingpong", "machine": machine(EMU, 2), "latency_s": 1.1e-4,
         "bandwidth_bits": 9.5e8, "bytes": 20000000, "configured_delay_s": 1e-4,
         "configured_rate_bits": 1e9, "ranks": 2})
-    write(res, "crossover-2.json", {"suite": "crossover", "machine": machine(None, 2),
-                                    "summary": {"speedup": 1.25, "nested": {"a": 1}},
-                                    "rows": ["first run", 2.5]})
+    write(res, "fancy-2.json", {"suite": "fancy", "machine": machine(None, 2),
+                                "summary": {"speedup": 1.25, "nested": {"a": 1}},
+                                "rows": ["first run", 2.5]})
+    write(res / "cluster", "crossover-100mbit-2.json", {
+        "suite": "crossover", "machine": machine(EMU, 2), "args": {"jobs": 2, "steps": 60},
+        "delay_s": 0.0, "wait_poll_s": 2e-4,
+        "rows": [{"repeat": i, "sequential_it_s": 10.0 + i, "colocated_it_s": 12.0,
+                  "crossover_it_s": 14.0 + i, "C_ms": 30.0, "S_ms": 28.0} for i in range(3)],
+        "summary": {"speedup_vs_sequential": 1.36, "speedup_vs_colocated": 1.17,
+                    "colocated_vs_sequential": 1.16, "bound": 1.93, "C_ms": 30.0,
+                    "S_ms": 28.0, "hidden_fraction": 0.8, "target_met": True,
+                    "identical_to_sequential": True}})
     write(res, "other-2.json", {"suite": "other", "machine": machine(None, 2),
                                 "summary": "all good"})
     write(res, "notes.json", {"something": "else"})
@@ -92,6 +101,11 @@ def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
     assert "| mode | steps_per_s |" in text and "| ssp | 12.5 |" in text
     assert "| speedup |\n|---|\n| 1.25 |" in text and "* first run\n* 2.5" in text
     assert "all good" in text
+    # crossover: the three modes' median throughput next to the bound
+    assert ("| sequential it/s | co-located it/s | crossover it/s | co-located x seq | "
+            "crossover x seq | crossover x co-located | crossover spinning x seq | "
+            "bound (C+S)/max(C,S) |") in text
+    assert "| 0.2 | 11 | 12 | 15 | 1.16 | 1.36 | 1.17 |  | 1.93 | 0.8 | True | True |" in text
     assert "notes.json" in text and "broken.json" in text
     plots = tmp_path / "benchmarks"
     for name in ("sparse-scaling.png", "collectives-2.png", "localsgd-4.png"):
@@ -113,3 +127,36 @@ def test_list_names_importable_suites(capsys: pytest.CaptureFixture,
     listed = capsys.readouterr().out.split()
     assert {"collectives", "sparse", "localsgd"} <= set(listed)
     assert "not-yet" not in listed
+
+
+def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> None:
+    res = tmp_path / "results"
+    net = dict(EMU, schedule="/somewhere/benchmarks/schedule-adaptive.txt")
+    rows = [{"method": m, "time_to_target_s": t, "final_acc": a, "step_ms": 100.0,
+             "sent_kB_step": 10.0, "x_dense": 30.0 / t, "choices": c}
+            for m, t, a, c in (("dense", 30.0, 0.98, ""), ("gtopk@0.01", 10.0, 0.97, ""),
+                               ("auto", 12.0, 0.965, "artopk_ring@0.01:40"))]
+    lgreco = [{"method": "topk uniform", "sent_kB_step": 300.0, "final_acc": 0.96},
+              {"method": "topk lgreco", "sent_kB_step": 150.0, "final_acc": 0.96,
+               "dp_size_vs_uniform": 0.5, "dp_error_vs_budget": 1.0}]
+    summary = {"auto_vs_best_static": 1.2, "best_static": "gtopk@0.01",
+               "auto_speedup_vs_dense": 2.5, "auto_acc_loss_points": 1.5,
+               "lgreco_bytes_ratio": 2.0, "lgreco_bytes_ratio_qsgd": None}
+    write(res, "adaptive-emulated-4.json", {
+        "suite": "adaptive", "machine": machine(net, 4), "ranks": 4,
+        "options": {"hidden": 1024, "epochs": 12, "batch": 32, "target": 0.96,
+                    "link": "emulated"}, "rows": rows, "lgreco": lgreco, "summary": summary})
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main(["--results", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "### adaptive: 4 ranks, 1gbit, 0.1 ms" in text
+    assert "schedule `schedule-adaptive.txt`" in text
+    assert "| auto | 12 | 0.965 | 100 | 10 | 2.5 | artopk_ring@0.01:40 |" in text
+    assert "| topk lgreco | 150 | 0.96 | 0.5 | 1 |" in text
+    lines = text.splitlines()
+    verdict = {c[0]: c[-1] for c in ([x.strip() for x in line.strip("|").split("|")]
+                                     for line in lines if line.startswith("| auto_")
+                                     or line.startswith("| lgreco_"))}
+    assert verdict == {"auto_vs_best_static": "MISSED", "auto_speedup_vs_dense": "met",
+                       "auto_acc_loss_points": "MISSED", "lgreco_bytes_ratio": "met",
+                       "lgreco_bytes_ratio_qsgd": ""}

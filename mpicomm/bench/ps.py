@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import Communicator, init
-from ._util import machine, median_seconds, print_table, write_json
+from ._util import UsageError, machine, median_seconds, print_table, write_json
 
 SECTIONS = ("comm", "straggler", "accuracy")
 
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
-        raise ValueError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+        raise UsageError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
     out: dict[str, Any] = {"machine": machine(), "args": vars(args)}
     t0 = time.perf_counter()
     if "comm" in sections:
