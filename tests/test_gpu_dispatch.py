@@ -175,7 +175,7 @@ def test_direct_wire_receive_synchronizes_before_mpi_writes(monkeypatch):
             return Message()
 
     comm = types.SimpleNamespace(p2p=P2P(), traffic=types.SimpleNamespace(recv_bytes=0),
-                                 resources={})
+                                 resources={}, wait_poll_s=None)
     wire = _common.Wire(comm, CUDA1)
     assert wire.direct and not wire.staged
     wire._ops.torch = fake_torch(log)
