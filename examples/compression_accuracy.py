@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 import mpicomm
+from mpicomm.bench._util import machine
 from mpicomm.control import parse_schedule
 from mpicomm.strategies import ARTopK, Dense, GTopK, Strategy, TopKAllgather
 from mpicomm.torch import GradientSync
@@ -60,7 +61,7 @@ BASES = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}
 #: Schedules a label can name (``mpicomm.control.parse_schedule`` forms).
 SCHEDULES = {"gtopkwu": "gtopk", "dgc": "dgc", "linear": "linear:5", "linear2": "linear:2"}
 #: Label modifiers besides the schedules.
-FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own")
+FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "wd")
 
 #: The labels run by default (with and without error feedback). The accuracy-at-scale
 #: recipes are opt-in labels, e.g. ``topk+ef+dgc gtopk+ef+own+dgc artopk+ef+dgc
@@ -86,22 +87,29 @@ def recipe(label: str, cfg: Config, steps_per_epoch: int) -> Recipe:
     without masking), ``clip`` (local gradient clipping at ``cfg.clip_norm / sqrt(P)``),
     ``own`` (gTop-k only: ``own_contribution=True``, picks whose value was truncated on
     the way go back to the residual) and
-    a warm-up schedule by epochs: ``gtopkwu`` (0.004 for epoch 0), ``dgc`` (0.25, 0.0625,
+    one warm-up schedule: ``gtopkwu`` (0.004 for epoch 0), ``dgc`` (0.25, 0.0625,
     0.015625, 0.004, one epoch each), ``linear`` / ``linear2`` (dense to final over 5 / 2
-    epochs). ``ValueError`` for anything else.
+    epochs) or any :func:`mpicomm.control.parse_schedule` form (``linear:8``, ``dgc:2``,
+    ``warmup:0.25,0.0625/3``, ``dgc:10@step``; by epochs unless ``@step``), and ``wd``
+    (``warmup_dense=True``: warm-up steps at which the sparse collective would send more
+    than a dense allreduce are dense). ``ValueError`` for anything else.
     """
     if label == "dense":
         return Recipe(Dense(algorithm="ring"), cfg.momentum)
     base, *mods = label.replace("-noef", "+noef").split("+")
-    if base not in BASES or any(m not in FLAGS and m not in SCHEDULES for m in mods):
+    specs = [SCHEDULES.get(m, m) for m in mods if m not in FLAGS]
+    if base not in BASES or len(specs) > 1 or \
+            any(not _is_schedule(m, steps_per_epoch) for m in specs):
         raise ValueError(f"unknown strategy label {label!r}: dense or BASE[+MOD..] with BASE "
-                         f"in {sorted(BASES)} and MOD in {sorted([*FLAGS, *SCHEDULES])}")
+                         f"in {sorted(BASES)} and MOD in {sorted([*FLAGS, *SCHEDULES])} or "
+                         "one mpicomm.control.parse_schedule form (e.g. linear:8, dgc:2, "
+                         "warmup:0.25,0.0625/3)")
     mc = "mc" in mods or "mcnomask" in mods
-    names = [m for m in mods if m in SCHEDULES]
     kwargs: dict[str, Any] = {
         "density": cfg.density,
         "error_feedback": "noef" not in mods,
-        "schedule": parse_schedule(SCHEDULES[names[0]], steps_per_epoch) if names else None,
+        "schedule": parse_schedule(specs[0], steps_per_epoch) if specs else None,
+        "warmup_dense": "wd" in mods,
         "momentum_correction": cfg.momentum if mc else 0.0,
         "momentum_masking": "mcnomask" not in mods,
         "clip_norm": cfg.clip_norm if "clip" in mods else None,
@@ -111,6 +119,13 @@ def recipe(label: str, cfg: Config, steps_per_epoch: int) -> Recipe:
             raise ValueError(f"{label!r}: the 'own' modifier is for gtopk only")
         kwargs["own_contribution"] = True
     return Recipe(BASES[base](**kwargs), 0.0 if mc else cfg.momentum)
+
+
+def _is_schedule(spec: str, steps_per_epoch: int) -> bool:
+    try:
+        return parse_schedule(spec, steps_per_epoch) is not None
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -249,30 +264,45 @@ def run(labels: list[str], seeds: list[int], cfg: Config, comm: mpicomm.Communic
     return results
 
 
-def table(results: list[Result], seeds: list[int], labels: list[str]) -> str:
-    """Accuracy per seed, median, gap to dense (pp), loss, bytes per rank per step."""
+def summarize(results: list[Result], seeds: list[int], labels: list[str]
+              ) -> list[dict[str, Any]]:
+    """One row per label: accuracy per seed, median, gap of the median to dense and the
+    worst seed's gap (pp, NaN without a dense run), median final training loss, median
+    kB each rank sent per step, dense's bytes / that, and the steps of the run."""
     by = {(res.strategy, res.seed): res for res in results}
     nan = float("nan")
     has_dense = "dense" in labels
     dense_bytes = statistics.median(by["dense", s].sent_bytes_per_step
                                     for s in seeds) if has_dense else nan
     dense_acc = statistics.median(by["dense", s].accuracy for s in seeds) if has_dense else nan
+    rows = []
+    for label in labels:
+        accs = [by[label, s].accuracy for s in seeds]
+        med = statistics.median(accs)
+        sent = statistics.median(by[label, s].sent_bytes_per_step for s in seeds)
+        rows.append({
+            "strategy": label, "accuracies": accs, "median": med, "gap_pp": med - dense_acc,
+            "worst_pp": min(a - by["dense", s].accuracy for a, s in zip(accs, seeds))
+            if has_dense else nan,
+            "loss": statistics.median(by[label, s].train_loss for s in seeds),
+            "kB_per_step": sent / 1e3,
+            "x_dense": dense_bytes / sent if sent else float("inf"),
+            "steps": by[label, seeds[0]].steps,
+        })
+    return rows
+
+
+def table(results: list[Result], seeds: list[int], labels: list[str]) -> str:
+    """:func:`summarize` as a text table."""
     head = (f"{'strategy':<18} " + " ".join(f"{'seed ' + str(s):>8}" for s in seeds)
             + f" {'median':>8} {'gap pp':>7} {'worst':>7} {'loss':>7} {'kB/step':>9}"
               f" {'vs dense':>9} {'steps':>6}")
     lines = [head, "-" * len(head)]
-    for label in labels:
-        accs = [by[label, s].accuracy for s in seeds]
-        med = statistics.median(accs)
-        loss = statistics.median(by[label, s].train_loss for s in seeds)
-        sent = statistics.median(by[label, s].sent_bytes_per_step for s in seeds)
-        ratio = dense_bytes / sent if sent else float("inf")
-        worst = min(a - by["dense", s].accuracy for a, s in zip(accs, seeds)) \
-            if has_dense else nan
-        steps = by[label, seeds[0]].steps
-        lines.append(f"{label:<18} " + " ".join(f"{a:8.2f}" for a in accs)
-                     + f" {med:8.2f} {med - dense_acc:+7.2f} {worst:+7.2f} {loss:7.4f}"
-                     f" {sent / 1e3:9.1f} {ratio:8.1f}x {steps:6d}")
+    for row in summarize(results, seeds, labels):
+        lines.append(f"{row['strategy']:<18} " + " ".join(f"{a:8.2f}" for a in row["accuracies"])
+                     + f" {row['median']:8.2f} {row['gap_pp']:+7.2f} {row['worst_pp']:+7.2f}"
+                     f" {row['loss']:7.4f} {row['kB_per_step']:9.1f} {row['x_dense']:8.1f}x"
+                     f" {row['steps']:6d}")
     return "\n".join(lines)
 
 
@@ -317,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntotal {time.perf_counter() - start:.0f} s")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"config": asdict(cfg), "ranks": comm.size,
+                json.dump({"suite": "accuracy", "machine": machine(), "config": asdict(cfg),
+                           "ranks": comm.size, "seeds": args.seeds,
+                           "summary": summarize(results, args.seeds, labels),
                            "results": [asdict(res) for res in results]}, f, indent=1)
     return 0
 
