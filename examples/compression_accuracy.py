@@ -39,7 +39,7 @@ oscillation but trains slower in so few steps (masking clears the velocity of th
 coordinates sent most often). At 16 ranks (5 steps per epoch, 60 steps) every strategy
 needs lr 0.1 (dense too: 97.11%) and a longer, gradual warm-up: ``topk+ef+dgc:2+wd``,
 ``gtopk+ef+own+linear:8,0.25+wd`` and ``artopk+ef+linear:7+wd`` are within 0.9 pp of
-dense at densities 0.01 and 0.001 for 2.2-2.7x fewer bytes. The README's "Accuracy at
+dense at densities 0.01 and 0.001 for 2.1-2.7x fewer bytes. The README's "Accuracy at
 scale" section has the 4/8/16 rank tables. At 4 ranks (12 epochs, constant lr, seeds
 0-2): dense 97.33%, gTop-k+EF 97.56%, AR-Top-k+EF 97.78%.
 """
