@@ -6,6 +6,8 @@
 #                             memory (JSON under bench-results/), then BENCHMARKS.md + plots
 #   make bench-cluster        the suites on the emulated cluster (root + iproute2): 4 and 8
 #                             hosts at 1 and 10 Gbit/s (bench-results/cluster/), then report
+#   make bench-crossover      the Crossover scheduler on shared memory (2 ranks) and on
+#                             the emulated cluster (2 and 4 hosts), then report
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
 #   make lint                 ruff
 #
@@ -60,7 +62,8 @@ endif
 PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: install test test-serial test-mpi demo bench bench-cluster report lint clean
+.PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover report lint \
+	clean
 
 install: $(STAMP)
 
@@ -91,8 +94,9 @@ demo: $(STAMP)
 # the first host count (bench-cluster; a failure there is reported at the end, after the
 # report, and fails the target).
 KNOWN_SUITES := collectives sparse localsgd
-# single-process suites: nothing to measure on the emulated network
-CLUSTER_SKIP := selection
+# single-process suites: nothing to measure on the emulated network; crossover has its own
+# target (bench-crossover: a link rate at which its sync time matches its compute time)
+CLUSTER_SKIP := selection crossover
 bench: $(STAMP)
 	@mkdir -p $(BENCH_OUT)
 	for n in 2 4; do \
@@ -147,6 +151,28 @@ bench-cluster: $(STAMP)
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT) || exit 1; \
 	if [ -n "$$failed" ]; then echo "suites that failed on the emulated cluster:$$failed"; \
 	  exit 1; fi
+
+# Crossover (issue 10): the link rate at which the model's sync takes about its compute
+# time (auto: measured first by `crossover --suggest-rate HOSTS`, or e.g. 150mbit).
+CROSSOVER_RATE ?= auto
+# Batch 4096: about 27 ms of compute per step on one idle core, so that millisecond
+# overheads (thread wake-ups, the 1 ms polling of waits) stay small next to C and S.
+CROSSOVER_ARGS ?= --steps 60 --repeats 5 --hidden 256 --layers 2 --batch 4096
+bench-crossover: $(STAMP)
+	@mkdir -p $(BENCH_OUT)/cluster
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) \
+	  --json $(BENCH_OUT)/crossover-shm-2.json
+	for h in 2 4; do \
+	  rate=$(CROSSOVER_RATE); \
+	  if [ $$rate = auto ]; then \
+	    rate=$$($(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) --suggest-rate $$h) \
+	      || exit 1; fi; \
+	  echo "crossover: $$h hosts at $$rate"; \
+	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts $$h --rate $$rate \
+	    --timeout 1800 -- $(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) --compare-spin \
+	    --json $(BENCH_OUT)/cluster/crossover-$$rate-$$h.json || exit 1; \
+	done
+	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 
 report: $(STAMP)
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)

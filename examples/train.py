@@ -66,6 +66,7 @@ from tqdm import tqdm  # noqa: E402
 
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
+from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
 from mpicomm.linkdelay import report_step  # noqa: E402
 from mpicomm.metrics import Metrics  # noqa: E402
@@ -80,25 +81,6 @@ STRATEGY_OPTIONS = ("density", "bits", "rank", "source", "schedule", "momentum_c
 
 
 # ---------------------------------------------------------------------- options
-class RankZeroParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` for MPI jobs: help and errors are printed by rank 0 only (one
-    copy instead of one per rank), and an error is one ``prog: error: ...`` line; every
-    rank exits with status 2, so no rank goes on to communicate alone."""
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if _world_rank() == 0:
-            super()._print_message(message, file)
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _world_rank() -> int:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_rank()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = RankZeroParser(
         prog=os.path.basename(__file__),
@@ -337,26 +319,39 @@ def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
                args: argparse.Namespace, comm: mpicomm.Communicator,
                update: Callable[[torch.Tensor], Any], metrics: Metrics | None = None
                ) -> tuple[int, list[dict[str, float]]]:
-    """The training loop of both modes; ``update(loss)``, called after ``backward``,
-    synchronizes and steps the optimizer as the mode does. Returns the number of steps and
-    the per-epoch training metrics (averaged over all ranks)."""
+    """:func:`train_loop` with this script's arguments."""
+    return train_loop(model, opt, data, comm, update, epochs=args.epochs,
+                      batch_size=args.batch_size, seed=args.seed,
+                      decay_in_loss=args.weight_decay if args.momentum_correction else 0.0,
+                      progress=not args.no_progress, metrics=metrics)
+
+
+def train_loop(model: torch.nn.Module, opt: Any, data: Digits, comm: mpicomm.Communicator,
+               update: Callable[[torch.Tensor], Any], *, epochs: int, batch_size: int,
+               seed: int = 0, decay_in_loss: float = 0.0, progress: bool = True,
+               metrics: Metrics | None = None) -> tuple[int, list[dict[str, float]]]:
+    """The training loop of every mode (also examples/train_ps.py); ``update(loss)``,
+    called after ``backward``, synchronizes and steps the optimizer as the mode does
+    (``opt`` only needs ``zero_grad``). ``decay_in_loss``: weight decay added to the loss
+    as ``wd/2 ||w||^2`` (with momentum correction). Returns the number of steps and the
+    per-epoch training metrics (averaged over all ranks of ``comm``)."""
     per_rank = len(data.y_train) // comm.size
-    steps_per_epoch = -(-per_rank // args.batch_size)
-    bar = tqdm(total=args.epochs * steps_per_epoch, unit="step", file=sys.stderr,
-               disable=comm.rank != 0 or args.no_progress, mininterval=0.5)
+    steps_per_epoch = -(-per_rank // batch_size)
+    bar = tqdm(total=epochs * steps_per_epoch, unit="step", file=sys.stderr,
+               disable=comm.rank != 0 or not progress, mininterval=0.5)
     steps, history = 0, []
-    for epoch in range(args.epochs):
-        idx = epoch_shard(len(data.y_train), epoch, args.seed, comm)
+    for epoch in range(epochs):
+        idx = epoch_shard(len(data.y_train), epoch, seed, comm)
         loss_sum = correct = 0.0
-        for start in range(0, len(idx), args.batch_size):
-            batch = idx[start:start + args.batch_size]
+        for start in range(0, len(idx), batch_size):
+            batch = idx[start:start + batch_size]
             x, y = data.x_train[batch], data.y_train[batch]
             opt.zero_grad()
             out = model(x)
             loss = torch.nn.functional.cross_entropy(out, y)
-            if args.momentum_correction:  # weight decay folded into the gradient
+            if decay_in_loss:  # weight decay folded into the gradient
                 decay = sum(p.pow(2).sum() for p in model.parameters())
-                (loss + 0.5 * args.weight_decay * decay).backward()
+                (loss + 0.5 * decay_in_loss * decay).backward()
             else:
                 loss.backward()
             if metrics is not None:

@@ -9,6 +9,8 @@ on disjoint shards of the data, push gradients and pull parameters through
     mpiexec -n 5 python examples/train_ps.py --servers 2 --mode sync
     mpiexec -n 4 python examples/train_ps.py --servers 1 --mode async --slow-worker 0
     mpiexec -n 3 python examples/train_ps.py --servers 1 --compressor topk --density 0.01
+    mpiexec -n 3 python examples/train_ps.py --servers 1 --compressor powersgd --rank 4 \
+        --pull-compressor qsgd
 
 ``--slow-worker R --slow-factor F`` makes worker ``R`` a straggler: after each step's
 computation it sleeps ``F - 1`` times that computation's duration. Worker 0 prints the
@@ -54,7 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--staleness", type=int, default=0, help="SSP bound (with --mode ssp)")
     ap.add_argument("--compressor", default=None, choices=sorted(REGISTRY),
                     help="compress pushes (error feedback on the worker)")
+    ap.add_argument("--pull-compressor", default=None, choices=sorted(REGISTRY),
+                    help="compress pulls (deltas to each worker's copy, kept by the servers)")
     ap.add_argument("--density", type=float, default=0.01, help="for topk/randomk")
+    ap.add_argument("--rank", type=int, default=4, help="for powersgd")
     ap.add_argument("--slow-worker", type=int, default=None, help="make this worker slow")
     ap.add_argument("--slow-factor", type=float, default=3.0,
                     help="the slow worker's step takes this many times as long")
@@ -72,22 +77,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "hidden"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.rank < 1:
+        ap.error("--rank must be >= 1")
     if args.slow_factor < 1:
         ap.error("--slow-factor must be >= 1")
-    # what examples/train.py's loop and summary read, with this script's meaning: the
-    # servers apply plain momentum SGD (no momentum correction), gradients every step
-    args.momentum_correction = None
+    # what examples/train.py's summary reads, with this script's meaning: gradients
+    # every step (no local SGD)
     args.local_sgd = "none"
     args.strategy = f"ps-{args.mode}"
     return args
 
 
-def make_compressor(args: argparse.Namespace) -> Any:
-    if args.compressor is None:
+def make_compressor(name: str | None, args: argparse.Namespace) -> Any:
+    if name is None:
         return None
-    if args.compressor in ("topk", "randomk", "sampled_topk"):
-        return make(args.compressor, density=args.density)
-    return make(args.compressor)
+    if name in ("topk", "randomk", "sampled_topk"):
+        return make(name, density=args.density)
+    if name == "powersgd":
+        return make(name, rank=args.rank)
+    return make(name)
 
 
 class Straggler:
@@ -111,7 +119,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     peer.setup_logging(comm.rank)
     kv = KVStore(comm, servers=args.servers, mode=args.mode, staleness=args.staleness,
                  optimizer="sgd", lr=args.lr, momentum=args.momentum,
-                 weight_decay=args.weight_decay, compressor=make_compressor(args))
+                 weight_decay=args.weight_decay,
+                 compressor=make_compressor(args.compressor, args),
+                 pull_compressor=make_compressor(args.pull_compressor, args))
     workers = comm.split(0 if kv.is_worker else None)
     torch.set_num_threads(args.threads or peer.default_threads(comm))
     summary = None
@@ -126,8 +136,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             driver = Straggler(opt, args.slow_factor)
         workers.barrier()
         start = time.perf_counter()
-        steps, history = peer.run_epochs(model, driver, data, args, workers,
-                                         lambda loss: driver.step())
+        steps, history = peer.train_loop(model, driver, data, workers,
+                                         lambda loss: driver.step(), epochs=args.epochs,
+                                         batch_size=args.batch_size, seed=args.seed,
+                                         progress=not args.no_progress)
         workers.barrier()
         opt.pull()  # every push is in: one final model (worker 0's, broadcast below)
         for p in model.parameters():
@@ -138,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         test = peer.evaluate(model, data.x_test, data.y_test, workers)
         describe = {"mode": args.mode, "staleness": args.staleness, "servers": args.servers,
                     "workers": kv.workers, "compressor": args.compressor,
+                    "pull_compressor": args.pull_compressor,
                     "slow_worker": args.slow_worker, "worker_stats": stats}
         outcome = peer.Outcome(steps, stats["bytes_pushed"], describe, history)
         summary = peer.summarize(outcome, test, peer.dense_bytes_per_step(model, workers),

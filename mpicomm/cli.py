@@ -203,6 +203,21 @@ def _world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
+class RankZeroParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` for MPI jobs: help and errors are printed by rank 0 only (one
+    copy instead of one per rank), and an error is one ``prog: error: ...`` line; every
+    rank exits with status 2, so no rank goes on to communicate alone. Sub-parsers made
+    with ``add_subparsers`` are of this class too. Used by ``python -m mpicomm.bench`` and
+    the examples."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if _world_rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def job_info() -> dict[str, str]:
     """Under ``mpiexec -n N`` (N > 1): nodes, local ranks, measured alpha/beta per link
     kind and usable buffer backends (:mod:`mpicomm.topology`; collective). One process

@@ -30,6 +30,11 @@ variable                         meaning
                                  (default: the ``mpiexec`` beside this Python, else PATH).
 ``MPICOMM_PS_SPLIT_BYTES``       parameter server: keys of at least this many bytes are
                                  split over all servers (default 65536, an integer >= 1).
+``MPICOMM_PS_SPIN_US``           parameter server: microseconds a waiting server or worker
+                                 keeps probing (yielding the CPU between probes) before it
+                                 sleeps (default 200; :class:`mpicomm.ps.wire.Backoff`);
+``MPICOMM_PS_MAX_SLEEP_US``      ... and its longest sleep between probes (default 1000):
+                                 the worst added latency of a reply after an idle period.
 ``MPICOMM_PS_SERVERS``           parameter-server ranks, set by ``python -m mpicomm run
                                  --servers S`` (read with ``mpicomm.cli.ps_servers``;
                                  ``examples/train_ps.py`` takes it as ``--servers``).

@@ -10,6 +10,7 @@ same exception type with the same wording wherever it is made:
   may catch either. An integer out of range raises ``ValueError``.
 * :func:`check_choice` / :func:`check_algorithm` -- a string from a fixed set; anything
   else raises ``ValueError`` listing the choices.
+* :func:`check_poll_s` -- an optional polling interval in seconds, in ``(0, 1)``.
 
 No MPI here: the pure layers (``mpicomm.compress``) use it too. Collective front-ends run
 these checks inside :meth:`mpicomm.Communicator.validating`, which makes a failure on one
@@ -22,7 +23,8 @@ import operator
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["NotAnIntegerError", "check_int", "check_choice", "check_algorithm"]
+__all__ = ["NotAnIntegerError", "check_int", "check_choice", "check_algorithm",
+           "check_poll_s"]
 
 
 class NotAnIntegerError(TypeError, ValueError):
@@ -61,6 +63,21 @@ def _is_integer(value: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def check_poll_s(name: str, value: Any) -> float | None:
+    """``None``, or a polling interval in seconds strictly between 0 and 1 as a float.
+
+    ``TypeError`` for a non-number (``bool`` included), ``ValueError`` out of range.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be None or seconds (a float), got {value!r} "
+                        f"({type(value).__name__})")
+    if not 0 < value < 1:
+        raise ValueError(f"{name} must be None or seconds in (0, 1), got {value!r}")
+    return float(value)
 
 
 def check_choice(what: str, value: Any, choices: Iterable[str]) -> str:

@@ -6,8 +6,9 @@
 ``server-raises``   a worker sends a push that skips a sequence number (a lost update);
                     the server holding the key stops the job, naming its rank.
 ``train``           examples/train_ps.py several times in one job (one start-up): SSP,
-                    async with a 3x straggler, top-k compressed push; JSON summaries go
-                    to the folder given as the second argument.
+                    async with a 3x straggler, top-k / PowerSGD compressed push, QSGD
+                    compressed pull, dense sync; JSON summaries go to the folder given
+                    as the second argument.
 
 Before a fault, the job prints ``FAULT AT <unix time>`` so the test can measure how long
 the job took to end after it.
@@ -59,7 +60,10 @@ def train(folder: str) -> None:
     common = ["--no-progress", "--threads", "1", "--servers", "1"]
     runs = {"ssp": ["--mode", "ssp", "--staleness", "2", "--epochs", "1"],
             "async-straggler": ["--mode", "async", "--slow-worker", "0", "--epochs", "3"],
-            "topk": ["--epochs", "2", "--compressor", "topk", "--density", "0.01"]}
+            "topk": ["--epochs", "2", "--compressor", "topk", "--density", "0.01"],
+            "dense": ["--epochs", "2"],
+            "powersgd": ["--epochs", "2", "--compressor", "powersgd", "--rank", "4"],
+            "pull": ["--epochs", "2", "--pull-compressor", "qsgd"]}
     for name, extra in runs.items():
         train_ps.main([*common, *extra, "--json", os.path.join(folder, f"{name}.json")])
 

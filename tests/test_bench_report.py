@@ -66,9 +66,18 @@ def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
         "suite": "pingpong", "machine": machine(EMU, 2), "latency_s": 1.1e-4,
         "bandwidth_bits": 9.5e8, "bytes": 20000000, "configured_delay_s": 1e-4,
         "configured_rate_bits": 1e9, "ranks": 2})
-    write(res, "crossover-2.json", {"suite": "crossover", "machine": machine(None, 2),
-                                    "summary": {"speedup": 1.25, "nested": {"a": 1}},
-                                    "rows": ["first run", 2.5]})
+    write(res, "fancy-2.json", {"suite": "fancy", "machine": machine(None, 2),
+                                "summary": {"speedup": 1.25, "nested": {"a": 1}},
+                                "rows": ["first run", 2.5]})
+    write(res / "cluster", "crossover-100mbit-2.json", {
+        "suite": "crossover", "machine": machine(EMU, 2), "args": {"jobs": 2, "steps": 60},
+        "delay_s": 0.0, "wait_poll_s": 2e-4,
+        "rows": [{"repeat": i, "sequential_it_s": 10.0 + i, "colocated_it_s": 12.0,
+                  "crossover_it_s": 14.0 + i, "C_ms": 30.0, "S_ms": 28.0} for i in range(3)],
+        "summary": {"speedup_vs_sequential": 1.36, "speedup_vs_colocated": 1.17,
+                    "colocated_vs_sequential": 1.16, "bound": 1.93, "C_ms": 30.0,
+                    "S_ms": 28.0, "hidden_fraction": 0.8, "target_met": True,
+                    "identical_to_sequential": True}})
     write(res, "other-2.json", {"suite": "other", "machine": machine(None, 2),
                                 "summary": "all good"})
     write(res, "notes.json", {"something": "else"})
@@ -92,6 +101,11 @@ def test_report_tables_plots_and_unknown_suites(tmp_path: Path) -> None:
     assert "| mode | steps_per_s |" in text and "| ssp | 12.5 |" in text
     assert "| speedup |\n|---|\n| 1.25 |" in text and "* first run\n* 2.5" in text
     assert "all good" in text
+    # crossover: the three modes' median throughput next to the bound
+    assert ("| sequential it/s | co-located it/s | crossover it/s | co-located x seq | "
+            "crossover x seq | crossover x co-located | crossover spinning x seq | "
+            "bound (C+S)/max(C,S) |") in text
+    assert "| 0.2 | 11 | 12 | 15 | 1.16 | 1.36 | 1.17 |  | 1.93 | 0.8 | True | True |" in text
     assert "notes.json" in text and "broken.json" in text
     plots = tmp_path / "benchmarks"
     for name in ("sparse-scaling.png", "collectives-2.png", "localsgd-4.png"):

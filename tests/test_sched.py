@@ -224,6 +224,43 @@ def test_gated_sync_phases_give_the_same_trajectories(comm):
     assert traj_a == traj_b == reference
 
 
+@pytest.mark.mpi
+def test_sleep_polling_waits_give_the_same_trajectories_and_still_overlap(comm):
+    from mpicomm.sched.crossover import NETWORK_WAIT_POLL_S
+
+    specs = [SPECS[0], SPECS[2]]  # GradientSync (its own thread communicator) and LocalSGD
+    references = {name: run_alone(comm, name, w, s, how) for name, w, s, how in specs}
+    fn_reference = quadratic_alone(comm, comm.rank, 5)
+    trajectories: dict[str, list[str]] = {name: [] for name, *_ in specs}
+    jobs: list[Job] = [torch_job(comm, name, w, s, how, trajectories[name])
+                       for name, w, s, how in specs]
+    fn_job, fn_trajectory = quadratic_job("numpy", comm.rank, 5, compute_s=0.01, sync_s=0.02)
+    jobs.append(fn_job)
+    with CrossoverScheduler(jobs, comm=comm, timeline=True, wait_poll_s=1e-4) as sched:
+        assert sched.wait_poll_s == 1e-4
+        for job in jobs:  # set before setup: what the jobs build on it inherits it
+            assert job.comm.wait_poll_s == 1e-4, job.name
+        assert jobs[0].sync_object._tcomm.wait_poll_s == 1e-4
+        sched.run()
+        events = sched.timeline.gather(comm)
+    for name, *_ in specs:
+        assert trajectories[name] == references[name], name
+    assert fn_trajectory == fn_reference
+    if comm.rank == 0:
+        for pid in range(comm.size):  # the numpy job's sync hides behind the others' compute
+            others = [c for j in ("dense", "local") for c in spans(events, pid, f"job {j}",
+                                                                   "compute")]
+            assert any(overlaps(s, c) for s in spans(events, pid, "job numpy", "sync")
+                       for c in others), pid
+    # "auto": sleep-polling only when the ranks span several nodes (a network)
+    a, _ = quadratic_job("a", comm.rank, 1)
+    b, _ = quadratic_job("b", comm.rank, 1)
+    with CrossoverScheduler([a, b], comm=comm) as sched:
+        want = NETWORK_WAIT_POLL_S if comm.nodes > 1 else None
+        assert sched.wait_poll_s == want and a.comm.wait_poll_s == want
+        sched.run()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_different_job_lists_raise_on_every_rank(comm):
     steps = 3 if comm.rank == comm.size - 1 else 2
@@ -275,6 +312,10 @@ def test_arguments_are_checked():
         CrossoverScheduler([a, lambda step: None])
     with pytest.raises(ValueError, match="gate_poll_s"):
         CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], gate_poll_s=0)
+    with pytest.raises(ValueError, match="wait_poll_s"):
+        CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], wait_poll_s=2.0)
+    with pytest.raises(TypeError, match="wait_poll_s"):
+        CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], wait_poll_s="network")
     with pytest.raises(TypeError, match="timeline"):
         CrossoverScheduler([a, quadratic_job("b", 0, 1)[0]], timeline="yes")
     with pytest.raises(TypeError, match="callable"):
@@ -397,17 +438,23 @@ def test_a_sync_phase_that_never_returns_cannot_hang_a_failed_run():
 def test_benchmark_runs_every_mode_and_reports_the_bound(tmp_path):
     out = tmp_path / "crossover.json"
     result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "crossover", "--steps", "3",
-                         "--repeats", "1", "--batch", "16", "--hidden", "16", "--json",
-                         str(out)], timeout=150)
+                         "--repeats", "1", "--batch", "16", "--hidden", "16",
+                         "--wait-poll-ms", "0.5", "--compare-spin", "--json", str(out)],
+                     timeout=150)
     assert result.returncode == 0, result.output
     report = json.loads(out.read_text())
     summary = report["summary"]
     assert summary["identical_to_sequential"] is True  # the scheduler changed no math
     assert 1.0 <= summary["bound"] <= 2.0
     (row,) = report["rows"]
-    for mode in ("sequential", "colocated", "crossover"):
+    for mode in ("sequential", "colocated", "crossover", "crossover_spin"):
         assert row[f"{mode}_s"] > 0 and row[f"{mode}_it_s"] == pytest.approx(6 / row[f"{mode}_s"])
-    assert "bound (C+S)/max(C,S)" in result.output
+        assert row[f"{mode}_cpu_ms"] > 0
+    assert summary["spin_vs_sequential"] == pytest.approx(row["sequential_s"]
+                                                          / row["crossover_spin_s"])
+    assert row["Cx_ms"] > 0 and row["Sx_ms"] > 0 and row["wait_ms"] >= 0
+    assert report["wait_poll_s"] == 5e-4 and report["machine"]["network"]["hosts"] == 1
+    assert "bound (C+S)/max(C,S)" in result.output and "wait poll 0.5 ms" in result.output
 
 
 def test_jobs_of_any_length_run_in_cyclic_order():
@@ -427,3 +474,27 @@ def test_jobs_of_any_length_run_in_cyclic_order():
         assert mine == [x for s in range(steps) for x in (f"{name}{s}", f"{name}{s}s")] + [
             f"{name}."]
     assert [stats.jobs[n].steps for n in "abc"] == [3, 0, 1]
+
+
+def test_benchmark_suggests_the_rate_that_balances_sync_and_compute(monkeypatch):
+    import argparse
+
+    from mpicomm.bench import crossover as bench
+    from mpicomm.bench.localsgd import load_shard
+
+    comm = mpicomm.init()
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--steps", "3", "--hidden", "16", "--layers", "1",
+                              "--batch", "8"])
+    monkeypatch.setattr(bench, "run_sequential", lambda jobs, c: (1.0, 0.010, 0.0))
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    shard = load_shard(comm)
+    job = bench.make_job("x", 99, shard, args, 0.0, comm.rank)
+    params = sum(p.numel() for p in job.model.parameters())
+    # 2 hosts: a ring allreduce sends the whole float32 gradient once, at 0.8 C = 8 ms
+    assert bench.sync_bytes(job, 2) == 4 * params
+    assert bench.suggest_rate(2, shard, args, comm) == f"{round(32 * params / 8e-3 / 1e6)}mbit"
+    # 4 hosts on 2 cores: 1.5x the bytes, compute twice as slow
+    want = round(1.5 * 32 * params / 16e-3 / 1e6)
+    assert bench.suggest_rate(4, shard, args, comm) == f"{max(1, want)}mbit"

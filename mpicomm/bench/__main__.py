@@ -5,11 +5,14 @@ run a suite with ``--help`` for its options. ``--list`` prints the suites this
 installation has (the Makefile's ``bench`` targets run those). ``report`` is not a
 suite: ``python -m mpicomm.bench report`` writes BENCHMARKS.md and plots from the suites'
 JSON (:mod:`mpicomm.bench.report`).
+
+Under ``mpiexec`` a bad option (one argparse rejects, or one a suite rejects with
+:class:`~mpicomm.bench._util.UsageError`) ends the job with one ``... error: ...`` line
+from rank 0 and exit status 2 on every rank.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import sys
@@ -48,9 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--list"]:
         print(" ".join(available()))
         return 0
-    parser = argparse.ArgumentParser(prog="python -m mpicomm.bench", description=__doc__)
+    from ..cli import RankZeroParser
+    from ._util import UsageError
+
+    parser = RankZeroParser(prog="python -m mpicomm.bench", description=__doc__)
     sub = parser.add_subparsers(dest="suite", required=True)
-    modules = {}
+    modules, parsers = {}, {}
     for name, path in SUITES.items():
         try:
             module = importlib.import_module(path)
@@ -60,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         modules[name] = module
         sp = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        parsers[name] = sp
         sp.add_argument("--json", default=None, help="write the results to this JSON file")
         module.add_arguments(sp)
     args = parser.parse_args(argv)
-    return int(modules[args.suite].run(args) or 0)
+    try:
+        return int(modules[args.suite].run(args) or 0)
+    except UsageError as exc:
+        parsers[args.suite].error(str(exc))
+        raise  # not reached: error() exits
 
 
 if __name__ == "__main__":

@@ -15,6 +15,14 @@ from mpi4py import MPI
 from ..comm import Communicator
 
 
+class UsageError(ValueError):
+    """A bad command-line value that a suite finds in ``run(args)`` (a combination
+    argparse cannot check). ``python -m mpicomm.bench`` turns it into one
+    ``prog: error: ...`` line from rank 0 and exit status 2 on every rank, as argparse
+    does. Raise it only where every rank finds it: from the arguments (and the rank
+    count) alone, before the suite's first communication that not every rank reaches."""
+
+
 def positive_floats(text: str) -> list[float]:
     """An argparse type: a comma-separated list of positive numbers (``"1e6,2.5e7"``)."""
     try:

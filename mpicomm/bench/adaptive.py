@@ -57,7 +57,7 @@ from ..control.selector import build
 from ..linkdelay import ENV_RANKS_PER_HOST, report_step
 from ..strategies import Dense, Strategy
 from ..torch import GradientSync
-from ._util import machine, print_table, write_json
+from ._util import UsageError, machine, print_table, write_json
 
 GBPS = 1.25e8  # bytes per second per Gbit/s
 DEFAULT_STATIC = ("allgather_topk@0.01", "gtopk@0.01", "artopk_ring@0.01", "artopk_tree@0.01",
@@ -88,11 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_schedule(text: str) -> list[tuple[int, float, float]]:
     out = []
-    for part in text.split(","):
-        epoch, gbps, alpha_us = part.split(":")
-        out.append((int(epoch), float(gbps), float(alpha_us)))
+    try:
+        for part in text.split(","):
+            epoch, gbps, alpha_us = part.split(":")
+            out.append((int(epoch), float(gbps), float(alpha_us)))
+    except ValueError:
+        out = []
     if not out or out[0][0] != 0 or any(g <= 0 or a < 0 for _, g, a in out):
-        raise ValueError(f"bad --schedule {text!r}: starts at epoch 0, GBPS > 0, ALPHA >= 0")
+        raise UsageError(f"bad --schedule {text!r}: starts at epoch 0, GBPS > 0, ALPHA >= 0")
     return sorted(out)
 
 
@@ -212,7 +215,7 @@ def lgreco_rows(data: tuple[torch.Tensor, ...], comm: Communicator,
 
 def run(args: argparse.Namespace) -> int:
     if args.link == "emulated" and not os.environ.get(ENV_RANKS_PER_HOST):
-        raise ValueError("--link emulated: run under launchers/emulated-cluster "
+        raise UsageError("--link emulated: run under launchers/emulated-cluster "
                          f"({ENV_RANKS_PER_HOST} is not set)")
     parse_schedule(args.schedule)
     comm = init()

@@ -32,7 +32,7 @@ import torch
 from ..collectives import allreduce
 from ..comm import init
 from ..strategies import Dense
-from ._util import machine, median_seconds, print_table, write_json
+from ._util import UsageError, machine, median_seconds, print_table, write_json
 
 COLUMNS = ("ranks", "buckets", "bucket_mb", "method", "time_ms", "x_raw")
 
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.buckets < 1 or args.bucket_mb <= 0 or args.repeats < 1 or args.warmup < 0:
-        raise ValueError("--buckets, --bucket-mb and --repeats must be positive, "
+        raise UsageError("--buckets, --bucket-mb and --repeats must be positive, "
                          "--warmup >= 0")
     comm = init()
     rows_n = 1024

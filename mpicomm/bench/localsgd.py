@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import Communicator, init
-from ._util import machine, print_table, write_json
+from ._util import UsageError, machine, print_table, write_json
 
 METHOD_SYNC = "sync"
 
@@ -382,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for s in schedules:
         if s not in ("fixed", "decay"):
-            raise ValueError(f"unknown schedule {s!r}; use fixed and/or decay")
+            raise UsageError(f"unknown schedule {s!r}; use fixed and/or decay")
     methods = [METHOD_SYNC] + [f"tau={t}" for t in taus] + ["adacomm"]
     step_s = measure_step_time(shard, args, comm)
     delay_s = (args.delay_factor * step_s if args.delay_ms == "auto"

@@ -16,12 +16,14 @@ bench-cluster`` write there), and writes
   measured and predicted side by side), ``localsgd-*.png`` (training loss against time:
   time-to-accuracy curves).
 
-``accuracy`` files (``examples/compression_accuracy.py --json``) get a table of test
-accuracy and bytes per step per strategy label. Suites it does not know (``ps``,
-``adaptive``, ``crossover`` ... as they land) get a generic table of their
-``rows``/``summary``; a file without ``suite`` is skipped with a note. Needs
-matplotlib (``pip install -e ".[bench]"``) for the plots; without it the tables are still
-written and the report says the plots were not made.
+``crossover`` results get a table of the three modes' median throughput (sequential,
+co-located, Crossover), the speedups, the measured ``C`` and ``S`` and the bound
+``(C+S)/max(C,S)``. ``accuracy`` files (``examples/compression_accuracy.py --json``) get
+a table of test accuracy and bytes per step per strategy label. Suites it does not know
+(``ps``, ``adaptive`` ... as they land) get a generic table of their ``rows``/``summary``;
+a file without ``suite`` is skipped with a note. Needs matplotlib (``pip install -e
+".[bench]"``) for the plots; without it the tables are still written and the report says
+the plots were not made.
 """
 
 from __future__ import annotations
@@ -343,6 +345,8 @@ def section(r: dict[str, Any]) -> str:
                                                    "x_mpi", "x_gloo"))
     if suite == "accuracy":
         return head + accuracy(r)
+    if suite == "crossover":
+        return head + crossover_section(r)
     body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n")
 
@@ -361,6 +365,45 @@ def accuracy(r: dict[str, Any]) -> str:
             for row in r.get("summary", [])]
     return (f"digits MLP, density {c.get('density')}, {c.get('epochs')} epochs, batch "
             f"{c.get('batch')}/rank, {lr}, seeds {r.get('seeds')}\n\n" + table(rows))
+
+
+def crossover_section(r: dict[str, Any]) -> str:
+    """Sequential / co-located / Crossover throughput next to the bound, then the repeats."""
+    rows, summary, args = r.get("rows", []), r.get("summary", {}), r.get("args", {})
+
+    def median(key: str) -> float | None:
+        values = sorted(row[key] for row in rows if isinstance(row.get(key), (int, float)))
+        if not values:
+            return None
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    poll = r.get("wait_poll_s")
+    line = {
+        "jobs x steps": f"{args.get('jobs')} x {args.get('steps')}",
+        "repeats": len(rows),
+        "C ms": summary.get("C_ms"), "S ms": summary.get("S_ms"),
+        "injected delay ms": 1e3 * r.get("delay_s", 0.0),
+        "wait poll ms": "off" if poll is None else 1e3 * poll,
+        "sequential it/s": median("sequential_it_s"),
+        "co-located it/s": median("colocated_it_s"),
+        "crossover it/s": median("crossover_it_s"),
+        "co-located x seq": summary.get("colocated_vs_sequential"),
+        "crossover x seq": summary.get("speedup_vs_sequential"),
+        "crossover x co-located": summary.get("speedup_vs_colocated"),
+        "crossover spinning x seq": summary.get("spin_vs_sequential"),
+        "bound (C+S)/max(C,S)": summary.get("bound"),
+        "hidden": summary.get("hidden_fraction"),
+        "target >= 1.3x": summary.get("target_met"),
+        "bit-identical": summary.get("identical_to_sequential"),
+    }
+    return ("Medians over the repeats (speedups are medians of per-repeat ratios); "
+            "C, S: compute and sync time per iteration of a job run alone.\n\n"
+            + table([line]) + "\n"
+            + table(rows, ("repeat", "C_ms", "S_ms", "Cx_ms", "Sx_ms", "wait_ms",
+                           "sequential_s", "colocated_s",
+                           "crossover_s", "x_vs_sequential", "x_vs_colocated", "bound",
+                           "hidden", "identical")))
 
 
 def generic(value: Any) -> str:

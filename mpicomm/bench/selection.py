@@ -36,7 +36,7 @@ import torch
 
 from ..compress import TopK
 from ..selection import _topk_torch, topk_indices, topk_indices_approx, topk_threshold
-from ._util import positive_floats, print_table, write_json
+from ._util import UsageError, positive_floats, print_table, write_json
 
 COLUMNS = ("device", "d", "density", "k", "method", "time_ms", "x_topk", "exact", "recall")
 
@@ -93,7 +93,7 @@ def _methods(x: torch.Tensor, k: int) -> dict[str, Callable[[], Any]]:
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if args.repeats < 1 or args.warmup < 0:
-        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+        raise UsageError("--repeats must be >= 1 and --warmup >= 0")
     timed = _timer(device, args.repeats, args.warmup)
     torch.manual_seed(0)
     rows: list[dict[str, Any]] = []

@@ -8,7 +8,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..buffers import REDUCE_OPS, ArrayOps, BufferInfo
-from ..comm import Traffic
+from ..comm import Traffic, wait_all
 from ..config import RING_SEGMENT_BYTES, ring_segment_bytes
 from ..linkdelay import LinkDelay, link_delay
 from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the algorithms)
@@ -24,8 +24,12 @@ from ..validate import check_algorithm, check_int  # noqa: F401  (the one valida
 @dataclass
 class Ctx:
     """Everything an algorithm needs: the private MPI communicator, array kernels, and the
-    communicator's traffic counter (every send and receive below is counted), and the
-    emulated cluster's latency injector (:mod:`mpicomm.linkdelay`; None outside it)."""
+    communicator's traffic counter (every send and receive below is counted), the
+    emulated cluster's latency injector (:mod:`mpicomm.linkdelay`; None outside it), and
+    how to wait for messages (``poll_s``, the communicator's ``wait_poll_s``): algorithms
+    complete their requests with :meth:`wait`/:meth:`waitall`, never ``Request.Wait``,
+    and the blocking helpers below are nonblocking ones plus :meth:`waitall` when
+    ``poll_s`` is set."""
 
     mpi: MPI.Intracomm
     rank: int
@@ -36,6 +40,8 @@ class Ctx:
     segment_bytes: int = RING_SEGMENT_BYTES
     #: The emulated cluster's injected latency (:mod:`mpicomm.linkdelay`); None outside it.
     delay: LinkDelay | None = None
+    #: Sleep between request tests (:func:`mpicomm.comm.wait_all`); None: block in MPI.
+    poll_s: float | None = None
 
     @classmethod
     def of(cls, comm: Any, ops: ArrayOps, segment_bytes: int | None = None) -> Ctx:
@@ -45,7 +51,8 @@ class Ctx:
         the value their argument checks read, which checked mode compared across ranks.
         """
         seg = ring_segment_bytes() if segment_bytes is None else segment_bytes
-        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, link_delay(comm))
+        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, link_delay(comm),
+                   comm.wait_poll_s)
 
     def _nbytes(self, a: Any) -> int:
         return int(a.shape[0]) * self.ops.itemsize(a)
@@ -64,19 +71,29 @@ class Ctx:
         if self.delay is not None:
             self.delay.before_send(dest)
             self.delay.after_receive()
-        self.mpi.Sendrecv(self.ops.msg(send), dest, tag, self.ops.msg(recv), source, tag)
+        if self.poll_s is None:
+            self.mpi.Sendrecv(self.ops.msg(send), dest, tag, self.ops.msg(recv), source, tag)
+            return
+        self.waitall([self.mpi.Irecv(self.ops.msg(recv), source, tag),
+                      self.mpi.Isend(self.ops.msg(send), dest, tag)])
 
     def send(self, data: Any, dest: int, tag: int) -> None:
         self._count(sent=data)
         if self.delay is not None:
             self.delay.before_send(dest)
-        self.mpi.Send(self.ops.msg(data), dest, tag)
+        if self.poll_s is None:
+            self.mpi.Send(self.ops.msg(data), dest, tag)
+        else:
+            self.wait(self.mpi.Isend(self.ops.msg(data), dest, tag))
 
     def recv(self, data: Any, source: int, tag: int) -> None:
         self._count(received=data)
         if self.delay is not None:
             self.delay.after_receive()
-        self.mpi.Recv(self.ops.msg(data), source, tag)
+        if self.poll_s is None:
+            self.mpi.Recv(self.ops.msg(data), source, tag)
+        else:
+            self.wait(self.mpi.Irecv(self.ops.msg(data), source, tag))
 
     def isend(self, data: Any, dest: int, tag: int) -> MPI.Request:
         self._count(sent=data)
@@ -89,6 +106,14 @@ class Ctx:
         if self.delay is not None:
             self.delay.after_receive()
         return self.mpi.Irecv(self.ops.msg(data), source, tag)
+
+    def wait(self, request: MPI.Request) -> None:
+        """Complete one request (blocking in MPI, or test + sleep with ``poll_s``)."""
+        wait_all([request], self.poll_s)
+
+    def waitall(self, requests: list[MPI.Request]) -> None:
+        """Complete every request of ``requests`` (see :meth:`wait`)."""
+        wait_all(requests, self.poll_s)
 
 
 def check_op(op: Any) -> str:

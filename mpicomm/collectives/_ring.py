@@ -56,11 +56,11 @@ def reduce_scatter_pass(work: Any, bounds: list[int], final_block: int, op: str,
         segs = _segments(bounds, block, seg)
         recvs = [ctx.irecv(scratch[a - base:b - base], left, tag) for a, b in segs]
         for (a, b), req in zip(segs, recvs):
-            req.Wait()
+            ctx.wait(req)
             ops.reduce_(work[a:b], scratch[a - base:b - base], op)
             if step < p - 2:
                 sends.append(ctx.isend(work[a:b], right, tag))
-    MPI.Request.Waitall(sends)
+    ctx.waitall(sends)
 
 
 def reduce_scatter_copy_pass(src: Any, dst: Any, bounds: list[int], final_block: int,
@@ -92,17 +92,17 @@ def reduce_scatter_copy_pass(src: Any, dst: Any, bounds: list[int], final_block:
             target = dst
         else:
             target = partial[step % 2]
-            MPI.Request.Waitall(in_flight[step % 2])
+            ctx.waitall(in_flight[step % 2])
             in_flight[step % 2] = []
         segs = _segments(bounds, block, seg)
         recvs = [ctx.irecv(received[a - base:b - base], left, tag) for a, b in segs]
         for (a, b), req in zip(segs, recvs):
-            req.Wait()
+            ctx.wait(req)
             out = target[a - base:b - base]
             ops.combine_(out, src[a:b], received[a - base:b - base], op)
             if not last:
                 in_flight[step % 2].append(ctx.isend(out, right, tag))
-    MPI.Request.Waitall(sends + in_flight[0] + in_flight[1])
+    ctx.waitall(sends + in_flight[0] + in_flight[1])
 
 
 def allgather_pass(work: Any, bounds: list[int], own_block: int, ctx: Ctx, tag: int,
@@ -125,7 +125,7 @@ def allgather_pass(work: Any, bounds: list[int], own_block: int, ctx: Ctx, tag: 
         segs = _segments(bounds, block, seg)
         recvs = [ctx.irecv(work[a:b], left, tag) for a, b in segs]
         for (a, b), req in zip(segs, recvs):
-            req.Wait()
+            ctx.wait(req)
             if step < p - 2:
                 sends.append(ctx.isend(work[a:b], right, tag))
-    MPI.Request.Waitall(sends)
+    ctx.waitall(sends)

@@ -37,8 +37,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mpi4py import MPI
-
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
@@ -127,7 +125,7 @@ def direct_pass(res: Any, bounds: list[int], ctx: Ctx, src: Any) -> None:
         own = res[bounds[r]:bounds[r + 1]]
         if ops.data_ptr(own) != ops.data_ptr(src):
             ops.copy_(own, src)
-    MPI.Request.Waitall(requests)
+    ctx.waitall(requests)
 
 
 def direct(res: Any, m: int, ctx: Ctx) -> None:

@@ -78,28 +78,46 @@ def mpi_op(dtype: str, op: str, on_device: bool) -> MPI.Op:
 
 
 def allreduce(work: Any, op: str, ctx: Ctx, dtype: str) -> None:
-    """In-place ``MPI_Allreduce`` of the flat work array."""
-    ctx.mpi.Allreduce(MPI.IN_PLACE, [work, mpi_type(dtype)],
-                      op=mpi_op(dtype, op, ctx.ops.device))
+    """In-place ``MPI_Allreduce`` of the flat work array (``MPI_Iallreduce`` + polling
+    when the context has ``poll_s``; likewise below)."""
+    args = (MPI.IN_PLACE, [work, mpi_type(dtype)], mpi_op(dtype, op, ctx.ops.device))
+    if ctx.poll_s is None:
+        ctx.mpi.Allreduce(*args)
+    else:
+        ctx.wait(ctx.mpi.Iallreduce(*args))
 
 
 def allgather(res: Any, ctx: Ctx) -> None:
     """In-place ``MPI_Allgather`` of equal blocks (this rank's block already in ``res``)."""
-    ctx.mpi.Allgather(MPI.IN_PLACE, ctx.ops.msg(res))
+    if ctx.poll_s is None:
+        ctx.mpi.Allgather(MPI.IN_PLACE, ctx.ops.msg(res))
+    else:
+        ctx.wait(ctx.mpi.Iallgather(MPI.IN_PLACE, ctx.ops.msg(res)))
 
 
 def allgatherv(res: Any, counts: list[int], itemsize: int, ctx: Ctx) -> None:
     """In-place ``MPI_Allgatherv`` with per-rank element ``counts``."""
     byte_counts = [c * itemsize for c in counts]
     displs = [sum(byte_counts[:i]) for i in range(len(byte_counts))]
-    ctx.mpi.Allgatherv(MPI.IN_PLACE, [res, byte_counts, displs, MPI.BYTE])
+    message = [res, byte_counts, displs, MPI.BYTE]
+    if ctx.poll_s is None:
+        ctx.mpi.Allgatherv(MPI.IN_PLACE, message)
+    else:
+        ctx.wait(ctx.mpi.Iallgatherv(MPI.IN_PLACE, message))
 
 
 def broadcast(work: Any, root: int, ctx: Ctx) -> None:
-    ctx.mpi.Bcast(ctx.ops.msg(work), root=root)
+    if ctx.poll_s is None:
+        ctx.mpi.Bcast(ctx.ops.msg(work), root=root)
+    else:
+        ctx.wait(ctx.mpi.Ibcast(ctx.ops.msg(work), root=root))
 
 
 def reduce_scatter(send: Any, recv: Any, op: str, ctx: Ctx, dtype: str) -> None:
     """``MPI_Reduce_scatter_block``: rank r receives reduced block r."""
-    ctx.mpi.Reduce_scatter_block([send, mpi_type(dtype)], [recv, mpi_type(dtype)],
-                                 op=mpi_op(dtype, op, ctx.ops.device))
+    args = ([send, mpi_type(dtype)], [recv, mpi_type(dtype)],
+            mpi_op(dtype, op, ctx.ops.device))
+    if ctx.poll_s is None:
+        ctx.mpi.Reduce_scatter_block(*args)
+    else:
+        ctx.wait(ctx.mpi.Ireduce_scatter_block(*args))

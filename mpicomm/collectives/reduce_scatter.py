@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpi4py import MPI
-
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
@@ -93,9 +91,9 @@ def direct(src: Any, res: Any, m: int, op: str, ctx: Ctx) -> None:
              for q in ((r + k) % p for k in range(1, p))]
     own = src[r * m:(r + 1) * m]
     for i, req in enumerate(recvs):
-        req.Wait()
+        ctx.wait(req)
         ops.combine_(res, own if i == 0 else res, inbox[i * m:(i + 1) * m], op)
-    MPI.Request.Waitall(sends)
+    ctx.waitall(sends)
 
 
 ALGORITHMS = {"ring": ring, "recursive_halving": recursive_halving, "direct": direct}

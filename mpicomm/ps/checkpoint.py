@@ -4,7 +4,11 @@ What is saved (everything needed to continue as if nothing happened): per key it
 value (the servers' pieces joined, so a checkpoint does not depend on the number of
 servers), the optimizer state joined the same way, the version (updates applied), and
 ``last_seq[w]``, the sequence number of the last push of each worker applied; per worker
-the error-feedback residuals. A worker's own sequence counters are *not* stored apart:
+the error-feedback residuals and the push compressor's state (PowerSGD's warm-start
+``Q`` per piece; ``compressor``, optional on load). Not saved: the copies that pull
+compression keeps of what each worker holds; a restored store starts without them, so
+each worker's first pull after a restore is a full-precision one (see
+:class:`~mpicomm.ps.KVStore`). A worker's own sequence counters are *not* stored apart:
 at a checkpoint every push a worker sent has been applied, so they equal ``last_seq``
 (checked when the checkpoint is assembled: a difference would be a lost update).
 
@@ -27,7 +31,7 @@ import numpy as np
 import torch
 
 __all__ = ["FORMAT", "assemble", "write_atomic", "load", "metadata", "piece_state",
-           "to_numpy", "to_torch_cpu"]
+           "to_numpy", "to_torch_cpu", "worker_states"]
 
 FORMAT = "mpicomm.ps/1"
 _FIELDS = ("workers", "mode", "optimizer", "keys", "shapes", "dtypes", "frameworks", "values",
@@ -94,6 +98,7 @@ def assemble(infos: Sequence[Any], states: dict[int, dict[tuple[int, int], Any]]
         "version": versions,
         "last_seq": last_seq,
         "residuals": [dict(ws["residuals"]) for ws in workers_state],
+        "compressor": [dict(ws["compressor"]) for ws in workers_state],
     }
 
 
@@ -146,10 +151,18 @@ def load(path: str | os.PathLike[str], *, workers: int, optimizer: dict[str, Any
     for field in ("shapes", "dtypes", "frameworks", "values", "opt", "version", "last_seq"):
         if len(data[field]) != n:
             raise ValueError(f"corrupt checkpoint: {len(data[field])} {field} for {n} keys")
-    if len(data["residuals"]) != workers:
-        raise ValueError("corrupt checkpoint: residuals for "
-                         f"{len(data['residuals'])} workers, expected {workers}")
+    for field in ("residuals", "compressor"):
+        if field in data and len(data[field]) != workers:
+            raise ValueError(f"corrupt checkpoint: {field} for {len(data[field])} workers, "
+                             f"expected {workers}")
     return data
+
+
+def worker_states(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per worker: its error-feedback residuals and its push compressor's state (empty in
+    checkpoints written before compressor state was saved)."""
+    compressor = data.get("compressor") or [{} for _ in data["residuals"]]
+    return [{"residuals": r, "compressor": c} for r, c in zip(data["residuals"], compressor)]
 
 
 def metadata(data: dict[str, Any]) -> dict[str, Any]:

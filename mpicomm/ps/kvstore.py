@@ -49,9 +49,42 @@ class KVStore:
         step, and possibly some of the next: SSP bounds staleness from below only); a
         large ``s`` is async.
 
-    ``compressor``: a :class:`mpicomm.compress.Compressor` (or its registry name) applied
-    to each pushed piece after error feedback, which the worker keeps; the server
-    decompresses. Pulls are dense. Two-phase compressors (PowerSGD) are not supported.
+    ``compressor``: any :class:`mpicomm.compress.Compressor` (or its registry name),
+    applied to each pushed piece after error feedback, which the worker keeps
+    (``g_c = g + e``, send ``C(g_c)``, ``e <- g_c - D(C(g_c))``); the server decompresses
+    each push and applies it like a dense one (sync: the mean of the ``W`` decoded pushes;
+    async/SSP: each scaled by ``1/W``). Pieces are flat; how a compressor sees them is in
+    :mod:`mpicomm.ps.codec`.
+
+    PowerSGD (``compressor="powersgd"`` or ``PowerSGD(rank=r)``) in a parameter server:
+    each worker compresses its own piece of a gradient independently, as one rank of the
+    single-rank PowerSGD: ``M = G + E`` viewed as the block of the layer's rows that
+    covers the piece, ``P = M Q`` with ``Q`` the worker's previous ``Q`` for that piece
+    (warm start), ``P^ = orthonormalize(P)``, ``Q <- M^T P^``; it sends ``P`` (n x r) and
+    ``Q`` (m x r), ``(n + m) r`` floats instead of ``n m``, and keeps ``E = M - P^ Q^T``.
+    The server decodes each push as ``orthonormalize(P) Q^T``. Deviation from the
+    allreduce PowerSGD (:class:`~mpicomm.strategies.PowerSGDAllreduce`, Vogels et al.):
+    there ``P`` and ``Q`` are summed over the ranks between the two half-steps, so every
+    rank projects onto one shared basis and the mean of the approximations is computed
+    once; a parameter server decodes each push on its own, so the ``W`` approximations
+    have ``W`` different bases (no aggregation of ``P`` across workers), which costs the
+    server ``W`` small products per step and gives each worker its own warm start. Each
+    worker's ``Q`` per piece is checkpointed with its residuals.
+
+    ``pull_compressor`` (same kinds; default ``None``: dense pulls): the server keeps, per
+    worker and piece, the copy of the value that worker holds; a pull sends the compressed
+    ``delta = value - copy`` and both the server and the worker add the decoded delta to
+    their copy, so what a worker holds is always exactly what the server thinks it holds
+    (what was not sent is in the next delta: error feedback without a residual). The first
+    pull of a piece is the whole value. Cost: ``W`` copies of its shards on each server
+    (memory ``W x`` the shard), and the compression work on the server, once per worker
+    and pull. The copies are not checkpointed: after :meth:`restore` each worker's first
+    pull is a full-precision one. Tuning: a worker computes its gradient on a lagging copy
+    of the parameters, which acts like staleness (a rank-``r`` PowerSGD pull needs about
+    ``n / r`` pulls to deliver a full-rank change of an ``n``-row block; meanwhile the
+    server keeps applying gradients of the old copy and may overshoot): prefer accurate
+    pull compressors (``fp16``, ``qsgd``, PowerSGD with a larger rank) and lower the
+    learning rate when the loss oscillates.
 
     Cost model (alpha-beta): a dense push + pull of ``M`` bytes by each of ``W`` workers
     through one server port takes about ``2 alpha + 2 W M beta`` per step (Table I of
@@ -73,7 +106,8 @@ class KVStore:
     def __init__(self, comm: Communicator | None = None, *, servers: int, mode: str = "sync",
                  staleness: int = 0, optimizer: str = "sgd", lr: float = 0.1,
                  momentum: float = 0.0, weight_decay: float = 0.0,
-                 compressor: Compressor | str | None = None) -> None:
+                 compressor: Compressor | str | None = None,
+                 pull_compressor: Compressor | str | None = None) -> None:
         comm = resolve(comm)
         with comm.validating("ps.KVStore") as agreed:
             servers = check_int("servers", servers, 1)
@@ -87,18 +121,10 @@ class KVStore:
                 raise ValueError(f"staleness={staleness} needs mode='ssp' (got {mode!r})")
             check_choice("optimizer", optimizer, OPTIMIZERS)
             opt = ShardOptimizer(optimizer, lr, momentum, weight_decay)
-            if isinstance(compressor, str):
-                compressor = make(compressor)
-            if compressor is not None:
-                if not isinstance(compressor, Compressor):
-                    raise TypeError("compressor must be an mpicomm.compress.Compressor, its "
-                                    f"name, or None; got {type(compressor).__name__}")
-                if compressor.phases != 1:
-                    raise ValueError(f"compressor {compressor.name!r} needs {compressor.phases} "
-                                     "communication rounds; the PS push takes one-shot "
-                                     "compressors")
+            compressor = _compressor("compressor", compressor)
+            pull_compressor = _compressor("pull_compressor", pull_compressor)
             agreed.update(servers=servers, mode=mode, staleness=staleness, **opt.describe(),
-                          compressor=repr(compressor))
+                          compressor=repr(compressor), pull_compressor=repr(pull_compressor))
         if env_flag("MPICOMM_ABORT_ON_ERROR", True):
             install_abort_handler()
         self.servers = servers
@@ -115,11 +141,12 @@ class KVStore:
         self._worker: Worker | None = None
         if self.is_server:
             self._server = Server(self._comm, self.workers, mode, staleness, opt,
-                                  compressor)
+                                  compressor, pull_compressor)
         else:
             assert self._group is not None
             self._worker = Worker(self._comm.p2p, self._group, self.workers, servers, mode,
-                                  opt.describe(), compressor, link_delay(self._comm))
+                                  opt.describe(), compressor, link_delay(self._comm),
+                                  pull_compressor)
 
     def __repr__(self) -> str:
         role = "server" if self.is_server else f"worker {self.worker_rank}"
@@ -180,7 +207,8 @@ class KVStore:
 
     def stats(self) -> dict[str, Any]:
         """This rank's counters: ``max_staleness``, ``pushes``, ``pulls``, ``bytes_pushed``,
-        ``bytes_pulled`` (whole messages, headers included); servers add ``updates``
+        ``bytes_pulled`` (whole messages, headers included; compressed payloads with a
+        compressor / pull compressor); servers add ``updates``
         (optimizer steps), ``duplicates`` (pushes skipped as already applied),
         ``idle_s`` (time asleep waiting for messages), ``cpu_s`` and ``wall_s`` (process
         CPU time and wall time of :meth:`serve`); workers add ``server_pushes`` (pushes the
@@ -203,3 +231,14 @@ class KVStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _compressor(what: str, value: Compressor | str | None) -> Compressor | None:
+    """``value`` as a compressor: an instance, a registry name (built with its defaults),
+    or None; ``TypeError`` for anything else, ``ValueError`` for an unknown name."""
+    if isinstance(value, str):
+        return make(value)
+    if value is not None and not isinstance(value, Compressor):
+        raise TypeError(f"{what} must be an mpicomm.compress.Compressor, its name, or None; "
+                        f"got {type(value).__name__}")
+    return value

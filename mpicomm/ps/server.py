@@ -25,11 +25,17 @@ Consistency (``c_w = last_seq[w]``, the pushes worker ``w`` made on the key so f
 
 Staleness of a served pull: ``c_w - min_v c_v`` (how far the worker being served is ahead
 of the slowest worker); ``max_staleness`` is its maximum.
+
+Compressed pulls (a ``pull_compressor``): the server keeps ``copies[w]``, the value that
+worker ``w`` holds of the piece. The first reply to ``w`` is the whole value (header
+``d = 0``) and sets the copy; every later one is ``delta = value - copies[w]``
+compressed (``d`` = that worker's count of compressed replies, the compressor's step),
+and the copy advances by the decoded delta, exactly as the worker's own copy does. What
+was not sent stays in the next delta: error feedback with no residual to keep.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -40,10 +46,11 @@ import torch
 from mpi4py import MPI
 
 from ..comm import Communicator
-from ..compress import Compressor, Payload
+from ..compress import Compressor
 from ..linkdelay import link_delay
 from . import wire
 from .checkpoint import to_numpy
+from .codec import Codec, PieceView, pull_name
 from .optim import ShardOptimizer
 
 __all__ = ["PieceState", "Server"]
@@ -62,17 +69,24 @@ class PieceState:
     version: int = 0
     last_seq: np.ndarray = field(default=None)  # type: ignore[assignment]
     slots: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    push_view: PieceView | None = None  # layouts for the push / pull compressors
+    pull_view: PieceView | None = None
+    copies: list[torch.Tensor | None] = field(default_factory=list)  # per worker (pulls)
+    pull_steps: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.last_seq is None:
             self.last_seq = np.zeros(self.workers, dtype=np.int64)
+        self.copies = [None] * self.workers
+        self.pull_steps = [0] * self.workers
 
 
 class Server:
     """The state and event loop of one server rank (built by :class:`~mpicomm.ps.KVStore`)."""
 
     def __init__(self, comm: Communicator, workers: int, mode: str, staleness: int,
-                 optimizer: ShardOptimizer, compressor: Compressor | None) -> None:
+                 optimizer: ShardOptimizer, compressor: Compressor | None,
+                 pull_compressor: Compressor | None = None) -> None:
         self.comm = comm
         self.mpi = comm.p2p
         self.delay = link_delay(comm)  # the emulated cluster's latency; None elsewhere
@@ -80,13 +94,13 @@ class Server:
         self.mode = mode
         self.staleness = staleness
         self.optimizer = optimizer
-        self.compressor = compressor
+        self.codec = Codec(compressor) if compressor is not None else None
+        self.pull_codec = Codec(pull_compressor) if pull_compressor is not None else None
         self.pieces: dict[tuple[int, int], PieceState] = {}
         self.closed = np.zeros(workers, dtype=bool)
         self.pending: list[tuple[int, PieceState]] = []  # (worker, piece) pulls waiting
         self.sends: list[tuple[MPI.Request, Any]] = []
         self.ckpt_requests = 0
-        self.templates: dict[tuple[int, int], Payload] = {}
         self.stats = {"max_staleness": 0, "pushes": 0, "pulls": 0, "bytes_pushed": 0,
                       "bytes_pulled": 0, "duplicates": 0, "updates": 0, "idle_s": 0.0, "cpu_s": 0.0,
                       "wall_s": 0.0}
@@ -192,28 +206,12 @@ class Server:
         self._serve_pending()
 
     def _decode(self, st: PieceState, m: wire.Message, step: int) -> torch.Tensor:
-        """The dense gradient of a push. A compressed push carries the payload's arrays
-        only; the local context a compressor needs to decompress (shape, k, and for
-        random-k the indices drawn from the piece's name and the step) is rebuilt by
-        compressing zeros under the same name and step. Where that context does not
-        depend on the step (all but random-k) it is built once per piece and reused."""
-        if self.compressor is None:
+        """The dense gradient of a push (decoded with the piece's layout, see
+        :mod:`mpicomm.ps.codec`, when compressed)."""
+        if self.codec is None:
             return m.arrays[0]
-        template = self.templates.get((st.key_id, st.index))
-        if template is None:
-            template = self._template(st, step)
-            if _same(template.ctx, self._template(st, step + 1).ctx):
-                self.templates[(st.key_id, st.index)] = template
-        names = sorted(template.arrays)
-        if len(names) != len(m.arrays):
-            raise RuntimeError(f"compressed push of key {st.name}: {len(m.arrays)} arrays, "
-                               f"the compressor makes {len(names)}")
-        payload = Payload(dict(zip(names, m.arrays)), template.ctx)
-        return self.compressor.decompress(payload).reshape(-1)
-
-    def _template(self, st: PieceState, step: int) -> Payload:
-        assert self.compressor is not None
-        return self.compressor.compress(torch.zeros_like(st.value), name=st.name, step=step)
+        assert st.push_view is not None
+        return self.codec.decode(st.push_view, m.arrays, st.name, step, st.value.dtype)
 
     # ------------------------------------------------------------------ pulls
     def _ready(self, w: int, st: PieceState) -> bool:
@@ -248,10 +246,28 @@ class Server:
         stale = max(0, int(st.last_seq[w]) - self._slowest(w, st))
         self.stats["max_staleness"] = max(self.stats["max_staleness"], stale)
         self.stats["pulls"] += 1
+        arrays, number = self._pull_payload(w, st)
         buf = wire.pack(wire.REPLY, st.key_id, st.index, stale, int(st.last_seq.sum()),
-                        st.version, arrays=[st.value])
+                        st.version, number, arrays=arrays)
         self.stats["bytes_pulled"] += buf.nbytes
         self.sends.append((wire.isend_bytes(self.mpi, buf, w, wire.TAG_REPLY, self.delay), buf))
+
+    def _pull_payload(self, w: int, st: PieceState) -> tuple[list[torch.Tensor], int]:
+        """What a pull reply to ``w`` carries and its number ``d`` (module docstring):
+        the value (``d = 0``), or the compressed delta to ``w``'s copy."""
+        if self.pull_codec is None:
+            return [st.value], 0
+        held = st.copies[w]
+        if held is None:
+            st.copies[w] = st.value.clone()
+            return [st.value], 0
+        assert st.pull_view is not None
+        st.pull_steps[w] += 1
+        number = st.pull_steps[w]
+        payload, decoded = self.pull_codec.encode(st.pull_view, st.value - held,
+                                                  pull_name(st.name, w), number)
+        held += decoded
+        return self.pull_codec.arrays(payload), number
 
     # ------------------------------------------------------------------ control
     def _control(self, source: int, obj: dict[str, Any]) -> None:
@@ -269,6 +285,11 @@ class Server:
                    {k: (_from_numpy(v, dtype) if isinstance(v, np.ndarray) else int(v))
                     for k, v in opt.items()})
             st = PieceState(p["key_id"], p["index"], p["name"], value, opt, self.workers)
+            shape, start = tuple(p["shape"]), int(p["start"])
+            if self.codec is not None:
+                st.push_view = self.codec.view(shape, start, start + value.numel())
+            if self.pull_codec is not None:
+                st.pull_view = self.pull_codec.view(shape, start, start + value.numel())
             if p.get("version") is not None:
                 st.version = int(p["version"])
                 st.last_seq = np.array(p["last_seq"], dtype=np.int64).copy()
@@ -287,20 +308,6 @@ class Server:
                            "opt": {k: (to_numpy(v) if isinstance(v, torch.Tensor) else int(v))
                                    for k, v in st.opt.items()}}
         self.sends.append((self.mpi.isend({"pieces": pieces}, dest, wire.TAG_STATE), None))
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equality of two compressor contexts (dataclasses of metadata and tensors)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
-    if dataclasses.is_dataclass(a):
-        return all(_same(getattr(a, f.name), getattr(b, f.name))
-                   for f in dataclasses.fields(a) if f.name != "step")
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 def _from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -14,9 +14,14 @@ workers never interleave) at the price of one copy of the payload into the buffe
 Also here: the polling waits (:class:`Backoff`). MPICH's blocking waits spin on a core; a
 server or a worker held back by bounded staleness may wait for seconds, so every wait in
 this package probes or tests, yields the CPU for the first 200 us of an idle period, then
-sleeps with an exponential backoff from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S`` (so a reply
-after a long idle period is late by at most ``BACKOFF_MAX_S``; a busy server never sleeps,
-nor does a rank whose own sends are in flight).
+sleeps with an exponential backoff from ``BACKOFF_MIN_S`` to 1 ms (so a reply after a
+long idle period is late by at most 1 ms; a busy server never sleeps, nor does a rank
+whose own sends are in flight). Both windows are settings (``MPICOMM_PS_SPIN_US``,
+``MPICOMM_PS_MAX_SLEEP_US``): a longer spin window or shorter sleeps cut the latency of
+push+pull right after an idle gap (the gap between steps) at the price of CPU time
+while waiting; with compute steps much longer than the push+pull, the defaults cost
+almost nothing. Measure with ``mpiexec -n 5 python -m mpicomm.bench ps --sections comm``
+under each setting.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..config import env_int
 from ..linkdelay import LinkDelay
 from ..tags import TAG_PS_CONTROL, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
 
@@ -125,9 +131,13 @@ class Backoff:
     only moves when both sides call into MPI.
     """
 
-    def __init__(self, min_s: float = 20e-6, max_s: float = 1e-3,
-                 spin_s: float = 200e-6) -> None:
-        self.min_s, self.max_s, self.spin_s = min_s, max_s, spin_s
+    def __init__(self, min_s: float = 20e-6, max_s: float | None = None,
+                 spin_s: float | None = None) -> None:
+        if max_s is None:
+            max_s = env_int("MPICOMM_PS_MAX_SLEEP_US", 1000, 1) * 1e-6
+        if spin_s is None:
+            spin_s = env_int("MPICOMM_PS_SPIN_US", 200, 0) * 1e-6
+        self.min_s, self.max_s, self.spin_s = min_s, max(min_s, max_s), spin_s
         self.delay = 0.0
         self.since: float | None = None
 
@@ -147,7 +157,7 @@ class Backoff:
         self.since = None
 
 
-BACKOFF_MIN_S, BACKOFF_MAX_S = 20e-6, 1e-3
+BACKOFF_MIN_S, BACKOFF_MAX_S = 20e-6, None  # None: MPICOMM_PS_MAX_SLEEP_US (1000 us)
 
 
 def wait_requests(requests: list[MPI.Request]) -> None:

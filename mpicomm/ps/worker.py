@@ -6,9 +6,13 @@ A worker talks to every server point to point on the store's private communicato
   ``MPI_Isend`` and completed lazily (the call returns at once; a later call, ``pull``
   or ``close`` waits for the sends). Every push of a key carries the worker's next
   sequence number for that key (1, 2, ...). With a compressor, each piece is compressed
-  on its own (name ``"<key>/<piece>"``) after error feedback, which stays on the worker.
+  on its own (name ``"<key>/<piece>"``, layout :mod:`mpicomm.ps.codec`) after error
+  feedback, which stays on the worker.
 * ``pull``: one small request per piece, then the replies are received by matched probe
   as they come (a server may hold a pull back for consistency) and copied into place.
+  With a pull compressor a reply is either the whole piece (the first pull, and the
+  first after a restore) or a compressed delta that the worker adds to its own copy of
+  the piece, which then mirrors, bit for bit, the server's record of that copy.
 
 Cost of a dense push + pull of ``n`` bytes with ``S`` servers (alpha-beta, one worker):
 ``S`` requests and ``S`` replies each way, ``about 2*alpha + 2*n*beta`` per worker plus
@@ -33,6 +37,7 @@ from ..compress import Compressor, ErrorFeedback
 from ..linkdelay import LinkDelay
 from . import checkpoint as ckpt
 from . import wire
+from .codec import Codec, PieceView, pull_name
 from .sharding import Piece, ShardPlan
 
 __all__ = ["KeyInfo", "Worker", "piece_name"]
@@ -75,7 +80,8 @@ class Worker:
 
     def __init__(self, mpi: MPI.Intracomm, group: Communicator, workers: int, servers: int,
                  mode: str, optimizer: dict[str, Any], compressor: Compressor | None,
-                 delay: LinkDelay | None = None) -> None:
+                 delay: LinkDelay | None = None,
+                 pull_compressor: Compressor | None = None) -> None:
         self.mpi = mpi
         self.delay = delay  # the emulated cluster's injected latency; None elsewhere
         self.group = group
@@ -86,6 +92,9 @@ class Worker:
         self.optimizer = optimizer
         self.compressor = compressor
         self.ef = ErrorFeedback() if compressor is not None else None
+        self.codec = Codec(compressor) if compressor is not None else None
+        self.pull_codec = Codec(pull_compressor) if pull_compressor is not None else None
+        self.copies: dict[tuple[int, int], torch.Tensor] = {}  # compressed pulls' mirror
         self.plan = ShardPlan(servers)
         self.keys: dict[Hashable, KeyInfo] = {}
         self.seq: dict[int, int] = {}
@@ -155,7 +164,8 @@ class Worker:
     def _init_piece(self, info: KeyInfo, p: Piece, value: torch.Tensor,
                     state: dict[str, Any] | None = None) -> dict[str, Any]:
         msg = {"key_id": info.key_id, "index": p.index, "name": piece_name(info.key, p.index),
-               "dtype": str(info.dtype).replace("torch.", ""), "value": ckpt.to_numpy(value)}
+               "dtype": str(info.dtype).replace("torch.", ""), "value": ckpt.to_numpy(value),
+               "shape": list(info.shape), "start": p.start}
         if state is not None:
             msg.update(state)
         return msg
@@ -201,13 +211,14 @@ class Worker:
         """Send the pieces of one push numbered ``seq`` (also used to replay a push)."""
         for p in info.pieces:
             part = flat[p.start:p.stop]
-            if self.compressor is not None:
+            if self.codec is not None:
                 assert self.ef is not None
                 name = piece_name(info.key, p.index)
                 comp = self.ef.compensate(name, part)
-                payload = self.compressor.compress(comp, name=name, step=seq)
-                self.ef.update(name, comp, self.compressor.decompress(payload))
-                arrays = [payload.arrays[k] for k in sorted(payload.arrays)]
+                payload, sent = self.codec.encode(self.view(self.codec, info, p), comp, name,
+                                                  seq)
+                self.ef.update(name, comp, sent)
+                arrays = self.codec.arrays(payload)
             else:
                 arrays = [part]
             buf = wire.pack(wire.PUSH, info.key_id, p.index, seq, self.rank, seq,
@@ -264,7 +275,7 @@ class Worker:
             buf = wire.recv_bytes(msg, status, self.delay)
             m = wire.unpack(buf)
             slot, p = where.pop((m.key_id, m.piece))
-            results[slot][p.start:p.stop] = m.arrays[0]
+            results[slot][p.start:p.stop] = self._received(infos[slot], p, m)
             self.stats["bytes_pulled"] += buf.nbytes
             self.stats["max_staleness"] = max(self.stats["max_staleness"], m.a)
             stalest = max(stalest, m.a)
@@ -276,6 +287,28 @@ class Worker:
             self.stats["server_pushes"] = seen_pushes
         self.stats["wait_s"] += time.perf_counter() - t0
         return results
+
+    def view(self, codec: Codec, info: KeyInfo, p: Piece) -> PieceView:
+        """How ``codec`` lays out piece ``p`` of ``info`` (see :mod:`mpicomm.ps.codec`)."""
+        return codec.view(info.shape, p.start, p.stop)
+
+    def _received(self, info: KeyInfo, p: Piece, m: wire.Message) -> torch.Tensor:
+        """The piece's value from a pull reply: the value itself (``d == 0``), or, with a
+        pull compressor, this worker's copy advanced by the decoded delta number ``d``."""
+        if self.pull_codec is None:
+            return m.arrays[0]
+        where = (info.key_id, p.index)
+        if m.d == 0:
+            self.copies[where] = m.arrays[0].clone()
+        else:
+            held = self.copies.get(where)
+            if held is None:
+                raise RuntimeError(f"compressed pull reply for key {info.key!r} piece "
+                                   f"{p.index}, but this worker holds no copy of it")
+            name = pull_name(piece_name(info.key, p.index), self.rank)
+            held += self.pull_codec.decode(self.view(self.pull_codec, info, p), m.arrays,
+                                           name, m.d, info.dtype)
+        return self.copies[where]
 
     def _reap(self) -> None:
         if self.sends:
@@ -303,7 +336,8 @@ class Worker:
         mine = {"seq": [self.seq[self.keys[k].key_id] for k in self.keys],
                 "residuals": ({} if self.ef is None else
                               {n: ckpt.to_torch_cpu(v) for n, v in
-                               self.ef.state_dict()["residuals"].items()})}
+                               self.ef.state_dict()["residuals"].items()}),
+                "compressor": _compressor_state(self.compressor)}
         gathered = self.group.ctl.gather(mine, root=0)
         error = None
         if self.rank == 0:
@@ -339,14 +373,22 @@ class Worker:
         if error is not None:
             raise ValueError(f"KVStore.restore({os.fspath(path)!r}): {error}")
         meta = self.group.bcast_object(None if data is None else ckpt.metadata(data))
-        residuals = self.group.ctl.scatter(None if data is None else data["residuals"], root=0)
+        mine = self.group.ctl.scatter(None if data is None else ckpt.worker_states(data),
+                                      root=0)
+        if mine["compressor"] and not hasattr(self.compressor, "load_state_dict"):
+            # every worker gets here alike: all saved the same compressor kind
+            raise ValueError(f"KVStore.restore({os.fspath(path)!r}): the checkpoint holds "
+                             f"push compressor state, this store's compressor "
+                             f"{self.compressor!r} keeps none")
         infos = [self._register(k, tuple(shape), dt, fw, "cpu")
                  for k, shape, dt, fw in zip(meta["keys"], meta["shapes"], meta["dtypes"],
                                              meta["frameworks"])]
         for info, seqs in zip(infos, meta["last_seq"]):
             self.seq[info.key_id] = int(seqs[self.rank])
         if self.ef is not None:
-            self.ef.load_state_dict({"residuals": residuals})
+            self.ef.load_state_dict({"residuals": mine["residuals"]})
+        if mine["compressor"]:
+            self.compressor.load_state_dict(mine["compressor"])  # type: ignore[union-attr]
         messages: dict[int, list[dict[str, Any]]] = {}
         if data is not None:
             for k, info in enumerate(infos):
@@ -356,6 +398,20 @@ class Worker:
                     messages.setdefault(p.server, []).append(
                         self._init_piece(info, p, flat[p.start:p.stop], state))
         self._send_init(messages)
+
+
+def _compressor_state(compressor: Compressor | None) -> dict[str, Any]:
+    """A stateful compressor's checkpointable state (PowerSGD's warm-start Q per piece),
+    as CPU torch tensors; ``{}`` for the stateless ones."""
+    if compressor is None or not hasattr(compressor, "state_dict"):
+        return {}
+    return _to_cpu(compressor.state_dict())
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return ckpt.to_torch_cpu(obj)
 
 
 def _flat_cpu(x: Any) -> torch.Tensor:

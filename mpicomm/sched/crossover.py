@@ -48,7 +48,14 @@ phase (tens of microseconds). Real gains are lower wherever the sync phase *uses
 resources the compute phase needs: with MPI shared-memory transports on a CPU-only
 host, the copies of an allreduce compete with the other job's compute for the cores,
 so only the part of ``S`` that is waiting (network latency, a slow link, stragglers)
-can be hidden.
+can be hidden. Waiting itself costs a core too: MPI libraries spin in their blocking
+calls (MPICH over shared memory and over TCP alike), so a job whose data are on the wire
+would keep a core busy that the computing job needs. ``wait_poll_s`` (ours; default on
+when the ranks span several nodes) makes the jobs' collectives test their requests and
+sleep in between (:func:`mpicomm.comm.wait_all`); the waiting thread then holds neither a
+core nor the GIL (``time.sleep`` and mpi4py's MPI calls release it), and the compute
+phase runs at nearly its solo speed (the ``Cx_ms`` column of ``python -m mpicomm.bench
+crossover``).
 
 Tuning: pair jobs whose sync time is comparable to the compute time of the *others*
 (``S <= (n-1)C``); beyond that the token idles. Keep compute phases free of
@@ -68,9 +75,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..comm import Communicator, abort_after_flush, describe_mismatch, resolve
+from ..comm import Communicator, abort_after_flush, describe_mismatch, resolve, wait_all
 from ..config import env_flag
 from ..timeline import Timeline
+from ..validate import check_poll_s
 from .job import Job
 from .token import Token
 
@@ -84,6 +92,8 @@ _POLL_S = 0.05
 _STOP_GRACE_S = 1.0
 #: The timeline row of the token (waits for a job's sync, i.e. communication not hidden).
 TOKEN_ROW = "token"
+#: ``wait_poll_s="auto"`` on a communicator that spans several nodes (hosts).
+NETWORK_WAIT_POLL_S = 1e-3
 
 
 class CrossoverError(RuntimeError):
@@ -185,9 +195,7 @@ class _SyncThread:
         comm = self.job.comm
         if self._gate_poll_s is None or comm is None or comm.size == 1:
             return
-        request = comm.ctl.Ibarrier()
-        while not request.Test():
-            time.sleep(self._gate_poll_s)
+        wait_all([comm.ctl.Ibarrier()], self._gate_poll_s)
 
     def _run(self) -> None:
         while True:
@@ -256,7 +264,26 @@ class CrossoverScheduler:
         cores (ours; useful when ranks share CPU cores with compute, e.g. CPU training
         or oversubscription; costs one barrier latency per iteration plus up to one poll
         interval; try 1e-4-1e-3). Jobs whose communication starts inside the compute
-        phase (GradientSync's buckets during backward) are not gated by it.
+        phase (GradientSync's buckets during backward) are not gated by it. With
+        ``wait_poll_s`` set, the jobs' collectives already sleep while a peer is late,
+        so the gate adds little.
+    wait_poll_s:
+        How the jobs' communication waits for messages: set as ``wait_poll_s`` on every
+        job's communicator before :meth:`~mpicomm.sched.Job.setup` (so what the job
+        builds on it, e.g. GradientSync's thread communicator, inherits it), see
+        :func:`mpicomm.comm.wait_all`. Seconds: mpicomm's collectives test their
+        requests and sleep between tests instead of spinning in MPI, so a job waiting on
+        the wire leaves the core to the job that computes (ours; the abstract says
+        nothing about it). ``None``: block in MPI (spinning). ``"auto"`` (default):
+        :data:`NETWORK_WAIT_POLL_S` when ``comm`` spans more than one node (its data
+        cross a network, where the wait is mostly wire time), ``None`` on one node
+        (shared memory: the copies need the waiting thread's core anyway). Only
+        mpicomm's own algorithms follow it; code that calls mpi4py directly still spins.
+        Cost: up to about one interval per dependent message step (a ring allreduce
+        over p ranks has 2(p-1); the sleeps back off from ``wait_poll_s / 16``),
+        negligible when steps take tens of milliseconds, not for phases of a few
+        milliseconds or on a microsecond network with many ranks: there pass a smaller
+        value (e.g. 1e-4) or ``None``.
 
     Requires ``MPI_THREAD_MULTIPLE`` with more than one rank (the jobs' sync threads
     communicate concurrently); mpi4py requests it by default.
@@ -264,16 +291,17 @@ class CrossoverScheduler:
 
     def __init__(self, jobs: Sequence[Job], comm: Communicator | None = None, *,
                  timeline: Timeline | bool | None = None,
-                 abort_on_error: bool | None = None, gate_poll_s: float | None = None):
+                 abort_on_error: bool | None = None, gate_poll_s: float | None = None,
+                 wait_poll_s: float | str | None = "auto"):
         self.comm = resolve(comm)
         error: Exception | None = None
         try:
             jobs = self._check_jobs(jobs)
             timeline = self._check_timeline(timeline)
-            if gate_poll_s is not None and (isinstance(gate_poll_s, bool) or not isinstance(
-                    gate_poll_s, (int, float)) or not 0 < gate_poll_s < 1):
-                raise ValueError(f"gate_poll_s must be None or seconds in (0, 1), got "
-                                 f"{gate_poll_s!r}")
+            gate_poll_s = check_poll_s("gate_poll_s", gate_poll_s)
+            if wait_poll_s == "auto":
+                wait_poll_s = NETWORK_WAIT_POLL_S if self.comm.nodes > 1 else None
+            wait_poll_s = check_poll_s("wait_poll_s", wait_poll_s)
             self._check_thread_level()
         except (TypeError, ValueError, RuntimeError) as exc:
             error = exc
@@ -284,6 +312,8 @@ class CrossoverScheduler:
         self.abort_on_error = (env_flag("MPICOMM_ABORT_ON_ERROR", True)
                                if abort_on_error is None else bool(abort_on_error))
         self.stats = CrossoverStats(jobs={j.name: JobStats() for j in self.jobs})
+        #: The ``wait_poll_s`` given to every job's communicator ("auto" resolved).
+        self.wait_poll_s: float | None = wait_poll_s  # type: ignore[assignment]
         self._comms: list[Communicator] = []
         self._threads: dict[str, _SyncThread] = {}
         self._ran = False
@@ -292,6 +322,7 @@ class CrossoverScheduler:
         try:
             for job in self.jobs:  # collective, in the same order on every rank
                 job_comm = self.comm.dup()
+                job_comm.wait_poll_s = self.wait_poll_s
                 self._comms.append(job_comm)
                 job.setup(job_comm)
             for job in self.jobs:

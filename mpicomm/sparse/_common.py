@@ -36,7 +36,7 @@ from ..buffers import (
     staging_pool,
     to_torch,
 )
-from ..comm import Communicator
+from ..comm import Communicator, poll_until, wait_all
 from ..linkdelay import link_delay
 from ..selection import index_dtype_for, topk_indices
 from ..tags import TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401  (re-exported)
@@ -290,7 +290,9 @@ class Wire:
     staged through the communicator's reusable pinned host buffers
     (:class:`mpicomm.buffers.StagingPool`, slots ``sparse-send``/``sparse-recv``) and
     moved back to the device after receipt. Every message is counted in
-    ``comm.traffic`` (bytes sent, bytes received, messages sent).
+    ``comm.traffic`` (bytes sent, bytes received, messages sent). With the
+    communicator's ``wait_poll_s`` set, sends complete and receives are probed by test +
+    sleep (:func:`mpicomm.comm.wait_all`, ``MPI_Improbe``) instead of blocking in MPI.
     """
 
     def __init__(self, comm: Communicator, device: torch.device):
@@ -302,6 +304,7 @@ class Wire:
         self._resources = comm.resources
         self._ops = ops_for("torch", self.direct)
         self.delay = link_delay(comm)  # emulated cluster's injected latency, else None
+        self.poll_s = comm.wait_poll_s
 
     def _host(self, numel: int, slot: str) -> torch.Tensor:
         info = BufferInfo("torch", "uint8", (numel,), str(self.device), 1)
@@ -326,11 +329,17 @@ class Wire:
         self._count_send(out)
         if self.delay is not None:
             self.delay.before_send(dest)
-        self.mpi.Send([out, MPI.BYTE], dest, tag)
+        if self.poll_s is None:
+            self.mpi.Send([out, MPI.BYTE], dest, tag)
+        else:
+            wait_all([self.mpi.Isend([out, MPI.BYTE], dest, tag)], self.poll_s)
 
     def recv(self, source: int, tag: int) -> torch.Tensor:
         status = MPI.Status()
-        message = self.mpi.Mprobe(source, tag, status)
+        if self.poll_s is None:
+            message = self.mpi.Mprobe(source, tag, status)
+        else:
+            message = poll_until(lambda: self.mpi.Improbe(source, tag, status), self.poll_s)
         n = status.Get_count(MPI.BYTE)
         if self.staged:
             buf = self._host(n, "sparse-recv")
@@ -352,7 +361,7 @@ class Wire:
         try:
             got = self.recv(peer, tag)
         finally:
-            request.Wait()
+            wait_all([request], self.poll_s)
         return got
 
 
