@@ -123,10 +123,10 @@ class CompressedStrategy(Strategy):
       (``2(P-1)/P·d·itemsize``) aggregates densely instead: the exact mean of the
       compensated buffer, the residual flushed (:meth:`_aggregate_dense`, as the
       quantizers do). For float32 at P = 16 that is above density 1/16 for Top-k's
-      Allgather, 0.23 for gTop-k and 0.64 for AR-Top-k (ring). The update is the same
-      as a sparse step at density 1 and close to one at such densities, for fewer bytes;
-      a linear anneal from dense then costs about what its dense stretch costs.
-      linear anneal from dense then costs about what its dense stretch costs.
+      Allgather, 0.23 for gTop-k and 0.32 for AR-Top-k (ring; its index broadcast
+      counts lg P times on the critical path). The update is the same as a sparse step
+      at density 1 and close to one at such densities, for fewer bytes; a linear anneal
+      from dense then costs about what its dense stretch costs.
     * ``momentum_correction=m`` (0 < m < 1): the error-feedback memory keeps the
       velocity (``ErrorFeedback(momentum=m, masking=momentum_masking)``: ``u = m·u + g``
       is accumulated *before* compression, and with ``momentum_masking`` cleared where
