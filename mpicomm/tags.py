@@ -70,7 +70,8 @@ TAG_PS_CONTROL = tag("ps", 3)   # worker 0 <-> server: init / restore and acks
 TAG_PS_STATE = tag("ps", 4)     # server -> worker 0: shard state for a checkpoint
 # Emulated cluster verification.
 TAG_PINGPONG = tag("emulate", 1)
-# Calibration ping-pong over several links (mpicomm.control.calibration).
+# Calibration ping-pong (mpicomm.collectives.calibrate.pingpong: bench collectives,
+# mpicomm.control.calibration, mpicomm.topology.measure_link).
 TAG_CALIBRATE = tag("control", 1)
 # Stall inspector (mpicomm.stall, on its own duplicate of the world).
 TAG_STALL_QUERY = tag("stall", 1)

@@ -152,3 +152,36 @@ def test_report_renders_accuracy_tables(tmp_path: Path) -> None:
     assert ("| artopk+ef+dgc | 96.00 / 96.44 / 96.89 | 96.44 | -0.67 | -1.55 | 33.3 | 19.1x "
             "| 60 |") in text
     assert "| dense | 97.56 / 96.89 / 97.11 | 97.11 | +0.00 | +0.00 | 637.5 | 1x | 60 |" in text
+
+
+def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> None:
+    res = tmp_path / "results"
+    net = dict(EMU, schedule="/somewhere/benchmarks/schedule-adaptive.txt")
+    rows = [{"method": m, "time_to_target_s": t, "final_acc": a, "step_ms": 100.0,
+             "sent_kB_step": 10.0, "x_dense": 30.0 / t, "choices": c}
+            for m, t, a, c in (("dense", 30.0, 0.98, ""), ("gtopk@0.01", 10.0, 0.97, ""),
+                               ("auto", 12.0, 0.965, "artopk_ring@0.01:40"))]
+    lgreco = [{"method": "topk uniform", "sent_kB_step": 300.0, "final_acc": 0.96},
+              {"method": "topk lgreco", "sent_kB_step": 150.0, "final_acc": 0.96,
+               "dp_size_vs_uniform": 0.5, "dp_error_vs_budget": 1.0}]
+    summary = {"auto_vs_best_static": 1.2, "best_static": "gtopk@0.01",
+               "auto_speedup_vs_dense": 2.5, "auto_acc_loss_points": 1.5,
+               "lgreco_bytes_ratio": 2.0, "lgreco_bytes_ratio_qsgd": None}
+    write(res, "adaptive-emulated-4.json", {
+        "suite": "adaptive", "machine": machine(net, 4), "ranks": 4,
+        "options": {"hidden": 1024, "epochs": 12, "batch": 32, "target": 0.96,
+                    "link": "emulated"}, "rows": rows, "lgreco": lgreco, "summary": summary})
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main(["--results", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "### adaptive: 4 ranks, 1gbit, 0.1 ms" in text
+    assert "schedule `schedule-adaptive.txt`" in text
+    assert "| auto | 12 | 0.965 | 100 | 10 | 2.5 | artopk_ring@0.01:40 |" in text
+    assert "| topk lgreco | 150 | 0.96 | 0.5 | 1 |" in text
+    lines = text.splitlines()
+    verdict = {c[0]: c[-1] for c in ([x.strip() for x in line.strip("|").split("|")]
+                                     for line in lines if line.startswith("| auto_")
+                                     or line.startswith("| lgreco_"))}
+    assert verdict == {"auto_vs_best_static": "MISSED", "auto_speedup_vs_dense": "met",
+                       "auto_acc_loss_points": "MISSED", "lgreco_bytes_ratio": "met",
+                       "lgreco_bytes_ratio_qsgd": ""}

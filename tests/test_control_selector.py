@@ -446,3 +446,128 @@ def test_lgreco_families_agree_on_every_rank(comm, family, default):
     assert h["family"] == family
     assert h["error"] <= h["budget"] * (1 + 1e-9) and h["size"] <= h["uniform_size"]
     assert all(lg.value(n) == v for n, v in values.items())
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.data - d.data.mean(0)) / np.where(d.data.std(0) > 0, d.data.std(0), 1.0)
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(d.target)
+    return x[:1400], y[:1400], x[1400:], y[1400:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("family", "default"), [("qsgd", 3), ("powersgd", 4)])
+def test_auto_lgreco_bits_and_ranks_are_what_goes_on_the_wire(comm, family, default):
+    """Per-layer QSGD bits / PowerSGD ranks inside fused buckets: every step's bytes are
+    the prediction for the assignment in force, the assignment is rank 0's (identical
+    everywhere, error <= budget, size <= uniform), and the model still learns."""
+    from mpicomm.control import AutoStrategy
+    from mpicomm.control.perlayer import FAMILY_SCHEMES, predict_bucket
+    from mpicomm.torch import GradientSync
+
+    xtr, ytr, xte, yte = _digits()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
+                                torch.nn.Linear(48, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    auto = AutoStrategy(calibrate_links=0, lgreco=True, lgreco_family=family,
+                        lgreco_default=default, lgreco_every=3, lgreco_acc_steps=2,
+                        schemes=(FAMILY_SCHEMES[family],))
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    with torch.no_grad():
+        first = float(torch.nn.functional.cross_entropy(model(xte), yte))
+    bytes_ok, used = [], []
+    beta_only = CostParams(alpha=0.0, beta=1.0, gamma=0.0)
+    with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.004) as sync:
+        traffic = sync.strategy.comm.traffic
+        for _ in range(12):
+            idx = torch.randint(0, xtr.shape[0], (32,), generator=gen)
+            opt.zero_grad()
+            before = traffic.snapshot()  # before backward: buckets leave during it
+            torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            sync.step(opt)
+            sent = (traffic - before).sent_bytes
+            values = {layer: auto.lgreco.value(layer) for segs in auto._segments.values()
+                      for layer, _, _ in segs}
+            expected = sum(predict_bucket(family, [s for _, _, s in segs],
+                                          [values[n] for n, _, _ in segs], 4, comm.size,
+                                          beta_only, ZERO, auto.lgreco.bucket_size)["comm"]
+                           for segs in auto._segments.values())
+            # ring allreduce blocks differ by one element: <= 8 bytes per allreduce
+            bytes_ok.append(abs(sent - expected) <= 16 * len(auto._segments))
+            used.append(sorted(values.items()))
+    assert len(auto._segments) >= 2, "the test wants several fused buckets"
+    assert all(bytes_ok), bytes_ok
+    assert {r.scheme for r in auto.records} == {FAMILY_SCHEMES[family]}
+    history = auto.lgreco.history
+    assert len(history) == 3
+    assert any(dict(u) != {k: default for k, _ in u} for u in used), \
+        "L-GreCo moved no layer away from the uniform setting"
+    mine = (used, [sorted(h["densities"].items()) for h in history])
+    assert comm.allgather_object(mine) == [mine] * comm.size
+    for h in history:
+        assert h["family"] == family
+        assert h["error"] <= h["budget"] * (1 + 1e-9) and h["size"] <= h["uniform_size"]
+    with torch.no_grad():
+        last = float(torch.nn.functional.cross_entropy(model(xte), yte))
+    assert last < 0.85 * first, (first, last)  # held-out loss falls: it still learns
+    if family == "powersgd":  # per-layer warm starts travel with the state
+        fresh = AutoStrategy(calibrate_links=0, lgreco=True, lgreco_family=family)
+        fresh.load_state_dict(auto.state_dict())
+        assert {r: sorted(c.state_dict()["q"]) for r, c in fresh._psgd.items()} == \
+            {r: sorted(c.state_dict()["q"]) for r, c in auto._psgd.items()} != {}
+
+
+@pytest.mark.mpi
+def test_auto_decisions_identical_on_every_rank_at_every_step_with_one_step_lag(comm):
+    """The ratio, each bucket's scheme and the saved exploration state, after every step,
+    are the same on every rank; step t's measurements are agreed during step t+1 (the
+    records of step t appear after step t+1), on every rank alike."""
+    from mpicomm.control import AutoStrategy
+    from mpicomm.torch import GradientSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    auto = AutoStrategy(calibrate_links=0, window=1, ratios=(0.5, 0.1, 0.02), cooldown=2)
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    trail = []
+    with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
+        for t in range(10):
+            x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            sync.step(opt)
+            agreed = max((r.step for r in auto.records), default=-1)
+            assert agreed == t - 1, (t, agreed)
+            trail.append((auto.steps, auto.ratio, sorted(auto._current.items()),
+                          auto._saved is not None, len(auto.controller.history)))
+    assert comm.allgather_object(trail) == [trail] * comm.size
+    assert len({ratio for _, ratio, _, _, _ in trail}) >= 3, "the controller explored"
+    assert any(saved for *_, saved, _ in trail), "an exploration window was saved"
+
+
+@pytest.mark.mpi
+def test_auto_min_gain_excludes_a_scheme_whose_measured_gain_is_too_low(comm):
+    if comm.size == 1:
+        pytest.skip("one rank: dense moves no bytes, no compressed scheme is ever chosen")
+    saved = {k: comm.resources.pop(k) for k in CALIBRATION_KEYS if k in comm.resources}
+    comm.resources["cost_params"] = CostParams(alpha=1e-6, beta=1e-6, gamma=0.0)  # 1 MB/s
+    try:
+        auto, _, _ = _train_auto(comm, 4, ratio=0.01, schemes=("dense", "allgather_topk"),
+                                 min_gain=0.999)
+    finally:
+        for k in CALIBRATION_KEYS:
+            comm.resources.pop(k, None)
+        comm.resources.update(saved)
+    first = {bucket: scheme for step, bucket, scheme, _ in auto.decisions if step == 0}
+    assert set(first.values()) == {"allgather_topk"}   # cheapest on the slow link
+    assert auto.scheme_gains["allgather_topk"] < 0.999
+    last = {bucket: scheme for _, bucket, scheme, _ in auto.decisions}
+    assert set(last.values()) == {"dense"}             # its measured gain ruled it out
+    mine = (auto.decisions, sorted(auto.scheme_gains.items()))
+    assert comm.allgather_object(mine) == [mine] * comm.size

@@ -292,6 +292,16 @@ def test_fit_alpha_beta_never_goes_negative():
         calibrate.fit_alpha_beta([8, 16], [1e-6, 0.0])
 
 
+def test_pingpong_and_measure_check_their_arguments():
+    from mpicomm.comm import init
+
+    comm = init()
+    with pytest.raises(ValueError, match="peer"):
+        calibrate.pingpong(comm, 8, peer=0)
+    with pytest.raises(ValueError, match="links"):
+        calibrate.measure(comm, links=0)
+
+
 def test_measure_gamma_is_a_plausible_memory_rate():
     gamma = calibrate.measure_gamma(1 << 20, repeats=3)
     assert 1 / 1e12 < gamma < 1 / 1e7  # between 10 MB/s and 1 TB/s
@@ -303,6 +313,12 @@ def test_measure_gives_every_rank_the_same_params(comm):
     try:
         params = calibrate.measure(comm, sizes=(8, 4096, 1 << 16), repeats=3, store=True)
         assert comm.resources["cost_params"] is params
+        # several links (not only ranks 0 and 1), the slowest one's alpha and beta
+        found = calibrate.measure_links(comm, links=2, sizes=(8, 4096), repeats=2)
+        assert [lk.b for lk in found] == calibrate.choose_peers(
+            comm.allgather_object(comm.node), 2)
+        assert calibrate.slowest(found, 1.0).beta == max(
+            [lk.beta for lk in found], default=CostParams().beta)
         assert comm.allgather_object(params) == [params] * comm.size
         assert params.gamma > 0
         if comm.size == 1:  # no link to measure: the defaults stay

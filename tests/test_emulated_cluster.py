@@ -71,11 +71,49 @@ def test_applier_fires_time_and_step_entries(tmp_path: Path) -> None:
         time.sleep(0.1)
         assert rates == [1e9]  # step 4 < 5
         linkdelay.report_step(5)
+        _wait_for(lambda: len(rates) == 2)
+        assert rates == [1e9, 2e9] and float(delay_file.read_text()) == pytest.approx(0.002)
+        # the job counts its steps again (the adaptive bench, method after method): the
+        # step entry is re-armed and the conditions in force before it come back
+        linkdelay.report_step(1)
+        _wait_for(lambda: len(rates) == 3)
+        assert rates == [1e9, 2e9, 1e9] and float(delay_file.read_text()) == \
+            pytest.approx(0.001)
+        linkdelay.report_step(6)
+        _wait_for(lambda: len(rates) == 4)
+        assert rates[-1] == 2e9
     finally:
         del os.environ[linkdelay.ENV_STEP_FILE]
+        applier.stop.set()
     applier.join(5)
-    assert not applier.is_alive() and rates == [1e9, 2e9] and not applier.errors
-    assert float(delay_file.read_text()) == pytest.approx(0.002)
+    assert not applier.is_alive() and not applier.errors
+
+
+def test_applier_rewinds_to_the_initial_conditions(tmp_path: Path) -> None:
+    entries = schedule.parse_schedule("step 3 2gbit 2ms\n")
+    rates: list[float] = []
+    delay_file, step_file = tmp_path / "delay", tmp_path / "step"
+    applier = schedule.Applier(entries, rates.append, str(delay_file), str(step_file),
+                               lambda line: None, initial=(1e8, 0.005))
+    os.environ[linkdelay.ENV_STEP_FILE] = str(step_file)
+    applier.start()
+    try:
+        linkdelay.report_step(3)
+        _wait_for(lambda: rates == [2e9])
+        linkdelay.report_step(0)
+        _wait_for(lambda: len(rates) == 2)
+        assert rates == [2e9, 1e8] and float(delay_file.read_text()) == pytest.approx(0.005)
+    finally:
+        del os.environ[linkdelay.ENV_STEP_FILE]
+        applier.stop.set()
+    applier.join(5)
+    assert not applier.errors
+
+
+def _wait_for(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_job_env_and_wrapper() -> None:

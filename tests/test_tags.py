@@ -29,3 +29,16 @@ def test_overlap_is_detected(monkeypatch):
     monkeypatch.setitem(tags.RANGES, "clash", (15, 25))
     with pytest.raises(AssertionError, match="overlap"):
         tags.check_registry()
+
+
+def test_no_module_defines_its_own_numeric_tag():
+    """Tags come from the registry: no ``_TAG = 97`` or ``tag=97`` beside it."""
+    import re
+    from pathlib import Path
+
+    root = Path(tags.__file__).parent
+    pattern = re.compile(r"^\s*_?TAG\w*\s*=\s*\d+|\btag\s*=\s*\d+", re.MULTILINE)
+    found = [f"{p.relative_to(root)}: {m.group(0).strip()}"
+             for p in root.rglob("*.py") if p.name != "tags.py"
+             for m in pattern.finditer(p.read_text())]
+    assert not found, found

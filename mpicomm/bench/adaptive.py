@@ -17,8 +17,16 @@ Run under MPI with 4+ ranks, e.g.
     tc-shaped rate and the latency :mod:`mpicomm.linkdelay` injects in mpicomm's own
     point-to-point layer; the bench adds no delay of its own, ``--schedule`` is ignored
     and the emulator's ``--schedule`` file (``step N RATE DELAY`` lines) changes the
-    network: rank 0 reports every step (:func:`mpicomm.linkdelay.report_step`). The
-    bench refuses to start in this mode outside the emulator.
+    network: rank 0 reports every step of the method in training
+    (:func:`mpicomm.linkdelay.report_step`), counting from 1 for each method, and the
+    emulator re-arms its step entries when the count starts again, so every method
+    (and every L-GreCo run) meets the same network at the same steps. The bench refuses
+    to start in this mode outside the emulator. Measured run (issue 8)::
+
+        launchers/emulated-cluster --hosts 4 --rate 100mbit --delay 1ms \
+            --schedule benchmarks/schedule-adaptive.txt -- \
+            .venv/bin/python -m mpicomm.bench adaptive --link emulated \
+            --json benchmarks/results/cluster/adaptive-emulated-4.json
 
   Defaults make communication dominate the step (hidden 1024: 1.1 M parameters, 4.4 MB
   of float32 gradient per step, 6.8 MB sent per rank by the dense ring allreduce with 4
@@ -31,10 +39,13 @@ Run under MPI with 4+ ranks, e.g.
   exploration windows). Each run reports the wall time (max over ranks, evaluation
   excluded) until the test accuracy first reaches ``--target`` (checked every epoch),
   the final accuracy, the time per step and the bytes sent per step.
-* L-GreCo: ``auto`` at fixed ratio ``--lgreco-ratio``, per-layer top-k, with every
-  layer at that density (uniform) and with L-GreCo's densities (DP every 10 steps);
-  bytes per step (measured) and the DP's own size vs the uniform size at the same total
-  error (its budget), averaged over the adjustments.
+* L-GreCo, per family of ``--lgreco-families`` (``topk``: ``auto`` at ratio
+  ``--lgreco-ratio`` with Allgather Top-k; ``qsgd``: 4 bits, ``powersgd``: rank 4, the
+  per-layer schemes of :mod:`mpicomm.control.perlayer`): every layer at the uniform
+  setting (L-GreCo never adjusts) against L-GreCo's per-layer settings (DP every 10
+  steps, budget = the uniform setting's total error); bytes per step (measured, the
+  first 10 steps of both uniform) and the DP's own size vs the uniform size at the same
+  total error, averaged over the adjustments.
 
 Targets (issue 8): auto within 10% of the best static choice; >= 2x faster than dense at
 <= 1 Gbit/s; <= 1 point of final accuracy lost; L-GreCo >= 1.5x fewer bytes than uniform.
@@ -53,6 +64,7 @@ import torch
 
 from ..comm import Communicator, init
 from ..control import AutoStrategy
+from ..control.perlayer import FAMILY_SCHEMES
 from ..control.selector import build
 from ..linkdelay import ENV_RANKS_PER_HOST, report_step
 from ..strategies import Dense, Strategy
@@ -83,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=1,
                         help="auto: exploration window (steps per candidate ratio)")
     parser.add_argument("--lgreco-ratio", type=float, default=0.01)
+    parser.add_argument("--lgreco-families", default="topk,qsgd,powersgd",
+                        help="comma-separated L-GreCo families to compare with uniform")
     parser.add_argument("--lgreco-steps", type=int, default=120)
 
 
@@ -198,18 +212,24 @@ def lgreco_rows(data: tuple[torch.Tensor, ...], comm: Communicator,
     rows = []
     quick = argparse.Namespace(**{**vars(args), "epochs": max(1, args.lgreco_steps // max(
         1, data[0].shape[0] // args.batch))})
-    for name, factors in (("uniform", (1.0,)), ("lgreco", None)):
-        extra = {} if factors is None else {"lgreco_factors": factors}
-        s = AutoStrategy(ratio=args.lgreco_ratio, lgreco=True, lgreco_every=10,
-                         lgreco_acc_steps=5, schemes=("allgather_topk",), **extra)
-        row = train(name, data, comm, quick, strategy=s)
-        history = s.lgreco.history if s.lgreco is not None else []
-        if history:
-            row["dp_size_vs_uniform"] = float(np.mean([h["size"] / h["uniform_size"]
-                                                       for h in history]))
-            row["dp_error_vs_budget"] = float(np.max([h["error"] / h["budget"]
-                                                      for h in history if h["budget"]]))
-        rows.append(row)
+    for family in [f for f in args.lgreco_families.split(",") if f]:
+        if family == "topk":
+            options: dict[str, Any] = {"ratio": args.lgreco_ratio,
+                                       "schemes": ("allgather_topk",)}
+        else:
+            options = {"lgreco_family": family, "lgreco_default": 4,
+                       "schemes": (FAMILY_SCHEMES[family],)}
+        for name, every in (("uniform", 1 << 30), ("lgreco", 10)):
+            s = AutoStrategy(lgreco=True, lgreco_every=every, lgreco_acc_steps=5, **options)
+            row = train(f"{family} {name}", data, comm, quick, strategy=s)
+            row["family"], row["setting"] = family, name
+            history = s.lgreco.history if s.lgreco is not None else []
+            if history:
+                row["dp_size_vs_uniform"] = float(np.mean([h["size"] / h["uniform_size"]
+                                                           for h in history]))
+                row["dp_error_vs_budget"] = float(np.max([h["error"] / h["budget"]
+                                                          for h in history if h["budget"]]))
+            rows.append(row)
     return rows
 
 
@@ -240,9 +260,12 @@ def run(args: argparse.Namespace) -> int:
         "auto_acc_loss_points": 100 * (dense["final_acc"] - auto["final_acc"]),
     }
     lg = lgreco_rows(data, comm, args)
-    summary["lgreco_bytes_ratio"] = (lg[0]["sent_kB_step"] / lg[1]["sent_kB_step"]
-                                     if lg[1]["sent_kB_step"] else None)
-    summary["lgreco_dp_size_vs_uniform"] = lg[1].get("dp_size_vs_uniform")
+    for uniform, per_layer in zip(lg[::2], lg[1::2]):
+        tag = "" if uniform["family"] == "topk" else f"_{uniform['family']}"
+        summary[f"lgreco_bytes_ratio{tag}"] = (
+            uniform["sent_kB_step"] / per_layer["sent_kB_step"]
+            if per_layer["sent_kB_step"] else None)
+        summary[f"lgreco_dp_size_vs_uniform{tag}"] = per_layer.get("dp_size_vs_uniform")
     if comm.rank == 0:
         print(f"# adaptive: {comm.size} ranks, digits MLP 64-{args.hidden}-{args.hidden}-10, "
               f"batch {args.batch}/rank, {args.epochs} epochs, target acc {args.target}, "
@@ -250,9 +273,9 @@ def run(args: argparse.Namespace) -> int:
                  if args.link == "injected" else "emulated cluster (launchers/"
                  "emulated-cluster: tc rate + mpicomm.linkdelay latency)"))
         print_table(rows, COLUMNS)
-        print("\n# L-GreCo vs per-layer uniform density (allgather_topk, ratio "
-              f"{args.lgreco_ratio}); DP error <= budget = uniform's error (the first "
-              "10 steps of both run uniform)")
+        print("\n# L-GreCo vs per-layer uniform settings (topk: allgather_topk at ratio "
+              f"{args.lgreco_ratio}; qsgd 4 bits; powersgd rank 4); DP error <= budget = "
+              "uniform's error (the first 10 steps of both run uniform)")
         print_table(lg, ("method", "sent_kB_step", "final_acc", "dp_size_vs_uniform",
                          "dp_error_vs_budget"))
         print("\n# targets")

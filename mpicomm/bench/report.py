@@ -16,14 +16,15 @@ bench-cluster`` write there), and writes
   measured and predicted side by side), ``localsgd-*.png`` (training loss against time:
   time-to-accuracy curves).
 
-``crossover`` results get a table of the three modes' median throughput (sequential,
-co-located, Crossover), the speedups, the measured ``C`` and ``S`` and the bound
-``(C+S)/max(C,S)``. ``accuracy`` files (``examples/compression_accuracy.py --json``) get
-a table of test accuracy and bytes per step per strategy label. Suites it does not know
-(``ps``, ``adaptive`` ... as they land) get a generic table of their ``rows``/``summary``;
-a file without ``suite`` is skipped with a note. Needs matplotlib (``pip install -e
-".[bench]"``) for the plots; without it the tables are still written and the report says
-the plots were not made.
+``adaptive`` gets its time-to-accuracy table, the L-GreCo comparison and issue 8's
+targets marked met/missed. ``crossover`` results get a table of the three modes' median
+throughput (sequential, co-located, Crossover), the speedups, the measured ``C`` and
+``S`` and the bound ``(C+S)/max(C,S)``. ``accuracy`` files
+(``examples/compression_accuracy.py --json``) get a table of test accuracy and bytes per
+step per strategy label. Suites it does not know (``ps`` ...) get a generic table of
+their ``rows``/``summary``; a file without ``suite`` is skipped with a note. Needs
+matplotlib (``pip install -e ".[bench]"``) for the plots; without it the tables are still
+written and the report says the plots were not made.
 """
 
 from __future__ import annotations
@@ -345,6 +346,9 @@ def section(r: dict[str, Any]) -> str:
                                                    "x_mpi", "x_gloo"))
     if suite == "accuracy":
         return head + accuracy(r)
+
+    if suite == "adaptive":
+        return head + adaptive(r)
     if suite == "crossover":
         return head + crossover_section(r)
     body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
@@ -365,6 +369,48 @@ def accuracy(r: dict[str, Any]) -> str:
             for row in r.get("summary", [])]
     return (f"digits MLP, density {c.get('density')}, {c.get('epochs')} epochs, batch "
             f"{c.get('batch')}/rank, {lr}, seeds {r.get('seeds')}\n\n" + table(rows))
+
+
+#: Issue 8's targets for ``bench adaptive``: summary key -> (test, wording).
+ADAPTIVE_TARGETS: dict[str, tuple[Any, str]] = {
+    "auto_vs_best_static": (lambda v: v <= 1.1, "auto's time-to-accuracy <= 1.1x the best "
+                            "static (strategy, ratio)"),
+    "auto_speedup_vs_dense": (lambda v: v >= 2.0, "auto >= 2x faster than dense"),
+    "auto_acc_loss_points": (lambda v: v <= 1.0, "auto loses <= 1 point of final accuracy"),
+    "lgreco_bytes_ratio": (lambda v: v >= 1.5, "L-GreCo (top-k) >= 1.5x fewer bytes per "
+                           "step than uniform at the same total error"),
+}
+
+
+def adaptive(r: dict[str, Any]) -> str:
+    """``bench adaptive``: time-to-accuracy per method, L-GreCo against uniform, and the
+    issue's targets (met or missed) from the run's own ratios."""
+    opts = r.get("options", {})
+    out = [f"Digits MLP 64-{opts.get('hidden')}-{opts.get('hidden')}-10, "
+           f"{opts.get('epochs')} epochs, batch {opts.get('batch')}/rank, target accuracy "
+           f"{opts.get('target')}; network: "
+           + (f"injected schedule `{opts.get('schedule')}` (EPOCH:Gbit/s:alpha_us)"
+              if opts.get("link") != "emulated" else
+              f"emulated cluster, schedule `{os.path.basename(net(r).get('schedule') or '')}`"
+              ) + ".\n",
+           table(r.get("rows", []), ("method", "time_to_target_s", "final_acc", "step_ms",
+                                     "sent_kB_step", "x_dense", "choices")),
+           "L-GreCo against every layer at the uniform setting (bytes per step measured; "
+           "DP size / uniform size at the same total error):\n",
+           table(r.get("lgreco", []), ("method", "sent_kB_step", "final_acc",
+                                       "dp_size_vs_uniform", "dp_error_vs_budget"))]
+    summary = r.get("summary", {})
+    rows = []
+    for key, value in summary.items():
+        test = ADAPTIVE_TARGETS.get(key)
+        verdict = ""
+        if test is not None:
+            verdict = "no result" if value is None else ("met" if test[0](value)
+                                                          else "MISSED")
+        rows.append({"measure": key, "value": value,
+                     "target": test[1] if test else "", "verdict": verdict})
+    out.append(table(rows, ("measure", "value", "target", "verdict")))
+    return "\n".join(out)
 
 
 def crossover_section(r: dict[str, Any]) -> str:

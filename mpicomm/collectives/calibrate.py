@@ -1,13 +1,22 @@
 """Fit the cost model's alpha, beta and gamma on the machine the job runs on.
 
-:func:`measure` is collective. Ranks 0 and 1 time a ping-pong over the communicator's
-private point-to-point duplicate (the path mpicomm's own algorithms use, Python
-overhead included) for a few message sizes and fit ``t(n) = alpha + n*beta`` to the
-one-way times; rank 0 times an in-place numpy add for ``gamma``. Rank 0's figures are
-broadcast, so every rank gets the same :class:`~mpicomm.collectives.cost.CostParams` and
-``algorithm="auto"`` makes the same choice everywhere. The other ranks wait without
-spinning (a sleeping poll), so on a machine with fewer cores than ranks they do not steal
-the CPU from the two that measure.
+The one ping-pong helper of the project (:func:`pingpong`; ``bench collectives``,
+:mod:`mpicomm.control.calibration` and :func:`mpicomm.topology.measure_link` all use it):
+rank 0 and a peer exchange messages over the communicator's private point-to-point
+duplicate (the path mpicomm's own algorithms use, Python overhead and the emulated
+cluster's injected latency included) with the registered tag
+:data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is fitted to the
+one-way times (:func:`fit_alpha_beta`).
+
+* :func:`measure_links` (collective): rank 0 ping-pongs with up to ``links`` peers, one
+  link at a time, peers on *other nodes* first (:func:`choose_peers`); every rank gets
+  the same list of fitted :class:`Link`. The other ranks wait without spinning (a
+  sleeping poll), so on a machine with fewer cores than ranks they do not steal the CPU
+  from the two that measure.
+* :func:`measure` (collective): the *slowest* measured link's alpha and beta (a
+  collective's critical path crosses it) and rank 0's gamma (numpy add), broadcast, so
+  every rank gets the same :class:`~mpicomm.collectives.cost.CostParams` and
+  ``algorithm="auto"`` makes the same choice everywhere.
 
 With one rank there is no link to measure: alpha and beta keep their defaults.
 """
@@ -17,20 +26,31 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
 from ..comm import Communicator, resolve
 from ..linkdelay import link_delay
+from ..tags import TAG_CALIBRATE
 from .cost import CostParams
 
-__all__ = ["measure", "pingpong", "fit_alpha_beta", "measure_gamma", "DEFAULT_SIZES"]
+__all__ = ["measure", "measure_links", "pingpong", "fit_alpha_beta", "measure_gamma",
+           "choose_peers", "Link", "DEFAULT_SIZES", "wait_quietly", "slowest"]
 
 #: Ping-pong message sizes in bytes: latency-bound to bandwidth-bound.
 DEFAULT_SIZES: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
-_TAG = 97
+
+
+@dataclass(frozen=True)
+class Link:
+    """The fitted ping-pong of ranks ``a`` and ``b``."""
+
+    a: int
+    b: int
+    alpha: float
+    beta: float
 
 
 def _repeats_for(nbytes: int, repeats: int) -> int:
@@ -38,13 +58,17 @@ def _repeats_for(nbytes: int, repeats: int) -> int:
     return max(3, repeats if nbytes <= 1 << 17 else repeats // 4)
 
 
-def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2) -> float:
-    """Median one-way time (s) of an ``nbytes`` message between ranks 0 and 1.
+def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2,
+             peer: int = 1) -> float:
+    """Median one-way time (s) of an ``nbytes`` message between rank 0 and ``peer``.
 
-    Ranks 0 and 1 must both call it (others must not); only rank 0's answer is meaningful
-    (rank 1 returns 0.0).
+    Rank 0 and ``peer`` must both call it (others must not); only rank 0's answer is
+    meaningful (``peer`` returns 0.0). Cost: ``2·(warmup + repeats)`` messages.
     """
     mpi, rank = comm.p2p, comm.rank
+    if peer == 0 or not 0 < peer < comm.size or rank not in (0, peer):
+        raise ValueError(f"pingpong: rank 0 and peer {peer} (of {comm.size}) call it; "
+                         f"rank {rank} did")
     delay = link_delay(comm)  # the emulated cluster's injected latency counts in alpha
     buf = np.zeros(nbytes, dtype=np.uint8)
     msg = [buf, MPI.BYTE]
@@ -53,20 +77,20 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
         if rank == 0:
             start = time.perf_counter()
             if delay is not None:
-                delay.before_send(1)
-            mpi.Send(msg, 1, _TAG)
+                delay.before_send(peer)
+            mpi.Send(msg, peer, TAG_CALIBRATE)
             if delay is not None:
                 delay.after_receive()
-            mpi.Recv(msg, 1, _TAG)
+            mpi.Recv(msg, peer, TAG_CALIBRATE)
             if i >= warmup:
                 times.append((time.perf_counter() - start) / 2)
         else:
             if delay is not None:
                 delay.after_receive()
-            mpi.Recv(msg, 0, _TAG)
+            mpi.Recv(msg, 0, TAG_CALIBRATE)
             if delay is not None:
                 delay.before_send(0)
-            mpi.Send(msg, 0, _TAG)
+            mpi.Send(msg, 0, TAG_CALIBRATE)
     return statistics.median(times) if times else 0.0
 
 
@@ -101,35 +125,75 @@ def measure_gamma(nbytes: int = 1 << 22, repeats: int = 10) -> float:
     return statistics.median(times) / (4 * count)
 
 
-def _wait_quietly(request: MPI.Request, poll: float = 1e-3) -> None:
+def wait_quietly(request: MPI.Request, poll: float = 1e-3) -> None:
     """Complete ``request`` while sleeping between polls (leaves the CPU to others)."""
     while not request.Test():
         time.sleep(poll)
 
 
+def choose_peers(nodes: Sequence[int], links: int) -> list[int]:
+    """Rank 0's ping-pong partners: one rank on each other node first (lowest rank of the
+    node), then further ranks of any node, up to ``links`` (``nodes[r]`` = node of r)."""
+    others: list[int] = []
+    seen = {nodes[0]}
+    for r in range(1, len(nodes)):
+        if nodes[r] not in seen:
+            seen.add(nodes[r])
+            others.append(r)
+    rest = [r for r in range(1, len(nodes)) if r not in others]
+    return (others + rest)[:max(0, links)]
+
+
+def _check(links: int, sizes: Sequence[int]) -> None:
+    if isinstance(links, bool) or not isinstance(links, int) or links < 1:
+        raise ValueError(f"links must be an int >= 1, got {links!r}")
+    if len(sizes) < 2 or any(int(s) < 0 for s in sizes):
+        raise ValueError("sizes needs at least two non-negative message sizes")
+
+
+def measure_links(comm: Communicator | None = None, links: int = 3,
+                  sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20) -> list[Link]:
+    """Fit alpha/beta on rank 0's links to up to ``links`` peers (collective; the same
+    list on every rank; empty with one rank). Costs about ``links·Σ sizes·repeats``
+    bytes of ping-pong: well under a second per link on shared memory."""
+    comm = resolve(comm)
+    _check(links, sizes)
+    nodes = comm.allgather_object(comm.node)
+    fitted: list[Link] = []
+    for peer in choose_peers(nodes, links):
+        if comm.rank in (0, peer):
+            times = [pingpong(comm, int(s), _repeats_for(int(s), repeats), peer=peer)
+                     for s in sizes]
+            if comm.rank == 0:
+                alpha, beta = fit_alpha_beta(sizes, times)
+                fitted.append(Link(0, peer, alpha, beta))
+        wait_quietly(comm.ctl.Ibarrier())
+    return comm.bcast_object(fitted, root=0)
+
+
+def slowest(found: Sequence[Link], gamma: float) -> CostParams:
+    """The cost parameters of the slowest measured link (the defaults without one)."""
+    defaults = CostParams()
+    return CostParams(alpha=max((lk.alpha for lk in found), default=defaults.alpha),
+                      beta=max((lk.beta for lk in found), default=defaults.beta),
+                      gamma=gamma)
+
+
 def measure(comm: Communicator | None = None, sizes: Sequence[int] = DEFAULT_SIZES,
-            repeats: int = 20, store: bool = False) -> CostParams:
-    """Measure alpha, beta (ping-pong between ranks 0 and 1) and gamma (numpy add).
+            repeats: int = 20, store: bool = False, links: int = 3) -> CostParams:
+    """Measure alpha, beta (the slowest of :func:`measure_links`) and gamma (numpy add).
 
     Collective over ``comm``; every rank returns the same :class:`CostParams`. With
     ``store=True`` they are also put in ``comm.resources["cost_params"]``, where
-    ``algorithm="auto"`` looks for them. Takes well under a second on shared memory.
+    ``algorithm="auto"`` looks for them. Takes well under a second per link on shared
+    memory.
     """
     comm = resolve(comm)
-    fitted: dict[str, Any] | None = None
-    if comm.size > 1 and comm.rank in (0, 1):
-        times = [pingpong(comm, int(s), _repeats_for(int(s), repeats)) for s in sizes]
-        if comm.rank == 0:
-            alpha, beta = fit_alpha_beta(sizes, times)
-            fitted = {"alpha": alpha, "beta": beta}
-    if comm.rank == 0:
-        fitted = dict(fitted or {}, gamma=measure_gamma())
-    _wait_quietly(comm.ctl.Ibarrier())
-    fitted = comm.bcast_object(fitted, root=0)
-    defaults = CostParams()
-    params = CostParams(alpha=fitted.get("alpha", defaults.alpha),
-                        beta=fitted.get("beta", defaults.beta),
-                        gamma=fitted["gamma"])
+    _check(links, sizes)
+    found = measure_links(comm, links, sizes, repeats) if comm.size > 1 else []
+    gamma = measure_gamma() if comm.rank == 0 else None
+    wait_quietly(comm.ctl.Ibarrier())
+    params = slowest(found, comm.bcast_object(gamma, root=0))
     if store:
         comm.resources["cost_params"] = params
     return params

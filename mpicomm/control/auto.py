@@ -28,11 +28,35 @@ What happens, on every rank identically:
   callback in :attr:`callbacks`; the step's compression gain (averaged over ranks) feeds
   the :class:`~.cr.CRController`, whose ``"save"``/``"restore"`` actions snapshot and
   restore the model, the optimizer and the error-feedback memory around exploration
-  windows at the next ``step_done`` (decisions lag the measurements by one step: the
-  step that runs while a decision is agreed already uses it, and the update of the
-  first exploration step is kept — ours; the paper's loop is synchronous); every
-  ``lgreco_every`` steps :class:`~.lgreco.LGreco` re-solves per-layer
-  densities on rank 0 and broadcasts them.
+  windows at the next ``step_done`` (see *When decisions take effect*); every
+  ``lgreco_every`` steps :class:`~.lgreco.LGreco` re-solves the per-layer settings on
+  rank 0 and broadcasts them.
+
+When decisions take effect (the "one-step lag"), for steps ``t = 0, 1, ...`` (the
+aggregations of step t, then ``step_done`` after its ``optimizer.step()``):
+
+* the measurements of step ``t-1`` (every bucket's time, the compression gain) are agreed
+  at the *first aggregation of step t*, before any bucket of step t is sent; what they
+  decide (refined alpha/beta and compute factors, re-chosen schemes, the CR controller's
+  ratio, L-GreCo's settings when ``t % lgreco_every == 0``) is used by *every* bucket of
+  step t. No controller can do better: step t's own statistics exist only after it ran.
+* a ``"save"``/``"restore"`` decided there is carried out at ``step_done`` of step t,
+  i.e. after step t's update: the saved state includes the first exploration step's
+  update (kept), and a restore discards the update of step t, which already ran at the
+  ratio chosen after the window. That is the actual lag, one step of work per window —
+  ours; the paper's loop is synchronous.
+* why it is kept: agreeing at ``step_done`` instead would put a blocking allreduce on the
+  main thread after every ``optimizer.step()`` (every rank waiting for the slowest before
+  its next forward); at the first aggregation of the next step every rank is entering a
+  collective with the others anyway, so the agreement costs one small allreduce whose
+  wait the bucket's own exchange would have had. (A restore cannot move earlier either:
+  at that point the backward of step t already runs on the weights it would replace.)
+* the lag is the same on every rank: every rank calls ``step_done`` as often and
+  aggregates the same buckets in the same order (the ``GradientSync`` contract, checked
+  in ``comm.check`` mode), ``_agree`` runs at the first aggregation after a ``step_done``
+  on every rank, and every input of a decision is agreed (allreduce; L-GreCo: rank 0's
+  solution broadcast) — ``tests/test_control_selector.py`` checks the ratio, the schemes,
+  the pending action and the L-GreCo settings step by step on every rank.
 
 Error feedback: one memory shared by every scheme, keyed by bucket name, so a switch
 between sparse schemes keeps the residual; a dense step adds and clears it. PowerSGD keeps
@@ -45,11 +69,19 @@ Compression gain (B.4): ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over the step's buck
 error-fed gradient minus what was sent; for PowerSGD the residual is relative to the
 global approximation, an estimate), averaged over ranks.
 
-L-GreCo (``lgreco=True``): inside each fused bucket every layer (segment) gets its own
-top-k density; the Allgather and AR-Top-k schemes send the union of per-segment top-k
-(AR-Top-k: the source's), so error feedback is per layer (each segment of the bucket's
-residual is that layer's). gTop-k truncates to one global k and PowerSGD has ranks, so
-with L-GreCo the selector chooses among dense, Allgather Top-k and AR-Top-k.
+L-GreCo (``lgreco=True``), ``lgreco_family``:
+
+* ``"topk"`` (default): inside each fused bucket every layer (segment) gets its own top-k
+  density; the Allgather and AR-Top-k schemes send the union of per-segment top-k
+  (AR-Top-k: the source's), so error feedback is per layer (each segment of the bucket's
+  residual is that layer's). gTop-k truncates to one global k and PowerSGD has ranks, so
+  the selector chooses among dense, Allgather Top-k and AR-Top-k.
+* ``"qsgd"`` / ``"powersgd"``: every layer of a bucket gets its own QSGD bits / PowerSGD
+  rank (:mod:`~.perlayer`: still one allgather, resp. two allreduces, per bucket); the
+  selector chooses between dense and that per-layer scheme, predicted for the settings in
+  force (:func:`~.perlayer.predict_bucket`), and re-decides after every L-GreCo solve.
+  PowerSGD keeps error feedback per layer (segments of the bucket's residual) and a
+  warm-start Q per layer; QSGD is unbiased and runs without.
 
 Without ``step_done`` calls (a loop that neither uses ``GradientSync.step`` nor calls it)
 the strategy keeps its first choices: no records, no refinement, no CR changes.
@@ -77,7 +109,8 @@ from ..strategies._compressed import CompressedStrategy, check_floating
 from ..strategies.base import DEFAULT_FUSION_BYTES, Strategy, fuse, fused_groups, link_delay
 from .calibration import OnlineCalibration, calibrate
 from .cr import DEFAULT_RATIOS, CRController
-from .lgreco import DEFAULT_FACTORS, LGreco
+from .lgreco import DEFAULT_FACTORS, FAMILIES, LGreco
+from .perlayer import FAMILY_SCHEMES, powersgd_bucket, predict_bucket, qsgd_bucket
 from .selector import SCHEMES, Choice, Record, build, select
 
 __all__ = ["AutoStrategy"]
@@ -100,7 +133,11 @@ class AutoStrategy(Strategy):
     schemes:
         The schemes the selector may pick (default all of :data:`~.selector.SCHEMES`).
     approximate, min_gain:
-        Accuracy constraints of the selector (see :func:`~.selector.select`).
+        Accuracy constraints of the selector (see :func:`~.selector.select`): no gTop-k
+        with ``approximate=False``; no scheme whose measured compression gain
+        (:attr:`scheme_gains`, EWMA over the steps it ran, agreed) is below ``min_gain``
+        — the buckets are re-decided as soon as a running scheme's gain falls below it.
+        Not applied to the per-layer QSGD/PowerSGD families.
     weights, choice, window, trigger, warmup_steps, explore, cooldown:
         The CR controller's (:class:`~.cr.CRController`).
     switch_margin:
@@ -113,9 +150,18 @@ class AutoStrategy(Strategy):
     drift, decay:
         :class:`~.calibration.OnlineCalibration`'s drift fraction and EWMA decay.
     lgreco, lgreco_every, lgreco_acc_steps, lgreco_factors:
-        Per-layer densities (:class:`~.lgreco.LGreco`), re-solved every so many steps
-        from candidates ``factors × the uniform density`` (``(1.0,)``: per-layer uniform,
-        the baseline at the same total error).
+        Per-layer settings (:class:`~.lgreco.LGreco`), re-solved every so many steps
+        from candidates around the uniform default (top-k and PowerSGD:
+        ``factors × default``, ``(1.0,)`` = per-layer uniform, the baseline at the same
+        total error; QSGD: ``default + {-2..2}`` bits).
+    lgreco_family, lgreco_default:
+        What L-GreCo sets per layer: ``"topk"`` densities (default: ``ratio``, else the
+        largest of ``ratios``), ``"qsgd"`` bits (default 4) or ``"powersgd"`` ranks
+        (default 4). With ``"qsgd"``/``"powersgd"`` the selector chooses between dense
+        and the per-layer scheme (``"lgreco_qsgd"``/``"lgreco_powersgd"``,
+        :mod:`~.perlayer`; ``schemes=("lgreco_qsgd",)`` forces it), and
+        ``ratio``/``ratios`` and the CR controller are not used (the bits/ranks are the
+        compression).
     history:
         How many :class:`~.selector.Record` entries :attr:`records` keeps.
     """
@@ -132,24 +178,37 @@ class AutoStrategy(Strategy):
                  lgreco_acc_steps: int = 5, history: int = 10_000,
                  switch_margin: float = 0.1, cooldown: int = 50,
                  lgreco_factors: Sequence[float] = DEFAULT_FACTORS,
+                 lgreco_family: str = "topk", lgreco_default: Optional[float] = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         schemes = tuple(schemes)
-        if not schemes or any(s not in SCHEMES for s in schemes):
-            raise ValueError(f"schemes must be a non-empty subset of {SCHEMES}, got {schemes}")
+        if lgreco_family not in FAMILIES:
+            raise ValueError(f"lgreco_family must be one of {FAMILIES}, got {lgreco_family!r}")
+        own = (FAMILY_SCHEMES[lgreco_family],) if lgreco and lgreco_family != "topk" else ()
+        if not schemes or any(s not in SCHEMES + own for s in schemes):
+            raise ValueError(f"schemes must be a non-empty subset of {SCHEMES + own}, "
+                             f"got {schemes}")
         if ratio is not None and not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         if isinstance(calibrate_links, bool) or not isinstance(calibrate_links, int) or \
                 calibrate_links < 0:
             raise ValueError(f"calibrate_links must be an int >= 0, got {calibrate_links!r}")
-        if lgreco:
+        #: ``"qsgd"``/``"powersgd"`` when L-GreCo runs that family, else ``None``.
+        self.family: Optional[str] = None
+        if own:
+            self.family = lgreco_family
+            # dense and the per-layer scheme; schemes=(own,) forces the per-layer scheme
+            schemes = own if own[0] in schemes and "dense" not in schemes else \
+                ("dense",) + own
+            ratio, ratios = 1.0, (1.0,)  # not used: the per-layer bits/ranks compress
+        elif lgreco:
             schemes = tuple(s for s in schemes if s not in ("gtopk", "powersgd")) or ("dense",)
         self.schemes = schemes
         self.approximate, self.min_gain = bool(approximate), float(min_gain)
         self.calibrate_links = calibrate_links
         self._drift, self._decay = drift, decay
         self.controller: Optional[CRController] = None
-        if ratio is None:
+        if ratio is None and self.family is None:
             self.controller = CRController(self.sync_time, ratios, weights=weights,
                                            choice=choice, window=window, trigger=trigger,
                                            warmup_steps=warmup_steps, explore=explore,
@@ -157,9 +216,13 @@ class AutoStrategy(Strategy):
         self._fixed_ratio = None if ratio is None else float(ratio)
         self.lgreco: Optional[LGreco] = None
         if lgreco:
-            default = ratio if ratio is not None else max(ratios)
-            self.lgreco = LGreco(min(default, 1.0), every=lgreco_every,
-                                 acc_steps=lgreco_acc_steps, factors=lgreco_factors)
+            default: Any = lgreco_default
+            if default is None:
+                default = 4 if self.family else min(
+                    ratio if ratio is not None else max(ratios), 1.0)
+            self.lgreco = LGreco(default, every=lgreco_every, acc_steps=lgreco_acc_steps,
+                                 factors=lgreco_factors, family=lgreco_family)
+        self._psgd: dict[int, Any] = {}  # rank -> PowerSGD: per-layer warm starts
         self.memory = ErrorFeedback()
         self.records: deque[Record] = deque(maxlen=history)
         #: Called with each :class:`~.selector.Record` (e.g. a trace or metrics exporter).
@@ -168,11 +231,14 @@ class AutoStrategy(Strategy):
         self.steps = 0
         #: The last step's compression gain ``||g_c|| / ||g_e||`` (``None`` before one).
         self.last_gain: Optional[float] = None
+        #: Each scheme's compression gain, EWMA over the steps it ran (agreed), checked
+        #: against ``min_gain`` by the selector.
+        self.scheme_gains: dict[str, float] = {}
         self.decisions: list[tuple[int, str, str, float]] = []  # (step, bucket, scheme, c)
         self._choices: dict[tuple[str, float], Choice] = {}
         self._subs: dict[tuple[str, float, Any], Strategy] = {}
         self._layouts: dict[str, tuple[list[tuple[int, ...]], int]] = {}
-        self._segments: dict[str, list[tuple[str, int]]] = {}
+        self._segments: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}
         self._pending: list[dict[str, Any]] = []
         self._gain_sq = [0.0, 0.0]  # Σ||g_c||², Σ||g_e||² this step
         self._saved: Optional[dict[str, Any]] = None
@@ -207,15 +273,19 @@ class AutoStrategy(Strategy):
         last: dict[str, str] = {}
         for _, bucket, scheme, c in self.decisions:
             last[bucket] = f"{scheme}@{c:g}"
-        return {"strategy": self.name, "ratio": self.ratio, "schemes": list(self.schemes),
-                "lgreco": self.lgreco is not None, "choices": last,
+        return {"strategy": self.name, "ratio": None if self.family else self.ratio,
+                "schemes": list(self.schemes), "lgreco": self.lgreco is not None,
+                "lgreco_family": None if self.lgreco is None else self.lgreco.family,
+                "choices": last,
                 "params": None if self.online is None else
                 {"alpha": self.params.alpha, "beta": self.params.beta}}
 
     def state_dict(self) -> dict[str, Any]:
-        """Residuals and the sub-strategies' own state (PowerSGD warm starts, AR-Top-k)."""
+        """Residuals, the sub-strategies' own state (PowerSGD warm starts, AR-Top-k) and
+        the per-layer PowerSGD family's warm-start Q per layer."""
         return {"residuals": self.memory.state_dict()["residuals"],
-                "subs": {repr(k): s.state_dict() for k, s in self._subs.items()}}
+                "subs": {repr(k): s.state_dict() for k, s in self._subs.items()},
+                "per_layer_q": {r: c.state_dict() for r, c in self._psgd.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "residuals" not in state:
@@ -224,6 +294,13 @@ class AutoStrategy(Strategy):
         for k, s in self._subs.items():
             if repr(k) in state.get("subs", {}):
                 s.load_state_dict(state["subs"][repr(k)])
+        for r, q in state.get("per_layer_q", {}).items():
+            if r not in self._psgd:
+                from ..compress import PowerSGD
+
+                seed = self.lgreco.seed if self.lgreco is not None else 0
+                self._psgd[r] = PowerSGD(rank=int(r), warm_start=True, seed=seed)
+            self._psgd[r].load_state_dict(q)
 
     # ------------------------------------------------------------------ prediction
     def _predict_shapes(self, shapes: list[tuple[int, ...]], itemsize: int, p: int,
@@ -232,6 +309,14 @@ class AutoStrategy(Strategy):
         comm_s = work = 0.0
         for positions in fused_groups(shapes, itemsize, self.fusion_bytes):
             group = [shapes[i] for i in positions]
+            if self.family is not None:  # every layer at the uniform default
+                assert self.lgreco is not None
+                segs = [(f"#{i}", math.prod(s), s) for i, s in enumerate(group)]
+                choice = self._family_choice(segs, itemsize, p, params, compute, {})
+                parts = self._parts(choice.scheme, choice.ratio, segs, itemsize, p, params,
+                                    compute)
+                comm_s, work = comm_s + parts["comm"], work + parts["compute"]
+                continue
             choice = select(group, self.ratio, itemsize, p, params, compute,
                             schemes=self.schemes, approximate=self.approximate)
             sub = build(choice.scheme, choice.ratio, group, fusion_bytes=self.fusion_bytes)
@@ -239,6 +324,49 @@ class AutoStrategy(Strategy):
             parts = sub.predict_parts(group, itemsize, p, params, compute)
             comm_s, work = comm_s + parts["comm"], work + parts["compute"]
         return {"comm": comm_s, "compute": work}
+
+    def _family_values(self, segments: Sequence[tuple[str, int, tuple[int, ...]]]
+                       ) -> list[float]:
+        assert self.lgreco is not None
+        return [self.lgreco.value(layer) for layer, _, _ in segments]
+
+    def _parts(self, scheme: str, ratio: float,
+               segments: Sequence[tuple[str, int, tuple[int, ...]]], itemsize: int,
+               p: int, params: CostParams, compute: Any) -> dict[str, float]:
+        """``predict_parts`` of ``scheme`` on a bucket of ``segments`` (the per-layer
+        family schemes at the layers' current L-GreCo settings)."""
+        shapes = [shape for _, _, shape in segments]
+        if self.family is not None and scheme == FAMILY_SCHEMES[self.family]:
+            assert self.lgreco is not None
+            return predict_bucket(self.family, shapes, self._family_values(segments),
+                                  itemsize, p, params, compute, self.lgreco.bucket_size)
+        sub = build(scheme, ratio, shapes, fusion_bytes=self.fusion_bytes)
+        assert sub is not None, scheme
+        return sub.predict_parts(shapes, itemsize, p, params, compute)
+
+    def _family_choice(self, segments: Sequence[tuple[str, int, tuple[int, ...]]],
+                       itemsize: int, p: int, params: CostParams, compute: Any,
+                       scales: dict[str, float]) -> Choice:
+        """Dense or the family's per-layer scheme at the current settings, the cheaper
+        (ties: dense); ``ratio`` of the per-layer scheme = its wire bytes / dense bytes."""
+        assert self.family is not None
+        candidates = {}
+        for scheme in self.schemes:
+            parts = self._parts(scheme, 1.0, segments, itemsize, p, params, compute)
+            candidates[scheme] = parts["comm"] + scales.get(scheme, 1.0) * parts["compute"]
+        best = min(candidates, key=lambda s: (candidates[s], self.schemes.index(s)))
+        return Choice(best, 1.0 if best == "dense" else self._family_ratio(segments, itemsize),
+                      candidates[best], candidates)
+
+    def _family_ratio(self, segments: Sequence[tuple[str, int, tuple[int, ...]]],
+                      itemsize: int) -> float:
+        """Wire bytes of the layers at their settings / their dense bytes (the L-GreCo
+        DP's sizes: the compressors' ``wire_bytes``)."""
+        lg = self.lgreco
+        assert lg is not None
+        wire = sum(lg.compressor(layer).wire_bytes(n, 4, shape=shape)
+                   for layer, n, shape in segments)
+        return min(1.0, wire / max(1, 4 * sum(n for _, n, _ in segments)))
 
     def sync_time(self, ratio: float) -> float:
         """Predicted seconds of one step's synchronization at ``ratio`` (all buckets seen
@@ -266,7 +394,7 @@ class AutoStrategy(Strategy):
             shapes = list(buf.shapes)
             itemsize = buf.flat.element_size()
             self._layouts[buf.name] = (shapes, itemsize)
-            self._segments[buf.name] = [(names[i], math.prod(s))
+            self._segments[buf.name] = [(names[i], math.prod(s), tuple(s))
                                         for i, s in zip(buf.indices, shapes)]
             parts = self._run_bucket(buf, [names[i] for i in buf.indices],
                                      [as_torch[i] for i in buf.indices])
@@ -308,24 +436,33 @@ class AutoStrategy(Strategy):
         shapes, itemsize = self._layouts[buf.name]
         p = self.comm.size
         scales = self.online.compute_scales() if self.online is not None else {}
+        segments = self._segments[buf.name]
         if choice is None:
-            choice = select(shapes, ratio, itemsize, p, params, compute,
-                            schemes=self.schemes, approximate=self.approximate,
-                            fusion_bytes=self.fusion_bytes, compute_scale=scales)
+            if self.family is not None:
+                choice = self._family_choice(segments, itemsize, p, params, compute, scales)
+            else:
+                choice = select(shapes, ratio, itemsize, p, params, compute,
+                                schemes=self.schemes, approximate=self.approximate,
+                                fusion_bytes=self.fusion_bytes, compute_scale=scales,
+                                gains=self.scheme_gains, min_gain=self.min_gain)
             current = self._current.get(key)
             if current is not None and current in choice.candidates and current != \
                     choice.scheme and choice.candidates[current] <= \
                     (1 + self.switch_margin) * choice.predicted:
                 # hysteresis: keep the running scheme unless the new one is clearly cheaper
-                choice = Choice(current, 1.0 if current == "dense" else ratio,
+                choice = Choice(current, 1.0 if current == "dense" else
+                                (self._family_ratio(segments, itemsize) if self.family
+                                 else ratio),
                                 choice.candidates[current], choice.candidates)
             self._choices[key] = choice
             self._current[key] = choice.scheme
             self.decisions.append((self.steps, buf.name, choice.scheme, choice.ratio))
-        sub = self._sub(choice.scheme, choice.ratio, shapes)
+        per_layer = self.family is not None and choice.scheme != "dense"
+        sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes)
         comm = self.comm
         before, start = comm.traffic.snapshot(), time.perf_counter()
         if choice.scheme == "powersgd":
+            assert sub is not None
             e_sq = sum(_sq(t) + (_sq(to_torch(sub.memory.residual(n)))  # type: ignore
                                  if sub.memory is not None and n in sub.memory else 0.0)
                        for t, n in zip(tensors, names))
@@ -335,6 +472,7 @@ class AutoStrategy(Strategy):
         else:
             flat = buf.flat
             if choice.scheme == "dense":
+                assert sub is not None
                 if buf.name in self.memory:
                     flat = self.memory.compensate(buf.name, flat)
                     self.memory.reset(buf.name)
@@ -347,13 +485,19 @@ class AutoStrategy(Strategy):
                 e_sq = _sq(flat) if h is None else max(
                     _sq(flat) + 2 * float(torch.dot(flat.reshape(-1), h.reshape(-1)))
                     + _sq(h), 0.0)
-                if self.lgreco is not None:
+                if per_layer:
+                    c = flat if h is None else flat + h
+                    self._accumulate(buf.name, c)
+                    averaged, left = self._per_layer(c, buf.name)
+                elif self.lgreco is not None:
                     c = flat if h is None else flat + h
                     self._accumulate(buf.name, c)
                     averaged = self._segmented(choice.scheme, choice.ratio, c, buf.name)
                 else:
+                    assert sub is not None
                     averaged = sub.aggregate_flat(flat, buf.name)
-                left = _sq(to_torch(self.memory.residual(buf.name)))
+                if not per_layer:
+                    left = _sq(to_torch(self.memory.residual(buf.name)))
             delay = link_delay(comm, comm.traffic - before)
             if delay > 0:
                 time.sleep(delay)
@@ -361,8 +505,8 @@ class AutoStrategy(Strategy):
         seconds = time.perf_counter() - start
         self._gain_sq[0] += max(e_sq - left, 0.0)
         self._gain_sq[1] += e_sq
-        coeff = [build(choice.scheme, choice.ratio, shapes, fusion_bytes=self.fusion_bytes)
-                 .predict_parts(shapes, itemsize, p, c, compute)  # type: ignore[union-attr]
+        kept_sq = max(e_sq - left, 0.0)
+        coeff = [self._parts(choice.scheme, choice.ratio, segments, itemsize, p, c, compute)
                  for c in (_ALPHA, _BETA, _GAMMA_ONLY)]
         work = coeff[0]["compute"] + params.gamma * coeff[2]["comm"]
         a, b = coeff[0]["comm"], coeff[1]["comm"]
@@ -370,7 +514,7 @@ class AutoStrategy(Strategy):
         self._pending.append({"step": self.steps, "bucket": buf.name,
                               "scheme": choice.scheme,
                               "ratio": choice.ratio, "seconds": seconds, "a": a, "b": b,
-                              "work": work,
+                              "work": work, "kept_sq": kept_sq, "e_sq": e_sq,
                               "predicted": a * params.alpha + b * params.beta + kappa * work})
         return [o.reshape(-1) for o in out]
 
@@ -380,7 +524,7 @@ class AutoStrategy(Strategy):
         if lg is None or self.comm.rank != 0 or not lg.accumulating(self.steps):
             return
         offset = 0
-        for layer, n in self._segments[bucket]:
+        for layer, n, _ in self._segments[bucket]:
             lg.accumulate(layer, c[offset:offset + n])
             offset += n
 
@@ -388,11 +532,30 @@ class AutoStrategy(Strategy):
         """Per-layer top-k of ``c`` with each layer's L-GreCo density, as bucket indices."""
         assert self.lgreco is not None
         picks, offset = [], 0
-        for layer, n in self._segments[bucket]:
+        for layer, n, _ in self._segments[bucket]:
             k = max(1, min(n, math.ceil(self.lgreco.density(layer) * n)))
             picks.append(topk_indices(c[offset:offset + n], k).to(torch.int64) + offset)
             offset += n
         return torch.cat(picks).sort().values
+
+    def _per_layer(self, c: torch.Tensor, bucket: str) -> tuple[torch.Tensor, float]:
+        """The bucket with each layer at its own QSGD bits / PowerSGD rank, and the
+        squared norm of what was not transmitted. PowerSGD: that is the error-feedback
+        residual, kept per layer (= per segment of the bucket's residual). QSGD is
+        unbiased and runs without error feedback (as :class:`~mpicomm.strategies.
+        QSGDAllgather` by default: at 2-4 bits its residual is as large as the gradient
+        and error feeding it diverges)."""
+        lg, segments = self.lgreco, self._segments[bucket]
+        assert lg is not None and self.family is not None
+        values = {layer: int(lg.value(layer)) for layer, _, _ in segments}
+        if self.family == "qsgd":
+            mean, own = qsgd_bucket(c, segments, values, self.comm, self.steps,
+                                    bucket_size=lg.bucket_size, seed=lg.seed)
+            return mean, _sq(c - own)
+        mean, sent = powersgd_bucket(c, segments, values, self.comm, self.steps, self._psgd,
+                                     seed=lg.seed)
+        self.memory.update(bucket, c, sent)
+        return mean, _sq(to_torch(self.memory.residual(bucket)))
 
     def _segmented(self, scheme: str, ratio: float, c: torch.Tensor, bucket: str
                    ) -> torch.Tensor:
@@ -431,7 +594,8 @@ class AutoStrategy(Strategy):
         """Agree on the finished steps' measurements and decide (collective; runs at the
         start of the next aggregation, inside the collective sequence every rank is in,
         so the ranks' waiting for each other is absorbed by the bucket's own exchange).
-        Decisions therefore lag the measurements by one step."""
+        Its decisions hold for the whole step that is starting; a save/restore waits for
+        that step's ``step_done`` (module docstring, *When decisions take effect*)."""
         assert self.online is not None
         comm = self.comm
         for pending, gain_sq in self._done:
@@ -441,7 +605,9 @@ class AutoStrategy(Strategy):
     def _agree_step(self, comm: Any, pending: list[dict[str, Any]],
                     gain_sq: list[float]) -> None:
         assert self.online is not None
-        seconds = np.array([r["seconds"] for r in pending] + gain_sq, dtype=np.float64)
+        n = len(pending)
+        seconds = np.array([r["seconds"] for r in pending] + [r["kept_sq"] for r in pending]
+                           + [r["e_sq"] for r in pending] + gain_sq, dtype=np.float64)
         if comm.size > 1:
             if comm.check:  # checked mode: the ranks aggregated the same buckets
                 counts = comm.allgather_object(len(pending))
@@ -451,9 +617,10 @@ class AutoStrategy(Strategy):
             agreed = np.empty_like(seconds)  # ONE small allreduce per step
             comm.ctl.Allreduce(seconds, agreed, op=MPI.SUM)
             seconds = agreed
-            seconds[:-2] /= comm.size
+            seconds[:n] /= comm.size
+        self._track_gains(pending, seconds[n:2 * n], seconds[2 * n:3 * n])
         params = self.online.params
-        for r, t in zip(pending, seconds[:-2]):
+        for r, t in zip(pending, seconds[:n]):
             self.online.observe(r["a"], r["b"], float(t), r["work"], r["scheme"])
             rec = Record(r["step"], r["bucket"], r["scheme"], r["ratio"], r["predicted"],
                          float(t), params.alpha, params.beta)
@@ -465,7 +632,9 @@ class AutoStrategy(Strategy):
         scales = self.online.compute_scales()
         moved = any(abs(v - self._scales_used.get(k, 1.0)) > self._drift *
                     self._scales_used.get(k, 1.0) for k, v in scales.items())
-        if drift or moved:  # re-decide every bucket with the refined model
+        low = {k for k, c in self._choices.items()
+               if self.scheme_gains.get(c.scheme, 1.0) < self.min_gain}
+        if drift or moved or low:  # re-decide with the refined model / measured gains
             self._choices.clear()
             self._scales_used = scales
         gain = math.sqrt(seconds[-2] / seconds[-1]) if seconds[-1] > 0 else 1.0
@@ -487,8 +656,26 @@ class AutoStrategy(Strategy):
                                  if k[1] == self.controller.ratio}
         lg = self.lgreco
         if lg is not None and step % lg.every == 0:
-            numels = {layer: n for segs in self._segments.values() for layer, n in segs}
-            lg.adjust(comm, numels)
+            shapes = {layer: shape for segs in self._segments.values()
+                      for layer, _, shape in segs}
+            lg.adjust(comm, shapes)
+            if self.family is not None:  # the predictions changed with the settings
+                self._choices.clear()
+
+    def _track_gains(self, pending: list[dict[str, Any]], kept: Any, total: Any) -> None:
+        """EWMA (weight ``1 - decay``) of each scheme's compression gain
+        ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over its buckets of the step, summed over ranks
+        (agreed), for the selector's ``min_gain`` constraint."""
+        sums: dict[str, list[float]] = {}
+        for r, c, e in zip(pending, kept, total):
+            acc = sums.setdefault(r["scheme"], [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + float(c), acc[1] + float(e)
+        for scheme, (c, e) in sums.items():
+            if e > 0:
+                g = min(1.0, math.sqrt(c / e))
+                old = self.scheme_gains.get(scheme)
+                self.scheme_gains[scheme] = g if old is None else \
+                    self._decay * old + (1 - self._decay) * g
 
     def _act(self, action: Optional[str], model: Any, optimizer: Any) -> None:
         if action == "save":

@@ -2,11 +2,12 @@ r"""Calibrate the cost model on the running job: several links, compute, online 
 
 Three parts, every one ending with numbers that are identical on every rank:
 
-* :func:`measure_links` (collective): rank 0 times a ping-pong with each of up to
+* :func:`~mpicomm.collectives.calibrate.measure_links` (collective; the project's one
+  ping-pong helper, re-exported here): rank 0 times a ping-pong with each of up to
   ``links`` peers, one link at a time (peers on *other nodes* first, then on its own node;
-  the other ranks wait without spinning), and fits ``t(n) = alpha + n·beta`` per link
-  (:func:`mpicomm.collectives.calibrate.fit_alpha_beta`). The job's parameters take the
-  *slowest* link's alpha and beta: a collective's critical path crosses it.
+  the other ranks wait without spinning), and fits ``t(n) = alpha + n·beta`` per link.
+  The job's parameters take the *slowest* link's alpha and beta: a collective's critical
+  path crosses it.
 * :func:`measure_compute` (local): times the kernels the strategies run besides the
   network (top-k selection, a gTop-k merge round, densify, matmul, copy) on this machine:
   :class:`~mpicomm.collectives.cost.ComputeParams`.
@@ -45,93 +46,21 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..collectives.calibrate import fit_alpha_beta, measure_gamma
+from ..collectives.calibrate import Link, choose_peers, measure_gamma, measure_links, slowest
+from ..collectives.calibrate import wait_quietly as _wait_quietly
 from ..collectives.cost import ComputeParams, CostParams
 from ..comm import Communicator, resolve
-from ..tags import TAG_CALIBRATE
 
 __all__ = ["Link", "choose_peers", "measure_links", "measure_compute", "calibrate",
            "OnlineCalibration", "DEFAULT_SIZES"]
 
 #: Ping-pong sizes (bytes): latency-bound to bandwidth-bound, kept short for start-up.
 DEFAULT_SIZES: tuple[int, ...] = (8, 1 << 12, 1 << 16, 1 << 20)
-
-
-@dataclass(frozen=True)
-class Link:
-    """The fitted ping-pong of ranks ``a`` and ``b``."""
-
-    a: int
-    b: int
-    alpha: float
-    beta: float
-
-
-def choose_peers(nodes: Sequence[int], links: int) -> list[int]:
-    """Rank 0's ping-pong partners: one rank on each other node first (lowest rank of the
-    node), then further ranks of any node, up to ``links`` (``nodes[r]`` = node of r)."""
-    others: list[int] = []
-    seen = {nodes[0]}
-    for r in range(1, len(nodes)):
-        if nodes[r] not in seen:
-            seen.add(nodes[r])
-            others.append(r)
-    rest = [r for r in range(1, len(nodes)) if r not in others]
-    return (others + rest)[:max(0, links)]
-
-
-def _pingpong(mpi: MPI.Intracomm, rank: int, peer: int, nbytes: int, repeats: int) -> float:
-    """Median one-way time of ``nbytes`` between this rank and ``peer`` (rank 0 leads)."""
-    buf = np.zeros(max(1, nbytes), dtype=np.uint8)[:nbytes]
-    msg = [buf, MPI.BYTE]
-    times = []
-    for i in range(repeats + 1):
-        if rank == 0:
-            start = time.perf_counter()
-            mpi.Send(msg, peer, TAG_CALIBRATE)
-            mpi.Recv(msg, peer, TAG_CALIBRATE)
-            if i:
-                times.append((time.perf_counter() - start) / 2)
-        else:
-            mpi.Recv(msg, 0, TAG_CALIBRATE)
-            mpi.Send(msg, 0, TAG_CALIBRATE)
-    return statistics.median(times) if times else 0.0
-
-
-def _wait_quietly(request: MPI.Request, poll: float = 1e-3) -> None:
-    while not request.Test():
-        time.sleep(poll)
-
-
-def measure_links(comm: Communicator | None = None, links: int = 3,
-                  sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 8) -> list[Link]:
-    """Fit alpha/beta on rank 0's links to up to ``links`` peers (collective; the same
-    list on every rank; empty with one rank). Costs about ``links·Σ sizes·repeats``
-    bytes of ping-pong: well under a second on shared memory."""
-    comm = resolve(comm)
-    if isinstance(links, bool) or not isinstance(links, int) or links < 1:
-        raise ValueError(f"links must be an int >= 1, got {links!r}")
-    if len(sizes) < 2 or any(int(s) < 0 for s in sizes):
-        raise ValueError("sizes needs at least two non-negative message sizes")
-    nodes = comm.allgather_object(comm.node)
-    peers = choose_peers(nodes, links)
-    fitted: list[Link] = []
-    for peer in peers:
-        if comm.rank in (0, peer):
-            times = [_pingpong(comm.p2p, comm.rank, peer, int(s),
-                               repeats if s <= 1 << 16 else max(3, repeats // 2))
-                     for s in sizes]
-            if comm.rank == 0:
-                alpha, beta = fit_alpha_beta(sizes, times)
-                fitted.append(Link(0, peer, alpha, beta))
-        _wait_quietly(comm.ctl.Ibarrier())
-    return comm.bcast_object(fitted, root=0)
 
 
 def _median_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -196,10 +125,7 @@ def calibrate(comm: Communicator | None = None, links: int = 3,
         local = (measure_gamma(), measure_compute(compute_numel))
     _wait_quietly(comm.ctl.Ibarrier())
     gamma, compute = comm.bcast_object(local, root=0)
-    defaults = CostParams()
-    params = CostParams(alpha=max((lk.alpha for lk in found), default=defaults.alpha),
-                        beta=max((lk.beta for lk in found), default=defaults.beta),
-                        gamma=gamma)
+    params = slowest(found, gamma)
     if store:
         comm.resources["cost_params"] = params
         comm.resources["compute_params"] = compute

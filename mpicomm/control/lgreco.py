@@ -52,9 +52,8 @@ Where the layers come from: :meth:`LGreco.adjust` takes ``{layer: numel or shape
 (a shape is needed for PowerSGD's matrix view; an int means a vector).
 :meth:`LGreco.compressor` gives the configured compressor of a layer, to keep one
 compressor (and its error-feedback memory) per layer.
-What is ours and not yet wired: :class:`~.auto.AutoStrategy` uses only ``"topk"``
-inside its fused buckets; the other two families are solved and agreed here and applied
-by a caller that compresses per layer.
+:class:`~.auto.AutoStrategy` applies all three inside its fused buckets
+(``lgreco_family=``; QSGD bits and PowerSGD ranks through :mod:`~.perlayer`).
 """
 
 from __future__ import annotations

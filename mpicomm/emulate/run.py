@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 start_new_session=True)
         if entries:
             applier = Applier(entries, cluster.set_rate, os.path.join(rundir, "delay"),
-                              os.path.join(rundir, "step"), _log)
+                              os.path.join(rundir, "step"), _log, initial=(rate, delay))
             applier.start()
         deadline = None if args.timeout is None else time.monotonic() + args.timeout
         while True:

@@ -123,10 +123,19 @@ class Applier(threading.Thread):
     :func:`mpicomm.linkdelay.report_step`) shows a step ``>= at``. Polls every 20 ms.
     ``log`` receives one line per change. ``errors`` keeps a failure to apply (the run
     ends with it reported, never silently unshaped).
+
+    Step entries follow the reported step: when it goes *back* below a fired step entry
+    (a job that counts its steps again, such as ``python -m mpicomm.bench adaptive``
+    training one method after another), those entries are re-armed and the conditions
+    return to the last entry still in force (``initial`` = ``(rate_bits, delay)`` of the
+    command line when none is; an unshaped start cannot be restored, the rate stays and
+    the log says so), so every run over the same steps sees the same network. The
+    thread then keeps polling while the schedule has step entries.
     """
 
     def __init__(self, entries: list[Entry], set_rate: Callable[[float], None],
-                 delay_file: str, step_file: str, log: Callable[[str], None]):
+                 delay_file: str, step_file: str, log: Callable[[str], None],
+                 initial: tuple[float | None, float] | None = None):
         super().__init__(name="mpicomm-emulate-schedule", daemon=True)
         self.pending = list(entries)
         self.set_rate = set_rate
@@ -137,6 +146,10 @@ class Applier(threading.Thread):
         self.start_time = time.monotonic()
         self.errors: list[str] = []
         self.applied: list[tuple[float, Entry]] = []
+        self.initial = initial
+        self._in_force: list[Entry] = []  # applied entries, oldest first
+        self._last_step = -1
+        self._has_steps = any(e.kind == "step" for e in entries)
 
     def due(self, now: float, step: int) -> list[Entry]:
         ready = [e for e in self.pending
@@ -145,20 +158,45 @@ class Applier(threading.Thread):
         self.pending = [e for e in self.pending if e not in ready]
         return ready
 
+    def rewind(self, step: int) -> None:
+        """The job reported ``step`` below fired step entries: re-arm them and return to
+        the conditions in force before them."""
+        back = [e for e in self._in_force if e.kind == "step" and e.at > step]
+        if not back:
+            return
+        self._in_force = [e for e in self._in_force if e not in back]
+        self.pending = sorted(self.pending + back, key=lambda e: (e.kind, e.at, e.line))
+        if self._in_force:
+            self.apply(self._in_force.pop())
+            return
+        rate, delay = self.initial if self.initial is not None else (None, 0.0)
+        write_atomic(self.delay_file, repr(delay))
+        if rate is not None:
+            self.set_rate(rate)
+        self.log(f"[{time.monotonic() - self.start_time:7.2f}s] schedule: step {step} "
+                 "reported again, back to the initial conditions"
+                 + ("" if rate is not None else " (delay only: the run started unshaped, "
+                    "the rate stays)"))
+
     def apply(self, entry: Entry) -> None:
         # Delay first: whoever sees the new rate also sees the new delay.
         write_atomic(self.delay_file, repr(entry.delay))
         self.set_rate(entry.rate_bits)
         elapsed = time.monotonic() - self.start_time
         self.applied.append((elapsed, entry))
+        self._in_force.append(entry)
         when = f"step {int(entry.at)}" if entry.kind == "step" else f"{entry.at:g}s"
         self.log(f"[{elapsed:7.2f}s] schedule ({when}): rate {entry.rate_bits / 1e6:g} Mbit/s,"
                  f" delay {entry.delay * 1e3:g} ms")
 
     def run(self) -> None:
-        while self.pending and not self.stop.is_set():
+        while (self.pending or self._has_steps) and not self.stop.is_set():
             try:
-                for entry in self.due(time.monotonic(), read_step(self.step_file)):
+                step = read_step(self.step_file)
+                if step < self._last_step:
+                    self.rewind(step)
+                self._last_step = step
+                for entry in self.due(time.monotonic(), step):
                     self.apply(entry)
             except Exception as exc:  # reported by the launcher, which ends the run
                 self.errors.append(f"schedule: {exc}")
