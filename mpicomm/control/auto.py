@@ -15,15 +15,20 @@ What happens, on every rank identically:
 * first aggregation: :func:`~mpicomm.control.calibration.calibrate` (ping-pong over
   several links + compute kernels) unless the communicator is calibrated already;
 * each bucket: the cached choice for (bucket, ratio), else :func:`~.selector.select`;
-  its time (wall, including an emulated link's delay) is logged against the prediction;
+  where the predictions do not separate the schemes (within ``trial_margin`` of the
+  cheapest), each close scheme is *tried* for ``trial_steps`` real steps (no rollback)
+  and the lowest agreed measured time decides; its time (wall, including an emulated
+  link's delay) is logged against the prediction;
 * :meth:`AutoStrategy.step_done` (after ``optimizer.step()``) closes the step; at the
   start of the next aggregation (inside the collective sequence, so no extra wait) the
   step's measured times are agreed (mean over ranks, one small allreduce with the
   gains) and refine alpha/beta and each
   scheme's compute factor
   (:class:`~.calibration.OnlineCalibration`); a drift of alpha/beta, or of a compute
-  factor by the same fraction, clears the choices (re-decide), and a network drift tells
-  the CR controller; one
+  factor by the same fraction, that persists for ``drift_patience`` steps (each step's
+  own times off the prediction by that fraction: debounced against load noise) clears
+  the choices (re-decide), and a network drift also forgets the measured times and
+  tells the CR controller; one
   :class:`~.selector.Record` per bucket is appended to :attr:`records` and passed to each
   callback in :attr:`callbacks`; the step's compression gain (averaged over ranks) feeds
   the :class:`~.cr.CRController`, whose ``"save"``/``"restore"`` actions snapshot and
