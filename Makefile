@@ -116,7 +116,7 @@ bench: $(STAMP)
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done
-	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py
+	$(MPIEXEC) -n 4 $(PY) examples/compression_accuracy.py --json $(BENCH_OUT)/accuracy-4.json
 	$(MPIEXEC) -n 2 $(PY) examples/overlap_bench.py --json $(BENCH_OUT)/overlap-2.json
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 

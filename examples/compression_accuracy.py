@@ -9,8 +9,10 @@ a label (:func:`recipe`): ``dense`` (ring allreduce, the reference) or
 ``BASE[+MOD...]`` with BASE ``topk`` / ``gtopk`` / ``artopk`` (STAR, ring) at
 ``--density`` and modifiers ``ef`` (error feedback, the default) / ``noef``, ``mc``
 (DGC momentum correction with masking; the optimizer then has no momentum), ``mcnomask``,
-``clip``, ``own`` (gTop-k's ``own_contribution``) and a warm-up ``gtopkwu`` / ``dgc`` /
-``linear`` / ``linear2`` (by epochs, :mod:`mpicomm.control.schedules`).
+``clip``, ``own`` (gTop-k's ``own_contribution``), ``wd`` (``warmup_dense``) and a
+warm-up ``gtopkwu`` / ``dgc`` / ``linear`` / ``linear2`` or any
+:func:`mpicomm.control.parse_schedule` form such as ``linear:8,0.25`` or ``dgc:2`` (by
+epochs, :mod:`mpicomm.control.schedules`).
 
 Every strategy sees the same initial weights, the same shards and the same batch order
 (all seeded), and the same number of epochs; ``--lr-decay E`` multiplies the learning
@@ -23,6 +25,9 @@ step (from the strategies' traffic counters) against dense, and the steps of eac
     mpiexec -n 4 python examples/compression_accuracy.py            # 3 seeds
     mpiexec -n 8 python examples/compression_accuracy.py --lr-decay 9 \
         --strategies topk+ef gtopk+ef+own+dgc artopk+ef+dgc --json out.json
+    mpiexec -n 16 python examples/compression_accuracy.py --lr 0.1 --lr-decay 9 \
+        --density 0.001 --strategies topk+ef+dgc:2+wd gtopk+ef+own+linear:8,0.25+wd \
+        artopk+ef+linear:7+wd
 
 Measured at 8 ranks (2 shared cores, oversubscribed; accuracy does not depend on speed),
 12 epochs = 120 steps, density 0.01, seeds 0-2, median test accuracy: with a constant lr,
@@ -31,9 +36,12 @@ dense 97.78%, AR-Top-k+EF 94.00% (seed 2: 85.33%), AR-Top-k with momentum correc
 AR-Top-k+EF 97.11%, AR-Top-k+EF+dgc 97.11% (19x fewer bytes than dense), Top-k+EF+dgc
 97.33%, gTop-k+EF 96.00%, gTop-k+EF+dgc 96.44%. Momentum correction stops the late
 oscillation but trains slower in so few steps (masking clears the velocity of the
-coordinates sent most often). The README's "Accuracy at scale" section has the 4/8/16
-rank tables. At 4 ranks (12 epochs, constant lr, seeds 0-2): dense 97.33%, gTop-k+EF
-97.56%, AR-Top-k+EF 97.78%.
+coordinates sent most often). At 16 ranks (5 steps per epoch, 60 steps) every strategy
+needs lr 0.1 (dense too: 97.11%) and a longer, gradual warm-up: ``topk+ef+dgc:2+wd``,
+``gtopk+ef+own+linear:8,0.25+wd`` and ``artopk+ef+linear:7+wd`` are within 0.9 pp of
+dense at densities 0.01 and 0.001 for 2.1-2.7x fewer bytes. The README's "Accuracy at
+scale" section has the 4/8/16 rank tables. At 4 ranks (12 epochs, constant lr, seeds
+0-2): dense 97.33%, gTop-k+EF 97.56%, AR-Top-k+EF 97.78%.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import numpy as np
 import torch
 
 import mpicomm
+from mpicomm.bench._util import machine
 from mpicomm.control import parse_schedule
 from mpicomm.strategies import ARTopK, Dense, GTopK, Strategy, TopKAllgather
 from mpicomm.torch import GradientSync
@@ -60,7 +69,7 @@ BASES = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}
 #: Schedules a label can name (``mpicomm.control.parse_schedule`` forms).
 SCHEDULES = {"gtopkwu": "gtopk", "dgc": "dgc", "linear": "linear:5", "linear2": "linear:2"}
 #: Label modifiers besides the schedules.
-FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own")
+FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "wd")
 
 #: The labels run by default (with and without error feedback). The accuracy-at-scale
 #: recipes are opt-in labels, e.g. ``topk+ef+dgc gtopk+ef+own+dgc artopk+ef+dgc
@@ -86,22 +95,29 @@ def recipe(label: str, cfg: Config, steps_per_epoch: int) -> Recipe:
     without masking), ``clip`` (local gradient clipping at ``cfg.clip_norm / sqrt(P)``),
     ``own`` (gTop-k only: ``own_contribution=True``, picks whose value was truncated on
     the way go back to the residual) and
-    a warm-up schedule by epochs: ``gtopkwu`` (0.004 for epoch 0), ``dgc`` (0.25, 0.0625,
+    one warm-up schedule: ``gtopkwu`` (0.004 for epoch 0), ``dgc`` (0.25, 0.0625,
     0.015625, 0.004, one epoch each), ``linear`` / ``linear2`` (dense to final over 5 / 2
-    epochs). ``ValueError`` for anything else.
+    epochs) or any :func:`mpicomm.control.parse_schedule` form (``linear:8``, ``dgc:2``,
+    ``warmup:0.25,0.0625/3``, ``dgc:10@step``; by epochs unless ``@step``), and ``wd``
+    (``warmup_dense=True``: warm-up steps at which the sparse collective would send more
+    than a dense allreduce are dense). ``ValueError`` for anything else.
     """
     if label == "dense":
         return Recipe(Dense(algorithm="ring"), cfg.momentum)
     base, *mods = label.replace("-noef", "+noef").split("+")
-    if base not in BASES or any(m not in FLAGS and m not in SCHEDULES for m in mods):
+    specs = [SCHEDULES.get(m, m) for m in mods if m not in FLAGS]
+    if base not in BASES or len(specs) > 1 or \
+            any(not _is_schedule(m, steps_per_epoch) for m in specs):
         raise ValueError(f"unknown strategy label {label!r}: dense or BASE[+MOD..] with BASE "
-                         f"in {sorted(BASES)} and MOD in {sorted([*FLAGS, *SCHEDULES])}")
+                         f"in {sorted(BASES)} and MOD in {sorted([*FLAGS, *SCHEDULES])} or "
+                         "one mpicomm.control.parse_schedule form (e.g. linear:8, dgc:2, "
+                         "warmup:0.25,0.0625/3)")
     mc = "mc" in mods or "mcnomask" in mods
-    names = [m for m in mods if m in SCHEDULES]
     kwargs: dict[str, Any] = {
         "density": cfg.density,
         "error_feedback": "noef" not in mods,
-        "schedule": parse_schedule(SCHEDULES[names[0]], steps_per_epoch) if names else None,
+        "schedule": parse_schedule(specs[0], steps_per_epoch) if specs else None,
+        "warmup_dense": "wd" in mods,
         "momentum_correction": cfg.momentum if mc else 0.0,
         "momentum_masking": "mcnomask" not in mods,
         "clip_norm": cfg.clip_norm if "clip" in mods else None,
@@ -111,6 +127,13 @@ def recipe(label: str, cfg: Config, steps_per_epoch: int) -> Recipe:
             raise ValueError(f"{label!r}: the 'own' modifier is for gtopk only")
         kwargs["own_contribution"] = True
     return Recipe(BASES[base](**kwargs), 0.0 if mc else cfg.momentum)
+
+
+def _is_schedule(spec: str, steps_per_epoch: int) -> bool:
+    try:
+        return parse_schedule(spec, steps_per_epoch) is not None
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -249,30 +272,45 @@ def run(labels: list[str], seeds: list[int], cfg: Config, comm: mpicomm.Communic
     return results
 
 
-def table(results: list[Result], seeds: list[int], labels: list[str]) -> str:
-    """Accuracy per seed, median, gap to dense (pp), loss, bytes per rank per step."""
+def summarize(results: list[Result], seeds: list[int], labels: list[str]
+              ) -> list[dict[str, Any]]:
+    """One row per label: accuracy per seed, median, gap of the median to dense and the
+    worst seed's gap (pp, NaN without a dense run), median final training loss, median
+    kB each rank sent per step, dense's bytes / that, and the steps of the run."""
     by = {(res.strategy, res.seed): res for res in results}
     nan = float("nan")
     has_dense = "dense" in labels
     dense_bytes = statistics.median(by["dense", s].sent_bytes_per_step
                                     for s in seeds) if has_dense else nan
     dense_acc = statistics.median(by["dense", s].accuracy for s in seeds) if has_dense else nan
+    rows = []
+    for label in labels:
+        accs = [by[label, s].accuracy for s in seeds]
+        med = statistics.median(accs)
+        sent = statistics.median(by[label, s].sent_bytes_per_step for s in seeds)
+        rows.append({
+            "strategy": label, "accuracies": accs, "median": med, "gap_pp": med - dense_acc,
+            "worst_pp": min(a - by["dense", s].accuracy for a, s in zip(accs, seeds))
+            if has_dense else nan,
+            "loss": statistics.median(by[label, s].train_loss for s in seeds),
+            "kB_per_step": sent / 1e3,
+            "x_dense": dense_bytes / sent if sent else float("inf"),
+            "steps": by[label, seeds[0]].steps,
+        })
+    return rows
+
+
+def table(results: list[Result], seeds: list[int], labels: list[str]) -> str:
+    """:func:`summarize` as a text table."""
     head = (f"{'strategy':<18} " + " ".join(f"{'seed ' + str(s):>8}" for s in seeds)
             + f" {'median':>8} {'gap pp':>7} {'worst':>7} {'loss':>7} {'kB/step':>9}"
               f" {'vs dense':>9} {'steps':>6}")
     lines = [head, "-" * len(head)]
-    for label in labels:
-        accs = [by[label, s].accuracy for s in seeds]
-        med = statistics.median(accs)
-        loss = statistics.median(by[label, s].train_loss for s in seeds)
-        sent = statistics.median(by[label, s].sent_bytes_per_step for s in seeds)
-        ratio = dense_bytes / sent if sent else float("inf")
-        worst = min(a - by["dense", s].accuracy for a, s in zip(accs, seeds)) \
-            if has_dense else nan
-        steps = by[label, seeds[0]].steps
-        lines.append(f"{label:<18} " + " ".join(f"{a:8.2f}" for a in accs)
-                     + f" {med:8.2f} {med - dense_acc:+7.2f} {worst:+7.2f} {loss:7.4f}"
-                     f" {sent / 1e3:9.1f} {ratio:8.1f}x {steps:6d}")
+    for row in summarize(results, seeds, labels):
+        lines.append(f"{row['strategy']:<18} " + " ".join(f"{a:8.2f}" for a in row["accuracies"])
+                     + f" {row['median']:8.2f} {row['gap_pp']:+7.2f} {row['worst_pp']:+7.2f}"
+                     f" {row['loss']:7.4f} {row['kB_per_step']:9.1f} {row['x_dense']:8.1f}x"
+                     f" {row['steps']:6d}")
     return "\n".join(lines)
 
 
@@ -317,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntotal {time.perf_counter() - start:.0f} s")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"config": asdict(cfg), "ranks": comm.size,
+                json.dump({"suite": "accuracy", "machine": machine(), "config": asdict(cfg),
+                           "ranks": comm.size, "seeds": args.seeds,
+                           "summary": summarize(results, args.seeds, labels),
                            "results": [asdict(res) for res in results]}, f, indent=1)
     return 0
 

@@ -24,7 +24,8 @@ Two ways to synchronize:
   (``gtopk``, ``dgc``, ``linear:5``; see :func:`mpicomm.control.parse_schedule`),
   ``--momentum-correction`` moves the momentum into the strategy's error-feedback memory
   (the optimizer then runs without momentum and weight decay is added to the loss),
-  ``--clip-norm`` clips each rank's gradient at ``C / sqrt(size)``.
+  ``--clip-norm`` clips each rank's gradient at ``C / sqrt(size)``, ``--warmup-dense``
+  makes the warm-up steps dense where that sends fewer bytes.
 * ``--local-sgd fixed|adacomm``: every rank takes local optimizer steps and
   :class:`mpicomm.torch.LocalSGD` averages the *parameters* every ``tau`` steps (fixed
   ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``). The
@@ -76,7 +77,7 @@ log = logging.getLogger("train")
 
 #: Command-line options handed to a strategy whose constructor has a parameter of that name.
 STRATEGY_OPTIONS = ("density", "bits", "rank", "source", "schedule", "momentum_correction",
-                    "momentum_masking", "clip_norm")
+                    "momentum_masking", "clip_norm", "warmup_dense")
 
 
 # ---------------------------------------------------------------------- options
@@ -122,6 +123,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "were sent (DGC masks it)")
     ap.add_argument("--clip-norm", type=float, default=None,
                     help="local gradient clipping: each rank clips at CLIP_NORM/sqrt(size)")
+    ap.add_argument("--warmup-dense", action="store_const", const=True, default=None,
+                    help="with --schedule (topk, gtopk, artopk): warm-up steps at which the "
+                         "sparse collective would send more bytes than a dense allreduce "
+                         "are dense")
     ap.add_argument("--local-sgd", choices=("none", "fixed", "adacomm"), default="none",
                     help="average parameters every tau local steps instead of gradients "
                          "every step (fixed: --period; adacomm: AdaComm from --tau0)")

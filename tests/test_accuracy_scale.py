@@ -38,3 +38,38 @@ def test_momentum_correction_fixes_the_artopk_collapse_at_8_ranks(tmp_path):
     assert corrected["accuracy"] >= 92.0, corrected
     # same traffic: the fix costs no bytes
     assert corrected["sent_bytes_per_step"] == plain["sent_bytes_per_step"]
+
+
+def _example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "compression_accuracy.py"
+    spec = importlib.util.spec_from_file_location("compression_accuracy", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("compression_accuracy", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_labels_name_any_schedule_and_the_dense_warmup():
+    """The recipes of the accuracy-at-scale table are labels: any ``parse_schedule``
+    form (by epochs of this run's steps per epoch, or ``@step``) and ``wd``."""
+    import pytest
+
+    ex = _example()
+    cfg = ex.Config(density=0.001, lr=0.1, lr_decay=9)
+    r = ex.recipe("gtopk+ef+own+linear:8+wd", cfg, steps_per_epoch=5)
+    s = r.strategy
+    assert (type(s).__name__, s.density, s.own_contribution, s.warmup_dense) == \
+        ("GTopK", 0.001, True, True)
+    assert s.schedule.spec() == "linear:8" and s.schedule.warmup_steps == 40
+    assert r.momentum == cfg.momentum
+    s = ex.recipe("artopk+warmup:0.25,0.0625/3", cfg, 5).strategy
+    assert s.schedule.densities(31, 0.001)[::15] == [0.25, 0.0625, 0.001]
+    assert s.warmup_dense is False and s.error_feedback is True
+    assert ex.recipe("topk+ef+dgc:10@step", cfg, 5).strategy.schedule.warmup_steps == 40
+    assert ex.recipe("topk+linear2", cfg, 5).strategy.schedule.warmup_steps == 10
+    for bad in ("artopk+foo", "artopk+dgc+linear", "topk+linear:0", "dense+wd"):
+        with pytest.raises(ValueError, match="unknown strategy label"):
+            ex.recipe(bad, cfg, 5)

@@ -129,6 +129,31 @@ def test_list_names_importable_suites(capsys: pytest.CaptureFixture,
     assert "not-yet" not in listed
 
 
+def test_report_renders_accuracy_tables(tmp_path: Path) -> None:
+    """``examples/compression_accuracy.py --json`` files: per-label rows with two
+    decimals (gaps of a few tenths of a pp decide the issue-13 targets)."""
+    res = tmp_path / "results"
+    summary = [{"strategy": "dense", "accuracies": [97.555, 96.889, 97.111],
+                "median": 97.111, "gap_pp": 0.0, "worst_pp": 0.0, "loss": 0.05,
+                "kB_per_step": 637.515, "x_dense": 1.0, "steps": 60},
+               {"strategy": "artopk+ef+dgc", "accuracies": [96.0, 96.444, 96.889],
+                "median": 96.444, "gap_pp": -0.667, "worst_pp": -1.555, "loss": 0.1,
+                "kB_per_step": 33.3, "x_dense": 19.14, "steps": 60}]
+    write(res, "accuracy-16.json", {
+        "suite": "accuracy", "machine": machine(None, 16), "ranks": 16, "seeds": [0, 1, 2],
+        "config": {"lr": 0.1, "lr_decay": 9, "density": 0.01, "epochs": 12, "batch": 16},
+        "summary": summary, "results": []})
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main(["--results", str(res), "--out", str(out),
+                        "--plots", str(tmp_path / "p")]) == 0
+    text = out.read_text()
+    assert "### accuracy: 16 ranks" in text
+    assert "density 0.01, 12 epochs, batch 16/rank, lr 0.1 (x0.1 from epoch 9)" in text
+    assert ("| artopk+ef+dgc | 96.00 / 96.44 / 96.89 | 96.44 | -0.67 | -1.55 | 33.3 | 19.1x "
+            "| 60 |") in text
+    assert "| dense | 97.56 / 96.89 / 97.11 | 97.11 | +0.00 | +0.00 | 637.5 | 1x | 60 |" in text
+
+
 def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> None:
     res = tmp_path / "results"
     net = dict(EMU, schedule="/somewhere/benchmarks/schedule-adaptive.txt")

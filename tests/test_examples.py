@@ -196,3 +196,14 @@ def test_train_schedule_and_momentum_correction(tmp_path: Path) -> None:
     # one warm-up step at density 0.5, the rest at 0.01: (P-1)·k·8 bytes per step
     k_warm, k = -(-26122 // 2), -(-26122 // 100)
     assert s["sent_bytes_per_rank"] == 8 * (k_warm + (s["steps"] - 1) * k)
+
+
+def test_train_warmup_dense(tmp_path: Path) -> None:
+    """``--warmup-dense``: the warm-up step at density 0.9 is a dense ring allreduce (the
+    2-rank Allgather of 0.9·d pairs would send more), the rest top-k pairs."""
+    _, s = train(tmp_path, "--strategy", "topk", "--density", "0.01", "--schedule",
+                 "warmup:0.9@step", "--warmup-dense", "--no-progress")
+    check_summary(s)
+    assert s["describe"]["warmup_dense"] is True
+    k = -(-26122 // 100)
+    assert s["sent_bytes_per_rank"] == 4 * 26122 + 8 * (s["steps"] - 1) * k

@@ -192,3 +192,44 @@ def test_quantizers_are_dense_while_the_budget_allows(comm, which):
     assert comm.allgather_object(dense_steps) == [dense_steps] * comm.size
     if strategy.memory is not None and which != "powersgd":
         assert math.isfinite(strategy.memory.norm())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("which", ["topk", "gtopk", "artopk"])
+def test_warmup_dense_steps_where_the_sparse_collective_sends_more(comm, which):
+    """``warmup_dense=True``: a warm-up step is a dense exact mean (residual flushed)
+    exactly when the sparse collective at that step's k would send more bytes per rank
+    than a ring allreduce, 2(P-1)/P·d·itemsize (critical-path bytes written out here)."""
+    p, numel = comm.size, 512
+    schedule = linear_warmup(length=4, unit="step")  # 1.0, ~0.75, ~0.5, ~0.26, final
+    strategy = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}[which](
+        density=0.01, schedule=schedule, warmup_dense=True).bind(comm)
+    p2 = 1 << (p.bit_length() - 1)
+    lg = math.ceil(math.log2(p)) if p > 1 else 0
+    per_k = {"topk": (p - 1) * 12,                                  # allgather of k pairs
+             "gtopk": (p2.bit_length() - 1 + 2 * (p != p2)) * 12,   # butterfly of k pairs
+             "artopk": lg * 4 + 2 * (p - 1) / p * 8}[which]         # bcast idx + ring vals
+    dense_bytes = 2 * (p - 1) / p * numel * 8
+    want, got = [], []
+    residual = np.zeros(numel)
+    for step in range(6):
+        rng = np.random.default_rng(step * 13 + comm.rank)
+        g = torch.from_numpy(rng.standard_normal(numel))
+        k = k_for(numel, schedule(step, 0.01))
+        want.append(p > 1 and step < 4 and k * per_k > dense_bytes)
+        before = strategy.stats.extra.get("dense_steps", 0)
+        out = strategy.aggregate([g], ["w"])[0].numpy()
+        is_dense = strategy.stats.extra.get("dense_steps", 0) == before + 1
+        got.append(is_dense)
+        exact = np.mean(comm.allgather_object(g.numpy() + residual), axis=0)
+        residual = strategy.residual("w").numpy().copy()
+        if is_dense:  # the exact mean of the compensated gradients, residual flushed
+            np.testing.assert_allclose(out, exact, rtol=1e-12, atol=1e-12)
+            assert not residual.any()
+        else:  # sparse: k entries per rank at most
+            assert np.count_nonzero(out) <= k * p
+    assert got == want
+    assert comm.allgather_object(got) == [got] * p
+    if p >= 3:  # at 3+ ranks the first (dense) steps are dense, the last ones sparse
+        assert got[0] and not got[-1]
+    assert strategy.describe()["warmup_dense"] is True

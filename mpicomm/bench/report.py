@@ -19,10 +19,12 @@ bench-cluster`` write there), and writes
 ``adaptive`` gets its time-to-accuracy table, the L-GreCo comparison and issue 8's
 targets marked met/missed. ``crossover`` results get a table of the three modes' median
 throughput (sequential, co-located, Crossover), the speedups, the measured ``C`` and
-``S`` and the bound ``(C+S)/max(C,S)``. Suites it does not know (``ps`` ...) get a
-generic table of their ``rows``/``summary``; a file without ``suite`` is skipped with a
-note. Needs matplotlib (``pip install -e ".[bench]"``) for the plots; without it the
-tables are still written and the report says the plots were not made.
+``S`` and the bound ``(C+S)/max(C,S)``. ``accuracy`` files
+(``examples/compression_accuracy.py --json``) get a table of test accuracy and bytes per
+step per strategy label. Suites it does not know (``ps`` ...) get a generic table of
+their ``rows``/``summary``; a file without ``suite`` is skipped with a note. Needs
+matplotlib (``pip install -e ".[bench]"``) for the plots; without it the tables are still
+written and the report says the plots were not made.
 """
 
 from __future__ import annotations
@@ -342,12 +344,31 @@ def section(r: dict[str, Any]) -> str:
     if suite == "collectives":
         return head + table(r.get("summary", []), ("collective", "elems", "best", "time_us",
                                                    "x_mpi", "x_gloo"))
+    if suite == "accuracy":
+        return head + accuracy(r)
+
     if suite == "adaptive":
         return head + adaptive(r)
     if suite == "crossover":
         return head + crossover_section(r)
     body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n")
+
+
+def accuracy(r: dict[str, Any]) -> str:
+    """``examples/compression_accuracy.py --json``: test accuracy per strategy label
+    (median of the seeds, gaps to dense in pp), bytes per rank per step against dense."""
+    c = r.get("config", {})
+    lr = f"lr {c.get('lr')}" + (f" (x0.1 from epoch {c['lr_decay']})" if c.get("lr_decay")
+                                else " (constant)")
+    rows = [{"strategy": row["strategy"],
+             "seeds": " / ".join(f"{a:.2f}" for a in row["accuracies"]),
+             "median %": f"{row['median']:.2f}", "gap pp": f"{row['gap_pp']:+.2f}",
+             "worst pp": f"{row['worst_pp']:+.2f}", "kB/step": f"{row['kB_per_step']:.1f}",
+             "vs dense": f"{row['x_dense']:.3g}x", "steps": row["steps"]}
+            for row in r.get("summary", [])]
+    return (f"digits MLP, density {c.get('density')}, {c.get('epochs')} epochs, batch "
+            f"{c.get('batch')}/rank, {lr}, seeds {r.get('seeds')}\n\n" + table(rows))
 
 
 #: Issue 8's targets for ``bench adaptive``: summary key -> (test, wording).

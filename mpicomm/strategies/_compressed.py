@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..buffers import FLOAT_DTYPES, inspect
+from ..collectives import cost
 from ..compress import ErrorFeedback
 from ..compress.topk import check_density, check_k, k_for
 from ..sparse._common import pack_bytes, unpack_bytes
@@ -30,6 +31,9 @@ from .base import DEFAULT_FUSION_BYTES, Strategy
 __all__ = ["CompressedStrategy", "DEFAULT_DENSITY", "sparsity", "k_of",
            "check_allreduce_algorithm", "check_flag", "check_schedule", "check_clip_norm",
            "pack_bytes", "unpack_bytes"]
+
+#: Cost parameters under which a cost formula gives bytes per rank on the critical path.
+BYTES = cost.CostParams(alpha=0.0, beta=1.0, gamma=0.0)
 
 #: Density used when neither ``density`` nor ``k`` is given.
 DEFAULT_DENSITY = 0.01
@@ -113,6 +117,16 @@ class CompressedStrategy(Strategy):
       rank uses the same density at the same step. Sparsifiers use the scheduled density
       for k (:meth:`_k`); quantizers aggregate densely while it exceeds their own wire
       fraction (:meth:`dense_step`).
+    * ``warmup_dense=True`` (sparsifiers; ours, not the papers'): a warm-up step whose
+      sparse collective at the scheduled k would send more bytes per rank (critical
+      path, :meth:`_sparse_bytes`) than a dense ring allreduce of the buffer
+      (``2(P-1)/P·d·itemsize``) aggregates densely instead: the exact mean of the
+      compensated buffer, the residual flushed (:meth:`_aggregate_dense`, as the
+      quantizers do). For float32 at P = 16 that is above density 1/16 for Top-k's
+      Allgather, 0.23 for gTop-k and 0.32 for AR-Top-k (ring; its index broadcast
+      counts lg P times on the critical path). The update is the same as a sparse step
+      at density 1 and close to one at such densities, for fewer bytes; a linear anneal
+      from dense then costs about what its dense stretch costs.
     * ``momentum_correction=m`` (0 < m < 1): the error-feedback memory keeps the
       velocity (``ErrorFeedback(momentum=m, masking=momentum_masking)``: ``u = m·u + g``
       is accumulated *before* compression, and with ``momentum_masking`` cleared where
@@ -136,9 +150,10 @@ class CompressedStrategy(Strategy):
     def __init__(self, comm: Any = None, *, error_feedback: bool = True,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
                  momentum_correction: float = 0.0, momentum_masking: bool = True,
-                 clip_norm: float | None = None):
+                 clip_norm: float | None = None, warmup_dense: bool = False):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         self.error_feedback = check_flag("error_feedback", error_feedback)
+        self.warmup_dense = check_flag("warmup_dense", warmup_dense)
         self.schedule = check_schedule(schedule)
         self.clip_norm = check_clip_norm(clip_norm)
         self.momentum_masking = check_flag("momentum_masking", momentum_masking)
@@ -173,6 +188,8 @@ class CompressedStrategy(Strategy):
             out["momentum_masking"] = self.momentum_masking
         if self.clip_norm is not None:
             out["clip_norm"] = self.clip_norm
+        if self.warmup_dense:
+            out["warmup_dense"] = True
         return out
 
     def residual(self, name: str) -> Any:
@@ -252,6 +269,21 @@ class CompressedStrategy(Strategy):
             if scheduled > final:
                 return k_of(numel, scheduled, None)
         return k_of(numel, density, k)
+
+    def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
+        """Bytes per rank (critical path) of this strategy's sparse collective with ``k``
+        entries of a ``numel``-element buffer; sparsifiers override it."""
+        raise NotImplementedError(f"{type(self).__name__} has no sparse collective")
+
+    def sparse_dearer(self, numel: int, k: int, itemsize: int, final_k: int) -> bool:
+        """With ``warmup_dense``: is ``k`` a warm-up value (> ``final_k``) at which the
+        sparse collective sends more bytes than a dense ring allreduce of the buffer?
+        The same on every rank (it depends on the step's ``k`` and P only)."""
+        p = self.comm.size
+        if not self.warmup_dense or k <= final_k or p == 1:
+            return False
+        return self._sparse_bytes(numel, k, itemsize, p) > \
+            cost.allreduce_ring(numel * itemsize, p, BYTES)
 
     def dense_step(self, step: int, fraction: float) -> bool:
         """For quantizers: aggregate densely at ``step``? True while the schedule's

@@ -12,7 +12,7 @@ from ..compress.topk import index_itemsize
 from ..sparse import ARTopKState, artopk
 from ..sparse.artopk import ALGORITHMS, SOURCES
 from ..validate import check_algorithm
-from ._compressed import CompressedStrategy, k_of, sparsity
+from ._compressed import BYTES, CompressedStrategy, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["ARTopK"]
@@ -49,8 +49,9 @@ class ARTopK(CompressedStrategy):
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
-    error-feedback memory: then use an optimizer without momentum) and ``clip_norm``
-    (local clipping at ``clip_norm / sqrt(P)``): see
+    error-feedback memory: then use an optimizer without momentum), ``clip_norm``
+    (local clipping at ``clip_norm / sqrt(P)``) and ``warmup_dense`` (dense warm-up
+    steps where they send fewer bytes than the sparse collective): see
     :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
 
     Cost model: :func:`mpicomm.collectives.cost.artopk_ring` / ``artopk_tree``
@@ -75,7 +76,7 @@ class ARTopK(CompressedStrategy):
                  smoothing: float = 0.1, comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
                  momentum_correction: float = 0.0, momentum_masking: bool = True,
-                 clip_norm: float | None = None):
+                 clip_norm: float | None = None, warmup_dense: bool = False):
         self.density, self.k = sparsity(density, k)
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
@@ -90,7 +91,8 @@ class ARTopK(CompressedStrategy):
         super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
                          schedule=schedule,
                          momentum_correction=momentum_correction,
-                         momentum_masking=momentum_masking, clip_norm=clip_norm)
+                         momentum_masking=momentum_masking, clip_norm=clip_norm,
+                         warmup_dense=warmup_dense)
 
     def state(self, name: str) -> ARTopKState:
         """The :class:`~mpicomm.sparse.ARTopKState` of buffer ``name`` (source, EWMA)."""
@@ -103,6 +105,9 @@ class ARTopK(CompressedStrategy):
         step = own + self._slot(name)
         numel = flat.shape[0]
         k = self._k(numel, own, self.density, self.k)
+        if self.sparse_dearer(numel, k, flat.element_size(),
+                              k_of(numel, self.density, self.k)):
+            return self._aggregate_dense(name, flat)
         c = self._compensate(name, flat)
         idx, mean = artopk(c, k, step, self.source, self.comm, self.state(name),
                            self.algorithm, grad=flat)
@@ -127,6 +132,11 @@ class ARTopK(CompressedStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._states = {k: ARTopKState(**v) for k, v in state.get("artopk", {}).items()}
+
+    def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
+        """Index broadcast + allreduce of k values (the root's/critical path bytes)."""
+        fn = cost.artopk_ring if self.algorithm == "ring" else cost.artopk_tree
+        return fn(k, index_itemsize(numel), itemsize, p, BYTES)
 
     def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
                       compute: cost.ComputeParams) -> tuple[float, float]:

@@ -10,7 +10,7 @@ from ..collectives import cost
 from ..compress import TopK
 from ..compress.topk import index_itemsize
 from ..sparse import gtopk
-from ._compressed import CompressedStrategy, check_flag, k_of, sparsity
+from ._compressed import BYTES, CompressedStrategy, check_flag, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["GTopK"]
@@ -49,8 +49,9 @@ class GTopK(CompressedStrategy):
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
-    error-feedback memory: then use an optimizer without momentum) and ``clip_norm``
-    (local clipping at ``clip_norm / sqrt(P)``): see
+    error-feedback memory: then use an optimizer without momentum), ``clip_norm``
+    (local clipping at ``clip_norm / sqrt(P)``) and ``warmup_dense`` (dense warm-up
+    steps where they send fewer bytes than the sparse collective): see
     :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
 
     Cost model: :func:`mpicomm.collectives.cost.gtopk` ``(k, s, P)`` =
@@ -70,18 +71,22 @@ class GTopK(CompressedStrategy):
                  comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
                  momentum_correction: float = 0.0, momentum_masking: bool = True,
-                 clip_norm: float | None = None):
+                 clip_norm: float | None = None, warmup_dense: bool = False):
         self.density, self.k = sparsity(density, k)
         self.own_contribution = check_flag("own_contribution", own_contribution)
         super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
                          schedule=schedule,
                          momentum_correction=momentum_correction,
-                         momentum_masking=momentum_masking, clip_norm=clip_norm)
+                         momentum_masking=momentum_masking, clip_norm=clip_norm,
+                         warmup_dense=warmup_dense)
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         step = self._step(name)
         numel = flat.shape[0]
         k = self._k(numel, step, self.density, self.k)
+        if self.sparse_dearer(numel, k, flat.element_size(),
+                              k_of(numel, self.density, self.k)):
+            return self._aggregate_dense(name, flat)
         c = self._compensate(name, flat)
         payload = TopK(k=k).compress(c, name=name)
         picks, values = payload.arrays["indices"], payload.arrays["values"]
@@ -101,6 +106,10 @@ class GTopK(CompressedStrategy):
         return {**super().describe(), "density": self.density, "k": self.k,
                 "own_contribution": self.own_contribution,
                 "compressor": "topk", "collective": "gtopk(butterfly)"}
+
+    def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
+        """Butterfly of k pairs: ``(lg p2 + 2·fold)·k·s`` on the critical path."""
+        return cost.gtopk(k, index_itemsize(numel) + itemsize, p, BYTES)
 
     def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
                       compute: cost.ComputeParams) -> tuple[float, float]:

@@ -10,7 +10,7 @@ from ..collectives import cost
 from ..compress import SampledTopK, TopK
 from ..compress.topk import index_itemsize
 from ..sparse import topk_allgather
-from ._compressed import CompressedStrategy, check_flag, k_of, sparsity
+from ._compressed import BYTES, CompressedStrategy, check_flag, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["TopKAllgather"]
@@ -40,8 +40,9 @@ class TopKAllgather(CompressedStrategy):
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
-    error-feedback memory: then use an optimizer without momentum) and ``clip_norm``
-    (local clipping at ``clip_norm / sqrt(P)``): see
+    error-feedback memory: then use an optimizer without momentum), ``clip_norm``
+    (local clipping at ``clip_norm / sqrt(P)``) and ``warmup_dense`` (dense warm-up
+    steps where they send fewer bytes than the sparse collective): see
     :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
 
     Cost model: :func:`mpicomm.collectives.cost.topk_allgather` ``(k, s, P)`` =
@@ -62,7 +63,7 @@ class TopKAllgather(CompressedStrategy):
                  sample_fraction: float = 0.01, seed: int = 0, comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
                  momentum_correction: float = 0.0, momentum_masking: bool = True,
-                 clip_norm: float | None = None):
+                 clip_norm: float | None = None, warmup_dense: bool = False):
         self.density, self.k = sparsity(density, k)
         self.sampled = check_flag("sampled", sampled)
         if self.sampled and self.density is None:
@@ -74,7 +75,8 @@ class TopKAllgather(CompressedStrategy):
         super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
                          schedule=schedule,
                          momentum_correction=momentum_correction,
-                         momentum_masking=momentum_masking, clip_norm=clip_norm)
+                         momentum_masking=momentum_masking, clip_norm=clip_norm,
+                         warmup_dense=warmup_dense)
 
     def _sampler(self, density: float) -> SampledTopK:
         if density not in self._samplers:
@@ -85,8 +87,11 @@ class TopKAllgather(CompressedStrategy):
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         step = self._step(name)
         numel = flat.shape[0]
-        c = self._compensate(name, flat)
         k = self._k(numel, step, self.density, self.k)
+        if self.sparse_dearer(numel, k, flat.element_size(),
+                              k_of(numel, self.density, self.k)):
+            return self._aggregate_dense(name, flat)
+        c = self._compensate(name, flat)
         if self.sampled:
             density = self.density if k == k_of(numel, self.density, None) else k / numel
             payload = self._sampler(density).compress(c, name=name, step=step)
@@ -102,6 +107,10 @@ class TopKAllgather(CompressedStrategy):
         return {**super().describe(), "density": self.density, "k": self.k,
                 "compressor": "sampled_topk" if self.sampled else "topk",
                 "collective": "allgatherv(ring)"}
+
+    def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
+        """Ring Allgather of every rank's k pairs: ``(P-1)·k·s``."""
+        return cost.topk_allgather(k, index_itemsize(numel) + itemsize, p, BYTES)
 
     def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
                       compute: cost.ComputeParams) -> tuple[float, float]:
