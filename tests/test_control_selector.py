@@ -233,7 +233,7 @@ def test_choose_peers_prefers_other_nodes():
 
 def test_online_calibration_tracks_a_bandwidth_change_and_flags_drift():
     base = CostParams(alpha=1e-5, beta=1e-9, gamma=0.0)
-    cal = OnlineCalibration(base, decay=0.7, drift=0.3)
+    cal = OnlineCalibration(base, decay=0.7, drift=0.3, patience=1)
     shapes = [(4, 1e3), (4, 1e6), (10, 1e5), (2, 1e7)]  # (messages, bytes)
     for _ in range(3):
         for a, b in shapes:
@@ -249,6 +249,66 @@ def test_online_calibration_tracks_a_bandwidth_change_and_flags_drift():
     assert drift[0] or drift[1]
     assert cal.params.beta == pytest.approx(slow, rel=0.15)
     assert cal.params.alpha == pytest.approx(base.alpha, rel=0.5)
+
+
+def test_online_calibration_drift_is_debounced():
+    """One outlier refinement (a slow step on a loaded host) does not flag drift; a change
+    that persists for ``patience`` refinements does, once, and becomes the reference."""
+    base = CostParams(alpha=1e-5, beta=1e-9, gamma=0.0)
+    shapes = [(4, 1e3), (4, 1e6), (10, 1e5), (2, 1e7)]
+
+    def feed(cal, beta):
+        for a, b in shapes:
+            cal.observe(a, b, a * base.alpha + b * beta)
+        return cal.refine(None)
+
+    cal = OnlineCalibration(base, decay=0.7, drift=0.3, patience=3)
+    assert [feed(cal, base.beta) for _ in range(3)] == [False] * 3
+    assert feed(cal, 5e-9) is False          # a single 5x outlier: moved, not persistent
+    assert [feed(cal, base.beta) for _ in range(6)] == [False] * 6
+    flags = [feed(cal, 4e-9) for _ in range(8)]   # the bandwidth really drops 4x
+    assert flags.count(True) == 1 and flags.index(True) >= 2
+    assert cal.reference.beta == pytest.approx(4e-9, rel=0.3)
+    # patience=1 reacts at the first refinement outside the band
+    eager = OnlineCalibration(base, decay=0.7, drift=0.3, patience=1)
+    feed(eager, base.beta)
+    assert feed(eager, 5e-9) is True
+    with pytest.raises(ValueError, match="patience"):
+        OnlineCalibration(base, patience=0)
+
+
+def test_auto_chooses_by_measurement_where_predictions_are_close():
+    """Candidates within ``trial_margin`` of the cheapest are tried ``trial_steps`` times
+    each (cheapest prediction first), then the lowest measured time wins; a prediction
+    that separates the schemes clearly is taken without trials."""
+    from collections import deque
+
+    from mpicomm.control import AutoStrategy
+    from mpicomm.control.selector import Choice
+
+    auto = AutoStrategy(calibrate_links=0, ratio=0.01, trial_margin=0.5, trial_steps=2)
+    key = ("b0", 0.01)
+    cands = {"dense": 1.0, "gtopk": 0.10, "artopk_tree": 0.12, "allgather_topk": 0.14}
+    pred = Choice("gtopk", 0.01, 0.10, cands)
+    choice, trial = auto._by_measurement(key, pred)
+    assert (choice.scheme, choice.ratio, trial) == ("gtopk", 0.01, True)
+    auto.measured[key] = {"gtopk": deque([0.30, 0.25], maxlen=2)}   # measured 2.5x slower
+    choice, trial = auto._by_measurement(key, pred)
+    assert (choice.scheme, trial) == ("artopk_tree", True)          # next-cheapest untried
+    auto.measured[key]["artopk_tree"] = deque([0.09, 0.08], maxlen=2)
+    auto.measured[key]["allgather_topk"] = deque([0.2, 0.11], maxlen=2)
+    choice, trial = auto._by_measurement(key, pred)
+    assert (choice.scheme, trial, choice.predicted) == ("artopk_tree", False, 0.08)
+    # dense is 8x the cheapest: never tried; one clear winner: no trial at all
+    assert "dense" not in auto.measured[key]
+    clear = Choice("gtopk", 0.01, 0.1, {"dense": 1.0, "gtopk": 0.1})
+    assert auto._by_measurement(("b1", 0.01), clear)[1] is False
+    with pytest.raises(ValueError, match="trial_steps"):
+        AutoStrategy(trial_steps=-1)
+    with pytest.raises(ValueError, match="drift_patience"):
+        AutoStrategy(drift_patience=0)
+    with pytest.raises(ValueError, match="trial_margin"):
+        AutoStrategy(trial_margin=-0.1)
 
 
 def test_link_delay_is_the_alpha_beta_time_of_the_traffic_sent():
@@ -571,3 +631,69 @@ def test_auto_min_gain_excludes_a_scheme_whose_measured_gain_is_too_low(comm):
     assert set(last.values()) == {"dense"}             # its measured gain ruled it out
     mine = (auto.decisions, sorted(auto.scheme_gains.items()))
     assert comm.allgather_object(mine) == [mine] * comm.size
+
+
+@pytest.mark.mpi
+def test_auto_redecides_on_persistent_drift_not_on_one_outlier(comm):
+    """Agreed step times fed to the strategy: a single step 5x slower keeps the choices;
+    the same slowdown for ``drift_patience`` steps in a row re-decides, on every rank at
+    the same step."""
+    from mpicomm.control import AutoStrategy
+    from mpicomm.control.calibration import OnlineCalibration
+    from mpicomm.control.selector import Choice
+
+    auto = AutoStrategy(comm=comm, calibrate_links=0, ratio=0.01, drift_patience=3)
+    base = CostParams(alpha=1e-4, beta=1e-8, gamma=0.0)
+    auto.online = OnlineCalibration(base, decay=0.7, drift=0.3, patience=3)
+    kept = Choice("gtopk", 0.01, 0.01, {"gtopk": 0.01})
+    a, b = 4.0, 1e5
+
+    def step(t, slow):
+        auto._choices[("b0", 0.01)] = kept
+        pending = [{"step": t, "bucket": "b0", "scheme": "gtopk", "key_ratio": 0.01,
+                    "ratio": 0.01, "seconds": slow * (a * base.alpha + b * base.beta),
+                    "a": a, "b": b, "work": 0.0, "kept_sq": 0.5, "e_sq": 1.0,
+                    "predicted": a * base.alpha + b * base.beta}]
+        auto._agree_step(comm, pending, [0.5, 1.0])
+        return ("b0", 0.01) in auto._choices
+
+    trail = [step(t, 1.0) for t in range(3)] + [step(3, 5.0)] + \
+        [step(t, 1.0) for t in range(4, 8)]
+    assert trail == [True] * 8, trail              # one outlier: no re-decision
+    persistent = [step(t, 5.0) for t in range(8, 14)]
+    assert False in persistent and persistent.index(False) >= 2, persistent
+    assert comm.allgather_object(trail + persistent) == [trail + persistent] * comm.size
+
+
+@pytest.mark.mpi
+def test_auto_trials_close_schemes_identically_and_keeps_the_fastest_measured(comm):
+    """On a slow modelled link the compressed schemes are predicted close: each is tried
+    for ``trial_steps`` real steps, every rank tries the same schemes at the same steps,
+    and the cached choice is the tried scheme with the lowest agreed measured time."""
+    if comm.size == 1:
+        pytest.skip("one rank: no bytes move, the schemes' predictions do not compete")
+    saved = {k: comm.resources.pop(k) for k in CALIBRATION_KEYS if k in comm.resources}
+    comm.resources["cost_params"] = CostParams(alpha=1e-6, beta=1e-6, gamma=0.0)  # 1 MB/s
+    try:
+        auto, _, _ = _train_auto(comm, 12, ratio=0.1, trial_margin=10.0, trial_steps=1,
+                                 drift=100.0,  # no drift: the measurements are all kept
+                                 schemes=("dense", "allgather_topk", "artopk_tree",
+                                          "gtopk"))
+    finally:
+        for k in CALIBRATION_KEYS:
+            comm.resources.pop(k, None)
+        comm.resources.update(saved)
+    assert auto.trials, "close predictions were tried"
+    mine = (auto.trials, auto.decisions, sorted(auto._current.items()))
+    assert comm.allgather_object(mine) == [mine] * comm.size
+    for key, scheme in auto._current.items():
+        seen = auto.measured[key]
+        # the last step's times are agreed at the next step (one-step lag)
+        tried = {s for t, bucket, s in auto.trials if bucket == key[0] and t < 11}
+        assert tried <= set(seen) and scheme in seen
+        # after its trials the bucket runs one of the tried (measured) schemes, cached
+        last_trial = max(t for t, bucket, _ in auto.trials if bucket == key[0])
+        after = [s for t, bucket, s, _ in auto.decisions if bucket == key[0]
+                 and t > last_trial]
+        if last_trial < 10:
+            assert after and after[0] in tried, (after, tried)

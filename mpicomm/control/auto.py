@@ -15,15 +15,20 @@ What happens, on every rank identically:
 * first aggregation: :func:`~mpicomm.control.calibration.calibrate` (ping-pong over
   several links + compute kernels) unless the communicator is calibrated already;
 * each bucket: the cached choice for (bucket, ratio), else :func:`~.selector.select`;
-  its time (wall, including an emulated link's delay) is logged against the prediction;
+  where the predictions do not separate the schemes (within ``trial_margin`` of the
+  cheapest), each close scheme is *tried* for ``trial_steps`` real steps (no rollback)
+  and the lowest agreed measured time decides; its time (wall, including an emulated
+  link's delay) is logged against the prediction;
 * :meth:`AutoStrategy.step_done` (after ``optimizer.step()``) closes the step; at the
   start of the next aggregation (inside the collective sequence, so no extra wait) the
   step's measured times are agreed (mean over ranks, one small allreduce with the
   gains) and refine alpha/beta and each
   scheme's compute factor
   (:class:`~.calibration.OnlineCalibration`); a drift of alpha/beta, or of a compute
-  factor by the same fraction, clears the choices (re-decide), and a network drift tells
-  the CR controller; one
+  factor by the same fraction, that persists for ``drift_patience`` steps (each step's
+  own times off the prediction by that fraction: debounced against load noise) clears
+  the choices (re-decide), and a network drift also forgets the measured times and
+  tells the CR controller; one
   :class:`~.selector.Record` per bucket is appended to :attr:`records` and passed to each
   callback in :attr:`callbacks`; the step's compression gain (averaged over ranks) feeds
   the :class:`~.cr.CRController`, whose ``"save"``/``"restore"`` actions snapshot and
@@ -142,8 +147,24 @@ class AutoStrategy(Strategy):
         The CR controller's (:class:`~.cr.CRController`).
     switch_margin:
         Hysteresis of a re-decision: the running scheme stays unless another is
-        predicted cheaper by more than this fraction (noise on a shared host otherwise
-        flips schemes, each switch costing a cold start).
+        predicted (or measured) cheaper by more than this fraction (noise on a shared
+        host otherwise flips schemes, each switch costing a cold start).
+    trial_margin, trial_steps:
+        Choice by measurement where the model does not separate the schemes: every
+        scheme whose cost (its measured time once it has run ``trial_steps`` steps at
+        this bucket and ratio, else its prediction) is within ``trial_margin`` of the
+        cheapest is *tried* for ``trial_steps`` real training steps (no rollback: every
+        candidate is a valid aggregation at the same ratio), and the bucket then runs
+        the scheme with the lowest measured time (min over its last ``trial_steps``
+        agreed times). A prediction that separates the schemes clearly (one candidate
+        within the margin) is used without trials. ``trial_steps=0`` chooses by
+        prediction only. Trials run outside CR exploration windows; a (debounced)
+        network drift forgets the measurements and tries again. Ours, not the papers'.
+    drift_patience:
+        Debounce of re-decisions: a drift of alpha/beta
+        (:class:`~.calibration.OnlineCalibration`'s ``patience``) or of a compute factor
+        must persist for this many agreed steps in a row before the buckets are
+        re-decided (a single slow step on a shared host does not re-decide).
     calibrate_links:
         Ping-pong links of the start-up calibration; ``0`` keeps the communicator's
         calibration (or the defaults) without measuring.
@@ -179,9 +200,18 @@ class AutoStrategy(Strategy):
                  switch_margin: float = 0.1, cooldown: int = 50,
                  lgreco_factors: Sequence[float] = DEFAULT_FACTORS,
                  lgreco_family: str = "topk", lgreco_default: Optional[float] = None,
+                 trial_margin: float = 0.5, trial_steps: int = 2, drift_patience: int = 3,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         schemes = tuple(schemes)
+        for name, v in (("trial_steps", trial_steps), ("drift_patience", drift_patience)):
+            if isinstance(v, bool) or not isinstance(v, int) or \
+                    v < (1 if name == "drift_patience" else 0):
+                raise ValueError(f"{name} must be an int >= "
+                                 f"{int(name == 'drift_patience')}, got {v!r}")
+        if isinstance(trial_margin, bool) or not isinstance(trial_margin, (int, float)) or \
+                not trial_margin >= 0:
+            raise ValueError(f"trial_margin must be a number >= 0, got {trial_margin!r}")
         if lgreco_family not in FAMILIES:
             raise ValueError(f"lgreco_family must be one of {FAMILIES}, got {lgreco_family!r}")
         own = (FAMILY_SCHEMES[lgreco_family],) if lgreco and lgreco_family != "topk" else ()
@@ -248,6 +278,13 @@ class AutoStrategy(Strategy):
         self._scales_used: dict[str, float] = {}
         self._current: dict[tuple[str, float], str] = {}
         self.switch_margin = float(switch_margin)
+        self.trial_margin, self.trial_steps = float(trial_margin), trial_steps
+        self.drift_patience = drift_patience
+        self._moved_streak = 0  # consecutive agreed steps with a compute factor moved
+        #: (bucket, ratio) -> scheme -> its last ``trial_steps`` agreed times (seconds).
+        self.measured: dict[tuple[str, float], dict[str, deque[float]]] = {}
+        #: (step, bucket, scheme) of each trial step (choice by measurement).
+        self.trials: list[tuple[int, str, str]] = []
 
     # ------------------------------------------------------------------ state
     @property
@@ -412,9 +449,12 @@ class AutoStrategy(Strategy):
             return
         comm = self.comm
         if self.calibrate_links and "compute_params" not in comm.resources:
-            calibrate(comm, links=self.calibrate_links, compute_numel=1 << 19)
+            # up to 256 kB: a 1 MB ping-pong costs 0.17 s per repeat at 100 Mbit/s, and
+            # 256 kB already sits well in the bandwidth-bound range
+            calibrate(comm, links=self.calibrate_links, compute_numel=1 << 19,
+                      sizes=(8, 1 << 12, 1 << 16, 1 << 18), repeats=6)
         self.online = OnlineCalibration(calibrated(comm)[0], decay=self._decay,
-                                        drift=self._drift)
+                                        drift=self._drift, patience=self.drift_patience)
 
     def _sub(self, scheme: str, ratio: float, shapes: list[tuple[int, ...]]) -> Strategy:
         key = (scheme, ratio, tuple(shapes) if scheme == "powersgd" else None)
@@ -445,17 +485,24 @@ class AutoStrategy(Strategy):
                                 schemes=self.schemes, approximate=self.approximate,
                                 fusion_bytes=self.fusion_bytes, compute_scale=scales,
                                 gains=self.scheme_gains, min_gain=self.min_gain)
+            trial = False
+            if self.family is None and self.trial_steps and not (
+                    self.controller is not None and self.controller.exploring):
+                choice, trial = self._by_measurement(key, choice)
             current = self._current.get(key)
-            if current is not None and current in choice.candidates and current != \
-                    choice.scheme and choice.candidates[current] <= \
+            if not trial and current is not None and current in choice.candidates and \
+                    current != choice.scheme and choice.candidates[current] <= \
                     (1 + self.switch_margin) * choice.predicted:
                 # hysteresis: keep the running scheme unless the new one is clearly cheaper
                 choice = Choice(current, 1.0 if current == "dense" else
                                 (self._family_ratio(segments, itemsize) if self.family
                                  else ratio),
                                 choice.candidates[current], choice.candidates)
-            self._choices[key] = choice
-            self._current[key] = choice.scheme
+            if trial:  # not cached: the next step decides again with this step measured
+                self.trials.append((self.steps, buf.name, choice.scheme))
+            else:
+                self._choices[key] = choice
+                self._current[key] = choice.scheme
             self.decisions.append((self.steps, buf.name, choice.scheme, choice.ratio))
         per_layer = self.family is not None and choice.scheme != "dense"
         sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes)
@@ -512,11 +559,29 @@ class AutoStrategy(Strategy):
         a, b = coeff[0]["comm"], coeff[1]["comm"]
         kappa = scales.get(choice.scheme, 1.0)
         self._pending.append({"step": self.steps, "bucket": buf.name,
-                              "scheme": choice.scheme,
+                              "scheme": choice.scheme, "key_ratio": ratio,
                               "ratio": choice.ratio, "seconds": seconds, "a": a, "b": b,
                               "work": work, "kept_sq": kept_sq, "e_sq": e_sq,
                               "predicted": a * params.alpha + b * params.beta + kappa * work})
         return [o.reshape(-1) for o in out]
+
+    def _by_measurement(self, key: tuple[str, float], choice: Choice
+                        ) -> tuple[Choice, bool]:
+        """The choice among ``choice.candidates`` by measured time where the model
+        does not separate them (``trial_margin``/``trial_steps``, class docstring):
+        ``(choice, True)`` for a trial step of a scheme not measured enough yet, else the
+        cheapest by measured time (prediction where unmeasured). Pure arithmetic on agreed
+        numbers: the same on every rank."""
+        seen = self.measured.get(key, {})
+        cost = {s: min(seen[s]) if len(seen.get(s, ())) >= self.trial_steps else t
+                for s, t in choice.candidates.items()}
+        best = min(cost.values())
+        close = sorted((s for s in cost if cost[s] <= (1 + self.trial_margin) * best),
+                       key=lambda s: (cost[s], SCHEMES.index(s)))
+        untried = [s for s in close if len(seen.get(s, ())) < self.trial_steps]
+        pick = untried[0] if untried else close[0]
+        return Choice(pick, 1.0 if pick == "dense" else key[1], cost[pick], cost), \
+            bool(untried) and len(close) > 1
 
     # ------------------------------------------------------------------ L-GreCo path
     def _accumulate(self, bucket: str, c: torch.Tensor) -> None:
@@ -622,6 +687,9 @@ class AutoStrategy(Strategy):
         params = self.online.params
         for r, t in zip(pending, seconds[:n]):
             self.online.observe(r["a"], r["b"], float(t), r["work"], r["scheme"])
+            if self.trial_steps:
+                self.measured.setdefault((r["bucket"], r["key_ratio"]), {}).setdefault(
+                    r["scheme"], deque(maxlen=self.trial_steps)).append(float(t))
             rec = Record(r["step"], r["bucket"], r["scheme"], r["ratio"], r["predicted"],
                          float(t), params.alpha, params.beta)
             self.records.append(rec)
@@ -630,13 +698,23 @@ class AutoStrategy(Strategy):
         drift = self.online.refine(None)
         comm.resources["cost_params"] = self.online.params
         scales = self.online.compute_scales()
-        moved = any(abs(v - self._scales_used.get(k, 1.0)) > self._drift *
-                    self._scales_used.get(k, 1.0) for k, v in scales.items())
+        shifted = any(abs(v - self._scales_used.get(k, 1.0)) > self._drift *
+                      self._scales_used.get(k, 1.0) for k, v in scales.items())
+        # counted only while the step's own times are off the predictions by the drift
+        # fraction (the EWMA fit stays moved for steps after one outlier step)
+        predicted = sum(r["predicted"] for r in pending)
+        off = predicted > 0 and abs(float(seconds[:n].sum()) - predicted) > \
+            self._drift * predicted
+        self._moved_streak = self._moved_streak + 1 if shifted and off else 0
+        moved = self._moved_streak >= self.drift_patience  # debounced like alpha/beta
         low = {k for k, c in self._choices.items()
                if self.scheme_gains.get(c.scheme, 1.0) < self.min_gain}
+        if drift:  # the network changed: measured times are stale, try again
+            self.measured.clear()
         if drift or moved or low:  # re-decide with the refined model / measured gains
             self._choices.clear()
             self._scales_used = scales
+            self._moved_streak = 0
         gain = math.sqrt(seconds[-2] / seconds[-1]) if seconds[-1] > 0 else 1.0
         self.last_gain = min(gain, 1.0)  # agreed across ranks; read by mpicomm.metrics
         step = pending[0]["step"] + 1 if pending else self.steps

@@ -19,7 +19,9 @@ Three parts, every one ending with numbers that are identical on every rank:
   one factor per scheme on its modelled compute (the issue's measured 1.5-4x gap comes
   from compute and overheads the kernels' rates miss) while training, and a drift test:
   when alpha or beta moves by more than ``drift`` (a fraction) from the values of the
-  last decision, :meth:`OnlineCalibration.refine` says so.
+  last decision for ``patience`` consecutive refinements in a row (debounce: one
+  outlier step on a loaded machine moves the fit but does not re-decide),
+  :meth:`OnlineCalibration.refine` says so.
 
 The refinement in detail: observation ``i`` is a collective whose model is
 ``t_i = a_i·alpha + b_i·beta`` (``a_i`` messages and ``b_i`` bytes on the critical path,
@@ -38,7 +40,8 @@ calibrated value::
 This is the EWMA of the sufficient statistics (``decay`` = 1 - EWMA weight). Tuning:
 ``decay`` 0.8-0.95 (lower follows a changing network faster, noisier); ``drift`` 0.25-0.5
 (the paper re-decides on any change of the tc schedule; on a shared host below 0.25 noise
-triggers it).
+triggers it); ``patience`` 2-5 refinements (ours: a step time on a shared host jumps 3x
+for a step or two; a real network change persists).
 """
 
 from __future__ import annotations
@@ -139,13 +142,18 @@ class OnlineCalibration:
     Feed :meth:`observe` on every rank with the same model coefficients (they come from
     deterministic formulas) and the measured seconds; :meth:`refine` (collective unless
     ``comm=None``) agrees on the slowest rank's times, updates the fit, and returns True
-    when alpha or beta moved more than ``drift`` from the reference, which then becomes
-    the new reference. ``params`` is the current estimate (gamma unchanged);
+    when alpha or beta has stayed more than ``drift`` away from the reference for
+    ``patience`` refinements in a row, each with its own measured total also more than
+    ``drift`` away from the reference model's prediction (then the current estimate becomes the new
+    reference; a refinement back inside the band resets the count). ``params`` is the
+    current estimate (gamma unchanged);
     :meth:`compute_scale` the factor on a scheme's modelled compute (1 until observed).
     """
 
     def __init__(self, params: CostParams, *, decay: float = 0.9, drift: float = 0.3,
-                 ridge: float = 0.5):
+                 ridge: float = 0.5, patience: int = 3):
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be an int >= 1, got {patience!r}")
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
         if not drift > 0.0:
@@ -162,6 +170,8 @@ class OnlineCalibration:
         self._theta = np.ones(2)
         self._pending: list[tuple[float, float, float, float, str]] = []
         self.updates = 0
+        self.patience = patience
+        self._streak = 0   # consecutive refinements outside the drift band
 
     def compute_scale(self, kind: str) -> float:
         """Fitted factor on the modelled compute of ``kind`` (a scheme name)."""
@@ -193,15 +203,24 @@ class OnlineCalibration:
                 comm.ctl.Allreduce(local, agreed, op=MPI.MAX)
                 self._pending = [(a, b, float(t), w, k)
                                  for (a, b, _, w, k), t in zip(self._pending, agreed)]
+        ref = self.reference
+        # the step's own times against the reference model: an outlier step moves the
+        # EWMA fit for several steps, but only its own step is outside the band
+        expected = sum(a * ref.alpha + b * ref.beta + self.compute_scale(k) * w
+                       for a, b, _, w, k in self._pending)
+        measured = sum(p[2] for p in self._pending)
         for a, b, seconds, work, kind in self._pending:
             self._update(a, b, seconds, work, kind)
         self._pending = []
-        ref = self.reference
-        moved = (_relative(self.params.alpha, ref.alpha) > self.drift
-                 or _relative(self.params.beta, ref.beta) > self.drift)
-        if moved:
-            self.reference = self.params
-        return moved
+        off = expected > 0 and _relative(measured, expected) > self.drift
+        moved = off and (_relative(self.params.alpha, ref.alpha) > self.drift
+                         or _relative(self.params.beta, ref.beta) > self.drift)
+        self._streak = self._streak + 1 if moved else 0
+        if self._streak < self.patience:
+            return False
+        self._streak = 0
+        self.reference = self.params
+        return True
 
     def _grow(self, kind: str) -> int:
         if kind not in self.kinds:
