@@ -42,8 +42,15 @@ def test_make_bench_runs_every_benchmark():
     from mpicomm.bench.__main__ import SUITES
 
     recipe = make_dry_run("bench")
+    # suites that need CUDA run in `make gpu-check` (examples/gpu_check.py), not here
+    gpu_only = {"staging"}
+    gpu_plan = (ROOT / "examples" / "gpu_check.py").read_text()
+    assert "examples/gpu_check.py" in make_dry_run("gpu-check")
     for suite in SUITES:
-        assert f"-m mpicomm.bench {suite}" in recipe, suite
+        if suite in gpu_only:
+            assert f'*bench, "{suite}"' in gpu_plan, suite
+        else:
+            assert f"-m mpicomm.bench {suite}" in recipe, suite
     section = README.split("## Benchmarks", 1)[1].split("\n## ", 1)[0]
     scripts = set(re.findall(r"examples/\w+\.py", section))
     assert "examples/overlap_bench.py" in scripts
