@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -36,7 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import mpicomm
-from mpicomm.bench._util import machine, print_table, write_json
+from mpicomm.bench._util import machine, median_seconds, print_table, write_json
 from mpicomm.torch import GradientSync, process_group
 
 DEFAULT_STRATEGIES = "dense,gtopk,artopk,powersgd"
@@ -83,21 +81,14 @@ def make_model(width: float, device: torch.device) -> nn.Module:
 
 def median_step_ms(step: Callable[[], None], comm: mpicomm.Communicator,
                    device: torch.device, steps: int, warmup: int) -> float:
-    def settle() -> None:
+    """Median step in ms over ``steps`` (slowest rank per step, after ``warmup``); a CUDA
+    step is timed up to the end of its kernels."""
+    def settled_step() -> None:
+        step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for _ in range(warmup):
-        step()
-    settle()
-    times = []
-    for _ in range(steps):
-        comm.barrier()
-        start = time.perf_counter()
-        step()
-        settle()
-        times.append(comm.allreduce_value(time.perf_counter() - start, "max"))
-    return round(statistics.median(times) * 1e3, 3)
+    return round(median_seconds(settled_step, comm, repeats=steps, warmup=warmup) * 1e3, 3)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
