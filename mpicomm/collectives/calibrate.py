@@ -31,13 +31,17 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import Communicator, resolve
+from ..comm import Communicator, resolve, wait_all
 from ..linkdelay import link_delay
 from ..tags import TAG_CALIBRATE
 from .cost import CostParams
 
+#: Longest sleep between tests while ranks wait at a calibration barrier (leaves the CPU
+#: to the ranks still measuring).
+QUIET_POLL_S = 1e-3
+
 __all__ = ["measure", "measure_links", "pingpong", "fit_alpha_beta", "measure_gamma",
-           "choose_peers", "Link", "DEFAULT_SIZES", "wait_quietly", "slowest"]
+           "choose_peers", "Link", "DEFAULT_SIZES", "slowest"]
 
 #: Ping-pong message sizes in bytes: latency-bound to bandwidth-bound.
 DEFAULT_SIZES: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
@@ -125,12 +129,6 @@ def measure_gamma(nbytes: int = 1 << 22, repeats: int = 10) -> float:
     return statistics.median(times) / (4 * count)
 
 
-def wait_quietly(request: MPI.Request, poll: float = 1e-3) -> None:
-    """Complete ``request`` while sleeping between polls (leaves the CPU to others)."""
-    while not request.Test():
-        time.sleep(poll)
-
-
 def choose_peers(nodes: Sequence[int], links: int) -> list[int]:
     """Rank 0's ping-pong partners: one rank on each other node first (lowest rank of the
     node), then further ranks of any node, up to ``links`` (``nodes[r]`` = node of r)."""
@@ -167,7 +165,7 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
             if comm.rank == 0:
                 alpha, beta = fit_alpha_beta(sizes, times)
                 fitted.append(Link(0, peer, alpha, beta))
-        wait_quietly(comm.ctl.Ibarrier())
+        wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
     return comm.bcast_object(fitted, root=0)
 
 
@@ -192,7 +190,7 @@ def measure(comm: Communicator | None = None, sizes: Sequence[int] = DEFAULT_SIZ
     _check(links, sizes)
     found = measure_links(comm, links, sizes, repeats) if comm.size > 1 else []
     gamma = measure_gamma() if comm.rank == 0 else None
-    wait_quietly(comm.ctl.Ibarrier())
+    wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
     params = slowest(found, comm.bcast_object(gamma, root=0))
     if store:
         comm.resources["cost_params"] = params

@@ -54,10 +54,16 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..collectives.calibrate import Link, choose_peers, measure_gamma, measure_links, slowest
-from ..collectives.calibrate import wait_quietly as _wait_quietly
+from ..collectives.calibrate import (
+    QUIET_POLL_S,
+    Link,
+    choose_peers,
+    measure_gamma,
+    measure_links,
+    slowest,
+)
 from ..collectives.cost import ComputeParams, CostParams
-from ..comm import Communicator, resolve
+from ..comm import Communicator, resolve, wait_all
 
 __all__ = ["Link", "choose_peers", "measure_links", "measure_compute", "calibrate",
            "OnlineCalibration", "DEFAULT_SIZES"]
@@ -126,7 +132,7 @@ def calibrate(comm: Communicator | None = None, links: int = 3,
     local = None
     if comm.rank == 0:
         local = (measure_gamma(), measure_compute(compute_numel))
-    _wait_quietly(comm.ctl.Ibarrier())
+    wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
     gamma, compute = comm.bcast_object(local, root=0)
     params = slowest(found, gamma)
     if store:
