@@ -245,10 +245,10 @@ def bound(c: float, s: float) -> float:
 
 def resolve_wait_poll(text: str, comm: Communicator) -> float | None:
     """``--wait-poll-ms`` as seconds (the scheduler's ``"auto"`` rule) or None."""
-    from ..sched.crossover import NETWORK_WAIT_POLL_S
+    from ..sched.crossover import auto_wait_poll_s
 
     if text == "auto":
-        return NETWORK_WAIT_POLL_S if comm.nodes > 1 else None
+        return auto_wait_poll_s(comm)
     if text == "off":
         return None
     return float(text) / 1e3

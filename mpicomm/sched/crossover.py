@@ -96,6 +96,12 @@ TOKEN_ROW = "token"
 NETWORK_WAIT_POLL_S = 1e-3
 
 
+def auto_wait_poll_s(comm: Communicator) -> float | None:
+    """What ``wait_poll_s="auto"`` means on ``comm``: :data:`NETWORK_WAIT_POLL_S` when it
+    spans more than one node (its waits are mostly wire time), else ``None`` (spin)."""
+    return NETWORK_WAIT_POLL_S if comm.nodes > 1 else None
+
+
 class CrossoverError(RuntimeError):
     """One job of a Crossover run failed; the message names the job, phase, step, rank."""
 
@@ -300,7 +306,7 @@ class CrossoverScheduler:
             timeline = self._check_timeline(timeline)
             gate_poll_s = check_poll_s("gate_poll_s", gate_poll_s)
             if wait_poll_s == "auto":
-                wait_poll_s = NETWORK_WAIT_POLL_S if self.comm.nodes > 1 else None
+                wait_poll_s = auto_wait_poll_s(self.comm)
             wait_poll_s = check_poll_s("wait_poll_s", wait_poll_s)
             self._check_thread_level()
         except (TypeError, ValueError, RuntimeError) as exc:
