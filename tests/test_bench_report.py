@@ -170,12 +170,14 @@ def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> N
     write(res, "adaptive-emulated-4.json", {
         "suite": "adaptive", "machine": machine(net, 4), "ranks": 4,
         "options": {"hidden": 1024, "epochs": 12, "batch": 32, "target": 0.96,
-                    "link": "emulated"}, "rows": rows, "lgreco": lgreco, "summary": summary})
+                    "link": "emulated", "seeds": 3, "eval_every": 1}, "rows": rows,
+        "lgreco": lgreco, "summary": summary})
     out = tmp_path / "BENCHMARKS.md"
     assert report.main(["--results", str(res), "--out", str(out)]) == 0
     text = out.read_text()
     assert "### adaptive: 4 ranks, 1gbit, 0.1 ms" in text
-    assert "schedule `schedule-adaptive.txt`" in text
+    assert "schedule `schedule-adaptive.txt`; medians of 3 runs (batch orders), accuracy " \
+        "checked every 1 step(s)" in text
     assert "| auto | 12 | 0.965 | 100 | 10 | 2.5 | artopk_ring@0.01:40 |" in text
     assert "| topk lgreco | 150 | 0.96 | 0.5 | 1 |" in text
     lines = text.splitlines()

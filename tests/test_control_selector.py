@@ -191,7 +191,8 @@ def test_pareto_front_asf_and_knee():
 def test_cr_controller_explores_restores_and_picks_by_asf():
     times = {0.1: 10.0, 0.033: 4.0, 0.011: 2.0, 0.004: 1.5, 0.001: 1.4}
     gains = {0.1: 0.9, 0.033: 0.8, 0.011: 0.6, 0.004: 0.3, 0.001: 0.1}
-    cr = CRController(times.__getitem__, window=2, warmup_steps=2, cooldown=5)
+    cr = CRController(times.__getitem__, window=2, warmup_steps=2, cooldown=5,
+                      restore_first=True)
     assert cr.ratio == 1.0 and cr.start() is None  # warm-up from dense first
     assert cr.observe(1.0) is None and 0.1 < cr.ratio < 1.0
     assert cr.observe(1.0) == "save"               # warm-up over: explore
@@ -214,14 +215,34 @@ def test_cr_controller_explores_restores_and_picks_by_asf():
 def test_cr_controller_resolves_on_network_change():
     t = {"scale": 1.0}
     cr = CRController(lambda c: c * t["scale"] + 0.01 / c, ratios=(0.1, 0.01), window=1)
-    assert cr.start() == "save"
+    assert cr.start() is None            # the first window keeps its steps (restore_first)
     cr.observe(0.9)
-    assert cr.observe(0.5) == "restore"
+    assert cr.observe(0.5) is None
     first = cr.ratio
     t["scale"] = 1e6   # bandwidth collapses: the time of large c explodes
     cr.network_changed()
     assert cr.history[-1].reason == "network"
     assert cr.ratio <= first and cr.ratio == 0.01
+
+
+def test_cr_controller_first_window_keeps_its_steps_later_windows_restore():
+    """Default ``restore_first=False``: the start-up exploration neither saves nor
+    restores; a window triggered later by a gain change does both; ``restore_first=True``
+    restores the first one too (the paper's loop)."""
+    times = {0.1: 10.0, 0.01: 1.0}
+    cr = CRController(times.__getitem__, ratios=(0.1, 0.01), window=1, cooldown=2)
+    assert cr.start() is None and cr.exploring
+    assert [cr.observe(g) for g in (0.9, 0.5)] == [None, None]
+    assert not cr.exploring and cr.history[-1].reason == "solve"
+    actions = [cr.observe(0.5) for _ in range(4)]
+    while "save" not in actions and len(actions) < 12:
+        actions.append(cr.observe(0.1))   # the gain drops: a triggered window
+    assert actions.count("save") == 1 and cr.exploring
+    assert [cr.observe(0.3) for _ in range(2)] == [None, "restore"]
+    paper = CRController(times.__getitem__, ratios=(0.1, 0.01), window=1,
+                         restore_first=True)
+    assert paper.start() == "save"
+    assert [paper.observe(g) for g in (0.9, 0.5)] == [None, "restore"]
 
 
 # ---------------------------------------------------------------------- calibration
@@ -309,6 +330,60 @@ def test_auto_chooses_by_measurement_where_predictions_are_close():
         AutoStrategy(drift_patience=0)
     with pytest.raises(ValueError, match="trial_margin"):
         AutoStrategy(trial_margin=-0.1)
+
+
+def test_auto_weighs_schemes_by_their_measured_gain_at_the_ratio():
+    """``gain_weighted``: cost = time / gain of that (scheme, ratio); a faster scheme that
+    sends less of the gradient loses to a slower one with a proportionally better gain;
+    a scheme whose gain is unknown gets the best gain known at that ratio."""
+    from collections import deque
+
+    from mpicomm.control import AutoStrategy
+    from mpicomm.control.selector import Choice
+
+    auto = AutoStrategy(calibrate_links=0, ratio=0.01, trial_margin=0.5, trial_steps=2)
+    key = ("b0", 0.01)
+    pred = Choice("artopk_tree", 0.01, 0.05,
+                  {"dense": 1.0, "gtopk": 0.06, "artopk_tree": 0.05})
+    auto.measured[key] = {"gtopk": deque([0.063, 0.066], maxlen=2),
+                          "artopk_tree": deque([0.047, 0.050], maxlen=2)}
+    auto.gain_weighted = False
+    assert auto._by_measurement(key, pred)[0].scheme == "artopk_tree"   # time alone
+    auto.gain_weighted = True
+    auto.pair_gains = {("gtopk", 0.01): 0.5, ("artopk_tree", 0.01): 0.3,
+                       ("gtopk", 0.1): 0.9}
+    choice, trial = auto._by_measurement(key, pred)
+    assert (choice.scheme, trial) == ("gtopk", False)
+    assert choice.predicted == pytest.approx(0.063 / 0.5)
+    assert choice.candidates["artopk_tree"] == pytest.approx(0.047 / 0.3)
+    assert choice.candidates["dense"] == 1.0                            # gain 1
+    # allgather: neither measured nor its gain known: the best gain at 0.01 (0.5, not
+    # 0.9, which was measured at another ratio)
+    cost = auto._costs(key, {"allgather_topk": 0.07})
+    assert cost["allgather_topk"] == pytest.approx(0.07 / 0.5)
+
+
+def test_auto_redecides_a_kept_choice_that_measures_slower_than_another():
+    """A kept choice whose own measured cost (``trial_steps`` agreed times) exceeds
+    another candidate's by more than ``trial_margin`` is dropped (re-decided at the next
+    step): a dense step predicted cheap runs ``trial_steps`` steps, not until a drift."""
+    from collections import deque
+
+    from mpicomm.control import AutoStrategy
+    from mpicomm.control.selector import Choice
+
+    auto = AutoStrategy(calibrate_links=0, ratio=0.1, trial_margin=0.5, trial_steps=2)
+    key = ("b0", 0.1)
+    predicted = {"dense": 0.4, "allgather_topk": 0.5, "artopk_tree": 0.45}
+    auto._predicted[key] = predicted
+    auto._choices[key] = Choice("dense", 1.0, 0.4, predicted)
+    auto.measured[key] = {"dense": deque([1.2], maxlen=2)}
+    assert auto._outrun() == set()                  # measured once: not yet
+    auto.measured[key]["dense"].append(1.25)
+    assert auto._outrun() == {key}                  # 1.2 s against 0.45 predicted
+    auto._choices[key] = Choice("artopk_tree", 0.1, 0.45, predicted)
+    auto.measured[key]["artopk_tree"] = deque([0.5, 0.55], maxlen=2)
+    assert auto._outrun() == set()                  # within the margin of the others
 
 
 def test_link_delay_is_the_alpha_beta_time_of_the_traffic_sent():
@@ -450,24 +525,36 @@ def test_auto_in_gradsync_decides_identically_and_restores_after_exploring(comm)
 @pytest.mark.mpi
 def test_auto_exploration_restores_the_saved_model(comm):
     """window=2, two ratios, decisions one step behind the measurements: exploration
-    starts with step 1 and the state is saved after it; steps 1-4 are measured, the
-    restore comes after step 5, back to the state saved after step 1; step 6 trains on."""
+    starts with step 0 and the state is saved after it; steps 0-3 are measured, the
+    restore comes after step 4, back to the state saved after step 0; step 5 trains on
+    (``restore_first=True``: the paper's loop; by default the first window keeps its
+    steps, the second run)."""
     from mpicomm.control import AutoStrategy
     from mpicomm.torch import GradientSync
 
-    torch.manual_seed(1)
-    model = torch.nn.Linear(6, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    auto = AutoStrategy(calibrate_links=0, window=2, ratios=(0.5, 0.2))
-    states = []
-    with GradientSync(model, strategy=auto, comm=comm) as sync:
-        for step in range(7):
-            opt.zero_grad()
-            model(torch.full((4, 6), float(step + comm.rank))).sum().backward()
-            sync.step(opt)
-            states.append(copy_state(model))
-    assert states[5] == states[1]
-    assert states[2] != states[1] and states[6] != states[5]
+    def run(restore_first):
+        torch.manual_seed(1)
+        model = torch.nn.Linear(6, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        auto = AutoStrategy(calibrate_links=0, window=2, ratios=(0.5, 0.2),
+                            restore_first=restore_first)
+        states = []
+        with GradientSync(model, strategy=auto, comm=comm) as sync:
+            for step in range(6):
+                opt.zero_grad()
+                model(torch.full((4, 6), float(step + comm.rank))).sum().backward()
+                sync.step(opt)
+                states.append(copy_state(model))
+        return states, auto
+
+    states, auto = run(True)
+    assert states[4] == states[0]
+    assert states[1] != states[0] and states[5] != states[4]
+    assert [d[0] for d in auto.decisions if d[3] == 0.2][:2] == [2, 3]
+    kept, auto = run(False)   # the first window keeps its steps: no save, no restore
+    assert all(kept[i] != kept[i - 1] for i in range(1, 6))
+    assert kept[:4] == states[:4] and auto._saved is None
+    assert all(d[2] != "dense" for d in auto.decisions if d[0] < 4)
     reasons = [h.reason for h in auto.controller.history]  # + re-solves on timing drift
     assert reasons[0] == "solve" and set(reasons[1:]) <= {"network"}
 
@@ -593,7 +680,8 @@ def test_auto_decisions_identical_on_every_rank_at_every_step_with_one_step_lag(
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    auto = AutoStrategy(calibrate_links=0, window=1, ratios=(0.5, 0.1, 0.02), cooldown=2)
+    auto = AutoStrategy(calibrate_links=0, window=1, ratios=(0.5, 0.1, 0.02), cooldown=2,
+                        restore_first=True)
     gen = torch.Generator().manual_seed(100 + comm.rank)
     trail = []
     with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
@@ -663,6 +751,37 @@ def test_auto_redecides_on_persistent_drift_not_on_one_outlier(comm):
     persistent = [step(t, 5.0) for t in range(8, 14)]
     assert False in persistent and persistent.index(False) >= 2, persistent
     assert comm.allgather_object(trail + persistent) == [trail + persistent] * comm.size
+
+
+@pytest.mark.mpi
+def test_auto_drops_a_choice_measured_slow_at_the_same_step_on_every_rank(comm):
+    """Agreed step times fed to the strategy: a kept dense choice predicted at 0.4 s that
+    measures 1.2 s is dropped after ``trial_steps`` agreed steps (no drift involved), and
+    the next decision by measurement is not dense; identical on every rank."""
+    from mpicomm.control import AutoStrategy
+    from mpicomm.control.calibration import OnlineCalibration
+    from mpicomm.control.selector import Choice
+
+    auto = AutoStrategy(comm=comm, calibrate_links=0, ratio=0.1, trial_steps=2)
+    base = CostParams(alpha=1e-4, beta=1e-8, gamma=0.0)
+    auto.online = OnlineCalibration(base, drift=100.0)   # no drift: only the measurement
+    key = ("b0", 0.1)
+    predicted = {"dense": 0.4, "allgather_topk": 0.5, "artopk_tree": 0.45}
+    auto._predicted[key] = predicted
+    auto._choices[key] = auto._current[key] = Choice("dense", 1.0, 0.4, predicted)
+    kept = []
+    for t in range(3):
+        pending = [{"step": t, "bucket": "b0", "scheme": "dense", "key_ratio": 0.1,
+                    "ratio": 1.0, "seconds": 1.2, "a": 4.0, "b": 4e7, "work": 0.0,
+                    "kept_sq": 1.0, "e_sq": 1.0, "predicted": 0.4}]
+        auto._agree_step(comm, pending, [1.0, 1.0])
+        kept.append(key in auto._choices)
+        if not kept[-1]:
+            break
+    assert kept == [True, False], kept
+    choice, _ = auto._by_measurement(key, Choice("dense", 1.0, 0.4, predicted))
+    assert choice.scheme != "dense"
+    assert comm.allgather_object((kept, choice.scheme)) == [(kept, choice.scheme)] * comm.size
 
 
 @pytest.mark.mpi

@@ -302,6 +302,29 @@ def test_pingpong_and_measure_check_their_arguments():
         calibrate.measure(comm, links=0)
 
 
+@pytest.mark.mpi
+def test_measure_links_adds_a_one_way_transfer_per_link(comm):
+    """``oneway_bytes``: one large transfer per link answered by the smallest size, one
+    more point of the fit; bad values are refused on every rank before any message."""
+    with pytest.raises(ValueError, match="oneway_bytes"):
+        calibrate.measure_links(comm, links=1, sizes=(8, 4096), oneway_bytes=-1)
+    with pytest.raises(ValueError, match="oneway_bytes"):
+        calibrate.measure_links(comm, links=1, sizes=(8, 4096), oneway_bytes=True)
+    found = calibrate.measure_links(comm, links=2, sizes=(8, 4096), repeats=2,
+                                    oneway_bytes=1 << 18)
+    assert comm.allgather_object(found) == [found] * comm.size
+    assert [lk.b for lk in found] == calibrate.choose_peers(
+        comm.allgather_object(comm.node), 2)
+    assert all(lk.alpha >= 0 and lk.beta >= 0 for lk in found)
+    if comm.size > 1 and comm.rank in (0, 1):
+        # the reply's own time is subtracted (clamped at 0); an echo is halved
+        small = calibrate.pingpong(comm, 1 << 16, 2, peer=1, reply_bytes=8, reply_s=0.0)
+        none = calibrate.pingpong(comm, 1 << 16, 2, peer=1, reply_bytes=8, reply_s=60.0)
+        if comm.rank == 0:
+            assert small > 0 and none == 0.0
+    comm.barrier()
+
+
 def test_measure_gamma_is_a_plausible_memory_rate():
     gamma = calibrate.measure_gamma(1 << 20, repeats=3)
     assert 1 / 1e12 < gamma < 1 / 1e7  # between 10 MB/s and 1 TB/s

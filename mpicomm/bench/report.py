@@ -392,7 +392,9 @@ def adaptive(r: dict[str, Any]) -> str:
            + (f"injected schedule `{opts.get('schedule')}` (EPOCH:Gbit/s:alpha_us)"
               if opts.get("link") != "emulated" else
               f"emulated cluster, schedule `{os.path.basename(net(r).get('schedule') or '')}`"
-              ) + ".\n",
+              ) + (f"; medians of {opts['seeds']} runs (batch orders), accuracy checked every "
+                   f"{opts.get('eval_every', 1)} step(s), choices of the first run"
+                   if opts.get("seeds", 1) > 1 else "") + ".\n",
            table(r.get("rows", []), ("method", "time_to_target_s", "final_acc", "step_ms",
                                      "sent_kB_step", "x_dense", "choices")),
            "L-GreCo against every layer at the uniform setting (bytes per step measured; "

@@ -63,11 +63,15 @@ def _repeats_for(nbytes: int, repeats: int) -> int:
 
 
 def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2,
-             peer: int = 1) -> float:
+             peer: int = 1, reply_bytes: int | None = None, reply_s: float = 0.0) -> float:
     """Median one-way time (s) of an ``nbytes`` message between rank 0 and ``peer``.
 
     Rank 0 and ``peer`` must both call it (others must not); only rank 0's answer is
     meaningful (``peer`` returns 0.0). Cost: ``2·(warmup + repeats)`` messages.
+    By default ``peer`` echoes the message and the one-way time is half the round trip;
+    with ``reply_bytes`` it answers with that many bytes instead, and the one-way time is
+    the round trip minus ``reply_s`` (the reply's own one-way time, measured before):
+    half the cost for a large message.
     """
     mpi, rank = comm.p2p, comm.rank
     if peer == 0 or not 0 < peer < comm.size or rank not in (0, peer):
@@ -76,6 +80,8 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
     delay = link_delay(comm)  # the emulated cluster's injected latency counts in alpha
     buf = np.zeros(nbytes, dtype=np.uint8)
     msg = [buf, MPI.BYTE]
+    echo = reply_bytes is None
+    reply = msg if echo else [np.zeros(int(reply_bytes), dtype=np.uint8), MPI.BYTE]
     times = []
     for i in range(warmup + repeats):
         if rank == 0:
@@ -85,16 +91,17 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
             mpi.Send(msg, peer, TAG_CALIBRATE)
             if delay is not None:
                 delay.after_receive()
-            mpi.Recv(msg, peer, TAG_CALIBRATE)
+            mpi.Recv(reply, peer, TAG_CALIBRATE)
             if i >= warmup:
-                times.append((time.perf_counter() - start) / 2)
+                elapsed = time.perf_counter() - start
+                times.append(elapsed / 2 if echo else max(elapsed - reply_s, 0.0))
         else:
             if delay is not None:
                 delay.after_receive()
             mpi.Recv(msg, 0, TAG_CALIBRATE)
             if delay is not None:
                 delay.before_send(0)
-            mpi.Send(msg, 0, TAG_CALIBRATE)
+            mpi.Send(reply, 0, TAG_CALIBRATE)
     return statistics.median(times) if times else 0.0
 
 
@@ -150,20 +157,36 @@ def _check(links: int, sizes: Sequence[int]) -> None:
 
 
 def measure_links(comm: Communicator | None = None, links: int = 3,
-                  sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20) -> list[Link]:
+                  sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20,
+                  oneway_bytes: int = 0) -> list[Link]:
     """Fit alpha/beta on rank 0's links to up to ``links`` peers (collective; the same
     list on every rank; empty with one rank). Costs about ``links·Σ sizes·repeats``
-    bytes of ping-pong: well under a second per link on shared memory."""
+    bytes of ping-pong: well under a second per link on shared memory.
+
+    ``oneway_bytes`` adds, per link, one transfer of that many bytes answered by a
+    message of the smallest size (:func:`pingpong` with ``reply_bytes``; no warm-up, the
+    ping-pongs before it opened the connection) as one more point of the fit: the
+    cheapest way to see the sustained rate where small messages do not (a traffic
+    shaper's burst, e.g. the emulated cluster's 128 KiB ``tbf`` bucket, lets them pass
+    at line rate). Cost ``oneway_bytes·beta + 2·alpha`` per link."""
     comm = resolve(comm)
     _check(links, sizes)
+    if isinstance(oneway_bytes, bool) or not isinstance(oneway_bytes, int) or \
+            oneway_bytes < 0:
+        raise ValueError(f"oneway_bytes must be an int >= 0, got {oneway_bytes!r}")
     nodes = comm.allgather_object(comm.node)
     fitted: list[Link] = []
     for peer in choose_peers(nodes, links):
         if comm.rank in (0, peer):
-            times = [pingpong(comm, int(s), _repeats_for(int(s), repeats), peer=peer)
-                     for s in sizes]
+            points = [int(s) for s in sizes]
+            times = [pingpong(comm, s, _repeats_for(s, repeats), peer=peer) for s in points]
+            if oneway_bytes:
+                small = min(range(len(points)), key=points.__getitem__)
+                times.append(pingpong(comm, oneway_bytes, 1, warmup=0, peer=peer,
+                                      reply_bytes=points[small], reply_s=times[small]))
+                points.append(oneway_bytes)
             if comm.rank == 0:
-                alpha, beta = fit_alpha_beta(sizes, times)
+                alpha, beta = fit_alpha_beta(points, times)
                 fitted.append(Link(0, peer, alpha, beta))
         wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
     return comm.bcast_object(fitted, root=0)

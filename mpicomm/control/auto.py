@@ -12,8 +12,9 @@ compression ratio, and adapts while training::
 
 What happens, on every rank identically:
 
-* first aggregation: :func:`~mpicomm.control.calibration.calibrate` (ping-pong over
-  several links + compute kernels) unless the communicator is calibrated already;
+* first aggregation: :func:`~mpicomm.control.calibration.calibrate` (a short ping-pong
+  over several links + compute kernels) unless the communicator is calibrated already,
+  and the CR controller's first exploration window starts (step 0 is its first step);
 * each bucket: the cached choice for (bucket, ratio), else :func:`~.selector.select`;
   where the predictions do not separate the schemes (within ``trial_margin`` of the
   cheapest), each close scheme is *tried* for ``trial_steps`` real steps (no rollback)
@@ -123,6 +124,10 @@ __all__ = ["AutoStrategy"]
 _ALPHA = CostParams(alpha=1.0, beta=0.0, gamma=0.0)
 _BETA = CostParams(alpha=0.0, beta=1.0, gamma=0.0)
 _GAMMA_ONLY = CostParams(alpha=0.0, beta=0.0, gamma=1.0)
+#: Ping-pong sizes (bytes) of the start-up calibration (``calibrate_links``): alpha.
+CALIBRATION_SIZES = (8, 1 << 12)
+#: Bytes of its one large transfer per link (``oneway_bytes``): beta.
+CALIBRATION_ONEWAY_BYTES = 1 << 19
 
 
 class AutoStrategy(Strategy):
@@ -143,8 +148,12 @@ class AutoStrategy(Strategy):
         (:attr:`scheme_gains`, EWMA over the steps it ran, agreed) is below ``min_gain``
         — the buckets are re-decided as soon as a running scheme's gain falls below it.
         Not applied to the per-layer QSGD/PowerSGD families.
-    weights, choice, window, trigger, warmup_steps, explore, cooldown:
-        The CR controller's (:class:`~.cr.CRController`).
+    weights, choice, window, trigger, warmup_steps, explore, cooldown, restore_first:
+        The CR controller's (:class:`~.cr.CRController`). The first exploration starts
+        with the first step and keeps its updates unless ``restore_first`` (the
+        paper restores; ours, see :mod:`~.cr`); later ones save and restore. An
+        exploration step never runs dense (it measures the gain of compressing at its
+        ratio), and its choices are not kept for later steps.
     switch_margin:
         Hysteresis of a re-decision: the running scheme stays unless another is
         predicted (or measured) cheaper by more than this fraction (noise on a shared
@@ -160,14 +169,40 @@ class AutoStrategy(Strategy):
         within the margin) is used without trials. ``trial_steps=0`` chooses by
         prediction only. Trials run outside CR exploration windows; a (debounced)
         network drift forgets the measurements and tries again. Ours, not the papers'.
+    gain_weighted:
+        ``True``: compare schemes (in the choice by measurement) by time per unit of
+        compression gain, ``cost / gain`` (gain ``||g_c|| / ||g_e||`` of that scheme at
+        that ratio, :attr:`pair_gains`; dense 1), on the idea that a scheme sending
+        less of the error-fed gradient needs more steps to the same accuracy (on the
+        adaptive bench, digits, 4 ranks, ratio 0.011, AR-Top-k tree steps take 0.75x
+        gTop-k's but need about 1.7x the steps to 0.96). Off by default (the issue's
+        rule is the cheapest scheme that meets ``min_gain``), and not a reliable
+        ranking: the measured gains are not comparable across schemes (gTop-k's is a
+        rank's own kept mass, low by construction since a rank keeps the residual of
+        all it sent outside the global selection: 0.14-0.25 against Allgather Top-k's
+        0.35-0.41 in the same runs) and swing 2x between runs. Ours, experimental.
     drift_patience:
         Debounce of re-decisions: a drift of alpha/beta
         (:class:`~.calibration.OnlineCalibration`'s ``patience``) or of a compute factor
         must persist for this many agreed steps in a row before the buckets are
-        re-decided (a single slow step on a shared host does not re-decide).
+        re-decided (a single slow step on a shared host does not re-decide). Default 5:
+        on the emulated cluster (4 ranks on 2 cores) 3 re-decided 4 times in the first
+        35 steps with nothing changed (the fit settling from the short calibration, and
+        load noise), each re-running the trials; with 5, once or never in two runs,
+        and the bench's network change at step 66 (2x the time per byte, 5x the
+        latency) was flagged at step 70. ``drift=0.5`` missed that change altogether:
+        it moves a whole compressed step's time by only about 40%.
     calibrate_links:
         Ping-pong links of the start-up calibration; ``0`` keeps the communicator's
-        calibration (or the defaults) without measuring.
+        calibration (or the defaults) without measuring. It is short on purpose: per
+        link, ping-pongs of 8 B and 4 KiB (3 repeats after 2 warm-ups: alpha) and one
+        512 KiB transfer answered by 8 B (beta), about ``links·(22·alpha + 512 KiB·beta)``
+        (0.2 s for 3 links at 100 Mbit/s and 1 ms, against 0.76 s for ping-pongs up to
+        256 KiB, which saw only half the rate behind the emulated cluster's 128 KiB
+        ``tbf`` burst). The online refinement corrects what it misses from the first
+        real collectives; beta must be right to within a few times from the start, or
+        a dense step looks cheap (measured: 32 KiB ping-pongs alone gave beta 100x too
+        small, and a 1.1 s dense step).
     drift, decay:
         :class:`~.calibration.OnlineCalibration`'s drift fraction and EWMA decay.
     lgreco, lgreco_every, lgreco_acc_steps, lgreco_factors:
@@ -200,7 +235,8 @@ class AutoStrategy(Strategy):
                  switch_margin: float = 0.1, cooldown: int = 50,
                  lgreco_factors: Sequence[float] = DEFAULT_FACTORS,
                  lgreco_family: str = "topk", lgreco_default: Optional[float] = None,
-                 trial_margin: float = 0.5, trial_steps: int = 2, drift_patience: int = 3,
+                 trial_margin: float = 0.5, trial_steps: int = 2, drift_patience: int = 5,
+                 restore_first: bool = False, gain_weighted: bool = False,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         schemes = tuple(schemes)
@@ -242,7 +278,7 @@ class AutoStrategy(Strategy):
             self.controller = CRController(self.sync_time, ratios, weights=weights,
                                            choice=choice, window=window, trigger=trigger,
                                            warmup_steps=warmup_steps, explore=explore,
-                                           cooldown=cooldown)
+                                           cooldown=cooldown, restore_first=restore_first)
         self._fixed_ratio = None if ratio is None else float(ratio)
         self.lgreco: Optional[LGreco] = None
         if lgreco:
@@ -264,6 +300,11 @@ class AutoStrategy(Strategy):
         #: Each scheme's compression gain, EWMA over the steps it ran (agreed), checked
         #: against ``min_gain`` by the selector.
         self.scheme_gains: dict[str, float] = {}
+        #: Each (scheme, ratio)'s compression gain, EWMA over the steps it ran (agreed):
+        #: the divisor of its cost with ``gain_weighted``.
+        self.pair_gains: dict[tuple[str, float], float] = {}
+        self.gain_weighted = bool(gain_weighted)
+        self._predicted: dict[tuple[str, float], dict[str, float]] = {}
         self.decisions: list[tuple[int, str, str, float]] = []  # (step, bucket, scheme, c)
         self._choices: dict[tuple[str, float], Choice] = {}
         self._subs: dict[tuple[str, float, Any], Strategy] = {}
@@ -423,6 +464,9 @@ class AutoStrategy(Strategy):
         self._ensure_calibrated()
         if self._done:
             self._agree()
+        elif not self._started and self.controller is not None:
+            self._started = True  # the first aggregation: exploration starts with step 0
+            self._action = self.controller.start()
         as_torch = [to_torch(t) for t in tensors]
         results: list[Any] = [None] * len(tensors)
         comm = self.comm
@@ -449,10 +493,10 @@ class AutoStrategy(Strategy):
             return
         comm = self.comm
         if self.calibrate_links and "compute_params" not in comm.resources:
-            # up to 256 kB: a 1 MB ping-pong costs 0.17 s per repeat at 100 Mbit/s, and
-            # 256 kB already sits well in the bandwidth-bound range
+            # short (class docstring, calibrate_links): the online refinement fixes beta
             calibrate(comm, links=self.calibrate_links, compute_numel=1 << 19,
-                      sizes=(8, 1 << 12, 1 << 16, 1 << 18), repeats=6)
+                      sizes=CALIBRATION_SIZES, repeats=3,
+                      oneway_bytes=CALIBRATION_ONEWAY_BYTES)
         self.online = OnlineCalibration(calibrated(comm)[0], decay=self._decay,
                                         drift=self._drift, patience=self.drift_patience)
 
@@ -477,17 +521,21 @@ class AutoStrategy(Strategy):
         p = self.comm.size
         scales = self.online.compute_scales() if self.online is not None else {}
         segments = self._segments[buf.name]
+        exploring = self.controller is not None and self.controller.exploring
         if choice is None:
             if self.family is not None:
                 choice = self._family_choice(segments, itemsize, p, params, compute, scales)
             else:
+                # an exploration step measures the gain of compressing at the ratio: not
+                # dense (whose gain is 1 at any ratio)
+                schemes = tuple(s for s in self.schemes if s != "dense" or not exploring) \
+                    if ratio < 1.0 else self.schemes
                 choice = select(shapes, ratio, itemsize, p, params, compute,
-                                schemes=self.schemes, approximate=self.approximate,
+                                schemes=schemes or self.schemes, approximate=self.approximate,
                                 fusion_bytes=self.fusion_bytes, compute_scale=scales,
                                 gains=self.scheme_gains, min_gain=self.min_gain)
             trial = False
-            if self.family is None and self.trial_steps and not (
-                    self.controller is not None and self.controller.exploring):
+            if self.family is None and self.trial_steps and not exploring:
                 choice, trial = self._by_measurement(key, choice)
             current = self._current.get(key)
             if not trial and current is not None and current in choice.candidates and \
@@ -500,6 +548,8 @@ class AutoStrategy(Strategy):
                                 choice.candidates[current], choice.candidates)
             if trial:  # not cached: the next step decides again with this step measured
                 self.trials.append((self.steps, buf.name, choice.scheme))
+            elif exploring:  # not cached: chosen without dense, for the window only
+                pass
             else:
                 self._choices[key] = choice
                 self._current[key] = choice.scheme
@@ -565,16 +615,34 @@ class AutoStrategy(Strategy):
                               "predicted": a * params.alpha + b * params.beta + kappa * work})
         return [o.reshape(-1) for o in out]
 
+    def _costs(self, key: tuple[str, float], predicted: dict[str, float]
+               ) -> dict[str, float]:
+        """Each candidate's cost at ``key`` = (bucket, ratio): its measured time (min of
+        its last ``trial_steps`` agreed times) once measured that often, else its
+        prediction; with ``gain_weighted``, divided by its compression gain at this ratio
+        (:attr:`pair_gains`; dense 1; a scheme not measured yet gets the best gain
+        measured at this ratio, so that it is not ruled out unseen)."""
+        seen = self.measured.get(key, {})
+        known = [g for (s, c), g in self.pair_gains.items() if c == key[1]]
+        unseen = max(known, default=1.0)
+        cost = {}
+        for s, t in predicted.items():
+            t = min(seen[s]) if len(seen.get(s, ())) >= self.trial_steps else t
+            if self.gain_weighted and s != "dense":
+                t /= max(self.pair_gains.get((s, key[1]), unseen), 1e-3)
+            cost[s] = t
+        return cost
+
     def _by_measurement(self, key: tuple[str, float], choice: Choice
                         ) -> tuple[Choice, bool]:
         """The choice among ``choice.candidates`` by measured time where the model
         does not separate them (``trial_margin``/``trial_steps``, class docstring):
         ``(choice, True)`` for a trial step of a scheme not measured enough yet, else the
-        cheapest by measured time (prediction where unmeasured). Pure arithmetic on agreed
-        numbers: the same on every rank."""
+        cheapest by measured time (prediction where unmeasured; :meth:`_costs`). Pure
+        arithmetic on agreed numbers: the same on every rank."""
         seen = self.measured.get(key, {})
-        cost = {s: min(seen[s]) if len(seen.get(s, ())) >= self.trial_steps else t
-                for s, t in choice.candidates.items()}
+        self._predicted[key] = dict(choice.candidates)
+        cost = self._costs(key, choice.candidates)
         best = min(cost.values())
         close = sorted((s for s in cost if cost[s] <= (1 + self.trial_margin) * best),
                        key=lambda s: (cost[s], SCHEMES.index(s)))
@@ -709,6 +777,9 @@ class AutoStrategy(Strategy):
         moved = self._moved_streak >= self.drift_patience  # debounced like alpha/beta
         low = {k for k, c in self._choices.items()
                if self.scheme_gains.get(c.scheme, 1.0) < self.min_gain}
+        if self.trial_steps and not drift and not moved:
+            for key in self._outrun():  # measured slower than another choice: re-decide
+                del self._choices[key]
         if drift:  # the network changed: measured times are stale, try again
             self.measured.clear()
         if drift or moved or low:  # re-decide with the refined model / measured gains
@@ -722,11 +793,7 @@ class AutoStrategy(Strategy):
             before = self.controller.ratio
             if drift:
                 self.controller.network_changed()
-            if not self._started:
-                self._started = True
-                action = self.controller.start()
-            else:
-                action = self.controller.observe(min(gain, 1.0))
+            action = self.controller.observe(min(gain, 1.0))
             if action is not None:
                 self._action = action
             if self.controller.ratio != before:
@@ -743,17 +810,38 @@ class AutoStrategy(Strategy):
     def _track_gains(self, pending: list[dict[str, Any]], kept: Any, total: Any) -> None:
         """EWMA (weight ``1 - decay``) of each scheme's compression gain
         ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over its buckets of the step, summed over ranks
-        (agreed), for the selector's ``min_gain`` constraint."""
-        sums: dict[str, list[float]] = {}
-        for r, c, e in zip(pending, kept, total):
-            acc = sums.setdefault(r["scheme"], [0.0, 0.0])
-            acc[0], acc[1] = acc[0] + float(c), acc[1] + float(e)
-        for scheme, (c, e) in sums.items():
-            if e > 0:
-                g = min(1.0, math.sqrt(c / e))
-                old = self.scheme_gains.get(scheme)
-                self.scheme_gains[scheme] = g if old is None else \
-                    self._decay * old + (1 - self._decay) * g
+        (agreed): per scheme (:attr:`scheme_gains`, the selector's ``min_gain``
+        constraint) and per (scheme, ratio) (:attr:`pair_gains`, ``gain_weighted``)."""
+        for gains, key_of in ((self.scheme_gains, lambda r: r["scheme"]),
+                              (self.pair_gains, lambda r: (r["scheme"], r["key_ratio"]))):
+            sums: dict[Any, list[float]] = {}
+            for r, c, e in zip(pending, kept, total):
+                acc = sums.setdefault(key_of(r), [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + float(c), acc[1] + float(e)
+            for k, (c, e) in sums.items():
+                if e > 0:
+                    g = min(1.0, math.sqrt(c / e))
+                    old = gains.get(k)
+                    gains[k] = g if old is None else self._decay * old + (1 - self._decay) * g
+
+    def _outrun(self) -> set[tuple[str, float]]:
+        """Kept choices whose own measured cost (:meth:`_costs`, ``trial_steps`` agreed
+        times) exceeds another candidate's by more than ``trial_margin``: re-decided
+        at the next step (a prediction that was wrong, e.g. a dense step predicted cheap
+        from a beta the sparse steps' times could not pin down, runs ``trial_steps``
+        steps, not until the next drift)."""
+        out = set()
+        for key, choice in self._choices.items():
+            predicted = self._predicted.get(key)
+            seen = self.measured.get(key, {})
+            if predicted is None or len(seen.get(choice.scheme, ())) < self.trial_steps or \
+                    len(predicted) < 2:
+                continue
+            cost = self._costs(key, predicted)
+            other = min(v for s, v in cost.items() if s != choice.scheme)
+            if cost.get(choice.scheme, 0.0) > (1 + self.trial_margin) * other:
+                out.add(key)
+        return out
 
     def _act(self, action: Optional[str], model: Any, optimizer: Any) -> None:
         if action == "save":

@@ -120,15 +120,19 @@ def measure_compute(numel: int = 1 << 20, density: float = 0.01,
 
 def calibrate(comm: Communicator | None = None, links: int = 3,
               sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 8, store: bool = True,
-              compute_numel: int = 1 << 20) -> tuple[CostParams, ComputeParams, list[Link]]:
+              compute_numel: int = 1 << 20, oneway_bytes: int = 0
+              ) -> tuple[CostParams, ComputeParams, list[Link]]:
     """Ping-pong over several links + compute kernels; identical results on every rank.
+
+    ``oneway_bytes``: one large transfer per link on top of the ping-pongs
+    (:func:`~mpicomm.collectives.calibrate.measure_links`).
 
     alpha/beta are the slowest measured link's (the defaults with one rank), gamma and
     the compute rates rank 0's. With ``store`` they go to ``comm.resources`` (keys
     ``cost_params``, ``compute_params``), read by every strategy's ``predict``.
     """
     comm = resolve(comm)
-    found = measure_links(comm, links, sizes, repeats) if comm.size > 1 else []
+    found = measure_links(comm, links, sizes, repeats, oneway_bytes) if comm.size > 1 else []
     local = None
     if comm.rank == 0:
         local = (measure_gamma(), measure_compute(compute_numel))

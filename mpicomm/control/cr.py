@@ -12,7 +12,14 @@ form) is measured during *exploration*:
 2. **Exploration**: the caller saves the model (and optimizer, and error-feedback) state
    (action ``"save"``), every candidate runs ``window`` steps (largest first) while the
    mean gain is logged, then the caller restores the state (action ``"restore"``) and the
-   MOO solve picks ``c``.
+   MOO solve picks ``c``. Deviation (ours, ``restore_first=False``, the default): the
+   *first* exploration, at the start of training (or right after the warm-up), neither
+   saves nor restores: its steps are ordinary error-fed steps at each candidate ratio and
+   are kept. Returning to the untrained model costs ``window·len(ratios)`` steps of
+   training for nothing (the exploration steps are not worse updates, only differently
+   compressed ones; error feedback keeps what they did not send), which on a short job is
+   a large share of its time. Explorations triggered later (a gain change) restore as in
+   the paper: there a trained model is at stake.
 3. **Triggers**: the smoothed gain (EWMA, ``gain_smoothing``) moving by ``trigger``
    (10%) relative to its value at the end of a ``cooldown`` (steps after the last solve
    during which no exploration starts) starts a new exploration (the
@@ -106,13 +113,16 @@ class CRController:
     ``None``, ``"save"`` (snapshot the training state now, before the next step) or
     ``"restore"`` (restore the snapshot now). :attr:`ratio` is the CR for the next step.
     ``sync_time(c)`` gives the predicted synchronization seconds at ``c``.
+    ``restore_first``: whether the first exploration also saves and restores (the
+    paper's loop; default ``False``, see the module docstring).
     """
 
     def __init__(self, sync_time: Callable[[float], float],
                  ratios: Sequence[float] = DEFAULT_RATIOS, *, weights: tuple[float, float]
                  = (0.6, 0.4), choice: str = "asf", window: int = 10, trigger: float = 0.1,
                  gain_smoothing: float = 0.2,
-                 warmup_steps: int = 0, explore: bool = True, cooldown: int = 50):
+                 warmup_steps: int = 0, explore: bool = True, cooldown: int = 50,
+                 restore_first: bool = False):
         ratios = sorted({float(c) for c in ratios}, reverse=True)
         if not ratios or any(not 0 < c <= 1 for c in ratios):
             raise ValueError(f"ratios must be in (0, 1], got {ratios}")
@@ -146,6 +156,9 @@ class CRController:
         self.history: list[CRDecision] = []
         self.ratio = 1.0 if warmup_steps else self.ratios[0]
         self._pending_explore = explore and not warmup_steps
+        self.restore_first = bool(restore_first)
+        self._windows = 0                          # explorations begun so far
+        self._rollback = True                      # whether the current one restores
 
     @property
     def exploring(self) -> bool:
@@ -175,7 +188,7 @@ class CRController:
             self._solved_at = self.step
             self.gain, self.change = None, 0.0
             self._solve("solve")
-            return "restore"
+            return "restore" if self._rollback else None
         if self.step <= self.warmup_steps:
             top = self.ratios[0]
             self.ratio = 1.0 - (1.0 - top) * self.step / self.warmup_steps
@@ -203,11 +216,13 @@ class CRController:
         if self.gains and self._exploring is None and self.step >= self.warmup_steps:
             self._solve("network")
 
-    def _begin(self) -> str:
+    def _begin(self) -> Optional[str]:
         self._exploring = 0
         self._explore_sums = {}
         self.ratio = self.ratios[0]
-        return "save"
+        self._rollback = self._windows > 0 or self.restore_first
+        self._windows += 1
+        return "save" if self._rollback else None
 
     def _solve(self, reason: str) -> None:
         cands = [c for c in self.ratios if self.gains.get(c, 0.0) > 0]
