@@ -215,9 +215,9 @@ def test_cr_controller_explores_restores_and_picks_by_asf():
 def test_cr_controller_resolves_on_network_change():
     t = {"scale": 1.0}
     cr = CRController(lambda c: c * t["scale"] + 0.01 / c, ratios=(0.1, 0.01), window=1)
-    assert cr.start() is None            # the first window keeps its steps (restore_first)
+    assert cr.start() == "save"
     cr.observe(0.9)
-    assert cr.observe(0.5) is None
+    assert cr.observe(0.5) == "restore"
     first = cr.ratio
     t["scale"] = 1e6   # bandwidth collapses: the time of large c explodes
     cr.network_changed()
@@ -226,11 +226,12 @@ def test_cr_controller_resolves_on_network_change():
 
 
 def test_cr_controller_first_window_keeps_its_steps_later_windows_restore():
-    """Default ``restore_first=False``: the start-up exploration neither saves nor
-    restores; a window triggered later by a gain change does both; ``restore_first=True``
-    restores the first one too (the paper's loop)."""
+    """``restore_first=False``: the start-up exploration neither saves nor restores; a
+    window triggered later by a gain change does both; the default (the paper's loop)
+    restores the first one too."""
     times = {0.1: 10.0, 0.01: 1.0}
-    cr = CRController(times.__getitem__, ratios=(0.1, 0.01), window=1, cooldown=2)
+    cr = CRController(times.__getitem__, ratios=(0.1, 0.01), window=1, cooldown=2,
+                      restore_first=False)
     assert cr.start() is None and cr.exploring
     assert [cr.observe(g) for g in (0.9, 0.5)] == [None, None]
     assert not cr.exploring and cr.history[-1].reason == "solve"
@@ -239,8 +240,7 @@ def test_cr_controller_first_window_keeps_its_steps_later_windows_restore():
         actions.append(cr.observe(0.1))   # the gain drops: a triggered window
     assert actions.count("save") == 1 and cr.exploring
     assert [cr.observe(0.3) for _ in range(2)] == [None, "restore"]
-    paper = CRController(times.__getitem__, ratios=(0.1, 0.01), window=1,
-                         restore_first=True)
+    paper = CRController(times.__getitem__, ratios=(0.1, 0.01), window=1)
     assert paper.start() == "save"
     assert [paper.observe(g) for g in (0.9, 0.5)] == [None, "restore"]
 
@@ -527,7 +527,7 @@ def test_auto_exploration_restores_the_saved_model(comm):
     """window=2, two ratios, decisions one step behind the measurements: exploration
     starts with step 0 and the state is saved after it; steps 0-3 are measured, the
     restore comes after step 4, back to the state saved after step 0; step 5 trains on
-    (``restore_first=True``: the paper's loop; by default the first window keeps its
+    (the default, the paper's loop; ``restore_first=False`` keeps the first window's
     steps, the second run)."""
     from mpicomm.control import AutoStrategy
     from mpicomm.torch import GradientSync
@@ -680,8 +680,7 @@ def test_auto_decisions_identical_on_every_rank_at_every_step_with_one_step_lag(
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    auto = AutoStrategy(calibrate_links=0, window=1, ratios=(0.5, 0.1, 0.02), cooldown=2,
-                        restore_first=True)
+    auto = AutoStrategy(calibrate_links=0, window=1, ratios=(0.5, 0.1, 0.02), cooldown=2)
     gen = torch.Generator().manual_seed(100 + comm.rank)
     trail = []
     with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:

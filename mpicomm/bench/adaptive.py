@@ -184,6 +184,15 @@ def train(method: str, data: tuple[torch.Tensor, ...], comm: Communicator,
         with torch.no_grad():
             return float((model(xte).argmax(1) == yte).float().mean())
 
+    if args.link == "emulated":
+        # step 0 on the step-0 network: the emulator re-arms its `step N` entries when
+        # the reported count goes back (polled every 20 ms; the ranks re-read the delay
+        # every 10 ms), so report it before the first step and give it 0.1 s (not
+        # timed). Without this, step 0 of every method ran on the previous method's last
+        # network (50 Mbit/s, 5 ms), where auto's start-up calibration measured.
+        if comm.rank == 0:
+            report_step(0)
+        time.sleep(0.1)
     with GradientSync(model, strategy=strategy, comm=comm, bucket_mb=64) as sync:
         tcomm = sync.strategy.comm
         before = tcomm.traffic.snapshot()

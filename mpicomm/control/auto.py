@@ -150,8 +150,8 @@ class AutoStrategy(Strategy):
         Not applied to the per-layer QSGD/PowerSGD families.
     weights, choice, window, trigger, warmup_steps, explore, cooldown, restore_first:
         The CR controller's (:class:`~.cr.CRController`). The first exploration starts
-        with the first step and keeps its updates unless ``restore_first`` (the
-        paper restores; ours, see :mod:`~.cr`); later ones save and restore. An
+        with the first step; every window saves and restores (``restore_first=False``
+        keeps the first window's steps: measured worse, see :mod:`~.cr`). An
         exploration step never runs dense (it measures the gain of compressing at its
         ratio), and its choices are not kept for later steps.
     switch_margin:
@@ -236,7 +236,7 @@ class AutoStrategy(Strategy):
                  lgreco_factors: Sequence[float] = DEFAULT_FACTORS,
                  lgreco_family: str = "topk", lgreco_default: Optional[float] = None,
                  trial_margin: float = 0.5, trial_steps: int = 2, drift_patience: int = 5,
-                 restore_first: bool = False, gain_weighted: bool = False,
+                 restore_first: bool = True, gain_weighted: bool = False,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         schemes = tuple(schemes)
