@@ -152,8 +152,12 @@ class AutoStrategy(Strategy):
         The CR controller's (:class:`~.cr.CRController`). The first exploration starts
         with the first step; every window saves and restores (``restore_first=False``
         keeps the first window's steps: measured worse, see :mod:`~.cr`). An
-        exploration step never runs dense (it measures the gain of compressing at its
-        ratio), and its choices are not kept for later steps.
+        exploration step runs the cheapest *sparse* scheme at its ratio, never dense or
+        PowerSGD (a window measures the gain of top-k at each candidate ratio, the
+        paper's compressor: dense's gain is 1 at any ratio, PowerSGD's belongs to a
+        rank, 0.8 at ratios 0.1 and 0.033 against top-k's 0.2-0.5, which bent the
+        gain curve the CR choice is made on; and PowerSGD at those ratios cost up to
+        0.6 s a step in the window). Its choices are not kept for later steps.
     switch_margin:
         Hysteresis of a re-decision: the running scheme stays unless another is
         predicted (or measured) cheaper by more than this fraction (noise on a shared
@@ -526,9 +530,10 @@ class AutoStrategy(Strategy):
             if self.family is not None:
                 choice = self._family_choice(segments, itemsize, p, params, compute, scales)
             else:
-                # an exploration step measures the gain of compressing at the ratio: not
-                # dense (whose gain is 1 at any ratio)
-                schemes = tuple(s for s in self.schemes if s != "dense" or not exploring) \
+                # an exploration step measures the top-k gain at the ratio: a sparse
+                # scheme (dense's gain is 1 at any ratio, PowerSGD's is a rank's)
+                schemes = tuple(s for s in self.schemes
+                                if s not in ("dense", "powersgd") or not exploring) \
                     if ratio < 1.0 else self.schemes
                 choice = select(shapes, ratio, itemsize, p, params, compute,
                                 schemes=schemes or self.schemes, approximate=self.approximate,
