@@ -109,6 +109,18 @@ def fake_gpu(monkeypatch) -> FakeGPU:
 
 
 @pytest.fixture
+def real_staging(monkeypatch):
+    """Real device buffers staged through host memory (CUDA-aware MPI off) in the test's
+    small chunks and ring segments; the cached CUDA-aware probe is cleared around it."""
+    buffers._probe_cuda_aware.cache_clear()
+    monkeypatch.setenv("MPICOMM_CUDA_AWARE", "0")
+    monkeypatch.setenv("MPICOMM_STAGING_CHUNK_BYTES", str(CHUNK_BYTES))
+    monkeypatch.setenv("MPICOMM_RING_SEGMENT_BYTES", str(SEGMENT_BYTES))
+    yield
+    buffers._probe_cuda_aware.cache_clear()
+
+
+@pytest.fixture
 def own_comm(comm):
     c = comm.dup()
     yield c
@@ -271,55 +283,41 @@ def test_copies_overlap_the_ring_communication(own_comm, fake_gpu):
 # ---------------------------------------------------------------------- real CUDA (gpu)
 @pytest.mark.mpi
 @needs_cuda
-def test_real_cuda_streamed_staging_is_bitwise_the_host_result(own_comm, monkeypatch):
+def test_real_cuda_streamed_staging_is_bitwise_the_host_result(own_comm, real_staging):
     """The same comparison with real CUDA tensors, async copies and events (TorchIO)."""
     comm = own_comm
-    buffers._probe_cuda_aware.cache_clear()
-    monkeypatch.setenv("MPICOMM_CUDA_AWARE", "0")
-    monkeypatch.setenv("MPICOMM_STAGING_CHUNK_BYTES", str(CHUNK_BYTES))
-    monkeypatch.setenv("MPICOMM_RING_SEGMENT_BYTES", str(SEGMENT_BYTES))
-    try:
-        gen = torch.Generator().manual_seed(99 + comm.rank)
-        for name, kwargs in CASES:
-            for n in (7, 1003):
-                data = torch.randn(n * (comm.size if name == "reduce_scatter" else 1),
-                                   generator=gen)
-                expected = run(comm, name, kwargs, data.clone())
-                dev = data.cuda()
-                got = run(comm, name, kwargs, dev)
-                assert got.device == dev.device
-                assert bits(got.cpu()) == bits(expected), (name, kwargs, n)
-                if name == "allreduce":
-                    run(comm, name, kwargs, dev, out=dev)
-                    assert bits(dev.cpu()) == bits(expected), (name, kwargs, n, "in place")
-    finally:
-        buffers._probe_cuda_aware.cache_clear()
+    gen = torch.Generator().manual_seed(99 + comm.rank)
+    for name, kwargs in CASES:
+        for n in (7, 1003):
+            data = torch.randn(n * (comm.size if name == "reduce_scatter" else 1),
+                               generator=gen)
+            expected = run(comm, name, kwargs, data.clone())
+            dev = data.cuda()
+            got = run(comm, name, kwargs, dev)
+            assert got.device == dev.device
+            assert bits(got.cpu()) == bits(expected), (name, kwargs, n)
+            if name == "allreduce":
+                run(comm, name, kwargs, dev, out=dev)
+                assert bits(dev.cpu()) == bits(expected), (name, kwargs, n, "in place")
 
 
 @pytest.mark.mpi
 @needs_cupy
-def test_real_cupy_streamed_staging_is_bitwise_the_host_result(own_comm, monkeypatch):
+def test_real_cupy_streamed_staging_is_bitwise_the_host_result(own_comm, real_staging):
     """cupy through CupyIO (``get(blocking=False)`` / ``set`` on the array's stream)."""
     import cupy
     import numpy as np
 
     comm = own_comm
-    buffers._probe_cuda_aware.cache_clear()
-    monkeypatch.setenv("MPICOMM_CUDA_AWARE", "0")
-    monkeypatch.setenv("MPICOMM_STAGING_CHUNK_BYTES", str(CHUNK_BYTES))
-    monkeypatch.setenv("MPICOMM_RING_SEGMENT_BYTES", str(SEGMENT_BYTES))
-    try:
-        rng = np.random.default_rng(comm.rank)
-        for name, kwargs in CASES:
-            n = 1003 * (comm.size if name == "reduce_scatter" else 1)
-            data = rng.standard_normal(n).astype(np.float32)
-            expected = run(comm, name, kwargs, data.copy())
-            got = run(comm, name, kwargs, cupy.asarray(data))
-            assert isinstance(got, cupy.ndarray)
-            assert cupy.asnumpy(got).view(np.int32).tolist() == \
-                expected.view(np.int32).tolist(), (name, kwargs)
-    finally:
-        buffers._probe_cuda_aware.cache_clear()
+    rng = np.random.default_rng(comm.rank)
+    for name, kwargs in CASES:
+        n = 1003 * (comm.size if name == "reduce_scatter" else 1)
+        data = rng.standard_normal(n).astype(np.float32)
+        expected = run(comm, name, kwargs, data.copy())
+        got = run(comm, name, kwargs, cupy.asarray(data))
+        assert isinstance(got, cupy.ndarray)
+        assert cupy.asnumpy(got).view(np.int32).tolist() == \
+            expected.view(np.int32).tolist(), (name, kwargs)
 
 
 @pytest.mark.mpi
