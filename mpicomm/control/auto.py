@@ -539,7 +539,7 @@ class AutoStrategy(Strategy):
                                 schemes=schemes or self.schemes, approximate=self.approximate,
                                 fusion_bytes=self.fusion_bytes, compute_scale=scales,
                                 gains=self.scheme_gains, min_gain=self.min_gain)
-            trial = False
+            trial, predicted = False, choice.candidates
             if self.family is None and self.trial_steps and not exploring:
                 choice, trial = self._by_measurement(key, choice)
             current = self._current.get(key)
@@ -553,11 +553,11 @@ class AutoStrategy(Strategy):
                                 choice.candidates[current], choice.candidates)
             if trial:  # not cached: the next step decides again with this step measured
                 self.trials.append((self.steps, buf.name, choice.scheme))
-            elif exploring:  # not cached: chosen without dense, for the window only
-                pass
-            else:
+            elif not exploring:  # a window's choice (sparse schemes only) is not kept
                 self._choices[key] = choice
                 self._current[key] = choice.scheme
+                if self.family is None:  # the candidates _outrun re-checks it against
+                    self._predicted[key] = dict(predicted)
             self.decisions.append((self.steps, buf.name, choice.scheme, choice.ratio))
         per_layer = self.family is not None and choice.scheme != "dense"
         sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes)
@@ -646,7 +646,6 @@ class AutoStrategy(Strategy):
         cheapest by measured time (prediction where unmeasured; :meth:`_costs`). Pure
         arithmetic on agreed numbers: the same on every rank."""
         seen = self.measured.get(key, {})
-        self._predicted[key] = dict(choice.candidates)
         cost = self._costs(key, choice.candidates)
         best = min(cost.values())
         close = sorted((s for s in cost if cost[s] <= (1 + self.trial_margin) * best),
