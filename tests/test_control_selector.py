@@ -225,6 +225,32 @@ def test_cr_controller_resolves_on_network_change():
     assert cr.ratio <= first and cr.ratio == 0.01
 
 
+def test_cr_controller_starts_no_window_near_the_end_of_training():
+    """``total_steps``: a gain change in the last ``2·window·len(ratios)`` steps starts
+    no exploration (it could not pay back, and the run could end inside it); earlier
+    it does."""
+    times = {0.1: 10.0, 0.01: 1.0}
+
+    def run(total_steps, change_at):
+        cr = CRController(times.__getitem__, ratios=(0.1, 0.01), window=2, cooldown=2,
+                          total_steps=total_steps)
+        assert cr.start() == "save"
+        actions = [cr.observe(g) for g in (0.9, 0.9, 0.5, 0.5)]
+        assert actions[-1] == "restore"
+        for t in range(5, total_steps + 1):
+            actions.append(cr.observe(0.5 if t < change_at else 0.1))
+        return actions.count("save")
+
+    assert run(40, 20) == 1          # 20 + 8 <= 40: explores
+    assert run(40, 34) == 0          # too late
+    with pytest.raises(ValueError, match="total_steps"):
+        CRController(times.__getitem__, total_steps=0)
+    untimed = CRController(times.__getitem__, ratios=(0.1, 0.01), window=2, cooldown=2)
+    untimed.start()
+    acts = [untimed.observe(g) for g in [0.9, 0.9, 0.5, 0.5] + [0.5] * 28 + [0.1] * 6]
+    assert acts.count("save") == 1   # without total_steps, no limit
+
+
 def test_cr_controller_first_window_keeps_its_steps_later_windows_restore():
     """``restore_first=False``: the start-up exploration neither saves nor restores; a
     window triggered later by a gain change does both; the default (the paper's loop)
@@ -250,6 +276,28 @@ def test_choose_peers_prefers_other_nodes():
     assert choose_peers([0, 0, 1, 1, 2, 2], 3) == [2, 4, 1]
     assert choose_peers([0, 0, 0], 5) == [1, 2]
     assert choose_peers([0], 3) == []
+
+
+def test_link_rounds_measure_node_disjoint_pairs_at_once():
+    from mpicomm.control.calibration import link_rounds
+
+    # one rank per node (the emulated cluster): every rank in the first round
+    assert link_rounds([0, 1, 2, 3], 2) == [[(0, 1), (2, 3)]]
+    assert link_rounds([0, 1, 2, 3], 3) == [[(0, 1), (2, 3)], [(0, 2)]]
+    assert link_rounds([0, 1, 2, 3, 4], 4) == [[(0, 1), (2, 3)], [(0, 2), (1, 3)]]
+    # one node: one pair a round (they would share the node), rank 0's links first
+    assert link_rounds([0, 0, 0], 3) == [[(0, 1)], [(0, 2)], [(1, 2)]]
+    assert link_rounds([0], 3) == [] and link_rounds([0, 1], 0) == []
+    # two ranks a node: a round never uses a node twice
+    for nodes in ([0, 0, 1, 1, 2, 2], [0, 1, 0, 1], [0, 0, 1, 1, 1]):
+        rounds = link_rounds(nodes, 4)
+        assert rounds[0][0][0] == 0 and nodes[rounds[0][0][1]] != nodes[0]
+        for pairs in rounds:
+            used = [{nodes[a], nodes[b]} for a, b in pairs]
+            assert all(x.isdisjoint(y) for x, y in itertools.combinations(used, 2)), rounds
+            ranks = [r for pair in pairs for r in pair]
+            assert len(ranks) == len(set(ranks))
+        assert sum(len(p) for p in rounds) == 4
 
 
 def test_online_calibration_tracks_a_bandwidth_change_and_flags_drift():
@@ -332,16 +380,18 @@ def test_auto_chooses_by_measurement_where_predictions_are_close():
         AutoStrategy(trial_margin=-0.1)
 
 
-def test_auto_weighs_schemes_by_their_measured_gain_at_the_ratio():
-    """``gain_weighted``: cost = time / gain of that (scheme, ratio); a faster scheme that
-    sends less of the gradient loses to a slower one with a proportionally better gain;
-    a scheme whose gain is unknown gets the best gain known at that ratio."""
+def test_auto_weighs_schemes_by_their_efficiency_and_the_whole_step():
+    """``gain_weighted`` (default): cost = (time + the bucket's share of the step's
+    other time) / efficiency of that (scheme, ratio); a faster exchange that keeps less
+    of Top-k's mass loses to a slower one that keeps more; dense and a scheme whose
+    efficiency is unknown divide by 1."""
     from collections import deque
 
     from mpicomm.control import AutoStrategy
     from mpicomm.control.selector import Choice
 
     auto = AutoStrategy(calibrate_links=0, ratio=0.01, trial_margin=0.5, trial_steps=2)
+    assert auto.gain_weighted
     key = ("b0", 0.01)
     pred = Choice("artopk_tree", 0.01, 0.05,
                   {"dense": 1.0, "gtopk": 0.06, "artopk_tree": 0.05})
@@ -350,17 +400,49 @@ def test_auto_weighs_schemes_by_their_measured_gain_at_the_ratio():
     auto.gain_weighted = False
     assert auto._by_measurement(key, pred)[0].scheme == "artopk_tree"   # time alone
     auto.gain_weighted = True
-    auto.pair_gains = {("gtopk", 0.01): 0.5, ("artopk_tree", 0.01): 0.3,
-                       ("gtopk", 0.1): 0.9}
+    auto.efficiency = {("gtopk", 0.01): 0.9, ("artopk_tree", 0.01): 0.5,
+                       ("gtopk", 0.1): 0.2}
     choice, trial = auto._by_measurement(key, pred)
     assert (choice.scheme, trial) == ("gtopk", False)
-    assert choice.predicted == pytest.approx(0.063 / 0.5)
-    assert choice.candidates["artopk_tree"] == pytest.approx(0.047 / 0.3)
-    assert choice.candidates["dense"] == 1.0                            # gain 1
-    # allgather: neither measured nor its gain known: the best gain at 0.01 (0.5, not
-    # 0.9, which was measured at another ratio)
-    cost = auto._costs(key, {"allgather_topk": 0.07})
-    assert cost["allgather_topk"] == pytest.approx(0.07 / 0.5)
+    assert choice.predicted == pytest.approx(0.063 / 0.9)
+    assert choice.candidates["artopk_tree"] == pytest.approx(0.047 / 0.5)
+    assert choice.candidates["dense"] == 1.0
+    assert auto._costs(key, {"allgather_topk": 0.07})["allgather_topk"] == \
+        pytest.approx(0.07)                                   # unknown efficiency: 1
+    # the step's time outside the exchanges, the bucket's share by elements, counts too
+    auto._layouts = {"b0": ([(30,)], 4), "b1": ([(5, 2)], 4)}
+    auto.step_other = 0.04
+    cost = auto._costs(key, {"gtopk": 0.06, "artopk_tree": 0.05, "dense": 1.0})
+    assert cost["gtopk"] == pytest.approx((0.063 + 0.03) / 0.9)
+    assert cost["artopk_tree"] == pytest.approx((0.047 + 0.03) / 0.5)
+    assert cost["dense"] == pytest.approx(1.03)
+
+
+def test_auto_topk_reference_is_the_exact_topk_mass_of_the_error_fed_bucket():
+    """What exact Top-k would keep of ``g + residual`` (the efficiency's and the CR
+    controller's reference), in float32 and float64; ``None`` where the step keeps it
+    itself (Allgather Top-k) or without a Top-k ratio."""
+    from types import SimpleNamespace
+
+    from mpicomm.control import AutoStrategy
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        auto = AutoStrategy(calibrate_links=0, ratio=0.05)
+        g = torch.randn(1000, generator=gen, dtype=dtype)
+        buf = SimpleNamespace(flat=g, name="b0")
+        args = (buf, ["w"], [g], None)
+        assert auto._topk_reference("allgather_topk", 0.05, *args) is None
+        assert auto._topk_reference("gtopk", 1.0, *args) is None
+        top = float((g.abs().topk(50).values ** 2).sum())
+        assert auto._topk_reference("gtopk", 0.05, *args) == pytest.approx(top, rel=1e-6)
+        held = torch.randn(1000, generator=gen, dtype=dtype)
+        auto.memory.update("b0", held, torch.zeros_like(held))    # residual = held
+        fed = g + held
+        top = float((fed.abs().topk(50).values ** 2).sum())
+        for scheme in ("artopk_tree", "dense"):
+            assert auto._topk_reference(scheme, 0.05, *args) == pytest.approx(top,
+                                                                              rel=1e-6)
 
 
 def test_auto_redecides_a_kept_choice_that_measures_slower_than_another():
@@ -383,7 +465,12 @@ def test_auto_redecides_a_kept_choice_that_measures_slower_than_another():
     assert auto._outrun() == {key}                  # 1.2 s against 0.45 predicted
     auto._choices[key] = Choice("artopk_tree", 0.1, 0.45, predicted)
     auto.measured[key]["artopk_tree"] = deque([0.5, 0.55], maxlen=2)
-    assert auto._outrun() == set()                  # within the margin of the others
+    assert auto._outrun() == set()                  # within trial_margin of predictions
+    # a measured alternative: switch_margin (0.1) applies, 0.5 > 1.1 * 0.44
+    auto.measured[key]["allgather_topk"] = deque([0.44, 0.46], maxlen=2)
+    assert auto._outrun() == {key}
+    auto.measured[key]["allgather_topk"] = deque([0.47, 0.48], maxlen=2)
+    assert auto._outrun() == set()                  # 0.5 < 1.1 * 0.47
 
 
 def test_link_delay_is_the_alpha_beta_time_of_the_traffic_sent():
@@ -502,7 +589,7 @@ def _train_auto(comm, steps, calibrate_links=0, **options):
 @pytest.mark.mpi
 def test_auto_in_gradsync_decides_identically_and_restores_after_exploring(comm):
     auto, weights, seen = _train_auto(comm, 9, calibrate_links=1, window=1,
-                                      ratios=(0.5, 0.1, 0.02))
+                                      ratios=(0.5, 0.1, 0.02), probe_first=False)
     try:
         mine = (auto.decisions, [(h.step, h.reason, h.ratio) for h in auto.controller.history],
                 [(r.bucket, r.scheme, r.ratio, r.measured) for r in auto.records], seen)
@@ -523,6 +610,60 @@ def test_auto_in_gradsync_decides_identically_and_restores_after_exploring(comm)
 
 
 @pytest.mark.mpi
+def test_auto_probes_every_ratio_on_the_first_step_without_a_window(comm):
+    """``probe_first`` (default): step 0 runs at the middle ratio with a sparse scheme
+    and measures Top-k's gain at every candidate on its own gradients; the controller
+    solves on them at step 1 (reason "probe"): no exploration window, nothing saved or
+    restored, and the same on every rank. Top-k's gain grows with the ratio."""
+    auto, weights, seen = _train_auto(comm, 6, window=1, ratios=(0.5, 0.1, 0.02))
+    history = [(h.step, h.reason, h.ratio) for h in auto.controller.history]
+    assert history[0][:2] == (1, "probe")
+    assert seen[0] == 0.1          # step 0 ran at the middle ratio; step 1 decides
+    gains = [auto.controller.gains[c] for c in (0.02, 0.1, 0.5)]
+    assert 0 < gains[0] <= gains[1] <= gains[2] <= 1, gains
+    assert auto._saved is None
+    step0 = [(s, c) for t, _, s, c in auto.decisions if t == 0]
+    assert step0 and all(c == 0.1 and s not in ("dense", "powersgd") for s, c in step0)
+    mine = (history, sorted(auto.controller.gains.items()), auto.decisions, seen)
+    assert comm.allgather_object(mine) == [mine] * comm.size
+    gathered = comm.allgather_object(weights.numpy())
+    for w in gathered:
+        np.testing.assert_allclose(w, gathered[0], rtol=1e-5, atol=1e-6)
+
+
+def test_cr_controller_probe_first_solves_on_the_probe():
+    times = {0.1: 10.0, 0.03: 3.0, 0.01: 1.0}
+    cr = CRController(times.__getitem__, ratios=(0.1, 0.03, 0.01), probe_first=True)
+    assert cr.start() is None and cr.probing and cr.exploring and cr.ratio == 0.03
+    with pytest.raises(ValueError, match="probe"):
+        cr.observe(0.5)                                  # the probe's gains are due
+    with pytest.raises(ValueError, match="every ratio"):
+        cr.observe(0.5, probe={0.1: 0.9})
+    assert cr.observe(0.5, probe={0.1: 0.9, 0.03: 0.7, 0.01: 0.5}) is None
+    assert not cr.probing and cr.history[-1].reason == "probe"
+    assert cr.gains == {0.1: 0.9, 0.03: 0.7, 0.01: 0.5}
+    points = [(times[c], 1 / cr.gains[c]) for c in (0.1, 0.03, 0.01)]
+    assert cr.ratio == (0.1, 0.03, 0.01)[asf_choice(points)]
+    with pytest.raises(ValueError, match="no probe step"):
+        cr.observe(0.5, probe={0.1: 0.9, 0.03: 0.7, 0.01: 0.5})
+    # later explorations are windows with save and restore
+    actions = [cr.observe(0.5) for _ in range(60)] + [cr.observe(0.1) for _ in range(5)]
+    assert actions.count("save") == 1
+
+
+def test_topk_masses_are_prefix_sums_of_the_sorted_squares():
+    from mpicomm.control.auto import topk_masses
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        x = torch.randn(500, generator=gen).to(dtype)
+        want = [float((x.double().abs().topk(k).values ** 2).sum()) for k in (50, 5, 1)]
+        got = topk_masses(x, [0.1, 0.01, 0.001])
+        assert got == pytest.approx(want, rel=1e-6), dtype
+    assert topk_masses(torch.ones(3), [1.0, 0.5]) == pytest.approx([3.0, 2.0])
+
+
+@pytest.mark.mpi
 def test_auto_exploration_restores_the_saved_model(comm):
     """window=2, two ratios, decisions one step behind the measurements: exploration
     starts with step 0 and the state is saved after it; steps 0-3 are measured, the
@@ -537,7 +678,7 @@ def test_auto_exploration_restores_the_saved_model(comm):
         model = torch.nn.Linear(6, 3)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         auto = AutoStrategy(calibrate_links=0, window=2, ratios=(0.5, 0.2),
-                            restore_first=restore_first)
+                            restore_first=restore_first, probe_first=False)
         states = []
         with GradientSync(model, strategy=auto, comm=comm) as sync:
             for step in range(6):
@@ -553,7 +694,9 @@ def test_auto_exploration_restores_the_saved_model(comm):
     assert [d[0] for d in auto.decisions if d[3] == 0.2][:2] == [2, 3]
     kept, auto = run(False)   # the first window keeps its steps: no save, no restore
     assert all(kept[i] != kept[i - 1] for i in range(1, 6))
-    assert kept[:4] == states[:4] and auto._saved is None
+    assert auto._saved is None
+    # and goes up the ratios: its largest ratio last, sending what the small one left
+    assert [d[3] for d in auto.decisions if d[0] < 4] == [0.2, 0.2, 0.5, 0.5]
     assert all(d[2] not in ("dense", "powersgd") for d in auto.decisions if d[0] < 4)
     reasons = [h.reason for h in auto.controller.history]  # + re-solves on timing drift
     assert reasons[0] == "solve" and set(reasons[1:]) <= {"network"}
@@ -680,7 +823,8 @@ def test_auto_decisions_identical_on_every_rank_at_every_step_with_one_step_lag(
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    auto = AutoStrategy(calibrate_links=0, window=1, ratios=(0.5, 0.1, 0.02), cooldown=2)
+    auto = AutoStrategy(calibrate_links=0, window=1, ratios=(0.5, 0.1, 0.02), cooldown=2,
+                        probe_first=False)
     gen = torch.Generator().manual_seed(100 + comm.rank)
     trail = []
     with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
@@ -740,8 +884,8 @@ def test_auto_redecides_on_persistent_drift_not_on_one_outlier(comm):
         pending = [{"step": t, "bucket": "b0", "scheme": "gtopk", "key_ratio": 0.01,
                     "ratio": 0.01, "seconds": slow * (a * base.alpha + b * base.beta),
                     "a": a, "b": b, "work": 0.0, "kept_sq": 0.5, "e_sq": 1.0,
-                    "predicted": a * base.alpha + b * base.beta}]
-        auto._agree_step(comm, pending, [0.5, 1.0])
+                    "ref_sq": 0.5, "predicted": a * base.alpha + b * base.beta}]
+        auto._agree_step(comm, pending, [0.5, 1.0, 0.5, 0.0])
         return ("b0", 0.01) in auto._choices
 
     trail = [step(t, 1.0) for t in range(3)] + [step(3, 5.0)] + \
@@ -750,6 +894,42 @@ def test_auto_redecides_on_persistent_drift_not_on_one_outlier(comm):
     persistent = [step(t, 5.0) for t in range(8, 14)]
     assert False in persistent and persistent.index(False) >= 2, persistent
     assert comm.allgather_object(trail + persistent) == [trail + persistent] * comm.size
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("moved", [False, True])
+def test_auto_keeps_measured_times_after_a_drift_of_the_fit_alone(comm, moved):
+    """A drift forgets the measured times only when the kept choice's own times moved
+    from those it settled at (a network change); a drift of the fitted alpha/beta away
+    from a calibration that was off from the start, with the times steady, re-decides
+    but keeps them (no repeated trials). Identical on every rank."""
+    from collections import deque
+
+    from mpicomm.control import AutoStrategy
+    from mpicomm.control.calibration import OnlineCalibration
+    from mpicomm.control.selector import Choice
+
+    auto = AutoStrategy(comm=comm, calibrate_links=0, ratio=0.01, drift_patience=2)
+    base = CostParams(alpha=1e-4, beta=1e-8, gamma=0.0)
+    auto.online = OnlineCalibration(base, decay=0.5, drift=0.3, patience=2)
+    key, a, b = ("b0", 0.01), 4.0, 1e6
+    model = a * base.alpha + b * base.beta
+    kept = Choice("gtopk", 0.01, model, {"gtopk": model, "artopk_tree": 2 * model})
+    auto.measured[key] = {"artopk_tree": deque([3 * model] * 2, maxlen=2)}
+    slow, cleared = [], []
+    for t in range(12):
+        slow.append(4.0 if not moved or t >= 4 else 1.0)
+        if key not in auto._choices:
+            auto._choices[key] = kept
+        pending = [{"step": t, "bucket": "b0", "scheme": "gtopk", "key_ratio": 0.01,
+                    "ratio": 0.01, "seconds": slow[-1] * model, "a": a, "b": b,
+                    "work": 0.0, "kept_sq": 0.5, "e_sq": 1.0, "ref_sq": 0.6,
+                    "predicted": model}]
+        auto._agree_step(comm, pending, [0.5, 1.0, 0.6, 0.0])
+        cleared.append("artopk_tree" not in auto.measured.get(key, {}))
+    assert auto.efficiency[("gtopk", 0.01)] == pytest.approx(0.5 / 0.6)
+    assert cleared[-1] is moved, cleared
+    assert comm.allgather_object(cleared) == [cleared] * comm.size
 
 
 @pytest.mark.mpi
@@ -772,8 +952,8 @@ def test_auto_drops_a_choice_measured_slow_at_the_same_step_on_every_rank(comm):
     for t in range(3):
         pending = [{"step": t, "bucket": "b0", "scheme": "dense", "key_ratio": 0.1,
                     "ratio": 1.0, "seconds": 1.2, "a": 4.0, "b": 4e7, "work": 0.0,
-                    "kept_sq": 1.0, "e_sq": 1.0, "predicted": 0.4}]
-        auto._agree_step(comm, pending, [1.0, 1.0])
+                    "kept_sq": 1.0, "e_sq": 1.0, "ref_sq": 0.5, "predicted": 0.4}]
+        auto._agree_step(comm, pending, [1.0, 1.0, 0.5, 0.0])
         kept.append(key in auto._choices)
         if not kept[-1]:
             break

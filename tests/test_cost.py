@@ -298,6 +298,8 @@ def test_pingpong_and_measure_check_their_arguments():
     comm = init()
     with pytest.raises(ValueError, match="peer"):
         calibrate.pingpong(comm, 8, peer=0)
+    with pytest.raises(ValueError, match="peer"):
+        calibrate.pingpong(comm, 8, peer=1, origin=1)
     with pytest.raises(ValueError, match="links"):
         calibrate.measure(comm, links=0)
 
@@ -313,8 +315,8 @@ def test_measure_links_adds_a_one_way_transfer_per_link(comm):
     found = calibrate.measure_links(comm, links=2, sizes=(8, 4096), repeats=2,
                                     oneway_bytes=1 << 18)
     assert comm.allgather_object(found) == [found] * comm.size
-    assert [lk.b for lk in found] == calibrate.choose_peers(
-        comm.allgather_object(comm.node), 2)
+    rounds = calibrate.link_rounds(comm.allgather_object(comm.node), 2)
+    assert [(lk.a, lk.b) for lk in found] == [pair for pairs in rounds for pair in pairs]
     assert all(lk.alpha >= 0 and lk.beta >= 0 for lk in found)
     if comm.size > 1 and comm.rank in (0, 1):
         # the reply's own time is subtracted (clamped at 0); an echo is halved
@@ -322,6 +324,9 @@ def test_measure_links_adds_a_one_way_transfer_per_link(comm):
         none = calibrate.pingpong(comm, 1 << 16, 2, peer=1, reply_bytes=8, reply_s=60.0)
         if comm.rank == 0:
             assert small > 0 and none == 0.0
+    if comm.size > 3 and comm.rank in (2, 3):  # another pair, its own origin
+        got = calibrate.pingpong(comm, 64, 2, peer=3, origin=2)
+        assert (got > 0) == (comm.rank == 2)
     comm.barrier()
 
 

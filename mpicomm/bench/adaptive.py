@@ -35,8 +35,10 @@ Run under MPI with 4+ ranks, e.g.
   at 1 Gbit/s on this 1 M-parameter model the link costs less than that difference
   (there compressed methods lose in time-to-accuracy, though their steps are 2x faster).
 * Methods: ``dense``; each static ``scheme@ratio`` of ``--static``; ``auto``
-  (:class:`mpicomm.control.AutoStrategy`: calibrated selector + CR controller with
-  exploration windows). Each run reports the wall time (max over ranks, evaluation
+  (:class:`mpicomm.control.AutoStrategy` with its defaults: calibrated selector + CR
+  controller, a probe at step 0 and exploration windows of ``--window`` steps per
+  ratio later; told the run's length, ``total_steps``, as a scheduler would be). Each
+  run reports the wall time (max over ranks, evaluation
   excluded) until the test accuracy first reaches ``--target``, checked every
   ``--eval-every`` steps (default 1: at 11 steps per epoch a per-epoch check alone moves
   a time-to-accuracy by up to 20%, more than the 10% the target allows), the final
@@ -173,9 +175,10 @@ def train(method: str, data: tuple[torch.Tensor, ...], comm: Communicator,
     schedule = parse_schedule(args.schedule)
     model = make_model(args.hidden)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    batches = int(comm.allreduce_value(xtr.shape[0] // args.batch, "min"))
     if strategy is None:
-        strategy = (AutoStrategy(window=args.window) if method == "auto"
-                    else make_strategy(method))
+        strategy = (AutoStrategy(window=args.window, total_steps=args.epochs * batches)
+                    if method == "auto" else make_strategy(method))
     gen = torch.Generator().manual_seed(comm.rank + 1000 * seed)
     elapsed, reached, steps, acc = 0.0, None, 0, 0.0
     every = max(1, args.eval_every)
@@ -200,8 +203,6 @@ def train(method: str, data: tuple[torch.Tensor, ...], comm: Communicator,
             if args.link == "injected":
                 tcomm.resources["emulated_link"] = link_at(schedule, epoch)
             order = torch.randperm(xtr.shape[0], generator=gen)
-            batches = xtr.shape[0] // args.batch
-            batches = int(comm.allreduce_value(batches, "min"))
             comm.barrier()
             start = time.perf_counter()
             for b in range(batches):

@@ -2,17 +2,18 @@
 
 The one ping-pong helper of the project (:func:`pingpong`; ``bench collectives``,
 :mod:`mpicomm.control.calibration` and :func:`mpicomm.topology.measure_link` all use it):
-rank 0 and a peer exchange messages over the communicator's private point-to-point
+two ranks exchange messages over the communicator's private point-to-point
 duplicate (the path mpicomm's own algorithms use, Python overhead and the emulated
 cluster's injected latency included) with the registered tag
 :data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is fitted to the
 one-way times (:func:`fit_alpha_beta`).
 
-* :func:`measure_links` (collective): rank 0 ping-pongs with up to ``links`` peers, one
-  link at a time, peers on *other nodes* first (:func:`choose_peers`); every rank gets
-  the same list of fitted :class:`Link`. The other ranks wait without spinning (a
-  sleeping poll), so on a machine with fewer cores than ranks they do not steal the CPU
-  from the two that measure.
+* :func:`measure_links` (collective): up to ``links`` pairs ping-pong, rank 0 with
+  peers on *other nodes* first (:func:`choose_peers`), in rounds of pairs that share no
+  node and run at the same time (:func:`link_rounds`); every rank gets the same list of
+  fitted :class:`Link`. The ranks outside a round wait without spinning (a sleeping
+  poll), so on a machine with fewer cores than ranks they do not steal the CPU from
+  those that measure.
 * :func:`measure` (collective): the *slowest* measured link's alpha and beta (a
   collective's critical path crosses it) and rank 0's gamma (numpy add), broadcast, so
   every rank gets the same :class:`~mpicomm.collectives.cost.CostParams` and
@@ -41,7 +42,7 @@ from .cost import CostParams
 QUIET_POLL_S = 1e-3
 
 __all__ = ["measure", "measure_links", "pingpong", "fit_alpha_beta", "measure_gamma",
-           "choose_peers", "Link", "DEFAULT_SIZES", "slowest"]
+           "choose_peers", "link_rounds", "Link", "DEFAULT_SIZES", "slowest"]
 
 #: Ping-pong message sizes in bytes: latency-bound to bandwidth-bound.
 DEFAULT_SIZES: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
@@ -63,20 +64,23 @@ def _repeats_for(nbytes: int, repeats: int) -> int:
 
 
 def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2,
-             peer: int = 1, reply_bytes: int | None = None, reply_s: float = 0.0) -> float:
-    """Median one-way time (s) of an ``nbytes`` message between rank 0 and ``peer``.
+             peer: int = 1, reply_bytes: int | None = None, reply_s: float = 0.0,
+             origin: int = 0) -> float:
+    """Median one-way time (s) of an ``nbytes`` message between ``origin`` and ``peer``.
 
-    Rank 0 and ``peer`` must both call it (others must not); only rank 0's answer is
-    meaningful (``peer`` returns 0.0). Cost: ``2·(warmup + repeats)`` messages.
+    ``origin`` (default rank 0) and ``peer`` must both call it (others must not); only
+    ``origin``'s answer is meaningful (``peer`` returns 0.0). Disjoint pairs may run at
+    the same time. Cost: ``2·(warmup + repeats)`` messages.
     By default ``peer`` echoes the message and the one-way time is half the round trip;
     with ``reply_bytes`` it answers with that many bytes instead, and the one-way time is
     the round trip minus ``reply_s`` (the reply's own one-way time, measured before):
     half the cost for a large message.
     """
     mpi, rank = comm.p2p, comm.rank
-    if peer == 0 or not 0 < peer < comm.size or rank not in (0, peer):
-        raise ValueError(f"pingpong: rank 0 and peer {peer} (of {comm.size}) call it; "
-                         f"rank {rank} did")
+    if peer == origin or not (0 <= peer < comm.size and 0 <= origin < comm.size) or \
+            rank not in (origin, peer):
+        raise ValueError(f"pingpong: origin {origin} and peer {peer} (of {comm.size}) call "
+                         f"it; rank {rank} did")
     delay = link_delay(comm)  # the emulated cluster's injected latency counts in alpha
     buf = np.zeros(nbytes, dtype=np.uint8)
     msg = [buf, MPI.BYTE]
@@ -84,7 +88,7 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
     reply = msg if echo else [np.zeros(int(reply_bytes), dtype=np.uint8), MPI.BYTE]
     times = []
     for i in range(warmup + repeats):
-        if rank == 0:
+        if rank == origin:
             start = time.perf_counter()
             if delay is not None:
                 delay.before_send(peer)
@@ -98,10 +102,10 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
         else:
             if delay is not None:
                 delay.after_receive()
-            mpi.Recv(msg, 0, TAG_CALIBRATE)
+            mpi.Recv(msg, origin, TAG_CALIBRATE)
             if delay is not None:
-                delay.before_send(0)
-            mpi.Send(reply, 0, TAG_CALIBRATE)
+                delay.before_send(origin)
+            mpi.Send(reply, origin, TAG_CALIBRATE)
     return statistics.median(times) if times else 0.0
 
 
@@ -156,12 +160,47 @@ def _check(links: int, sizes: Sequence[int]) -> None:
         raise ValueError("sizes needs at least two non-negative message sizes")
 
 
+def link_rounds(nodes: Sequence[int], links: int) -> list[list[tuple[int, int]]]:
+    """Up to ``links`` ping-pong pairs ``(origin, peer)`` grouped in rounds whose pairs
+    share neither a rank nor a node, so that a round's pairs can be measured at the same
+    time without competing for a network interface (``nodes[r]`` = node of rank r).
+
+    Candidates in order: rank 0 with its :func:`choose_peers`, then the other pairs of
+    ranks on different nodes, then those on one node. Each round takes, greedily in that
+    order, every candidate compatible with the round so far. On one node every round
+    holds one pair; with one rank per node a round pairs up every rank (the emulated
+    cluster's 4 hosts: (0, 1) and (2, 3) in the first round)."""
+    p = len(nodes)
+    pairs = [(0, q) for q in choose_peers(nodes, p - 1)]
+    others = [(a, b) for a in range(1, p) for b in range(a + 1, p)]
+    pairs += [ab for ab in others if nodes[ab[0]] != nodes[ab[1]]]
+    pairs += [ab for ab in others if nodes[ab[0]] == nodes[ab[1]]]
+    rounds: list[list[tuple[int, int]]] = []
+    left = max(0, links)
+    while pairs and left:
+        ranks: set[int] = set()
+        used: set[int] = set()
+        this, rest = [], []
+        for a, b in pairs:
+            if len(this) < left and ranks.isdisjoint((a, b)) and \
+                    used.isdisjoint((nodes[a], nodes[b])):
+                this.append((a, b))
+                ranks.update((a, b))
+                used.update((nodes[a], nodes[b]))
+            else:
+                rest.append((a, b))
+        rounds.append(this)
+        pairs, left = rest, left - len(this)
+    return rounds
+
+
 def measure_links(comm: Communicator | None = None, links: int = 3,
                   sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 20,
                   oneway_bytes: int = 0) -> list[Link]:
-    """Fit alpha/beta on rank 0's links to up to ``links`` peers (collective; the same
-    list on every rank; empty with one rank). Costs about ``links·Σ sizes·repeats``
-    bytes of ping-pong: well under a second per link on shared memory.
+    """Fit alpha/beta on up to ``links`` links (collective; the same list on every rank,
+    in :func:`link_rounds` order; empty with one rank): rank 0's to other nodes first,
+    the pairs of a round measured at the same time. Costs about ``Σ sizes·repeats``
+    bytes of ping-pong per link: well under a second per round on shared memory.
 
     ``oneway_bytes`` adds, per link, one transfer of that many bytes answered by a
     message of the smallest size (:func:`pingpong` with ``reply_bytes``; no warm-up, the
@@ -174,22 +213,27 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
     if isinstance(oneway_bytes, bool) or not isinstance(oneway_bytes, int) or \
             oneway_bytes < 0:
         raise ValueError(f"oneway_bytes must be an int >= 0, got {oneway_bytes!r}")
-    nodes = comm.allgather_object(comm.node)
-    fitted: list[Link] = []
-    for peer in choose_peers(nodes, links):
-        if comm.rank in (0, peer):
+    rounds = link_rounds(comm.allgather_object(comm.node), links)
+    mine: list[Link] = []
+    for pairs in rounds:
+        for origin, peer in pairs:
+            if comm.rank not in (origin, peer):
+                continue
             points = [int(s) for s in sizes]
-            times = [pingpong(comm, s, _repeats_for(s, repeats), peer=peer) for s in points]
+            times = [pingpong(comm, s, _repeats_for(s, repeats), peer=peer, origin=origin)
+                     for s in points]
             if oneway_bytes:
                 small = min(range(len(points)), key=points.__getitem__)
                 times.append(pingpong(comm, oneway_bytes, 1, warmup=0, peer=peer,
-                                      reply_bytes=points[small], reply_s=times[small]))
+                                      origin=origin, reply_bytes=points[small],
+                                      reply_s=times[small]))
                 points.append(oneway_bytes)
-            if comm.rank == 0:
+            if comm.rank == origin:
                 alpha, beta = fit_alpha_beta(points, times)
-                fitted.append(Link(0, peer, alpha, beta))
+                mine.append(Link(origin, peer, alpha, beta))
         wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
-    return comm.bcast_object(fitted, root=0)
+    fitted = {(lk.a, lk.b): lk for found in comm.allgather_object(mine) for lk in found}
+    return [fitted[pair] for pairs in rounds for pair in pairs]
 
 
 def slowest(found: Sequence[Link], gamma: float) -> CostParams:

@@ -14,12 +14,15 @@ What happens, on every rank identically:
 
 * first aggregation: :func:`~mpicomm.control.calibration.calibrate` (a short ping-pong
   over several links + compute kernels) unless the communicator is calibrated already,
-  and the CR controller's first exploration window starts (step 0 is its first step);
+  and the CR controller's first exploration starts with step 0: by default a *probe*
+  (step 0 runs at the middle candidate ratio and measures Top-k's gain at every
+  candidate on its own gradients; the ratio is solved at step 1), with
+  ``probe_first=False`` the paper's window (one ratio after the other, restored);
 * each bucket: the cached choice for (bucket, ratio), else :func:`~.selector.select`;
   where the predictions do not separate the schemes (within ``trial_margin`` of the
   cheapest), each close scheme is *tried* for ``trial_steps`` real steps (no rollback)
-  and the lowest agreed measured time decides; its time (wall, including an emulated
-  link's delay) is logged against the prediction;
+  and the lowest agreed cost per unit of progress (``gain_weighted``) decides; its time
+  (wall, including an emulated link's delay) is logged against the prediction;
 * :meth:`AutoStrategy.step_done` (after ``optimizer.step()``) closes the step; at the
   start of the next aggregation (inside the collective sequence, so no extra wait) the
   step's measured times are agreed (mean over ranks, one small allreduce with the
@@ -73,7 +76,15 @@ do not switch schemes.
 Compression gain (B.4): ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over the step's buckets, with
 ``||g_c||² = ||g_e||² - ||e_new||²`` (exact for the sparse schemes, whose residual is the
 error-fed gradient minus what was sent; for PowerSGD the residual is relative to the
-global approximation, an estimate), averaged over ranks.
+global approximation, an estimate), summed over ranks: :attr:`AutoStrategy.last_gain`
+and, per scheme, the ``min_gain`` constraint. The CR controller is fed *Top-k's* gain
+instead, ``sqrt(Σ||top-k(g_e)||² / Σ||g_e||²)`` with ``k`` at the step's ratio (exact
+Top-k of each rank's own error-fed bucket, :meth:`AutoStrategy._topk_reference`), the
+paper's compressor whatever scheme ran: an exploration window's steps run different
+schemes (the cheapest at each ratio), whose own gains are not comparable — AR-Top-k
+keeps only what the source rank picked, gTop-k what survived the global selection.
+Each (scheme, ratio)'s *efficiency*, ``Σ||g_c||² / Σ||top-k(g_e)||²`` (1 for Allgather
+Top-k, which sends each rank's own top-k), is what ``gain_weighted`` divides by.
 
 L-GreCo (``lgreco=True``), ``lgreco_family``:
 
@@ -109,6 +120,7 @@ from mpi4py import MPI
 from ..buffers import from_torch, to_torch
 from ..collectives.cost import CostParams, calibrated
 from ..compress import ErrorFeedback
+from ..compress.topk import k_for
 from ..selection import topk_indices
 from ..sparse import artopk, topk_allgather
 from ..strategies._compressed import CompressedStrategy, check_floating
@@ -128,6 +140,11 @@ _GAMMA_ONLY = CostParams(alpha=0.0, beta=0.0, gamma=1.0)
 CALIBRATION_SIZES = (8, 1 << 12)
 #: Bytes of its one large transfer per link (``oneway_bytes``): beta.
 CALIBRATION_ONEWAY_BYTES = 1 << 19
+#: EWMA decay of :attr:`AutoStrategy.efficiency`: faster than the gains' (``decay``),
+#: since an approximate scheme's efficiency falls within tens of steps as the ranks'
+#: gradients stop agreeing (AR-Top-k on the adaptive bench: 0.8 at the first steps,
+#: 0.5 by step 30), and a kept choice must give way before most of its steps ran.
+EFFICIENCY_DECAY = 0.7
 
 
 class AutoStrategy(Strategy):
@@ -148,16 +165,22 @@ class AutoStrategy(Strategy):
         (:attr:`scheme_gains`, EWMA over the steps it ran, agreed) is below ``min_gain``
         — the buckets are re-decided as soon as a running scheme's gain falls below it.
         Not applied to the per-layer QSGD/PowerSGD families.
-    weights, choice, window, trigger, warmup_steps, explore, cooldown, restore_first:
+    weights, choice, window, trigger, warmup_steps, explore, cooldown, restore_first,
+    total_steps, probe_first:
         The CR controller's (:class:`~.cr.CRController`). The first exploration starts
-        with the first step; every window saves and restores (``restore_first=False``
-        keeps the first window's steps: measured worse, see :mod:`~.cr`). An
-        exploration step runs the cheapest *sparse* scheme at its ratio, never dense or
-        PowerSGD (a window measures the gain of top-k at each candidate ratio, the
-        paper's compressor: dense's gain is 1 at any ratio, PowerSGD's belongs to a
-        rank, 0.8 at ratios 0.1 and 0.033 against top-k's 0.2-0.5, which bent the
-        gain curve the CR choice is made on; and PowerSGD at those ratios cost up to
-        0.6 s a step in the window). Its choices are not kept for later steps.
+        with the first step, a one-step probe by default (``probe_first``: Top-k's gain
+        at every candidate ratio on step 0's error-fed gradients, measured locally
+        beside the step's own exchange at the middle ratio; ours, see :mod:`~.cr`: on
+        the adaptive bench it saved the 0.3-0.4 s of a 5-step window that is thrown
+        away, about 10% of the best static run's time to the target); later
+        explorations are windows, which save and restore (``restore_first=False``
+        keeps the first window's steps, going up the ratios: see :mod:`~.cr`); with
+        ``total_steps`` (the training's length, when known) no window starts in the
+        last ``2·window·len(ratios)`` steps. An exploration step runs the cheapest
+        *sparse* scheme at its ratio, never dense or PowerSGD (PowerSGD at ratios 0.1
+        and 0.033 cost up to 0.6 s a step in the window), and the controller is fed
+        Top-k's gain at the ratio whatever scheme ran (module docstring). Its choices
+        are not kept for later steps.
     switch_margin:
         Hysteresis of a re-decision: the running scheme stays unless another is
         predicted (or measured) cheaper by more than this fraction (noise on a shared
@@ -174,17 +197,24 @@ class AutoStrategy(Strategy):
         prediction only. Trials run outside CR exploration windows; a (debounced)
         network drift forgets the measurements and tries again. Ours, not the papers'.
     gain_weighted:
-        ``True``: compare schemes (in the choice by measurement) by time per unit of
-        compression gain, ``cost / gain`` (gain ``||g_c|| / ||g_e||`` of that scheme at
-        that ratio, :attr:`pair_gains`; dense 1), on the idea that a scheme sending
-        less of the error-fed gradient needs more steps to the same accuracy (on the
-        adaptive bench, digits, 4 ranks, ratio 0.011, AR-Top-k tree steps take 0.75x
-        gTop-k's but need about 1.7x the steps to 0.96). Off by default (the issue's
-        rule is the cheapest scheme that meets ``min_gain``), and not a reliable
-        ranking: the measured gains are not comparable across schemes (gTop-k's is a
-        rank's own kept mass, low by construction since a rank keeps the residual of
-        all it sent outside the global selection: 0.14-0.25 against Allgather Top-k's
-        0.35-0.41 in the same runs) and swing 2x between runs. Ours, experimental.
+        ``True`` (default): compare schemes (in the choice by measurement and
+        :meth:`_outrun`) by the step's seconds per unit of Top-k progress,
+        ``(t + share) / efficiency`` (:meth:`_costs`): ``t`` the bucket's exchange,
+        ``share`` its part of :attr:`step_other` (the forward, backward and optimizer
+        time every step pays), ``efficiency`` the scheme's mass kept relative to exact
+        Top-k's at that ratio (:attr:`efficiency`, squared like the paper's gain; dense
+        and an unmeasured scheme 1). The idea: the number of steps to an accuracy grows
+        as a scheme applies less of the error-fed gradient per step. Measured on the
+        adaptive bench (digits, 4 ranks, ratio 0.011): AR-Top-k's exchange took about
+        half Allgather Top-k's (20 against 38 ms) at efficiency 0.5-0.7, and its static
+        run needed 1.4-2x the steps to 0.96; gTop-k's efficiency was 0.6-0.8. Without
+        the share the faster exchange looked cheaper per unit of progress (20/0.6 < 38),
+        with it (50/0.6 > 68) it does not. ``False``: time alone (the "cheapest that
+        meets ``min_gain``" rule of the issue, per step). Efficiencies are measured
+        only while a scheme runs (in trials and while kept), so an approximate scheme
+        chosen early (efficiency 0.8 in the first steps, when the ranks' gradients
+        agree) gives way within a few steps as its efficiency falls
+        (:data:`EFFICIENCY_DECAY`). Ours.
     drift_patience:
         Debounce of re-decisions: a drift of alpha/beta
         (:class:`~.calibration.OnlineCalibration`'s ``patience``) or of a compute factor
@@ -200,13 +230,16 @@ class AutoStrategy(Strategy):
         Ping-pong links of the start-up calibration; ``0`` keeps the communicator's
         calibration (or the defaults) without measuring. It is short on purpose: per
         link, ping-pongs of 8 B and 4 KiB (3 repeats after 2 warm-ups: alpha) and one
-        512 KiB transfer answered by 8 B (beta), about ``links·(22·alpha + 512 KiB·beta)``
-        (0.2 s for 3 links at 100 Mbit/s and 1 ms, against 0.76 s for ping-pongs up to
-        256 KiB, which saw only half the rate behind the emulated cluster's 128 KiB
-        ``tbf`` burst). The online refinement corrects what it misses from the first
-        real collectives; beta must be right to within a few times from the start, or
-        a dense step looks cheap (measured: 32 KiB ping-pongs alone gave beta 100x too
-        small, and a 1.1 s dense step).
+        512 KiB transfer answered by 8 B (beta), about ``22·alpha + 512 KiB·beta`` per
+        round of links (pairs on different nodes run at the same time,
+        :func:`~mpicomm.collectives.calibrate.link_rounds`; the default 2 links are one
+        round where there are 4 or more nodes: 0.09 s on the emulated cluster's 4
+        hosts at 100 Mbit/s and 1 ms, compute kernels included, against 0.2 s for 3
+        links one after another and 0.76 s for ping-pongs up to 256 KiB, which saw only
+        half the rate behind its 128 KiB ``tbf`` burst). The online refinement corrects
+        what it misses from the first real collectives; beta must be right to within a
+        few times from the start, or a dense step looks cheap (measured: 32 KiB
+        ping-pongs alone gave beta 100x too small, and a 1.1 s dense step).
     drift, decay:
         :class:`~.calibration.OnlineCalibration`'s drift fraction and EWMA decay.
     lgreco, lgreco_every, lgreco_acc_steps, lgreco_factors:
@@ -233,14 +266,15 @@ class AutoStrategy(Strategy):
                  approximate: bool = True, min_gain: float = 0.0,
                  weights: tuple[float, float] = (0.6, 0.4), choice: str = "asf",
                  window: int = 10, trigger: float = 0.1, warmup_steps: int = 0,
-                 explore: bool = True, calibrate_links: int = 3, drift: float = 0.3,
+                 explore: bool = True, calibrate_links: int = 2, drift: float = 0.3,
                  decay: float = 0.9, lgreco: bool = False, lgreco_every: int = 50,
                  lgreco_acc_steps: int = 5, history: int = 10_000,
                  switch_margin: float = 0.1, cooldown: int = 50,
                  lgreco_factors: Sequence[float] = DEFAULT_FACTORS,
                  lgreco_family: str = "topk", lgreco_default: Optional[float] = None,
                  trial_margin: float = 0.5, trial_steps: int = 2, drift_patience: int = 5,
-                 restore_first: bool = True, gain_weighted: bool = False,
+                 restore_first: bool = True, gain_weighted: bool = True,
+                 total_steps: Optional[int] = None, probe_first: bool = True,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         schemes = tuple(schemes)
@@ -282,7 +316,8 @@ class AutoStrategy(Strategy):
             self.controller = CRController(self.sync_time, ratios, weights=weights,
                                            choice=choice, window=window, trigger=trigger,
                                            warmup_steps=warmup_steps, explore=explore,
-                                           cooldown=cooldown, restore_first=restore_first)
+                                           cooldown=cooldown, restore_first=restore_first,
+                                           total_steps=total_steps, probe_first=probe_first)
         self._fixed_ratio = None if ratio is None else float(ratio)
         self.lgreco: Optional[LGreco] = None
         if lgreco:
@@ -304,9 +339,10 @@ class AutoStrategy(Strategy):
         #: Each scheme's compression gain, EWMA over the steps it ran (agreed), checked
         #: against ``min_gain`` by the selector.
         self.scheme_gains: dict[str, float] = {}
-        #: Each (scheme, ratio)'s compression gain, EWMA over the steps it ran (agreed):
-        #: the divisor of its cost with ``gain_weighted``.
-        self.pair_gains: dict[tuple[str, float], float] = {}
+        #: Each (scheme, ratio)'s efficiency: its compression gain relative to exact
+        #: Top-k's on the same gradients, EWMA over the steps it ran (agreed): the
+        #: divisor of its cost with ``gain_weighted``.
+        self.efficiency: dict[tuple[str, float], float] = {}
         self.gain_weighted = bool(gain_weighted)
         self._predicted: dict[tuple[str, float], dict[str, float]] = {}
         self.decisions: list[tuple[int, str, str, float]] = []  # (step, bucket, scheme, c)
@@ -315,10 +351,16 @@ class AutoStrategy(Strategy):
         self._layouts: dict[str, tuple[list[tuple[int, ...]], int]] = {}
         self._segments: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}
         self._pending: list[dict[str, Any]] = []
-        self._gain_sq = [0.0, 0.0]  # Σ||g_c||², Σ||g_e||² this step
+        self._gain_sq = [0.0, 0.0, 0.0]  # Σ||g_c||², Σ||g_e||², Σ||top-k(g_e)||²: step
+        self._probe_sq: list[float] = []  # Σ||top-k(g_e)||² at each ratio: a probe step
         self._saved: Optional[dict[str, Any]] = None
         self._started = False
         self._done: list[tuple[list[dict[str, Any]], list[float]]] = []
+        self._last_done: Optional[float] = None
+        #: EWMA of a step's wall time outside the buckets' exchanges (forward, backward,
+        #: optimizer; between ``step_done`` calls, mean over ranks): the part of a
+        #: step's time that ``gain_weighted`` divides by the efficiency too.
+        self.step_other: Optional[float] = None
         self._action: Optional[str] = None
         self._scales_used: dict[str, float] = {}
         self._current: dict[tuple[str, float], str] = {}
@@ -328,6 +370,8 @@ class AutoStrategy(Strategy):
         self._moved_streak = 0  # consecutive agreed steps with a compute factor moved
         #: (bucket, ratio) -> scheme -> its last ``trial_steps`` agreed times (seconds).
         self.measured: dict[tuple[str, float], dict[str, deque[float]]] = {}
+        #: (bucket, ratio) -> (kept scheme, its settled time): :meth:`_times_moved`.
+        self._baseline: dict[tuple[str, float], tuple[str, float]] = {}
         #: (step, bucket, scheme) of each trial step (choice by measurement).
         self.trials: list[tuple[int, str, str]] = []
 
@@ -561,6 +605,7 @@ class AutoStrategy(Strategy):
             self.decisions.append((self.steps, buf.name, choice.scheme, choice.ratio))
         per_layer = self.family is not None and choice.scheme != "dense"
         sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes)
+        ref_sq = self._topk_reference(choice.scheme, ratio, buf, names, tensors, sub)
         comm = self.comm
         before, start = comm.traffic.snapshot(), time.perf_counter()
         if choice.scheme == "powersgd":
@@ -585,8 +630,7 @@ class AutoStrategy(Strategy):
                 h = None if held is None else to_torch(held)
                 # ||g + e||² without forming g + e (the strategy forms it once itself)
                 e_sq = _sq(flat) if h is None else max(
-                    _sq(flat) + 2 * float(torch.dot(flat.reshape(-1), h.reshape(-1)))
-                    + _sq(h), 0.0)
+                    _sq(flat) + 2 * _dot(flat, h) + _sq(h), 0.0)
                 if per_layer:
                     c = flat if h is None else flat + h
                     self._accumulate(buf.name, c)
@@ -605,9 +649,11 @@ class AutoStrategy(Strategy):
                 time.sleep(delay)
             out = buf.split(averaged)
         seconds = time.perf_counter() - start
-        self._gain_sq[0] += max(e_sq - left, 0.0)
-        self._gain_sq[1] += e_sq
         kept_sq = max(e_sq - left, 0.0)
+        if ref_sq is None:  # Allgather Top-k (or no ratio): what it kept is the reference
+            ref_sq = kept_sq
+        for i, v in enumerate((kept_sq, e_sq, ref_sq)):
+            self._gain_sq[i] += v
         coeff = [self._parts(choice.scheme, choice.ratio, segments, itemsize, p, c, compute)
                  for c in (_ALPHA, _BETA, _GAMMA_ONLY)]
         work = coeff[0]["compute"] + params.gamma * coeff[2]["comm"]
@@ -617,36 +663,90 @@ class AutoStrategy(Strategy):
                               "scheme": choice.scheme, "key_ratio": ratio,
                               "ratio": choice.ratio, "seconds": seconds, "a": a, "b": b,
                               "work": work, "kept_sq": kept_sq, "e_sq": e_sq,
+                              "ref_sq": ref_sq,
                               "predicted": a * params.alpha + b * params.beta + kappa * work})
         return [o.reshape(-1) for o in out]
 
-    def _costs(self, key: tuple[str, float], predicted: dict[str, float]
-               ) -> dict[str, float]:
+    def _costs(self, key: tuple[str, float], predicted: dict[str, float],
+               partial: bool = False) -> dict[str, float]:
         """Each candidate's cost at ``key`` = (bucket, ratio): its measured time (min of
-        its last ``trial_steps`` agreed times) once measured that often, else its
-        prediction; with ``gain_weighted``, divided by its compression gain at this ratio
-        (:attr:`pair_gains`; dense 1; a scheme not measured yet gets the best gain
-        measured at this ratio, so that it is not ruled out unseen)."""
+        its last ``trial_steps`` agreed times) once measured that often (``partial``:
+        once measured at all), else its prediction. With ``gain_weighted``: seconds of
+        the *step* per unit of Top-k progress, ``(t + share) / efficiency``, where
+        ``share`` is the bucket's part (by elements) of :attr:`step_other` and the
+        :attr:`efficiency` at this ratio is 1 for dense and for a scheme not measured
+        yet (not ruled out unseen). The share matters: a scheme whose exchange takes
+        half the time but keeps 0.6 of Top-k's mass needs about 1/0.6 the steps, each
+        with the whole forward and backward."""
         seen = self.measured.get(key, {})
-        known = [g for (s, c), g in self.pair_gains.items() if c == key[1]]
-        unseen = max(known, default=1.0)
+        share = 0.0
+        if self.gain_weighted and self.step_other and key[0] in self._layouts:
+            sizes = {b: sum(math.prod(s) for s in shapes)
+                     for b, (shapes, _) in self._layouts.items()}
+            share = self.step_other * sizes[key[0]] / max(1, sum(sizes.values()))
         cost = {}
+        enough = 1 if partial else self.trial_steps
         for s, t in predicted.items():
-            t = min(seen[s]) if len(seen.get(s, ())) >= self.trial_steps else t
-            if self.gain_weighted and s != "dense":
-                t /= max(self.pair_gains.get((s, key[1]), unseen), 1e-3)
+            t = min(seen[s]) if len(seen.get(s, ())) >= max(enough, 1) else t
+            if self.gain_weighted:
+                t = (t + share) / (1.0 if s == "dense" else
+                                   max(self.efficiency.get((s, key[1]), 1.0), 1e-3))
             cost[s] = t
         return cost
+
+    def _error_fed(self, scheme: str, buf: Any, names: list[str],
+                   tensors: list[torch.Tensor], sub: Optional[Strategy]) -> torch.Tensor:
+        """This rank's error-fed bucket ``g + residual`` (flat, a new tensor where there is
+        a residual), before the exchange."""
+        if scheme == "powersgd":  # error feedback per tensor, in the sub-strategy
+            memory = getattr(sub, "memory", None)
+            return torch.cat([t.reshape(-1) + to_torch(memory.residual(n)).reshape(-1)
+                              if memory is not None and n in memory else t.reshape(-1)
+                              for t, n in zip(tensors, names)])
+        fed = buf.flat.reshape(-1)
+        if buf.name in self.memory:
+            fed = fed + to_torch(self.memory.residual(buf.name)).reshape(-1)
+        return fed
+
+    def _topk_reference(self, scheme: str, ratio: float, buf: Any, names: list[str],
+                        tensors: list[torch.Tensor], sub: Optional[Strategy]
+                        ) -> Optional[float]:
+        """``||top-k(g_e)||²``: what exact Top-k at ``ratio`` would keep of this rank's
+        error-fed bucket (``k = max(1, ceil(ratio·n))``), before the exchange; ``None``
+        where that is what the step keeps itself (Allgather Top-k) or where there is no
+        Top-k ratio (fixed ratio 1, the L-GreCo paths). During the CR controller's probe
+        step, also adds the mass at every candidate ratio to the step's probe sums. One
+        extra top-k selection per bucket (1-3 ms for 1.1e6 floats on one core) on the
+        other schemes' steps."""
+        probing = self.controller is not None and self.controller.probing
+        if not probing and (scheme == "allgather_topk" or ratio >= 1.0 or
+                            self.lgreco is not None):
+            return None
+        fed = self._error_fed(scheme, buf, names, tensors, sub)
+        if not probing:
+            return topk_masses(fed, [ratio])[0]
+        assert self.controller is not None
+        ratios = list(self.controller.ratios)
+        masses = topk_masses(fed, ratios + [ratio])
+        if not self._probe_sq:
+            self._probe_sq = [0.0] * len(ratios)
+        for i, m in enumerate(masses[:-1]):
+            self._probe_sq[i] += m
+        return None if scheme == "allgather_topk" or self.lgreco is not None \
+            else masses[-1]
 
     def _by_measurement(self, key: tuple[str, float], choice: Choice
                         ) -> tuple[Choice, bool]:
         """The choice among ``choice.candidates`` by measured time where the model
         does not separate them (``trial_margin``/``trial_steps``, class docstring):
         ``(choice, True)`` for a trial step of a scheme not measured enough yet, else the
-        cheapest by measured time (prediction where unmeasured; :meth:`_costs`). Pure
-        arithmetic on agreed numbers: the same on every rank."""
+        cheapest by measured time (prediction where unmeasured; :meth:`_costs`). A scheme
+        partly tried counts with the steps it ran, so one step that puts it outside the
+        margin ends its trial (PowerSGD at ratio 0.011 on the adaptive bench: 74 ms at
+        efficiency 0.3, one step instead of two). Pure arithmetic on agreed numbers: the
+        same on every rank."""
         seen = self.measured.get(key, {})
-        cost = self._costs(key, choice.candidates)
+        cost = self._costs(key, choice.candidates, partial=True)
         best = min(cost.values())
         close = sorted((s for s in cost if cost[s] <= (1 + self.trial_margin) * best),
                        key=lambda s: (cost[s], SCHEMES.index(s)))
@@ -721,11 +821,14 @@ class AutoStrategy(Strategy):
         decided earlier is carried out now, at this safe point: ``model``/``optimizer``
         (and the error-feedback memory) are saved or restored around CR exploration
         windows (without them the windows run but only the memory is restored)."""
-        self._done.append((self._pending, self._gain_sq))
-        self._pending, self._gain_sq = [], [0.0, 0.0]
+        now = time.perf_counter()
+        wall = 0.0 if self._last_done is None else now - self._last_done
+        self._done.append((self._pending, self._gain_sq + [wall] + self._probe_sq))
+        self._pending, self._gain_sq, self._probe_sq = [], [0.0, 0.0, 0.0], []
         self.steps += 1
         action, self._action = self._action, None
         self._act(action, model, optimizer)
+        self._last_done = time.perf_counter()
 
     def _agree(self) -> None:
         """Agree on the finished steps' measurements and decide (collective; runs at the
@@ -743,8 +846,8 @@ class AutoStrategy(Strategy):
                     gain_sq: list[float]) -> None:
         assert self.online is not None
         n = len(pending)
-        seconds = np.array([r["seconds"] for r in pending] + [r["kept_sq"] for r in pending]
-                           + [r["e_sq"] for r in pending] + gain_sq, dtype=np.float64)
+        seconds = np.array([r[f] for f in ("seconds", "kept_sq", "e_sq", "ref_sq")
+                            for r in pending] + gain_sq, dtype=np.float64)
         if comm.size > 1:
             if comm.check:  # checked mode: the ranks aggregated the same buckets
                 counts = comm.allgather_object(len(pending))
@@ -755,13 +858,20 @@ class AutoStrategy(Strategy):
             comm.ctl.Allreduce(seconds, agreed, op=MPI.SUM)
             seconds = agreed
             seconds[:n] /= comm.size
-        self._track_gains(pending, seconds[n:2 * n], seconds[2 * n:3 * n])
+        self._track_gains(pending, seconds[n:2 * n], seconds[2 * n:3 * n],
+                          seconds[3 * n:4 * n])
         params = self.online.params
         for r, t in zip(pending, seconds[:n]):
             self.online.observe(r["a"], r["b"], float(t), r["work"], r["scheme"])
             if self.trial_steps:
-                self.measured.setdefault((r["bucket"], r["key_ratio"]), {}).setdefault(
-                    r["scheme"], deque(maxlen=self.trial_steps)).append(float(t))
+                key = (r["bucket"], r["key_ratio"])
+                times = self.measured.setdefault(key, {}).setdefault(
+                    r["scheme"], deque(maxlen=self.trial_steps))
+                times.append(float(t))
+                choice = self._choices.get(key)
+                if choice is not None and choice.scheme == r["scheme"] and \
+                        len(times) == self.trial_steps and key not in self._baseline:
+                    self._baseline[key] = (r["scheme"], min(times))
             rec = Record(r["step"], r["bucket"], r["scheme"], r["ratio"], r["predicted"],
                          float(t), params.alpha, params.beta)
             self.records.append(rec)
@@ -784,25 +894,40 @@ class AutoStrategy(Strategy):
         if self.trial_steps and not drift and not moved:
             for key in self._outrun():  # measured slower than another choice: re-decide
                 del self._choices[key]
-        if drift:  # the network changed: measured times are stale, try again
-            self.measured.clear()
+                self._baseline.pop(key, None)
+        if drift and self._times_moved():  # the network changed: measured times are
+            self.measured.clear()              # stale, try again
         if drift or moved or low:  # re-decide with the refined model / measured gains
             self._choices.clear()
+            self._baseline.clear()
             self._scales_used = scales
             self._moved_streak = 0
-        gain = math.sqrt(seconds[-2] / seconds[-1]) if seconds[-1] > 0 else 1.0
-        self.last_gain = min(gain, 1.0)  # agreed across ranks; read by mpicomm.metrics
+        kept, total, ref, wall = (float(v) for v in seconds[4 * n:4 * n + 4])
+        probe = [float(v) for v in seconds[4 * n + 4:]]
+        if wall > 0:  # mean over ranks of the step's wall time outside the buckets
+            other = max(wall / comm.size - float(seconds[:n].sum()), 0.0)
+            self.step_other = other if self.step_other is None else \
+                self._decay * self.step_other + (1 - self._decay) * other
+        self.last_gain = min(math.sqrt(kept / total), 1.0) if total > 0 else 1.0
+        # the CR controller's gain: exact Top-k's at the ratio on this step's error-fed
+        # gradients, whatever scheme ran (comparable across the ratios of a window)
+        gain = min(math.sqrt(ref / total), 1.0) if total > 0 else 1.0
         step = pending[0]["step"] + 1 if pending else self.steps
         if self.controller is not None:
             before = self.controller.ratio
             if drift:
                 self.controller.network_changed()
-            action = self.controller.observe(min(gain, 1.0))
+            gains = None if not probe else {
+                c: min(math.sqrt(m / total), 1.0) if total > 0 else 1.0
+                for c, m in zip(self.controller.ratios, probe)}
+            action = self.controller.observe(gain, probe=gains)
             if action is not None:
                 self._action = action
             if self.controller.ratio != before:
                 self._choices = {k: v for k, v in self._choices.items()
                                  if k[1] == self.controller.ratio}
+                self._baseline = {k: v for k, v in self._baseline.items()
+                                  if k in self._choices}
         lg = self.lgreco
         if lg is not None and step % lg.every == 0:
             shapes = {layer: shape for segs in self._segments.values()
@@ -810,30 +935,57 @@ class AutoStrategy(Strategy):
             lg.adjust(comm, shapes)
             if self.family is not None:  # the predictions changed with the settings
                 self._choices.clear()
+                self._baseline.clear()
 
-    def _track_gains(self, pending: list[dict[str, Any]], kept: Any, total: Any) -> None:
-        """EWMA (weight ``1 - decay``) of each scheme's compression gain
-        ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over its buckets of the step, summed over ranks
-        (agreed): per scheme (:attr:`scheme_gains`, the selector's ``min_gain``
-        constraint) and per (scheme, ratio) (:attr:`pair_gains`, ``gain_weighted``)."""
-        for gains, key_of in ((self.scheme_gains, lambda r: r["scheme"]),
-                              (self.pair_gains, lambda r: (r["scheme"], r["key_ratio"]))):
+    def _track_gains(self, pending: list[dict[str, Any]], kept: Any, total: Any,
+                     ref: Any) -> None:
+        """EWMAs (weight ``1 - decay``) over the steps a scheme ran, from the step's
+        squared norms summed over ranks (agreed): each scheme's compression gain
+        ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over its buckets (:attr:`scheme_gains`, the
+        selector's ``min_gain`` constraint) and each (scheme, ratio)'s *efficiency*
+        ``Σ||g_c||² / Σ||top-k(g_e)||²``, capped at 1 (:attr:`efficiency`, the divisor of
+        its cost with ``gain_weighted``; squared, as the paper's gain; decay
+        :data:`EFFICIENCY_DECAY`)."""
+        for gains, key_of, den, power, decay in (
+                (self.scheme_gains, lambda r: r["scheme"], total, 0.5, self._decay),
+                (self.efficiency, lambda r: (r["scheme"], r["key_ratio"]), ref, 1.0,
+                 EFFICIENCY_DECAY)):
             sums: dict[Any, list[float]] = {}
-            for r, c, e in zip(pending, kept, total):
+            for r, c, e in zip(pending, kept, den):
                 acc = sums.setdefault(key_of(r), [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + float(c), acc[1] + float(e)
             for k, (c, e) in sums.items():
                 if e > 0:
-                    g = min(1.0, math.sqrt(c / e))
+                    g = min(1.0, c / e) ** power
                     old = gains.get(k)
-                    gains[k] = g if old is None else self._decay * old + (1 - self._decay) * g
+                    gains[k] = g if old is None else decay * old + (1 - decay) * g
+
+    def _times_moved(self) -> bool:
+        """Whether a kept choice's own recent times (min of its last ``trial_steps``)
+        moved by more than the drift fraction from those it settled at: a network change,
+        after which every measured time is stale. A drift of the fitted alpha/beta alone
+        (the fit settling away from the short start-up ping-pongs, in the first tens of
+        steps) leaves them in place, so it re-decides without repeating the trials.
+        ``False`` when no kept choice has settled times to compare: the trials under way
+        are recent (on the adaptive bench the fit's drift came at step 5, during the
+        first trials, in two of three runs; forgetting them re-ran every trial, and
+        those runs took 3.4-3.7 s to the target against 2.5 s for the third)."""
+        for key, (scheme, base) in self._baseline.items():
+            choice, recent = self._choices.get(key), self.measured.get(key, {}).get(scheme)
+            if choice is None or choice.scheme != scheme or not recent:
+                continue
+            if abs(min(recent) - base) > self._drift * base:
+                return True
+        return False
 
     def _outrun(self) -> set[tuple[str, float]]:
         """Kept choices whose own measured cost (:meth:`_costs`, ``trial_steps`` agreed
-        times) exceeds another candidate's by more than ``trial_margin``: re-decided
-        at the next step (a prediction that was wrong, e.g. a dense step predicted cheap
-        from a beta the sparse steps' times could not pin down, runs ``trial_steps``
-        steps, not until the next drift)."""
+        times) exceeds another candidate's by more than ``switch_margin`` where that
+        one's cost is measured too, by more than ``trial_margin`` where it is only
+        predicted: re-decided at the next step (a prediction that was wrong, e.g. a dense
+        step predicted cheap from a beta the sparse steps' times could not pin down, runs
+        ``trial_steps`` steps, not until the next drift; a scheme whose efficiency fell
+        as training went on gives way to one measured cheaper per unit of progress)."""
         out = set()
         for key, choice in self._choices.items():
             predicted = self._predicted.get(key)
@@ -842,9 +994,12 @@ class AutoStrategy(Strategy):
                     len(predicted) < 2:
                 continue
             cost = self._costs(key, predicted)
-            other = min(v for s, v in cost.items() if s != choice.scheme)
-            if cost.get(choice.scheme, 0.0) > (1 + self.trial_margin) * other:
-                out.add(key)
+            mine = cost.get(choice.scheme, 0.0)
+            for s, v in cost.items():
+                margin = self.switch_margin if len(seen.get(s, ())) >= self.trial_steps \
+                    else self.trial_margin
+                if s != choice.scheme and mine > (1 + margin) * v:
+                    out.add(key)
         return out
 
     def _act(self, action: Optional[str], model: Any, optimizer: Any) -> None:
@@ -863,6 +1018,40 @@ class AutoStrategy(Strategy):
             self.load_state_dict(saved["strategy"])
 
 
+def topk_masses(x: torch.Tensor, ratios: Sequence[float]) -> list[float]:
+    """``||top-k(x)||²`` at ``k = max(1, ceil(c·n))`` for each ratio ``c`` of ``ratios``:
+    one selection of the largest ``k``, its squares sorted once, prefix sums. On CPU
+    float32/64 in numpy, whose selection is single-threaded: with 4 ranks on 2 cores
+    (the emulated cluster) a reference took 10-14 ms with torch's intra-op threads
+    competing with the ranks, 1-5 ms in numpy."""
+    n = int(x.shape[0])
+    ks = [min(k_for(n, c), n) for c in ratios]
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        host = x.detach().numpy()
+        picked = host[topk_indices(host, max(ks))].astype(np.float64)
+        squares = picked * picked
+        if len(ks) == 1:
+            return [float(squares.sum())]
+        prefix = np.cumsum(np.sort(squares)[::-1])
+    else:
+        picked = x.detach()[topk_indices(x.detach(), max(ks))].to(torch.float64)
+        prefix = torch.cumsum(torch.sort(picked * picked, descending=True).values,
+                              0).cpu().numpy()
+    return [float(prefix[k - 1]) for k in ks]
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``<a, b>`` of two tensors of one shape (flattened). CPU float32/64 in numpy's
+    single-threaded einsum (the norms of every step: torch's intra-op threads compete
+    with the ranks where they share cores, as in :func:`topk_masses`; 0.16 ms for
+    1.1e6 float32, relative error 1e-6 against float64), else torch in float64."""
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    if a.device.type == "cpu" and a.dtype == b.dtype and \
+            a.dtype in (torch.float32, torch.float64):
+        return float(np.einsum("i,i->", a.numpy(), b.numpy()))
+    return float(torch.dot(a.to(torch.float64), b.to(torch.float64)))
+
+
 def _sq(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t.detach())) ** 2
+    return _dot(t, t)
 

@@ -3,9 +3,10 @@ r"""Calibrate the cost model on the running job: several links, compute, online 
 Three parts, every one ending with numbers that are identical on every rank:
 
 * :func:`~mpicomm.collectives.calibrate.measure_links` (collective; the project's one
-  ping-pong helper, re-exported here): rank 0 times a ping-pong with each of up to
-  ``links`` peers, one link at a time (peers on *other nodes* first, then on its own node;
-  the other ranks wait without spinning), and fits ``t(n) = alpha + n·beta`` per link.
+  ping-pong helper, re-exported here): up to ``links`` pairs of ranks time a ping-pong
+  (rank 0 with peers on *other nodes* first; pairs that share no node at the same time,
+  :func:`~mpicomm.collectives.calibrate.link_rounds`; the ranks outside a round wait
+  without spinning), and fits ``t(n) = alpha + n·beta`` per link.
   The job's parameters take the *slowest* link's alpha and beta: a collective's critical
   path crosses it.
 * :func:`measure_compute` (local): times the kernels the strategies run besides the
@@ -58,6 +59,7 @@ from ..collectives.calibrate import (
     QUIET_POLL_S,
     Link,
     choose_peers,
+    link_rounds,
     measure_gamma,
     measure_links,
     slowest,
@@ -65,8 +67,8 @@ from ..collectives.calibrate import (
 from ..collectives.cost import ComputeParams, CostParams
 from ..comm import Communicator, resolve, wait_all
 
-__all__ = ["Link", "choose_peers", "measure_links", "measure_compute", "calibrate",
-           "OnlineCalibration", "DEFAULT_SIZES"]
+__all__ = ["Link", "choose_peers", "link_rounds", "measure_links", "measure_compute",
+           "calibrate", "OnlineCalibration", "DEFAULT_SIZES"]
 
 #: Ping-pong sizes (bytes): latency-bound to bandwidth-bound, kept short for start-up.
 DEFAULT_SIZES: tuple[int, ...] = (8, 1 << 12, 1 << 16, 1 << 20)

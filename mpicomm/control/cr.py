@@ -13,11 +13,28 @@ form) is measured during *exploration*:
    (action ``"save"``), every candidate runs ``window`` steps (largest first) while the
    mean gain is logged, then the caller restores the state (action ``"restore"``) and the
    MOO solve picks ``c``. ``restore_first=False`` (ours, not the default) keeps the
-   steps of the *first* window instead (no save, no restore): measured on the adaptive
-   bench it is worse, not better (one seed: 101 steps to 0.96 against 44 with the
-   restore; the window's steps at 0.004 and 0.001 leave a large residual, and its
-   PowerSGD steps at 0.1/0.033 leave PowerSGD's own residual parked until PowerSGD runs
-   again), so the paper's restore is the default.
+   steps of the *first* window instead (no save, no restore), going *up* the ratios so
+   that its last step (the largest ratio) sends much of what the small ones left in the
+   residual. Measured on the adaptive bench it is not better: with windows that still
+   ran PowerSGD, 101 steps to 0.96 against 44 with the restore (one seed); with
+   sparse-only windows, going up, 31-35 steps against 41-43 but in about the same time
+   (3.8-3.9 s against 3.8-4.4 s; three and two seeds): the kept window's gains led to
+   ratio 0.033, dearer steps. So the paper's restore stays the default.
+   ``probe_first=True`` (ours, not the default here; :class:`~.auto.AutoStrategy`'s
+   default) replaces the *first* exploration (at the start, or at the end of the
+   warm-up) by a *probe*: one step at the middle candidate (0.011 of the defaults: the
+   cost of an ordinary step; at 0.1 a step took 2-4x as long on the adaptive bench)
+   during which the caller measures Top-k's gain at *every* candidate on that step's own
+   error-fed gradients (a local top-k per ratio, no extra step, nothing to restore; the
+   gains do not depend on the step's own ratio), passed to :meth:`CRController.observe`
+   as ``probe=``; the solve follows at once.
+   With ``window=1`` a window measures each ratio on one step anyway (each on the
+   gradients of a different step); the probe measures them all on the same one, and the
+   window's restored steps (5 at the default candidates: 0.3-0.4 s on the adaptive
+   bench, where the best static run reaches its target in about 35 steps) are saved.
+   It does not see how error feedback builds up at each ratio over ``window`` steps;
+   explorations triggered later (below) are windows with save and restore, as the
+   paper's.
 3. **Triggers**: the smoothed gain (EWMA, ``gain_smoothing``) moving by ``trigger``
    (10%) relative to its value at the end of a ``cooldown`` (steps after the last solve
    during which no exploration starts) starts a new exploration (the
@@ -99,7 +116,7 @@ class CRDecision:
     """One entry of :attr:`CRController.history`."""
 
     step: int
-    reason: str           # "warmup", "explore", "solve", "network"
+    reason: str           # "warmup", "probe", "solve", "network"
     ratio: float
     points: tuple[tuple[float, float, float], ...] = ()   # (c, t_sync, 1/gain)
 
@@ -113,6 +130,11 @@ class CRController:
     ``sync_time(c)`` gives the predicted synchronization seconds at ``c``.
     ``restore_first``: whether the first exploration also saves and restores (the
     paper's loop, the default; ``False`` keeps its steps, see the module docstring).
+    ``total_steps``: the training's length when known; no triggered exploration starts
+    in its last ``2·window·len(ratios)`` steps (ours: the paper trains for thousands of
+    steps and does not say). ``probe_first``: the first exploration is a one-step probe
+    (module docstring): :attr:`probing` says when, and the next :meth:`observe` needs
+    ``probe=``.
     """
 
     def __init__(self, sync_time: Callable[[float], float],
@@ -120,7 +142,8 @@ class CRController:
                  = (0.6, 0.4), choice: str = "asf", window: int = 10, trigger: float = 0.1,
                  gain_smoothing: float = 0.2,
                  warmup_steps: int = 0, explore: bool = True, cooldown: int = 50,
-                 restore_first: bool = True):
+                 restore_first: bool = True, total_steps: Optional[int] = None,
+                 probe_first: bool = False):
         ratios = sorted({float(c) for c in ratios}, reverse=True)
         if not ratios or any(not 0 < c <= 1 for c in ratios):
             raise ValueError(f"ratios must be in (0, 1], got {ratios}")
@@ -128,6 +151,10 @@ class CRController:
             raise ValueError(f"choice must be 'asf' or 'knee', got {choice!r}")
         if len(weights) != 2 or any(w <= 0 for w in weights):
             raise ValueError(f"weights must be two positive numbers, got {weights!r}")
+        if total_steps is not None and (isinstance(total_steps, bool) or
+                                        not isinstance(total_steps, int) or total_steps < 1):
+            raise ValueError(f"total_steps must be None or an int >= 1, got {total_steps!r}")
+        self.total_steps = total_steps
         for name, v in (("window", window), ("warmup_steps", warmup_steps),
                         ("cooldown", cooldown)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "window"
@@ -157,10 +184,20 @@ class CRController:
         self.restore_first = bool(restore_first)
         self._windows = 0                          # explorations begun so far
         self._rollback = True                      # whether the current one restores
+        self._order = self.ratios                  # the current one's ratios, in order
+        self.probe_first = bool(probe_first)
+        self._probing = False                      # the first step's probe is pending
 
     @property
     def exploring(self) -> bool:
-        return self._exploring is not None
+        """An exploration is under way: a window, or the first step's probe."""
+        return self._exploring is not None or self._probing
+
+    @property
+    def probing(self) -> bool:
+        """The step now running is the probe: pass every candidate's gain on it to the
+        next :meth:`observe` (``probe_first``)."""
+        return self._probing
 
     def start(self) -> Optional[str]:
         """Call once before the first step: ``"save"`` if exploration starts at once."""
@@ -169,17 +206,36 @@ class CRController:
             return self._begin()
         return None
 
-    def observe(self, gain: float) -> Optional[str]:
-        """The agreed gain of the step just done; returns the caller's action."""
+    def observe(self, gain: float, probe: Optional[dict[float, float]] = None
+                ) -> Optional[str]:
+        """The agreed gain of the step just done; returns the caller's action.
+
+        ``probe``: after a probe step (:attr:`probing`), Top-k's gain at every candidate
+        ratio on that step's gradients (required then, refused otherwise)."""
         if not math.isfinite(gain):
             raise ValueError(f"gain must be finite, got {gain}")
+        if (probe is not None) != self._probing:
+            raise ValueError("observe: probe= is required after a probe step and only "
+                             "then" if self._probing else
+                             "observe: probe= given but no probe step ran")
         self.step += 1
+        if probe is not None:
+            missing = [c for c in self.ratios if c not in probe]
+            if missing or not all(math.isfinite(g) and g >= 0 for g in probe.values()):
+                raise ValueError(f"probe must give a finite gain >= 0 for every ratio "
+                                 f"{self.ratios}, got {probe!r}")
+            self._probing = False
+            self.gains = {c: float(probe[c]) for c in self.ratios}
+            self._solved_at = self.step
+            self.gain, self.change = None, 0.0
+            self._solve("probe")
+            return None
         if self._exploring is not None:
             self._explore_sums.setdefault(self.ratio, []).append(gain)
             self._exploring += 1
             position = self._exploring // self.window
-            if position < len(self.ratios):
-                self.ratio = self.ratios[position]
+            if position < len(self._order):
+                self.ratio = self._order[position]
                 return None
             self.gains = {c: sum(v) / len(v) for c, v in self._explore_sums.items()}
             self._exploring = None
@@ -205,20 +261,39 @@ class CRController:
             return None
         ref = self._gain_ref
         self.change = abs(self.gain - ref) / ref if ref > 0 else 0.0
-        if self.explore and self.change >= self.trigger:
+        if self.explore and self.change >= self.trigger and not self._too_late():
             return self._begin()
         return None
 
+    def _too_late(self) -> bool:
+        """A triggered window starts only while at least twice its length remains of
+        ``total_steps``: its own steps (thrown away by the restore) and as many to use
+        what it found. One that starts later, or that training stops inside, leaves the
+        model at a small ratio's state for the last steps (measured: a window that
+        ended at step 129 of 132 chose 0.001, and the last evaluation read 0.947
+        against the other runs' 0.964-0.967)."""
+        if self.total_steps is None:
+            return False
+        return self.step + 2 * self.window * len(self.ratios) > self.total_steps
+
     def network_changed(self) -> None:
         """The network moved (calibration drift): re-solve with the known gains."""
-        if self.gains and self._exploring is None and self.step >= self.warmup_steps:
+        if self.gains and not self.exploring and self.step >= self.warmup_steps:
             self._solve("network")
 
     def _begin(self) -> Optional[str]:
+        if self.probe_first and self._windows == 0:  # the first one: probe in place
+            self._windows += 1
+            self._probing = True
+            self.ratio = self.ratios[len(self.ratios) // 2]
+            return None
         self._exploring = 0
         self._explore_sums = {}
-        self.ratio = self.ratios[0]
         self._rollback = self._windows > 0 or self.restore_first
+        # a kept window goes up: its last step (the largest ratio) sends much of what the
+        # small ratios left in the residual, instead of leaving it for later steps
+        self._order = self.ratios if self._rollback else self.ratios[::-1]
+        self.ratio = self._order[0]
         self._windows += 1
         return "save" if self._rollback else None
 
