@@ -652,15 +652,16 @@ def test_cr_controller_probe_first_solves_on_the_probe():
 
 
 def test_topk_masses_are_prefix_sums_of_the_sorted_squares():
-    from mpicomm.control.auto import topk_masses
+    from mpicomm.selection import topk_masses
 
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.float64, torch.float16):
         x = torch.randn(500, generator=gen).to(dtype)
         want = [float((x.double().abs().topk(k).values ** 2).sum()) for k in (50, 5, 1)]
-        got = topk_masses(x, [0.1, 0.01, 0.001])
+        got = topk_masses(x, [50, 5, 1])
         assert got == pytest.approx(want, rel=1e-6), dtype
-    assert topk_masses(torch.ones(3), [1.0, 0.5]) == pytest.approx([3.0, 2.0])
+        assert topk_masses(x, [5]) == pytest.approx(want[1:2], rel=1e-6)   # one k
+    assert topk_masses(torch.ones(3), [3, 2, 0, 7]) == pytest.approx([3.0, 2.0, 0.0, 3.0])
 
 
 @pytest.mark.mpi

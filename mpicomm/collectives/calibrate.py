@@ -178,14 +178,11 @@ def link_rounds(nodes: Sequence[int], links: int) -> list[list[tuple[int, int]]]
     rounds: list[list[tuple[int, int]]] = []
     left = max(0, links)
     while pairs and left:
-        ranks: set[int] = set()
-        used: set[int] = set()
+        used: set[int] = set()  # nodes in this round (pairs on distinct nodes: distinct ranks)
         this, rest = [], []
         for a, b in pairs:
-            if len(this) < left and ranks.isdisjoint((a, b)) and \
-                    used.isdisjoint((nodes[a], nodes[b])):
+            if len(this) < left and used.isdisjoint((nodes[a], nodes[b])):
                 this.append((a, b))
-                ranks.update((a, b))
                 used.update((nodes[a], nodes[b]))
             else:
                 rest.append((a, b))

@@ -121,7 +121,7 @@ from ..buffers import from_torch, to_torch
 from ..collectives.cost import CostParams, calibrated
 from ..compress import ErrorFeedback
 from ..compress.topk import k_for
-from ..selection import topk_indices
+from ..selection import topk_indices, topk_masses
 from ..sparse import artopk, topk_allgather
 from ..strategies._compressed import CompressedStrategy, check_floating
 from ..strategies.base import DEFAULT_FUSION_BYTES, Strategy, fuse, fused_groups, link_delay
@@ -719,21 +719,21 @@ class AutoStrategy(Strategy):
         extra top-k selection per bucket (1-3 ms for 1.1e6 floats on one core) on the
         other schemes' steps."""
         probing = self.controller is not None and self.controller.probing
-        if not probing and (scheme == "allgather_topk" or ratio >= 1.0 or
-                            self.lgreco is not None):
+        kept_is_reference = scheme == "allgather_topk" or self.lgreco is not None
+        if not probing and (kept_is_reference or ratio >= 1.0):
             return None
         fed = self._error_fed(scheme, buf, names, tensors, sub)
+        n = int(fed.shape[0])
         if not probing:
-            return topk_masses(fed, [ratio])[0]
-        assert self.controller is not None
-        ratios = list(self.controller.ratios)
-        masses = topk_masses(fed, ratios + [ratio])
+            return topk_masses(fed, [k_for(n, ratio)])[0]
+        assert self.controller is not None  # a probe step runs at one of its ratios
+        ratios = self.controller.ratios
+        masses = topk_masses(fed, [k_for(n, c) for c in ratios])
         if not self._probe_sq:
             self._probe_sq = [0.0] * len(ratios)
-        for i, m in enumerate(masses[:-1]):
+        for i, m in enumerate(masses):
             self._probe_sq[i] += m
-        return None if scheme == "allgather_topk" or self.lgreco is not None \
-            else masses[-1]
+        return None if kept_is_reference else masses[ratios.index(ratio)]
 
     def _by_measurement(self, key: tuple[str, float], choice: Choice
                         ) -> tuple[Choice, bool]:
@@ -1018,32 +1018,11 @@ class AutoStrategy(Strategy):
             self.load_state_dict(saved["strategy"])
 
 
-def topk_masses(x: torch.Tensor, ratios: Sequence[float]) -> list[float]:
-    """``||top-k(x)||²`` at ``k = max(1, ceil(c·n))`` for each ratio ``c`` of ``ratios``:
-    one selection of the largest ``k``, its squares sorted once, prefix sums. On CPU
-    float32/64 in numpy, whose selection is single-threaded: with 4 ranks on 2 cores
-    (the emulated cluster) a reference took 10-14 ms with torch's intra-op threads
-    competing with the ranks, 1-5 ms in numpy."""
-    n = int(x.shape[0])
-    ks = [min(k_for(n, c), n) for c in ratios]
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
-        host = x.detach().numpy()
-        picked = host[topk_indices(host, max(ks))].astype(np.float64)
-        squares = picked * picked
-        if len(ks) == 1:
-            return [float(squares.sum())]
-        prefix = np.cumsum(np.sort(squares)[::-1])
-    else:
-        picked = x.detach()[topk_indices(x.detach(), max(ks))].to(torch.float64)
-        prefix = torch.cumsum(torch.sort(picked * picked, descending=True).values,
-                              0).cpu().numpy()
-    return [float(prefix[k - 1]) for k in ks]
-
-
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
     """``<a, b>`` of two tensors of one shape (flattened). CPU float32/64 in numpy's
     single-threaded einsum (the norms of every step: torch's intra-op threads compete
-    with the ranks where they share cores, as in :func:`topk_masses`; 0.16 ms for
+    with the ranks where they share cores, as in
+    :func:`~mpicomm.selection.topk_masses`; 0.16 ms for
     1.1e6 float32, relative error 1e-6 against float64), else torch in float64."""
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
     if a.device.type == "cpu" and a.dtype == b.dtype and \

@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..selection import topk_masses
 from ..validate import check_int
 
 __all__ = ["lgreco_solve", "LGreco", "DEFAULT_FACTORS", "FAMILIES", "QSGD_OFFSETS"]
@@ -144,15 +145,11 @@ def lgreco_solve(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[flo
 
 
 def topk_tail_errors(a: torch.Tensor, ks: Sequence[int]) -> list[float]:
-    """``||a - topk_k(a)||`` for each k: the norm of all but the k largest magnitudes."""
-    sq = a.detach().reshape(-1).double().pow(2).sort(descending=True).values
-    total = float(sq.sum())
-    prefix = torch.cumsum(sq, 0)
-    out = []
-    for k in ks:
-        kept = float(prefix[k - 1]) if k > 0 else 0.0
-        out.append(math.sqrt(max(total - kept, 0.0)))
-    return out
+    """``||a - topk_k(a)||`` for each k: the norm of all but the k largest magnitudes
+    (:func:`~mpicomm.selection.topk_masses` of ``a``'s entries, taken from its total)."""
+    flat = a.detach().reshape(-1)
+    total = float(flat.double().pow(2).sum())
+    return [math.sqrt(max(total - kept, 0.0)) for kept in topk_masses(flat, ks)]
 
 
 def _shape(spec: Any) -> tuple[int, ...]:
