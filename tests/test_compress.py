@@ -638,6 +638,35 @@ def test_error_feedback_update_sparse(backend: str, dtype: str) -> None:
         ef.update_sparse("x", c, torch.tensor([5]))
 
 
+@pytest.mark.parametrize("backend,dtype", backend_dtype_params(["float32", "float64"]))
+def test_error_feedback_tracks_the_sent_mass(backend: str, dtype: str) -> None:
+    """``track_sent``: ``sent_sq`` is ``||compensated[indices]||²`` of the last sparse
+    update (taken once), and with the residual's squared norm it makes up the
+    compensated one (disjoint entries); off by default, nothing after a dense update."""
+    ef = ErrorFeedback()
+    ef.track_sent = True
+    comp = TopK(k=17)
+    for step in range(3):
+        c = ef.compensate("w", make_array(backend, gaussian((300,), seed=step), dtype))
+        values = to_np(c).astype(np.float64)
+        p = comp.compress(c, name="w")
+        want = float(np.sum(values[to_np(p.arrays["indices"])] ** 2))
+        ef.update_sparse("w", c, p.arrays["indices"])
+        assert ef.sent_sq("w") == pytest.approx(want, rel=1e-12)
+        left = float(np.sum(to_np(ef.residual("w")).astype(np.float64) ** 2))
+        assert want + left == pytest.approx(float(np.sum(values ** 2)), rel=1e-12)
+    with pytest.raises(KeyError, match="no sent norm"):
+        ef.sent_sq("w")                                  # taken
+    c = ef.compensate("w", make_array(backend, gaussian((300,), seed=9), dtype))
+    ef.update("w", c, c)
+    with pytest.raises(KeyError, match="no sent norm"):
+        ef.sent_sq("w")                                  # a dense update keeps none
+    off = ErrorFeedback()
+    off.update_sparse("w", torch.ones(4), torch.tensor([1]))
+    with pytest.raises(KeyError, match="track_sent is False"):
+        off.sent_sq("w")
+
+
 def test_error_feedback_state_and_checks() -> None:
     ef = ErrorFeedback()
     g = np.arange(6, dtype=np.float32).reshape(2, 3)

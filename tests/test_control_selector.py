@@ -418,6 +418,26 @@ def test_auto_weighs_schemes_by_their_efficiency_and_the_whole_step():
     assert cost["dense"] == pytest.approx(1.03)
 
 
+def test_auto_efficiency_is_an_ewma_until_it_is_stale():
+    """A (scheme, ratio)'s efficiency is an EWMA (decay ``EFFICIENCY_DECAY``) over the
+    steps it ran; measured again more than ``EFFICIENCY_STALE`` steps after its last
+    measurement, the new value replaces it (it falls as training goes on)."""
+    from mpicomm.control import AutoStrategy
+    from mpicomm.control.auto import EFFICIENCY_DECAY, EFFICIENCY_STALE
+
+    auto = AutoStrategy(calibrate_links=0, ratio=0.01)
+
+    def measure(step, efficiency):
+        record = {"step": step, "scheme": "artopk_tree", "key_ratio": 0.01}
+        auto._track_gains([record], [efficiency], [1.0], [1.0])
+        return auto.efficiency[("artopk_tree", 0.01)]
+
+    assert measure(0, 0.8) == pytest.approx(0.8)
+    assert measure(3, 0.6) == pytest.approx(EFFICIENCY_DECAY * 0.8 +
+                                            (1 - EFFICIENCY_DECAY) * 0.6)
+    assert measure(4 + EFFICIENCY_STALE, 0.5) == pytest.approx(0.5)
+
+
 def test_auto_topk_reference_is_the_exact_topk_mass_of_the_error_fed_bucket():
     """What exact Top-k would keep of ``g + residual`` (the efficiency's and the CR
     controller's reference), in float32 and float64; ``None`` where the step keeps it
@@ -651,6 +671,74 @@ def test_cr_controller_probe_first_solves_on_the_probe():
     assert actions.count("save") == 1
 
 
+def test_cr_controller_probe_triggered_probes_at_the_ratio_in_force():
+    """``probe_triggered``: an exploration the gain's change triggers is a probe on one
+    ordinary step at the ratio in force (no save, no restore), solved at the next
+    ``observe`` with every candidate's gain; the cooldown starts again from there."""
+    times = {0.1: 10.0, 0.03: 3.0, 0.01: 1.0}
+    cr = CRController(times.__getitem__, ratios=(0.1, 0.03, 0.01), probe_first=True,
+                      probe_triggered=True, cooldown=5)
+    cr.start()
+    cr.observe(0.5, probe={0.1: 0.9, 0.03: 0.7, 0.01: 0.5})
+    ratio = cr.ratio
+    actions = [cr.observe(0.5) for _ in range(10)]
+    assert actions == [None] * 10 and not cr.probing
+    actions = []
+    while not cr.probing and len(actions) < 10:      # the gain moved: a probe, no window
+        actions.append(cr.observe(0.2))
+    assert actions == [None] * len(actions) and cr.probing and cr.ratio == ratio
+    assert len(cr.history) == 1
+    with pytest.raises(ValueError, match="probe"):
+        cr.observe(0.2)
+    assert cr.observe(0.2, probe={0.1: 0.4, 0.03: 0.3, 0.01: 0.2}) is None
+    assert cr.history[-1].reason == "probe" and not cr.exploring
+    assert cr.gains == {0.1: 0.4, 0.03: 0.3, 0.01: 0.2}
+    points = [(times[c], 1 / cr.gains[c]) for c in (0.1, 0.03, 0.01)]
+    assert cr.ratio == (0.1, 0.03, 0.01)[asf_choice(points)]
+    assert [cr.observe(0.2) for _ in range(5)] == [None] * 5 and not cr.probing  # cooldown
+    # probe_first alone: the triggered exploration is the paper's window
+    cr = CRController(times.__getitem__, ratios=(0.1, 0.03, 0.01), probe_first=True,
+                      cooldown=5)
+    cr.start()
+    cr.observe(0.5, probe={0.1: 0.9, 0.03: 0.7, 0.01: 0.5})
+    actions = [cr.observe(0.5) for _ in range(10)] + [cr.observe(0.2) for _ in range(10)]
+    assert "save" in actions and not cr.probing
+
+
+def test_cr_controller_windows_with_gains_one_step_late():
+    """``observe(ratio=)`` for a caller whose gains arrive a step late (the adaptive
+    strategy's): a window's ratio moves on after ``window`` steps observed *at* it, a
+    late step of an earlier ratio adds to that ratio's mean, one from before the window
+    is ignored, and after the solve a late step at another ratio does not move the
+    smoothed gain; the means are exactly the gains of the ratios' own steps."""
+    times = {0.1: 10.0, 0.01: 1.0}
+    own = {0.1: 0.9, 0.01: 0.5}
+    cr = CRController(times.__getitem__, ratios=(0.1, 0.01), window=2, cooldown=0,
+                      trigger=0.05)
+    actions, ran, late = [cr.start()], [], None
+    for _ in range(12):
+        ran.append(cr.ratio)                    # this step runs at the ratio in force
+        gain = own[ran[-1]] if cr.exploring or late is None else 0.2  # (0.2: a change)
+        if late is not None:
+            actions.append(cr.observe(late[1], ratio=late[0]))
+        late = (ran[-1], gain)
+    assert ran[:6] == [0.1] * 3 + [0.01] * 3, ran          # 2 observed + 1 in flight
+    assert actions[0] == "save" and actions[5] == "restore", actions
+    first = cr.history[0]
+    assert first.reason == "solve" and [p[2] for p in first.points] == \
+        [1 / own[0.1], 1 / own[0.01]]
+    # the gains changed (0.2): a second window, saved; the late step from before it
+    # (0.2 at 0.01) is ignored, its late step at 0.1 counts for 0.1
+    assert actions.count("save") == 2 and cr.exploring
+    assert cr._explore_sums == {0.1: [0.9, 0.9, 0.9]}, cr._explore_sums
+    # a late gain at another ratio than the one in force leaves the smoothed gain alone
+    cr = CRController(times.__getitem__, ratios=(0.1, 0.01), explore=False)
+    cr.observe(0.5, ratio=0.1)
+    assert cr.gain == 0.5
+    cr.observe(0.9, ratio=0.01)
+    assert cr.gain == 0.5
+
+
 def test_topk_masses_are_prefix_sums_of_the_sorted_squares():
     from mpicomm.selection import topk_masses
 
@@ -666,9 +754,10 @@ def test_topk_masses_are_prefix_sums_of_the_sorted_squares():
 
 @pytest.mark.mpi
 def test_auto_exploration_restores_the_saved_model(comm):
-    """window=2, two ratios, decisions one step behind the measurements: exploration
-    starts with step 0 and the state is saved after it; steps 0-3 are measured, the
-    restore comes after step 4, back to the state saved after step 0; step 5 trains on
+    """window=2, two ratios, step t's measurements agreed during step t+1 and deciding
+    step t+2: exploration starts with step 0 and the state is saved after it; each ratio
+    runs its 2 observed steps and the one in flight (steps 0-2 at 0.5, 3-5 at 0.2), the
+    restore comes after step 5, back to the state saved after step 0; step 6 trains on
     (the default, the paper's loop; ``restore_first=False`` keeps the first window's
     steps, the second run)."""
     from mpicomm.control import AutoStrategy
@@ -682,7 +771,7 @@ def test_auto_exploration_restores_the_saved_model(comm):
                             restore_first=restore_first, probe_first=False)
         states = []
         with GradientSync(model, strategy=auto, comm=comm) as sync:
-            for step in range(6):
+            for step in range(7):
                 opt.zero_grad()
                 model(torch.full((4, 6), float(step + comm.rank))).sum().backward()
                 sync.step(opt)
@@ -690,14 +779,15 @@ def test_auto_exploration_restores_the_saved_model(comm):
         return states, auto
 
     states, auto = run(True)
-    assert states[4] == states[0]
-    assert states[1] != states[0] and states[5] != states[4]
-    assert [d[0] for d in auto.decisions if d[3] == 0.2][:2] == [2, 3]
+    assert states[5] == states[0]
+    assert states[1] != states[0] and states[6] != states[5]
+    assert [d[0] for d in auto.decisions if d[3] == 0.2][:3] == [3, 4, 5]
+    assert [h.step for h in auto.controller.history] == [5]   # 4 observed, 1 ignored
     kept, auto = run(False)   # the first window keeps its steps: no save, no restore
-    assert all(kept[i] != kept[i - 1] for i in range(1, 6))
+    assert all(kept[i] != kept[i - 1] for i in range(1, 7))
     assert auto._saved is None
     # and goes up the ratios: its largest ratio last, sending what the small one left
-    assert [d[3] for d in auto.decisions if d[0] < 4] == [0.2, 0.2, 0.5, 0.5]
+    assert [d[3] for d in auto.decisions if d[0] < 6] == [0.2] * 3 + [0.5] * 3
     assert all(d[2] not in ("dense", "powersgd") for d in auto.decisions if d[0] < 4)
     reasons = [h.reason for h in auto.controller.history]  # + re-solves on timing drift
     assert reasons[0] == "solve" and set(reasons[1:]) <= {"network"}
@@ -813,10 +903,11 @@ def test_auto_lgreco_bits_and_ranks_are_what_goes_on_the_wire(comm, family, defa
 
 
 @pytest.mark.mpi
-def test_auto_decisions_identical_on_every_rank_at_every_step_with_one_step_lag(comm):
+def test_auto_decisions_identical_on_every_rank_at_every_step_with_their_lag(comm):
     """The ratio, each bucket's scheme and the saved exploration state, after every step,
-    are the same on every rank; step t's measurements are agreed during step t+1 (the
-    records of step t appear after step t+1), on every rank alike."""
+    are the same on every rank; step t's measurements are agreed during step t+1 and
+    decide at its ``step_done`` (the records of step t appear after step t+1), on every
+    rank alike."""
     from mpicomm.control import AutoStrategy
     from mpicomm.torch import GradientSync
 
@@ -844,6 +935,39 @@ def test_auto_decisions_identical_on_every_rank_at_every_step_with_one_step_lag(
 
 
 @pytest.mark.mpi
+def test_auto_triggered_explorations_are_probes_identical_on_every_rank(comm):
+    """With the defaults (``probe_first``, ``probe_triggered``) and a short cooldown,
+    the explorations the gain's changes trigger are probes: the controller solves with
+    reason "probe" more than once, nothing is ever saved (no window, no restore), and
+    every rank takes the same decisions at every step."""
+    from mpicomm.control import AutoStrategy
+    from mpicomm.torch import GradientSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    auto = AutoStrategy(calibrate_links=0, ratios=(0.5, 0.1, 0.02), cooldown=1,
+                        trigger=0.001)
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    trail = []
+    with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
+        for _ in range(16):
+            x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            sync.step(opt)
+            assert auto._saved is None and auto._action is None
+            trail.append((auto.steps, auto.ratio, auto.controller.probing,
+                          sorted(auto._current.items())))
+    reasons = [h.reason for h in auto.controller.history]
+    assert reasons.count("probe") >= 2 and "solve" not in reasons, reasons
+    assert comm.allgather_object(trail) == [trail] * comm.size
+    mine = [(h.step, h.ratio, h.points) for h in auto.controller.history]
+    assert comm.allgather_object(mine) == [mine] * comm.size
+
+
+@pytest.mark.mpi
 def test_auto_min_gain_excludes_a_scheme_whose_measured_gain_is_too_low(comm):
     if comm.size == 1:
         pytest.skip("one rank: dense moves no bytes, no compressed scheme is ever chosen")
@@ -863,6 +987,18 @@ def test_auto_min_gain_excludes_a_scheme_whose_measured_gain_is_too_low(comm):
     assert set(last.values()) == {"dense"}             # its measured gain ruled it out
     mine = (auto.decisions, sorted(auto.scheme_gains.items()))
     assert comm.allgather_object(mine) == [mine] * comm.size
+
+
+def _feed(auto, pending, sums):
+    """One finished step through the strategy: its bucket measurements ``pending`` and
+    step sums (kept, error-fed and Top-k mass, wall time) agreed as during the next
+    step's aggregation, then decided as at that step's ``step_done``."""
+    auto._done.append(([{"trial": False, **r} for r in pending], list(sums)))
+    auto._post()
+    if auto._posted:
+        auto._complete()
+    ready, auto._ready = auto._ready, []
+    return [auto._decide(p, a) for p, a in ready]
 
 
 @pytest.mark.mpi
@@ -886,7 +1022,7 @@ def test_auto_redecides_on_persistent_drift_not_on_one_outlier(comm):
                     "ratio": 0.01, "seconds": slow * (a * base.alpha + b * base.beta),
                     "a": a, "b": b, "work": 0.0, "kept_sq": 0.5, "e_sq": 1.0,
                     "ref_sq": 0.5, "predicted": a * base.alpha + b * base.beta}]
-        auto._agree_step(comm, pending, [0.5, 1.0, 0.5, 0.0])
+        _feed(auto, pending, [0.5, 1.0, 0.5, 0.0])
         return ("b0", 0.01) in auto._choices
 
     trail = [step(t, 1.0) for t in range(3)] + [step(3, 5.0)] + \
@@ -926,7 +1062,7 @@ def test_auto_keeps_measured_times_after_a_drift_of_the_fit_alone(comm, moved):
                     "ratio": 0.01, "seconds": slow[-1] * model, "a": a, "b": b,
                     "work": 0.0, "kept_sq": 0.5, "e_sq": 1.0, "ref_sq": 0.6,
                     "predicted": model}]
-        auto._agree_step(comm, pending, [0.5, 1.0, 0.6, 0.0])
+        _feed(auto, pending, [0.5, 1.0, 0.6, 0.0])
         cleared.append("artopk_tree" not in auto.measured.get(key, {}))
     assert auto.efficiency[("gtopk", 0.01)] == pytest.approx(0.5 / 0.6)
     assert cleared[-1] is moved, cleared
@@ -954,7 +1090,7 @@ def test_auto_drops_a_choice_measured_slow_at_the_same_step_on_every_rank(comm):
         pending = [{"step": t, "bucket": "b0", "scheme": "dense", "key_ratio": 0.1,
                     "ratio": 1.0, "seconds": 1.2, "a": 4.0, "b": 4e7, "work": 0.0,
                     "kept_sq": 1.0, "e_sq": 1.0, "ref_sq": 0.5, "predicted": 0.4}]
-        auto._agree_step(comm, pending, [1.0, 1.0, 0.5, 0.0])
+        _feed(auto, pending, [1.0, 1.0, 0.5, 0.0])
         kept.append(key in auto._choices)
         if not kept[-1]:
             break
@@ -965,7 +1101,9 @@ def test_auto_drops_a_choice_measured_slow_at_the_same_step_on_every_rank(comm):
 
 
 @pytest.mark.mpi
-def test_auto_trials_close_schemes_identically_and_keeps_the_fastest_measured(comm):
+@pytest.mark.parametrize("trial_steps", [1, 2])
+def test_auto_trials_close_schemes_identically_and_keeps_the_fastest_measured(
+        comm, trial_steps):
     """On a slow modelled link the compressed schemes are predicted close: each is tried
     for ``trial_steps`` real steps, every rank tries the same schemes at the same steps,
     and the cached choice is the tried scheme with the lowest agreed measured time."""
@@ -974,7 +1112,8 @@ def test_auto_trials_close_schemes_identically_and_keeps_the_fastest_measured(co
     saved = {k: comm.resources.pop(k) for k in CALIBRATION_KEYS if k in comm.resources}
     comm.resources["cost_params"] = CostParams(alpha=1e-6, beta=1e-6, gamma=0.0)  # 1 MB/s
     try:
-        auto, _, _ = _train_auto(comm, 12, ratio=0.1, trial_margin=10.0, trial_steps=1,
+        auto, _, _ = _train_auto(comm, 12, ratio=0.1, trial_margin=10.0,
+                                 trial_steps=trial_steps,
                                  drift=100.0,  # no drift: the measurements are all kept
                                  schemes=("dense", "allgather_topk", "artopk_tree",
                                           "gtopk"))
@@ -983,11 +1122,17 @@ def test_auto_trials_close_schemes_identically_and_keeps_the_fastest_measured(co
             comm.resources.pop(k, None)
         comm.resources.update(saved)
     assert auto.trials, "close predictions were tried"
+    # each scheme is tried at most trial_steps times, although its time decides only
+    # two steps later: the trial steps under way count, and the schemes take turns
+    tries = [(bucket, s) for _, bucket, s in auto.trials]
+    assert max(tries.count(t) for t in tries) <= trial_steps, tries
+    steps = {(t, b, s) for t, b, s in auto.trials}
+    assert not any((t + 1, b, s) in steps for t, b, s in steps), auto.trials
     mine = (auto.trials, auto.decisions, sorted(auto._current.items()))
     assert comm.allgather_object(mine) == [mine] * comm.size
     for key, scheme in auto._current.items():
         seen = auto.measured[key]
-        # the last step's times are agreed at the next step (one-step lag)
+        # step t's times are agreed during step t+1 and taken at its step_done
         tried = {s for t, bucket, s in auto.trials if bucket == key[0] and t < 11}
         assert tried <= set(seen) and scheme in seen
         # after its trials the bucket runs one of the tried (measured) schemes, cached

@@ -36,8 +36,9 @@ Run under MPI with 4+ ranks, e.g.
   (there compressed methods lose in time-to-accuracy, though their steps are 2x faster).
 * Methods: ``dense``; each static ``scheme@ratio`` of ``--static``; ``auto``
   (:class:`mpicomm.control.AutoStrategy` with its defaults: calibrated selector + CR
-  controller, a probe at step 0 and exploration windows of ``--window`` steps per
-  ratio later; told the run's length, ``total_steps``, as a scheduler would be). Each
+  controller, a probe at step 0 and probes at the ratio in force later (``--window``:
+  steps per ratio of an exploration window, where windows are used); told the run's
+  length, ``total_steps``, as a scheduler would be). Each
   run reports the wall time (max over ranks, evaluation
   excluded) until the test accuracy first reaches ``--target``, checked every
   ``--eval-every`` steps (default 1: at 11 steps per epoch a per-epoch check alone moves

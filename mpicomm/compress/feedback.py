@@ -69,8 +69,16 @@ class ErrorFeedback:
             raise ValueError(f"masking must be True or False, got {masking!r}")
         self.momentum = float(momentum)
         self.masking = masking
+        #: With ``True``, :meth:`update_sparse` also keeps ``||compensated[indices]||²``
+        #: (what was sent, as a 0-d float64 tensor on the tensor's device: no host
+        #: round trip) for :meth:`sent_sq`; off by default (a gather of the ``k`` sent
+        #: entries per call). The adaptive strategy turns it on: with it the error-fed
+        #: squared norm is ``sent_sq + ||residual||²`` (disjoint supports), one pass over
+        #: the buffer instead of forming ``||g + e||²`` beside the strategy.
+        self.track_sent = False
         self._residuals: dict[str, Any] = {}
         self._velocities: dict[str, Any] = {}
+        self._sent_sq: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ the loop
     def compensate(self, name: str, x: Any) -> Any:
@@ -106,6 +114,8 @@ class ErrorFeedback:
         With ``inplace=True`` (default) ``compensated`` itself is zeroed at ``indices``
         and kept as the residual (no copy): gather the values to send *before* calling
         this, and do not reuse ``compensated`` afterwards. ``inplace=False`` copies.
+        With :attr:`track_sent`, ``||compensated[indices]||²`` is kept for
+        :meth:`sent_sq` (``indices`` distinct, as every sparsifier's are).
         """
         info = inspect(compensated)
         c = to_torch(compensated).detach()
@@ -118,6 +128,9 @@ class ErrorFeedback:
         # on CUDA as a device-side assertion at the next synchronization).
         i = torch.where(i < 0, info.numel, i)
         try:
+            if self.track_sent:
+                sent = c.view(-1).index_select(0, i).to(torch.float64)
+                self._sent_sq[name] = torch.dot(sent, sent)
             c.view(-1).index_fill_(0, i, 0)
         except IndexError:
             raise ValueError(
@@ -142,6 +155,16 @@ class ErrorFeedback:
             u.mul_(self.momentum).add_(t)
         self._velocities[name] = from_torch(u, like=x)
         return u.clone()
+
+    def sent_sq(self, name: str) -> float:
+        """``||compensated[indices]||²`` of the last :meth:`update_sparse` of ``name``
+        (taken, so one call per update; ``KeyError`` if none was recorded, e.g.
+        :attr:`track_sent` off or a dense :meth:`update`)."""
+        try:
+            return float(self._sent_sq.pop(name))
+        except KeyError:
+            raise KeyError(f"no sent norm recorded for tensor {name!r} (track_sent is "
+                           f"{self.track_sent})") from None
 
     def velocity(self, name: str) -> Any:
         """The momentum-correction velocity kept for ``name`` (``KeyError`` if none)."""
@@ -173,9 +196,11 @@ class ErrorFeedback:
         if name is None:
             self._residuals.clear()
             self._velocities.clear()
+            self._sent_sq.clear()
         else:
             self._residuals.pop(name, None)
             self._velocities.pop(name, None)
+            self._sent_sq.pop(name, None)
 
     def norm(self, name: str | None = None) -> float:
         """L2 norm of one residual, or of all residuals together (a diagnostic).
@@ -212,6 +237,7 @@ class ErrorFeedback:
                 raise ValueError(f"residual names must be strings, got {k!r}")
         self._residuals = _copies(residuals)
         self._velocities = _copies(velocities)
+        self._sent_sq = {}
 
     def _store(self, name: str, residual: Any) -> None:
         held = self._residuals.get(name)

@@ -16,56 +16,64 @@ What happens, on every rank identically:
   over several links + compute kernels) unless the communicator is calibrated already,
   and the CR controller's first exploration starts with step 0: by default a *probe*
   (step 0 runs at the middle candidate ratio and measures Top-k's gain at every
-  candidate on its own gradients; the ratio is solved at step 1), with
-  ``probe_first=False`` the paper's window (one ratio after the other, restored);
+  candidate on its own gradients; the ratio is solved at step 1; the explorations
+  triggered later probe likewise at the ratio in force), with
+  ``probe_first=False`` / ``probe_triggered=False`` the paper's window (one ratio after
+  the other, restored);
 * each bucket: the cached choice for (bucket, ratio), else :func:`~.selector.select`;
   where the predictions do not separate the schemes (within ``trial_margin`` of the
   cheapest), each close scheme is *tried* for ``trial_steps`` real steps (no rollback)
   and the lowest agreed cost per unit of progress (``gain_weighted``) decides; its time
   (wall, including an emulated link's delay) is logged against the prediction;
-* :meth:`AutoStrategy.step_done` (after ``optimizer.step()``) closes the step; at the
-  start of the next aggregation (inside the collective sequence, so no extra wait) the
-  step's measured times are agreed (mean over ranks, one small allreduce with the
-  gains) and refine alpha/beta and each
-  scheme's compute factor
-  (:class:`~.calibration.OnlineCalibration`); a drift of alpha/beta, or of a compute
-  factor by the same fraction, that persists for ``drift_patience`` steps (each step's
-  own times off the prediction by that fraction: debounced against load noise) clears
-  the choices (re-decide), and a network drift also forgets the measured times and
-  tells the CR controller; one
+* :meth:`AutoStrategy.step_done` (after ``optimizer.step()``) closes the step; its
+  measured times and squared norms are agreed during the next step (mean over ranks, one
+  small nonblocking allreduce) and refine alpha/beta and each scheme's compute factor
+  (:class:`~.calibration.OnlineCalibration`) at the ``step_done`` after that; a drift of
+  alpha/beta, or of a compute factor by the same fraction, that persists for
+  ``drift_patience`` steps (each step's own times off the prediction by that fraction:
+  debounced against load noise) clears the choices (re-decide), and a network drift
+  also forgets the measured times and tells the CR controller; one
   :class:`~.selector.Record` per bucket is appended to :attr:`records` and passed to each
   callback in :attr:`callbacks`; the step's compression gain (averaged over ranks) feeds
   the :class:`~.cr.CRController`, whose ``"save"``/``"restore"`` actions snapshot and
   restore the model, the optimizer and the error-feedback memory around exploration
-  windows at the next ``step_done`` (see *When decisions take effect*); every
-  ``lgreco_every`` steps :class:`~.lgreco.LGreco` re-solves the per-layer settings on
-  rank 0 and broadcasts them.
+  windows right there (see *When decisions take effect*); every ``lgreco_every`` steps
+  :class:`~.lgreco.LGreco` re-solves the per-layer settings on rank 0 and broadcasts
+  them.
 
-When decisions take effect (the "one-step lag"), for steps ``t = 0, 1, ...`` (the
-aggregations of step t, then ``step_done`` after its ``optimizer.step()``):
+When decisions take effect, for steps ``t = 0, 1, ...`` (the aggregations of step t,
+then ``step_done`` after its ``optimizer.step()``):
 
-* the measurements of step ``t-1`` (every bucket's time, the compression gain) are agreed
-  at the *first aggregation of step t*, before any bucket of step t is sent; what they
-  decide (refined alpha/beta and compute factors, re-chosen schemes, the CR controller's
-  ratio, L-GreCo's settings when ``t % lgreco_every == 0``) is used by *every* bucket of
-  step t. No controller can do better: step t's own statistics exist only after it ran.
-* a ``"save"``/``"restore"`` decided there is carried out at ``step_done`` of step t,
-  i.e. after step t's update: the saved state includes the first exploration step's
-  update (kept), and a restore discards the update of step t, which already ran at the
-  ratio chosen after the window. That is the actual lag, one step of work per window —
-  ours; the paper's loop is synchronous.
-* why it is kept: agreeing at ``step_done`` instead would put a blocking allreduce on the
-  main thread after every ``optimizer.step()`` (every rank waiting for the slowest before
-  its next forward); at the first aggregation of the next step every rank is entering a
-  collective with the others anyway, so the agreement costs one small allreduce whose
-  wait the bucket's own exchange would have had. (A restore cannot move earlier either:
-  at that point the backward of step t already runs on the weights it would replace.)
-* the lag is the same on every rank: every rank calls ``step_done`` as often and
+* the measurements of step ``t`` (every bucket's time, the compression gain) are agreed
+  *during step t+1*: the allreduce starts (nonblocking) at its first aggregation and is
+  completed at the end of that aggregation, after the buckets' exchanges; ``step_done``
+  of step t+1 decides with them (refined alpha/beta and compute factors, re-chosen
+  schemes, the CR controller's ratio, L-GreCo's settings, solved at the first
+  aggregation of step t+2 when ``(t + 2) % lgreco_every == 0``) for *every* bucket of
+  step t+2, and carries out a ``"save"``/``"restore"`` at once (after step t+1's
+  update). So a decision uses the measurements of two steps back.
+* why not sooner: agreeing before step t+1's first bucket (this module's earlier
+  design, one step back) made every rank wait there for the slowest one's backward pass,
+  and then select its top-k at the same moment as the others; after the buckets
+  instead (deciding at ``step_done`` of step t, no lag) made every rank wait for the
+  slowest one's unpacking, and start its next forward pass with all the others. Where
+  ranks share cores both cost: on the adaptive bench (4 ranks on 2 cores, Allgather
+  Top-k at a fixed ratio) 67.5 and about 80 ms a step, against 61 ms without any
+  agreement and 59 ms for the static strategy. Posted at the first aggregation, the
+  allreduce moves along inside the buckets' own exchanges (MPI progresses every
+  pending request in any call), so completing it after them waits for nothing new.
+* what the extra step changes: a scheme on trial runs ``trial_steps`` steps, counting
+  those still being agreed, before the next is tried; a CR exploration window runs each
+  ratio ``window`` steps plus one whose gain arrives after the ratio moved on (it adds
+  to that ratio's mean: :meth:`~.cr.CRController.observe` ``ratio=``), and its restore
+  discards that one too; the step after a probe runs at the probe's ratio again.
+* decisions are the same on every rank: every rank calls ``step_done`` as often and
   aggregates the same buckets in the same order (the ``GradientSync`` contract, checked
-  in ``comm.check`` mode), ``_agree`` runs at the first aggregation after a ``step_done``
-  on every rank, and every input of a decision is agreed (allreduce; L-GreCo: rank 0's
-  solution broadcast) — ``tests/test_control_selector.py`` checks the ratio, the schemes,
-  the pending action and the L-GreCo settings step by step on every rank.
+  in ``comm.check`` mode), the allreduces are posted and completed at the same
+  aggregations on every rank, and every input of a decision is agreed (allreduce;
+  L-GreCo: rank 0's solution broadcast) — ``tests/test_control_selector.py`` checks the
+  ratio, the schemes, the pending action and the L-GreCo settings step by step on every
+  rank.
 
 Error feedback: one memory shared by every scheme, keyed by bucket name, so a switch
 between sparse schemes keeps the residual; a dense step adds and clears it. PowerSGD keeps
@@ -119,6 +127,7 @@ from mpi4py import MPI
 
 from ..buffers import from_torch, to_torch
 from ..collectives.cost import CostParams, calibrated
+from ..comm import wait_all
 from ..compress import ErrorFeedback
 from ..compress.topk import k_for
 from ..selection import topk_indices, topk_masses
@@ -145,6 +154,20 @@ CALIBRATION_ONEWAY_BYTES = 1 << 19
 #: gradients stop agreeing (AR-Top-k on the adaptive bench: 0.8 at the first steps,
 #: 0.5 by step 30), and a kept choice must give way before most of its steps ran.
 EFFICIENCY_DECAY = 0.7
+#: Steps after which a (scheme, ratio)'s efficiency counts as stale: its next
+#: measurement replaces it instead of entering the EWMA. Efficiencies are measured only
+#: while a scheme runs, and they fall as training goes on; on the adaptive bench the
+#: AR-Top-k efficiency measured in the first trials (0.7-0.8) made it look cheapest
+#: again when the network changed at step 66 (its exchange then took about half of
+#: Allgather Top-k's), and it ran 5-9 steps at 0.5 before its EWMA caught up.
+EFFICIENCY_STALE = 10
+#: Longest sleep (seconds) between tests of the agreement allreduce still pending after
+#: a step's exchanges (:func:`~mpicomm.comm.wait_all`; mostly it is complete by then): a
+#: spinning rank takes a core from the others where ranks share cores.
+AGREE_POLL_S = 5e-4
+#: Agreed times kept per (bucket, ratio, scheme), at least: a measured cost is the
+#: minimum of them (one step's time on a shared host is noisy).
+MEASURED_TIMES = 2
 
 
 class AutoStrategy(Strategy):
@@ -166,17 +189,19 @@ class AutoStrategy(Strategy):
         — the buckets are re-decided as soon as a running scheme's gain falls below it.
         Not applied to the per-layer QSGD/PowerSGD families.
     weights, choice, window, trigger, warmup_steps, explore, cooldown, restore_first,
-    total_steps, probe_first:
+    total_steps, probe_first, probe_triggered:
         The CR controller's (:class:`~.cr.CRController`). The first exploration starts
         with the first step, a one-step probe by default (``probe_first``: Top-k's gain
         at every candidate ratio on step 0's error-fed gradients, measured locally
         beside the step's own exchange at the middle ratio; ours, see :mod:`~.cr`: on
         the adaptive bench it saved the 0.3-0.4 s of a 5-step window that is thrown
-        away, about 10% of the best static run's time to the target); later
-        explorations are windows, which save and restore (``restore_first=False``
-        keeps the first window's steps, going up the ratios: see :mod:`~.cr`); with
-        ``total_steps`` (the training's length, when known) no window starts in the
-        last ``2·window·len(ratios)`` steps. An exploration step runs the cheapest
+        away, about 10% of the best static run's time to the target); the explorations
+        triggered later are probes too by default (``probe_triggered``, at the ratio in
+        force: nothing thrown away), with ``probe_triggered=False`` the paper's windows,
+        which save and restore (``restore_first=False`` keeps the first window's steps,
+        going up the ratios: see :mod:`~.cr`); with ``total_steps`` (the training's
+        length, when known) no exploration starts in the last
+        ``2·window·len(ratios)`` steps. An exploration step runs the cheapest
         *sparse* scheme at its ratio, never dense or PowerSGD (PowerSGD at ratios 0.1
         and 0.033 cost up to 0.6 s a step in the window), and the controller is fed
         Top-k's gain at the ratio whatever scheme ran (module docstring). Its choices
@@ -191,11 +216,14 @@ class AutoStrategy(Strategy):
         this bucket and ratio, else its prediction) is within ``trial_margin`` of the
         cheapest is *tried* for ``trial_steps`` real training steps (no rollback: every
         candidate is a valid aggregation at the same ratio), and the bucket then runs
-        the scheme with the lowest measured time (min over its last ``trial_steps``
-        agreed times). A prediction that separates the schemes clearly (one candidate
-        within the margin) is used without trials. ``trial_steps=0`` chooses by
-        prediction only. Trials run outside CR exploration windows; a (debounced)
-        network drift forgets the measurements and tries again. Ours, not the papers'.
+        the scheme with the lowest measured time (min over its last
+        ``max(trial_steps, MEASURED_TIMES)`` agreed times). A prediction that separates
+        the schemes clearly (one candidate within the margin) is used without trials.
+        ``trial_steps=0`` chooses by prediction only. Trials run outside CR exploration
+        windows; a (debounced) network drift forgets the measurements and tries again.
+        Default 1: on the adaptive bench every trial step of an approximate scheme
+        (AR-Top-k, gTop-k, PowerSGD at efficiency 0.3-0.7) costs progress, and 2 put
+        about 9 of the first 12 steps on trials. Ours, not the papers'.
     gain_weighted:
         ``True`` (default): compare schemes (in the choice by measurement and
         :meth:`_outrun`) by the step's seconds per unit of Top-k progress,
@@ -272,9 +300,10 @@ class AutoStrategy(Strategy):
                  switch_margin: float = 0.1, cooldown: int = 50,
                  lgreco_factors: Sequence[float] = DEFAULT_FACTORS,
                  lgreco_family: str = "topk", lgreco_default: Optional[float] = None,
-                 trial_margin: float = 0.5, trial_steps: int = 2, drift_patience: int = 5,
+                 trial_margin: float = 0.5, trial_steps: int = 1, drift_patience: int = 5,
                  restore_first: bool = True, gain_weighted: bool = True,
                  total_steps: Optional[int] = None, probe_first: bool = True,
+                 probe_triggered: bool = True,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         schemes = tuple(schemes)
@@ -317,7 +346,8 @@ class AutoStrategy(Strategy):
                                            choice=choice, window=window, trigger=trigger,
                                            warmup_steps=warmup_steps, explore=explore,
                                            cooldown=cooldown, restore_first=restore_first,
-                                           total_steps=total_steps, probe_first=probe_first)
+                                           total_steps=total_steps, probe_first=probe_first,
+                                           probe_triggered=probe_triggered)
         self._fixed_ratio = None if ratio is None else float(ratio)
         self.lgreco: Optional[LGreco] = None
         if lgreco:
@@ -329,6 +359,7 @@ class AutoStrategy(Strategy):
                                  factors=lgreco_factors, family=lgreco_family)
         self._psgd: dict[int, Any] = {}  # rank -> PowerSGD: per-layer warm starts
         self.memory = ErrorFeedback()
+        self.memory.track_sent = True  # the step's ||g_e||² without forming g + e again
         self.records: deque[Record] = deque(maxlen=history)
         #: Called with each :class:`~.selector.Record` (e.g. a trace or metrics exporter).
         self.callbacks: list[Callable[[Record], None]] = []
@@ -343,12 +374,14 @@ class AutoStrategy(Strategy):
         #: Top-k's on the same gradients, EWMA over the steps it ran (agreed): the
         #: divisor of its cost with ``gain_weighted``.
         self.efficiency: dict[tuple[str, float], float] = {}
+        self._efficiency_step: dict[tuple[str, float], int] = {}  # last measured at
         self.gain_weighted = bool(gain_weighted)
         self._predicted: dict[tuple[str, float], dict[str, float]] = {}
         self.decisions: list[tuple[int, str, str, float]] = []  # (step, bucket, scheme, c)
         self._choices: dict[tuple[str, float], Choice] = {}
         self._subs: dict[tuple[str, float, Any], Strategy] = {}
         self._layouts: dict[str, tuple[list[tuple[int, ...]], int]] = {}
+        self._coeffs: dict[tuple[Any, ...], tuple[float, float, float, float]] = {}
         self._segments: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {}
         self._pending: list[dict[str, Any]] = []
         self._gain_sq = [0.0, 0.0, 0.0]  # Σ||g_c||², Σ||g_e||², Σ||top-k(g_e)||²: step
@@ -356,6 +389,12 @@ class AutoStrategy(Strategy):
         self._saved: Optional[dict[str, Any]] = None
         self._started = False
         self._done: list[tuple[list[dict[str, Any]], list[float]]] = []
+        #: Agreements under way (records, local sums, agreed sums, request) and agreed
+        #: ones waiting for the next ``step_done`` (records, agreed sums).
+        self._posted: list[tuple[list[dict[str, Any]], Any, Any, Any]] = []
+        self._ready: list[tuple[list[dict[str, Any]], Any]] = []
+        self._in_trial: dict[tuple[tuple[str, float], str], int] = {}  # trial steps
+        self._adjust_due = False
         self._last_done: Optional[float] = None
         #: EWMA of a step's wall time outside the buckets' exchanges (forward, backward,
         #: optimizer; between ``step_done`` calls, mean over ranks): the part of a
@@ -368,7 +407,8 @@ class AutoStrategy(Strategy):
         self.trial_margin, self.trial_steps = float(trial_margin), trial_steps
         self.drift_patience = drift_patience
         self._moved_streak = 0  # consecutive agreed steps with a compute factor moved
-        #: (bucket, ratio) -> scheme -> its last ``trial_steps`` agreed times (seconds).
+        #: (bucket, ratio) -> scheme -> its last ``max(trial_steps, MEASURED_TIMES)``
+        #: agreed times (seconds).
         self.measured: dict[tuple[str, float], dict[str, deque[float]]] = {}
         #: (bucket, ratio) -> (kept scheme, its settled time): :meth:`_times_moved`.
         self._baseline: dict[tuple[str, float], tuple[str, float]] = {}
@@ -510,11 +550,14 @@ class AutoStrategy(Strategy):
         tensors, names = self._validate(tensors, names)
         check_floating(tensors, names)
         self._ensure_calibrated()
-        if self._done:
-            self._agree()
-        elif not self._started and self.controller is not None:
+        if not self._started and self.controller is not None:
             self._started = True  # the first aggregation: exploration starts with step 0
             self._action = self.controller.start()
+        if self._adjust_due:  # L-GreCo's solve (a broadcast): inside the collectives
+            self._adjust_due = False
+            self._adjust_lgreco()
+        if self._done:  # the first aggregation of a step: agree on the finished ones
+            self._post()
         as_torch = [to_torch(t) for t in tensors]
         results: list[Any] = [None] * len(tensors)
         comm = self.comm
@@ -531,6 +574,8 @@ class AutoStrategy(Strategy):
                 results[i] = from_torch(part.view(as_torch[i].shape), like=tensors[i])
         # Not base.measure: the inner strategies already sleep their emulated link delay.
         self.stats.add_call(comm.traffic - before, as_torch, time.perf_counter() - start)
+        if self._posted:  # progressed during the buckets' exchanges: done or nearly
+            self._complete()
         return results
 
     def aggregate_flat(self, flat: Any, name: str) -> Any:
@@ -564,6 +609,7 @@ class AutoStrategy(Strategy):
         ratio = self.ratio
         key = (buf.name, ratio)
         choice = self._choices.get(key)
+        counted = False  # a trial step, counted until its time is agreed
         params, compute = calibrated(self.comm)
         shapes, itemsize = self._layouts[buf.name]
         p = self.comm.size
@@ -595,8 +641,13 @@ class AutoStrategy(Strategy):
                                 (self._family_ratio(segments, itemsize) if self.family
                                  else ratio),
                                 choice.candidates[current], choice.candidates)
-            if trial:  # not cached: the next step decides again with this step measured
-                self.trials.append((self.steps, buf.name, choice.scheme))
+            if trial:  # not cached: the next steps decide again, with it counted
+                under_way = self._in_trial.get((key, choice.scheme), 0)
+                if len(self.measured.get(key, {}).get(choice.scheme, ())) + under_way < \
+                        self.trial_steps:  # (else the cheapest tried, while others wait)
+                    self.trials.append((self.steps, buf.name, choice.scheme))
+                    self._in_trial[(key, choice.scheme)] = under_way + 1
+                    counted = True
             elif not exploring:  # a window's choice (sparse schemes only) is not kept
                 self._choices[key] = choice
                 self._current[key] = choice.scheme
@@ -625,25 +676,21 @@ class AutoStrategy(Strategy):
                     self.memory.reset(buf.name)
                 e_sq, left = _sq(flat), 0.0  # gain 1
                 averaged = sub.aggregate_flat(flat, buf.name)
-            else:
-                held = self.memory.residual(buf.name) if buf.name in self.memory else None
-                h = None if held is None else to_torch(held)
-                # ||g + e||² without forming g + e (the strategy forms it once itself)
-                e_sq = _sq(flat) if h is None else max(
-                    _sq(flat) + 2 * _dot(flat, h) + _sq(h), 0.0)
-                if per_layer:
-                    c = flat if h is None else flat + h
-                    self._accumulate(buf.name, c)
-                    averaged, left = self._per_layer(c, buf.name)
-                elif self.lgreco is not None:
-                    c = flat if h is None else flat + h
+            elif per_layer:
+                c = self._error_fed(choice.scheme, buf, names, tensors, sub)
+                e_sq = _sq(c)
+                self._accumulate(buf.name, c)
+                averaged, left = self._per_layer(c, buf.name)
+            else:  # the sparse schemes send entries of g + e and keep the others:
+                if self.lgreco is not None:  # ||g + e||² = ||sent||² + ||residual||²
+                    c = self._error_fed(choice.scheme, buf, names, tensors, sub)
                     self._accumulate(buf.name, c)
                     averaged = self._segmented(choice.scheme, choice.ratio, c, buf.name)
-                else:
+                else:  # (the strategy forms g + e itself)
                     assert sub is not None
                     averaged = sub.aggregate_flat(flat, buf.name)
-                if not per_layer:
-                    left = _sq(to_torch(self.memory.residual(buf.name)))
+                left = _sq(to_torch(self.memory.residual(buf.name)))
+                e_sq = left + self.memory.sent_sq(buf.name)
             delay = link_delay(comm, comm.traffic - before)
             if delay > 0:
                 time.sleep(delay)
@@ -654,30 +701,49 @@ class AutoStrategy(Strategy):
             ref_sq = kept_sq
         for i, v in enumerate((kept_sq, e_sq, ref_sq)):
             self._gain_sq[i] += v
-        coeff = [self._parts(choice.scheme, choice.ratio, segments, itemsize, p, c, compute)
-                 for c in (_ALPHA, _BETA, _GAMMA_ONLY)]
-        work = coeff[0]["compute"] + params.gamma * coeff[2]["comm"]
-        a, b = coeff[0]["comm"], coeff[1]["comm"]
+        a, b, work, g = self._coefficients(buf.name, choice.scheme, choice.ratio, itemsize,
+                                           compute)
+        work += params.gamma * g
         kappa = scales.get(choice.scheme, 1.0)
         self._pending.append({"step": self.steps, "bucket": buf.name,
                               "scheme": choice.scheme, "key_ratio": ratio,
                               "ratio": choice.ratio, "seconds": seconds, "a": a, "b": b,
                               "work": work, "kept_sq": kept_sq, "e_sq": e_sq,
-                              "ref_sq": ref_sq,
+                              "ref_sq": ref_sq, "trial": counted,
                               "predicted": a * params.alpha + b * params.beta + kappa * work})
         return [o.reshape(-1) for o in out]
+
+    def _coefficients(self, bucket: str, scheme: str, ratio: float, itemsize: int,
+                      compute: Any) -> tuple[float, float, float, float]:
+        """``scheme``'s prediction for ``bucket`` is linear in the link parameters:
+        ``a·alpha + b·beta + work + g·gamma``; returns ``(a, b, work, g)``, computed once
+        per (bucket, scheme, ratio, per-layer settings, compute kernels) and kept (three
+        ``predict_parts`` calls otherwise, every step)."""
+        segments = self._segments[bucket]
+        settings = tuple(self._family_values(segments)) \
+            if self.family is not None and scheme == FAMILY_SCHEMES[self.family] else ()
+        key = (bucket, tuple(segments), scheme, ratio, settings, compute)
+        cached = self._coeffs.get(key)
+        if cached is None:
+            p = self.comm.size
+            parts = [self._parts(scheme, ratio, segments, itemsize, p, c, compute)
+                     for c in (_ALPHA, _BETA, _GAMMA_ONLY)]
+            cached = (parts[0]["comm"], parts[1]["comm"], parts[0]["compute"],
+                      parts[2]["comm"])
+            self._coeffs[key] = cached
+        return cached
 
     def _costs(self, key: tuple[str, float], predicted: dict[str, float],
                partial: bool = False) -> dict[str, float]:
         """Each candidate's cost at ``key`` = (bucket, ratio): its measured time (min of
-        its last ``trial_steps`` agreed times) once measured that often (``partial``:
-        once measured at all), else its prediction. With ``gain_weighted``: seconds of
-        the *step* per unit of Top-k progress, ``(t + share) / efficiency``, where
-        ``share`` is the bucket's part (by elements) of :attr:`step_other` and the
-        :attr:`efficiency` at this ratio is 1 for dense and for a scheme not measured
-        yet (not ruled out unseen). The share matters: a scheme whose exchange takes
-        half the time but keeps 0.6 of Top-k's mass needs about 1/0.6 the steps, each
-        with the whole forward and backward."""
+        its kept agreed times, :data:`MEASURED_TIMES`) once measured ``trial_steps``
+        times (``partial``: once measured at all), else its prediction. With
+        ``gain_weighted``: seconds of the *step* per unit of Top-k progress,
+        ``(t + share) / efficiency``, where ``share`` is the bucket's part (by elements)
+        of :attr:`step_other` and the :attr:`efficiency` at this ratio is 1 for dense
+        and for a scheme not measured yet (not ruled out unseen). The share matters: a
+        scheme whose exchange takes half the time but keeps 0.6 of Top-k's mass needs
+        about 1/0.6 the steps, each with the whole forward and backward."""
         seen = self.measured.get(key, {})
         share = 0.0
         if self.gain_weighted and self.step_other and key[0] in self._layouts:
@@ -743,15 +809,23 @@ class AutoStrategy(Strategy):
         cheapest by measured time (prediction where unmeasured; :meth:`_costs`). A scheme
         partly tried counts with the steps it ran, so one step that puts it outside the
         margin ends its trial (PowerSGD at ratio 0.011 on the adaptive bench: 74 ms at
-        efficiency 0.3, one step instead of two). Pure arithmetic on agreed numbers: the
-        same on every rank."""
+        efficiency 0.3). Trial steps whose times are still being agreed count as run,
+        and the schemes take turns: one with a step under way waits while the others
+        run (when all wait, the cheapest fully tried scheme runs, uncached), so no
+        scheme runs a step more than ``trial_steps`` because of the agreement's lag.
+        Pure arithmetic on agreed numbers: the same on every rank."""
         seen = self.measured.get(key, {})
         cost = self._costs(key, choice.candidates, partial=True)
         best = min(cost.values())
         close = sorted((s for s in cost if cost[s] <= (1 + self.trial_margin) * best),
                        key=lambda s: (cost[s], SCHEMES.index(s)))
-        untried = [s for s in close if len(seen.get(s, ())) < self.trial_steps]
-        pick = untried[0] if untried else close[0]
+        untried = [s for s in close if len(seen.get(s, ())) +
+                   self._in_trial.get((key, s), 0) < self.trial_steps]
+        waiting = [s for s in untried if not self._in_trial.get((key, s))]
+        done = [s for s in close if s not in untried]
+        # round robin: a scheme whose last trial step is still being agreed waits; the
+        # others (or, when all wait, the cheapest fully tried one) run meanwhile
+        pick = waiting[0] if waiting else (done or untried or close)[0]
         return Choice(pick, 1.0 if pick == "dense" else key[1], cost[pick], cost), \
             bool(untried) and len(close) > 1
 
@@ -817,75 +891,81 @@ class AutoStrategy(Strategy):
     def step_done(self, model: Any = None, optimizer: Any = None) -> None:
         """End of a training step (no communication here; see the module docstring).
 
-        The step's measurements are queued for agreement, and an action the controllers
-        decided earlier is carried out now, at this safe point: ``model``/``optimizer``
-        (and the error-feedback memory) are saved or restored around CR exploration
-        windows (without them the windows run but only the memory is restored)."""
+        The step's measurements are queued for agreement; the measurements agreed during
+        this step (those of the step before) decide the next step (:meth:`_decide`,
+        pure arithmetic on agreed numbers), and an action the CR controller decided is
+        carried out now, at this safe point: ``model``/``optimizer`` (and the
+        error-feedback memory) are saved or restored around CR exploration windows
+        (without them the windows run but only the memory is restored)."""
         now = time.perf_counter()
         wall = 0.0 if self._last_done is None else now - self._last_done
         self._done.append((self._pending, self._gain_sq + [wall] + self._probe_sq))
         self._pending, self._gain_sq, self._probe_sq = [], [0.0, 0.0, 0.0], []
+        actions = [self._action]
+        self._action = None
+        ready, self._ready = self._ready, []
+        actions += [self._decide(pending, agreed) for pending, agreed in ready]
         self.steps += 1
-        action, self._action = self._action, None
-        self._act(action, model, optimizer)
+        for action in actions:
+            self._act(action, model, optimizer)
         self._last_done = time.perf_counter()
 
-    def _agree(self) -> None:
-        """Agree on the finished steps' measurements and decide (collective; runs at the
-        start of the next aggregation, inside the collective sequence every rank is in,
-        so the ranks' waiting for each other is absorbed by the bucket's own exchange).
-        Its decisions hold for the whole step that is starting; a save/restore waits for
-        that step's ``step_done`` (module docstring, *When decisions take effect*)."""
-        assert self.online is not None
+    def _post(self) -> None:
+        """Start agreeing on the finished steps' measurements: one small nonblocking
+        allreduce per step at the first aggregation of the next step, completed at its
+        end (:meth:`_complete`), after the buckets' exchanges have moved it along and
+        have made the ranks wait for each other anyway (module docstring, *When
+        decisions take effect*)."""
         comm = self.comm
         for pending, gain_sq in self._done:
-            self._agree_step(comm, pending, gain_sq)
-        self._done = []
-
-    def _agree_step(self, comm: Any, pending: list[dict[str, Any]],
-                    gain_sq: list[float]) -> None:
-        assert self.online is not None
-        n = len(pending)
-        seconds = np.array([r[f] for f in ("seconds", "kept_sq", "e_sq", "ref_sq")
-                            for r in pending] + gain_sq, dtype=np.float64)
-        if comm.size > 1:
+            local = np.array([r[f] for f in ("seconds", "kept_sq", "e_sq", "ref_sq")
+                              for r in pending] + gain_sq, dtype=np.float64)
+            if comm.size == 1:
+                self._ready.append((pending, local))
+                continue
             if comm.check:  # checked mode: the ranks aggregated the same buckets
                 counts = comm.allgather_object(len(pending))
                 if len(set(counts)) != 1:
                     raise RuntimeError(f"auto strategy: ranks aggregated different numbers "
                                        f"of buckets in a step: {counts}")
-            agreed = np.empty_like(seconds)  # ONE small allreduce per step
-            comm.ctl.Allreduce(seconds, agreed, op=MPI.SUM)
-            seconds = agreed
-            seconds[:n] /= comm.size
-        self._track_gains(pending, seconds[n:2 * n], seconds[2 * n:3 * n],
-                          seconds[3 * n:4 * n])
+            agreed = np.empty_like(local)
+            self._posted.append((pending, local, agreed,
+                                 comm.ctl.Iallreduce(local, agreed, op=MPI.SUM)))
+        self._done = []
+
+    def _complete(self) -> None:
+        """Finish the agreements :meth:`_post` started (waiting asleep,
+        :data:`AGREE_POLL_S`); they decide at the next ``step_done``."""
+        posted, self._posted = self._posted, []
+        wait_all([request for *_, request in posted], AGREE_POLL_S)
+        for pending, _, agreed, _ in posted:
+            agreed[:len(pending)] /= self.comm.size
+            self._ready.append((pending, agreed))
+
+    def _decide(self, pending: list[dict[str, Any]], agreed: Any) -> Optional[str]:
+        """One finished step's agreed measurements (``pending``: its buckets' records,
+        ``agreed``: their seconds and squared norms, then the step's sums, wall time and
+        probe masses) decide the next step, at ``step_done``, the same on every rank:
+        records, the online refinement, the trials' times, the gains; a re-decision on
+        a drift, an outrun choice or a gain below ``min_gain``; the CR controller (its
+        action is returned) and L-GreCo's next solve."""
+        assert self.online is not None
+        n = len(pending)
+        seconds = agreed[:n]
+        self._track_gains(pending, agreed[n:2 * n], agreed[2 * n:3 * n],
+                          agreed[3 * n:4 * n])
         params = self.online.params
-        for r, t in zip(pending, seconds[:n]):
-            self.online.observe(r["a"], r["b"], float(t), r["work"], r["scheme"])
-            if self.trial_steps:
-                key = (r["bucket"], r["key_ratio"])
-                times = self.measured.setdefault(key, {}).setdefault(
-                    r["scheme"], deque(maxlen=self.trial_steps))
-                times.append(float(t))
-                choice = self._choices.get(key)
-                if choice is not None and choice.scheme == r["scheme"] and \
-                        len(times) == self.trial_steps and key not in self._baseline:
-                    self._baseline[key] = (r["scheme"], min(times))
-            rec = Record(r["step"], r["bucket"], r["scheme"], r["ratio"], r["predicted"],
-                         float(t), params.alpha, params.beta)
-            self.records.append(rec)
-            for cb in self.callbacks:
-                cb(rec)
+        for r, t in zip(pending, seconds):
+            self._observe(r, float(t), params)
         drift = self.online.refine(None)
-        comm.resources["cost_params"] = self.online.params
+        self.comm.resources["cost_params"] = self.online.params
         scales = self.online.compute_scales()
         shifted = any(abs(v - self._scales_used.get(k, 1.0)) > self._drift *
                       self._scales_used.get(k, 1.0) for k, v in scales.items())
         # counted only while the step's own times are off the predictions by the drift
         # fraction (the EWMA fit stays moved for steps after one outlier step)
         predicted = sum(r["predicted"] for r in pending)
-        off = predicted > 0 and abs(float(seconds[:n].sum()) - predicted) > \
+        off = predicted > 0 and abs(float(seconds.sum()) - predicted) > \
             self._drift * predicted
         self._moved_streak = self._moved_streak + 1 if shifted and off else 0
         moved = self._moved_streak >= self.drift_patience  # debounced like alpha/beta
@@ -902,40 +982,75 @@ class AutoStrategy(Strategy):
             self._baseline.clear()
             self._scales_used = scales
             self._moved_streak = 0
-        kept, total, ref, wall = (float(v) for v in seconds[4 * n:4 * n + 4])
-        probe = [float(v) for v in seconds[4 * n + 4:]]
+        kept, total, ref, wall = (float(v) for v in agreed[4 * n:4 * n + 4])
+        probe = [float(v) for v in agreed[4 * n + 4:]]
         if wall > 0:  # mean over ranks of the step's wall time outside the buckets
-            other = max(wall / comm.size - float(seconds[:n].sum()), 0.0)
+            other = max(wall / self.comm.size - float(seconds.sum()), 0.0)
             self.step_other = other if self.step_other is None else \
                 self._decay * self.step_other + (1 - self._decay) * other
         self.last_gain = min(math.sqrt(kept / total), 1.0) if total > 0 else 1.0
         # the CR controller's gain: exact Top-k's at the ratio on this step's error-fed
         # gradients, whatever scheme ran (comparable across the ratios of a window)
         gain = min(math.sqrt(ref / total), 1.0) if total > 0 else 1.0
-        step = pending[0]["step"] + 1 if pending else self.steps
+        action = None
         if self.controller is not None:
             before = self.controller.ratio
             if drift:
                 self.controller.network_changed()
-            gains = None if not probe else {
+            # the probe's masses reach the controller once (the step after the probe
+            # ran while its result was being agreed, and measured them too)
+            gains = None if not (probe and self.controller.probing) else {
                 c: min(math.sqrt(m / total), 1.0) if total > 0 else 1.0
                 for c, m in zip(self.controller.ratios, probe)}
-            action = self.controller.observe(gain, probe=gains)
-            if action is not None:
-                self._action = action
+            ran = pending[0]["key_ratio"] if pending else None
+            if gains is not None or not self.controller.probing:
+                action = self.controller.observe(gain, probe=gains, ratio=ran)
             if self.controller.ratio != before:
                 self._choices = {k: v for k, v in self._choices.items()
                                  if k[1] == self.controller.ratio}
                 self._baseline = {k: v for k, v in self._baseline.items()
                                   if k in self._choices}
         lg = self.lgreco
-        if lg is not None and step % lg.every == 0:
-            shapes = {layer: shape for segs in self._segments.values()
-                      for layer, _, shape in segs}
-            lg.adjust(comm, shapes)
-            if self.family is not None:  # the predictions changed with the settings
-                self._choices.clear()
-                self._baseline.clear()
+        if lg is not None and (self.steps + 1) % lg.every == 0:
+            self._adjust_due = True  # at the next aggregation, inside the collectives
+        return action
+
+    def _observe(self, r: dict[str, Any], seconds: float, params: CostParams) -> None:
+        """One bucket's agreed time: the online refinement, the trials' measured times
+        (and a kept choice's settled time), a :class:`~.selector.Record`."""
+        assert self.online is not None
+        self.online.observe(r["a"], r["b"], seconds, r["work"], r["scheme"])
+        key = (r["bucket"], r["key_ratio"])
+        if r["trial"]:
+            left = self._in_trial.get((key, r["scheme"]), 0) - 1
+            if left > 0:
+                self._in_trial[(key, r["scheme"])] = left
+            else:
+                self._in_trial.pop((key, r["scheme"]), None)
+        if self.trial_steps:
+            times = self.measured.setdefault(key, {}).setdefault(
+                r["scheme"], deque(maxlen=max(self.trial_steps, MEASURED_TIMES)))
+            times.append(seconds)
+            choice = self._choices.get(key)
+            if choice is not None and choice.scheme == r["scheme"] and \
+                    len(times) == self.trial_steps and key not in self._baseline:
+                self._baseline[key] = (r["scheme"], min(times))
+        rec = Record(r["step"], r["bucket"], r["scheme"], r["ratio"], r["predicted"],
+                     seconds, params.alpha, params.beta)
+        self.records.append(rec)
+        for cb in self.callbacks:
+            cb(rec)
+
+    def _adjust_lgreco(self) -> None:
+        """L-GreCo's solve on rank 0, broadcast (:meth:`~.lgreco.LGreco.adjust`); the
+        per-layer families' choices are re-decided with the new settings."""
+        assert self.lgreco is not None
+        shapes = {layer: shape for segs in self._segments.values()
+                  for layer, _, shape in segs}
+        self.lgreco.adjust(self.comm, shapes)
+        if self.family is not None:  # the predictions changed with the settings
+            self._choices.clear()
+            self._baseline.clear()
 
     def _track_gains(self, pending: list[dict[str, Any]], kept: Any, total: Any,
                      ref: Any) -> None:
@@ -945,7 +1060,8 @@ class AutoStrategy(Strategy):
         selector's ``min_gain`` constraint) and each (scheme, ratio)'s *efficiency*
         ``Σ||g_c||² / Σ||top-k(g_e)||²``, capped at 1 (:attr:`efficiency`, the divisor of
         its cost with ``gain_weighted``; squared, as the paper's gain; decay
-        :data:`EFFICIENCY_DECAY`)."""
+        :data:`EFFICIENCY_DECAY`; a value last measured more than
+        :data:`EFFICIENCY_STALE` steps before is replaced, not averaged)."""
         for gains, key_of, den, power, decay in (
                 (self.scheme_gains, lambda r: r["scheme"], total, 0.5, self._decay),
                 (self.efficiency, lambda r: (r["scheme"], r["key_ratio"]), ref, 1.0,
@@ -954,10 +1070,15 @@ class AutoStrategy(Strategy):
             for r, c, e in zip(pending, kept, den):
                 acc = sums.setdefault(key_of(r), [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + float(c), acc[1] + float(e)
+            step = pending[0]["step"] if pending else self.steps
             for k, (c, e) in sums.items():
                 if e > 0:
                     g = min(1.0, c / e) ** power
                     old = gains.get(k)
+                    if gains is self.efficiency:  # an old value is no prior: replaced
+                        if step - self._efficiency_step.get(k, step) > EFFICIENCY_STALE:
+                            old = None
+                        self._efficiency_step[k] = step
                     gains[k] = g if old is None else decay * old + (1 - decay) * g
 
     def _times_moved(self) -> bool:
@@ -1018,19 +1139,14 @@ class AutoStrategy(Strategy):
             self.load_state_dict(saved["strategy"])
 
 
-def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``<a, b>`` of two tensors of one shape (flattened). CPU float32/64 in numpy's
-    single-threaded einsum (the norms of every step: torch's intra-op threads compete
-    with the ranks where they share cores, as in
-    :func:`~mpicomm.selection.topk_masses`; 0.16 ms for
-    1.1e6 float32, relative error 1e-6 against float64), else torch in float64."""
-    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    if a.device.type == "cpu" and a.dtype == b.dtype and \
-            a.dtype in (torch.float32, torch.float64):
-        return float(np.einsum("i,i->", a.numpy(), b.numpy()))
-    return float(torch.dot(a.to(torch.float64), b.to(torch.float64)))
-
-
 def _sq(t: torch.Tensor) -> float:
-    return _dot(t, t)
-
+    """``||t||²``. CPU float32/64 in numpy's single-threaded einsum (the norms of every
+    step: torch's intra-op threads compete with the ranks where they share cores, as in
+    :func:`~mpicomm.selection.topk_masses`; 0.16 ms for 1.1e6 float32, relative error
+    1e-6 against float64), else torch in float64."""
+    t = t.detach().reshape(-1)
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        a = t.numpy()
+        return float(np.einsum("i,i->", a, a))
+    t = t.to(torch.float64)
+    return float(torch.dot(t, t))

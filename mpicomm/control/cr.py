@@ -32,9 +32,14 @@ form) is measured during *exploration*:
    gradients of a different step); the probe measures them all on the same one, and the
    window's restored steps (5 at the default candidates: 0.3-0.4 s on the adaptive
    bench, where the best static run reaches its target in about 35 steps) are saved.
-   It does not see how error feedback builds up at each ratio over ``window`` steps;
-   explorations triggered later (below) are windows with save and restore, as the
-   paper's.
+   It does not see how error feedback builds up at each ratio over ``window`` steps.
+   Explorations triggered later (below) are windows with save and restore, as the
+   paper's, unless ``probe_triggered=True`` (ours, not the default here; the adaptive
+   strategy's default): then each is a probe as well, on one ordinary step at the ratio
+   in force. A window's steps are thrown away by its restore: on the adaptive bench a
+   window after the network change cost 6 of 132 steps (5, and one of the strategy's
+   lag), their time (one at ratio 0.1, 2-4x an ordinary step) and the
+   accuracy those steps would have added at the end.
 3. **Triggers**: the smoothed gain (EWMA, ``gain_smoothing``) moving by ``trigger``
    (10%) relative to its value at the end of a ``cooldown`` (steps after the last solve
    during which no exploration starts) starts a new exploration (the
@@ -134,7 +139,8 @@ class CRController:
     in its last ``2·window·len(ratios)`` steps (ours: the paper trains for thousands of
     steps and does not say). ``probe_first``: the first exploration is a one-step probe
     (module docstring): :attr:`probing` says when, and the next :meth:`observe` needs
-    ``probe=``.
+    ``probe=``. ``probe_triggered``: the explorations triggered later are probes too,
+    each on one ordinary step at the ratio in force (module docstring).
     """
 
     def __init__(self, sync_time: Callable[[float], float],
@@ -143,7 +149,7 @@ class CRController:
                  gain_smoothing: float = 0.2,
                  warmup_steps: int = 0, explore: bool = True, cooldown: int = 50,
                  restore_first: bool = True, total_steps: Optional[int] = None,
-                 probe_first: bool = False):
+                 probe_first: bool = False, probe_triggered: bool = False):
         ratios = sorted({float(c) for c in ratios}, reverse=True)
         if not ratios or any(not 0 < c <= 1 for c in ratios):
             raise ValueError(f"ratios must be in (0, 1], got {ratios}")
@@ -186,7 +192,8 @@ class CRController:
         self._rollback = True                      # whether the current one restores
         self._order = self.ratios                  # the current one's ratios, in order
         self.probe_first = bool(probe_first)
-        self._probing = False                      # the first step's probe is pending
+        self.probe_triggered = bool(probe_triggered)
+        self._probing = False                      # a probe step is running
 
     @property
     def exploring(self) -> bool:
@@ -206,12 +213,19 @@ class CRController:
             return self._begin()
         return None
 
-    def observe(self, gain: float, probe: Optional[dict[float, float]] = None
-                ) -> Optional[str]:
-        """The agreed gain of the step just done; returns the caller's action.
+    def observe(self, gain: float, probe: Optional[dict[float, float]] = None,
+                ratio: Optional[float] = None) -> Optional[str]:
+        """The agreed gain of a finished step; returns the caller's action.
 
         ``probe``: after a probe step (:attr:`probing`), Top-k's gain at every candidate
-        ratio on that step's gradients (required then, refused otherwise)."""
+        ratio on that step's gradients (required then, refused otherwise).
+        ``ratio``: the ratio that step ran at, for a caller whose gains arrive later
+        than the next step starts (default: :attr:`ratio`, the synchronous loop). Then
+        a window's ratio moves on once ``window`` steps *at that ratio* were observed
+        (a step that ran at one of the window's earlier ratios adds to that ratio's
+        mean; one from before the window is ignored), and a step that ran at another
+        ratio than the one in force (the steps in flight after a solve) does not move
+        the smoothed gain."""
         if not math.isfinite(gain):
             raise ValueError(f"gain must be finite, got {gain}")
         if (probe is not None) != self._probing:
@@ -230,8 +244,14 @@ class CRController:
             self.gain, self.change = None, 0.0
             self._solve("probe")
             return None
+        ran = self.ratio if ratio is None else float(ratio)
         if self._exploring is not None:
-            self._explore_sums.setdefault(self.ratio, []).append(gain)
+            position = self._exploring // self.window
+            if ran != self._order[position]:  # a step from before this ratio (late gains)
+                if ran in self._order[:position]:
+                    self._explore_sums[ran].append(gain)
+                return None
+            self._explore_sums.setdefault(ran, []).append(gain)
             self._exploring += 1
             position = self._exploring // self.window
             if position < len(self._order):
@@ -252,8 +272,10 @@ class CRController:
                 if self.explore:
                     return self._begin()
             return None
-        if self.gain is None:
-            self.gain = gain
+        if ran != self.ratio:  # late gains of a step at the ratio before the last solve
+            return None
+        if self.gain is None:  # the reference too, for a cooldown shorter than 2 steps
+            self.gain = self._gain_ref = gain
             return None
         self.gain = (1 - self.gain_smoothing) * self.gain + self.gain_smoothing * gain
         if self.step - self._solved_at <= self.cooldown:
@@ -282,10 +304,12 @@ class CRController:
             self._solve("network")
 
     def _begin(self) -> Optional[str]:
-        if self.probe_first and self._windows == 0:  # the first one: probe in place
+        first = self._windows == 0
+        if self.probe_first if first else self.probe_triggered:  # a probe, in place
             self._windows += 1
             self._probing = True
-            self.ratio = self.ratios[len(self.ratios) // 2]
+            if first:  # the middle candidate; a triggered probe keeps the ratio in force
+                self.ratio = self.ratios[len(self.ratios) // 2]
             return None
         self._exploring = 0
         self._explore_sums = {}
