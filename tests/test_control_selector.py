@@ -584,14 +584,16 @@ def test_calibrate_gives_every_rank_the_same_numbers_and_dup_keeps_them(comm):
         comm.resources.update(saved)
 
 
-def _train_auto(comm, steps, calibrate_links=0, **options):
+def _train_auto(comm, steps, calibrate_links=0, lr=0.1, after_step=None, **options):
+    """``steps`` of a small MLP under ``GradientSync`` with an ``AutoStrategy`` of
+    ``options``; ``after_step(auto)`` is called after each step."""
     from mpicomm.control import AutoStrategy
     from mpicomm.torch import GradientSync
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     auto = AutoStrategy(calibrate_links=calibrate_links, **options)
     gen = torch.Generator().manual_seed(100 + comm.rank)
     seen = []
@@ -602,6 +604,8 @@ def _train_auto(comm, steps, calibrate_links=0, **options):
             torch.nn.functional.cross_entropy(model(x), y).backward()
             sync.step(opt)
             seen.append(auto.ratio)
+            if after_step is not None:
+                after_step(auto)
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return auto, weights, seen
 
@@ -908,27 +912,17 @@ def test_auto_decisions_identical_on_every_rank_at_every_step_with_their_lag(com
     are the same on every rank; step t's measurements are agreed during step t+1 and
     decide at its ``step_done`` (the records of step t appear after step t+1), on every
     rank alike."""
-    from mpicomm.control import AutoStrategy
-    from mpicomm.torch import GradientSync
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    auto = AutoStrategy(calibrate_links=0, window=1, ratios=(0.5, 0.1, 0.02), cooldown=2,
-                        probe_first=False)
-    gen = torch.Generator().manual_seed(100 + comm.rank)
     trail = []
-    with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
-        for t in range(10):
-            x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 4, (16,), generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            sync.step(opt)
-            agreed = max((r.step for r in auto.records), default=-1)
-            assert agreed == t - 1, (t, agreed)
-            trail.append((auto.steps, auto.ratio, sorted(auto._current.items()),
-                          auto._saved is not None, len(auto.controller.history)))
+
+    def after_step(auto):
+        t = auto.steps - 1
+        agreed = max((r.step for r in auto.records), default=-1)
+        assert agreed == t - 1, (t, agreed)
+        trail.append((auto.steps, auto.ratio, sorted(auto._current.items()),
+                      auto._saved is not None, len(auto.controller.history)))
+
+    _train_auto(comm, 10, after_step=after_step, window=1, ratios=(0.5, 0.1, 0.02),
+                cooldown=2, probe_first=False)
     assert comm.allgather_object(trail) == [trail] * comm.size
     assert len({ratio for _, ratio, _, _, _ in trail}) >= 3, "the controller explored"
     assert any(saved for *_, saved, _ in trail), "an exploration window was saved"
@@ -940,26 +934,15 @@ def test_auto_triggered_explorations_are_probes_identical_on_every_rank(comm):
     the explorations the gain's changes trigger are probes: the controller solves with
     reason "probe" more than once, nothing is ever saved (no window, no restore), and
     every rank takes the same decisions at every step."""
-    from mpicomm.control import AutoStrategy
-    from mpicomm.torch import GradientSync
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    auto = AutoStrategy(calibrate_links=0, ratios=(0.5, 0.1, 0.02), cooldown=1,
-                        trigger=0.001)
-    gen = torch.Generator().manual_seed(100 + comm.rank)
     trail = []
-    with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
-        for _ in range(16):
-            x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 4, (16,), generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            sync.step(opt)
-            assert auto._saved is None and auto._action is None
-            trail.append((auto.steps, auto.ratio, auto.controller.probing,
-                          sorted(auto._current.items())))
+
+    def after_step(auto):
+        assert auto._saved is None and auto._action is None
+        trail.append((auto.steps, auto.ratio, auto.controller.probing,
+                      sorted(auto._current.items())))
+
+    auto, _, _ = _train_auto(comm, 16, lr=0.5, after_step=after_step,
+                             ratios=(0.5, 0.1, 0.02), cooldown=1, trigger=0.001)
     reasons = [h.reason for h in auto.controller.history]
     assert reasons.count("probe") >= 2 and "solve" not in reasons, reasons
     assert comm.allgather_object(trail) == [trail] * comm.size
