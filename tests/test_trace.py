@@ -1,4 +1,5 @@
-"""The timeline of everything (mpicomm.trace): traced front-ends, merged Chrome trace.
+"""The timeline of everything (mpicomm.observe.trace over mpicomm.hooks): traced
+front-ends, merged Chrome trace.
 
 Multi-rank: inside ``trace.recording`` every collective, sparse collective, strategy
 aggregation, GradientSync bucket/wait event and AdaComm decision is recorded; rank 0's
@@ -23,9 +24,10 @@ import pytest
 import torch
 
 import mpicomm
-from mpicomm import trace
+from mpicomm import hooks
 from mpicomm.control import AdaComm
-from mpicomm.plot import span_depths
+from mpicomm.observe import trace
+from mpicomm.observe.plot import span_depths
 from mpicomm.strategies import make
 from mpicomm.torch import GradientSync
 
@@ -113,7 +115,7 @@ def test_untraced_call_is_plain() -> None:
     out = mpicomm.allreduce(np.arange(4.0), op="sum")
     np.testing.assert_array_equal(out, np.arange(4.0) * mpicomm.world().size)
     assert mpicomm.allreduce.__wrapped__ is not None  # the decorator is there
-    with trace.block("x") as args:
+    with hooks.block("x") as args:
         assert args is None  # nothing records
 
 
@@ -129,7 +131,7 @@ def test_env_timeline_child_job(tmp_path: Path) -> None:
         mine = [e["name"] for e in spans if e["pid"] == rank]
         assert mine.count("allreduce") == 3 and mine.count("broadcast") == 1, mine
     pytest.importorskip("matplotlib", reason="plots need the 'plot' extra (matplotlib)")
-    from mpicomm.plot import plot_trace
+    from mpicomm.observe.plot import plot_trace
 
     png = plot_trace(out, tmp_path / "trace.png")
     assert png.read_bytes()[:4] == b"\x89PNG"

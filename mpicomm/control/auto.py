@@ -130,10 +130,10 @@ from ..collectives.cost import CostParams, calibrated
 from ..comm import wait_all
 from ..compress import ErrorFeedback
 from ..compress.topk import k_for
-from ..selection import topk_indices, topk_masses
+from ..compress.topk_select import topk_indices, topk_masses
 from ..sparse import artopk, topk_allgather
 from ..strategies._compressed import CompressedStrategy, check_floating
-from ..strategies.base import DEFAULT_FUSION_BYTES, Strategy, fuse, fused_groups, link_delay
+from ..strategies.base import DEFAULT_FUSION_BYTES, Strategy, fuse, fused_groups
 from .calibration import OnlineCalibration, calibrate
 from .cr import DEFAULT_RATIOS, CRController
 from .lgreco import DEFAULT_FACTORS, FAMILIES, LGreco
@@ -657,8 +657,7 @@ class AutoStrategy(Strategy):
         per_layer = self.family is not None and choice.scheme != "dense"
         sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes)
         ref_sq = self._topk_reference(choice.scheme, ratio, buf, names, tensors, sub)
-        comm = self.comm
-        before, start = comm.traffic.snapshot(), time.perf_counter()
+        start = time.perf_counter()
         if choice.scheme == "powersgd":
             assert sub is not None
             e_sq = sum(_sq(t) + (_sq(to_torch(sub.memory.residual(n)))  # type: ignore
@@ -691,9 +690,6 @@ class AutoStrategy(Strategy):
                     averaged = sub.aggregate_flat(flat, buf.name)
                 left = _sq(to_torch(self.memory.residual(buf.name)))
                 e_sq = left + self.memory.sent_sq(buf.name)
-            delay = link_delay(comm, comm.traffic - before)
-            if delay > 0:
-                time.sleep(delay)
             out = buf.split(averaged)
         seconds = time.perf_counter() - start
         kept_sq = max(e_sq - left, 0.0)
@@ -1142,7 +1138,7 @@ class AutoStrategy(Strategy):
 def _sq(t: torch.Tensor) -> float:
     """``||t||²``. CPU float32/64 in numpy's single-threaded einsum (the norms of every
     step: torch's intra-op threads compete with the ranks where they share cores, as in
-    :func:`~mpicomm.selection.topk_masses`; 0.16 ms for 1.1e6 float32, relative error
+    :func:`~mpicomm.compress.topk_select.topk_masses`; 0.16 ms for 1.1e6 float32, relative error
     1e-6 against float64), else torch in float64."""
     t = t.detach().reshape(-1)
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..selection import topk_masses
+from ..compress.topk_select import topk_masses
 from ..validate import check_int
 
 __all__ = ["lgreco_solve", "LGreco", "DEFAULT_FACTORS", "FAMILIES", "QSGD_OFFSETS"]
@@ -146,7 +146,7 @@ def lgreco_solve(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[flo
 
 def topk_tail_errors(a: torch.Tensor, ks: Sequence[int]) -> list[float]:
     """``||a - topk_k(a)||`` for each k: the norm of all but the k largest magnitudes
-    (:func:`~mpicomm.selection.topk_masses` of ``a``'s entries, taken from its total)."""
+    (:func:`~mpicomm.compress.topk_select.topk_masses` of ``a``'s entries, taken from its total)."""
     flat = a.detach().reshape(-1)
     total = float(flat.double().pow(2).sum())
     return [math.sqrt(max(total - kept, 0.0)) for kept in topk_masses(flat, ks)]

@@ -57,7 +57,7 @@ from ..collectives import allgather, allreduce, cost
 from ..compress import QSGD, PowerSGD
 from ..compress.base import Payload
 from ..compress.powersgd import matrix_shape
-from ..sparse._common import pack_bytes, unpack_bytes
+from ..p2p import pack_bytes, unpack_bytes
 
 __all__ = ["Segment", "qsgd_bucket", "powersgd_bucket", "predict_bucket", "FAMILY_SCHEMES"]
 

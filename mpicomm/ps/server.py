@@ -47,7 +47,8 @@ from mpi4py import MPI
 
 from ..comm import Communicator
 from ..compress import Compressor
-from ..linkdelay import link_delay
+from ..emulate.linkdelay import link_delay
+from ..p2p import isend_bytes, recv_bytes
 from . import wire
 from .checkpoint import to_numpy
 from .codec import Codec, PieceView, pull_name
@@ -131,7 +132,7 @@ class Server:
             backoff.busy()
             source, tag = status.Get_source(), status.Get_tag()
             if tag == wire.TAG_REQUEST:
-                buf = wire.recv_bytes(msg, status, self.delay)
+                buf = recv_bytes(msg, status, self.delay)
                 self._handle(source, wire.unpack(buf), buf.nbytes)
             elif tag == wire.TAG_CONTROL:
                 self._control(source, msg.recv())
@@ -250,7 +251,7 @@ class Server:
         buf = wire.pack(wire.REPLY, st.key_id, st.index, stale, int(st.last_seq.sum()),
                         st.version, number, arrays=arrays)
         self.stats["bytes_pulled"] += buf.nbytes
-        self.sends.append((wire.isend_bytes(self.mpi, buf, w, wire.TAG_REPLY, self.delay), buf))
+        self.sends.append((isend_bytes(self.mpi, buf, w, wire.TAG_REPLY, self.delay), buf))
 
     def _pull_payload(self, w: int, st: PieceState) -> tuple[list[torch.Tensor], int]:
         """What a pull reply to ``w`` carries and its number ``d`` (module docstring):

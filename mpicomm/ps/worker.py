@@ -34,7 +34,8 @@ from mpi4py import MPI
 from ..buffers import FLOAT_DTYPES, from_torch, inspect, to_torch
 from ..comm import Communicator
 from ..compress import Compressor, ErrorFeedback
-from ..linkdelay import LinkDelay
+from ..emulate.linkdelay import LinkDelay
+from ..p2p import isend_bytes, recv_bytes
 from . import checkpoint as ckpt
 from . import wire
 from .codec import Codec, PieceView, pull_name
@@ -224,7 +225,7 @@ class Worker:
             buf = wire.pack(wire.PUSH, info.key_id, p.index, seq, self.rank, seq,
                             arrays=arrays)
             self.stats["bytes_pushed"] += buf.nbytes
-            self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(p.server),
+            self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(p.server),
                                               wire.TAG_REQUEST, self.delay), buf))
         self.stats["pushes"] += 1
 
@@ -259,7 +260,7 @@ class Worker:
             for p in info.pieces:
                 where[(info.key_id, p.index)] = (slot, p)
                 buf = wire.pack(wire.PULL, info.key_id, p.index, self.rank)
-                self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(p.server),
+                self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(p.server),
                                                   wire.TAG_REQUEST, self.delay), buf))
         seen_pushes = None
         stalest = 0
@@ -272,7 +273,7 @@ class Worker:
                 backoff.idle(urgent=bool(self.sends))
                 continue
             backoff.busy()
-            buf = wire.recv_bytes(msg, status, self.delay)
+            buf = recv_bytes(msg, status, self.delay)
             m = wire.unpack(buf)
             slot, p = where.pop((m.key_id, m.piece))
             results[slot][p.start:p.stop] = self._received(infos[slot], p, m)
@@ -321,7 +322,7 @@ class Worker:
     def _to_all_servers(self, op: int) -> None:
         for s in range(self.servers):
             buf = wire.pack(op, 0, 0, self.rank)
-            self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(s),
+            self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(s),
                                               wire.TAG_REQUEST, self.delay), buf))
 
     def close(self) -> None:

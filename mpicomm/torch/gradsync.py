@@ -48,10 +48,10 @@ import torch
 from .. import fusion
 from ..collectives import allreduce, broadcast
 from ..comm import Communicator, resolve
-from ..metrics import metrics_from
+from ..observe.metrics import metrics_from
+from ..observe.timeline import Timeline
+from ..observe.trace import active as active_timeline
 from ..strategies import Dense, Strategy, StrategyStats, make
-from ..timeline import Timeline
-from ..trace import active as active_timeline
 
 __all__ = [
     "GradientSync",
@@ -808,7 +808,7 @@ def _abort_at_exit_if_alive(thread: threading.Thread) -> None:
         thread.join(timeout=1.0)
         if not thread.is_alive():
             return
-        from ..comm import abort_job
+        from ..abort import abort_job
 
         abort_job("GradientSync's communication thread is still inside an MPI collective "
                   "that the other ranks left (its with block ended with an exception); "

@@ -38,7 +38,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from ..collectives import ALGORITHMS, allreduce
+from ..collectives import ALGORITHMS, allreduce, cost
 from ..comm import Communicator, Traffic, resolve
 from ..control.adacomm import AdaComm
 from ..fusion import Layout, LayoutCache, group, kind_of
@@ -296,6 +296,13 @@ class LocalSGD:
                     if buf is not None:
                         out.append(buf)
         return out
+
+    def predict_round_s(self) -> float:
+        """The cost model's seconds for one averaging round: an allreduce of the bytes of
+        :meth:`tensors` with the algorithm it picks, on this communicator's calibration."""
+        n = sum(t.numel() * t.element_size() for t in self.tensors())
+        p, params = self.comm.size, self.comm.resources.get("cost_params")
+        return cost.predict("allreduce", cost.choose("allreduce", n, p, params), n, p, params)
 
     def average(self) -> None:
         """Average now (collective), without changing the schedule or AdaComm's state.
