@@ -66,6 +66,7 @@ from ..collectives.calibrate import (
 )
 from ..collectives.cost import ComputeParams, CostParams
 from ..comm import Communicator, resolve, wait_all
+from ..validate import check_int
 
 __all__ = ["Link", "choose_peers", "link_rounds", "measure_links", "measure_compute",
            "calibrate", "OnlineCalibration", "DEFAULT_SIZES"]
@@ -164,8 +165,7 @@ class OnlineCalibration:
 
     def __init__(self, params: CostParams, *, decay: float = 0.9, drift: float = 0.3,
                  ridge: float = 0.5, patience: int = 3):
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience must be an int >= 1, got {patience!r}")
+        patience = check_int("patience", patience, 1)
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
         if not drift > 0.0:

@@ -31,6 +31,8 @@ import math
 from collections.abc import Callable
 from numbers import Real
 
+from ..validate import check_int
+
 __all__ = ["predict", "SCHEMES"]
 
 
@@ -80,8 +82,7 @@ def predict(scheme: str, nbytes: float, ranks: int, alpha: float, beta: float,
     if not isinstance(scheme, str) or scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     nbytes = _number("nbytes", nbytes)
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    ranks = check_int("ranks", ranks, 1)
     alpha, beta = _number("alpha", alpha), _number("beta", beta)
     cr = _number("cr", cr, positive=True)
     if cr > 1:

@@ -95,8 +95,7 @@ def lgreco_solve(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[flo
     """
     if len(sizes) != len(errors):
         raise ValueError(f"sizes has {len(sizes)} layers but errors has {len(errors)}")
-    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
-        raise ValueError(f"buckets must be an int >= 1, got {buckets!r}")
+    buckets = check_int("buckets", buckets, 1)
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
         raise ValueError(f"budget must be a finite number > 0, got {budget!r}")
     if not sizes:
@@ -179,17 +178,12 @@ class LGreco:
         if family == "topk" and not (isinstance(default, (int, float))
                                      and 0 < default <= 1):
             raise ValueError(f"default density must be in (0, 1], got {default!r}")
-        if family == "qsgd" and (isinstance(default, bool) or not isinstance(default, int)
-                                 or not 1 <= default <= 8):
-            raise ValueError(f"default bits must be an int in [1, 8], got {default!r}")
-        if family == "powersgd" and (isinstance(default, bool)
-                                     or not isinstance(default, int) or default < 1):
-            raise ValueError(f"default rank must be an int >= 1, got {default!r}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an int >= 1, got {every!r}")
-        if isinstance(acc_steps, bool) or not isinstance(acc_steps, int) or \
-                not 1 <= acc_steps <= every:
-            raise ValueError(f"acc_steps must be an int in [1, every], got {acc_steps!r}")
+        if family == "qsgd":
+            default = check_int("default bits", default, 1, 8)
+        if family == "powersgd":
+            default = check_int("default rank", default, 1)
+        every = check_int("every", every, 1)
+        acc_steps = check_int("acc_steps", acc_steps, 1, every)
         if not factors or any(f <= 0 for f in factors):
             raise ValueError("factors must be positive")
         check_int("bucket_size", bucket_size, 1)  # here, not on rank 0 alone in adjust

@@ -68,6 +68,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..validate import check_int
+
 __all__ = ["Metrics", "metrics_from", "predict_step_comm"]
 
 
@@ -115,8 +117,7 @@ class Metrics:
             fresh = path is not None
         if path is None:
             path = os.environ.get("MPICOMM_METRICS") or None
-        if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be a positive int, got {keep!r}")
+        keep = check_int("keep", keep, 1)
         self.rank = _world_rank() if rank is None else int(rank)
         raw = None if path is None else str(path)
         self.path: Path | None = None

@@ -302,11 +302,8 @@ class Strategy(ABC):
                       params: CostParams | None = None,
                       compute: ComputeParams | None = None) -> dict[str, float]:
         """``{"comm": s, "compute": s}`` of :meth:`predict` (summed over fused buffers)."""
-        if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
-            raise ValueError(f"itemsize must be a positive int, got {itemsize!r}")
-        p = self.comm.size if p is None else p
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-            raise ValueError(f"p must be a positive int, got {p!r}")
+        itemsize = check_int("itemsize", itemsize, 1)
+        p = check_int("p", self.comm.size if p is None else p, 1)
         if params is None or compute is None:
             cal_params, cal_compute = calibrated(self._comm if self._comm is not None
                                                  else self.comm)
@@ -372,7 +369,5 @@ def _as_shapes(shapes: Shapes) -> list[tuple[int, ...]]:
     out = []
     for s in shapes:
         shape = (s,) if isinstance(s, int) and not isinstance(s, bool) else tuple(s)
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
-            raise ValueError(f"bad shape {s!r}: dimensions must be ints >= 0")
-        out.append(shape)
+        out.append(tuple(check_int(f"dimension of shape {s!r}", n, 0) for n in shape))
     return out

@@ -42,7 +42,7 @@ from ..collectives import ALGORITHMS, allreduce, cost
 from ..comm import Communicator, Traffic, resolve
 from ..control.adacomm import AdaComm
 from ..fusion import Layout, LayoutCache, group, kind_of
-from ..validate import check_algorithm
+from ..validate import check_algorithm, check_int
 from .gradsync import broadcast_module
 
 __all__ = ["LocalSGD"]
@@ -190,13 +190,9 @@ class LocalSGD:
         if isinstance(period, AdaComm):
             self.adacomm: AdaComm | None = period
             self._fixed = period.tau
-        elif isinstance(period, bool) or not isinstance(period, int):
-            raise TypeError(f"period must be an int or an AdaComm, got {type(period).__name__}")
-        elif period < 1:
-            raise ValueError(f"period must be >= 1, got {period}")
         else:
             self.adacomm = None
-            self._fixed = period
+            self._fixed = check_int("period (an int or an AdaComm)", period, 1)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
