@@ -19,7 +19,8 @@ What is here:
 * byte packing: :func:`pack_bytes` / :func:`unpack_bytes` (several tensors in one
   message), :func:`pack` / :func:`unpack` / :func:`pair_bytes` (a sparse set: indices
   as ``index_dtype``, then values; ``s = index bytes + value bytes`` per pair);
-* :func:`isend_bytes` / :func:`recv_bytes`: the parameter server's matched messages;
+* :func:`isend_bytes` / :func:`recv_bytes`, :func:`isend_object` / :func:`recv_object`:
+  the parameter server's matched byte messages and its pickled control messages;
 * rank folding for algorithms that need a power of two (:func:`fold_layout`,
   :func:`virtual_rank`, :func:`real_rank`, :func:`first_real_block`) and
   :func:`block_bounds`.
@@ -50,8 +51,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Ctx", "Wire", "pack_bytes", "unpack_bytes", "pack", "unpack", "pair_bytes",
-           "isend_bytes", "recv_bytes", "before_send", "after_receive", "block_bounds",
-           "fold_layout", "virtual_rank", "real_rank", "first_real_block"]
+           "isend_bytes", "recv_bytes", "isend_object", "recv_object", "before_send",
+           "after_receive", "block_bounds", "fold_layout", "virtual_rank", "real_rank",
+           "first_real_block"]
 
 
 # ---------------------------------------------------------------------- every message
@@ -320,6 +322,22 @@ def isend_bytes(mpi: MPI.Intracomm, buf: np.ndarray, dest: int, tag: int,
     waited first, as for every other message of this module."""
     before_send(delay, None, dest, buf.nbytes)
     return mpi.Isend([buf, MPI.BYTE], dest, tag)
+
+
+def isend_object(mpi: MPI.Intracomm, obj: Any, dest: int, tag: int,
+                 delay: LinkDelay | None = None) -> MPI.Request:
+    """Nonblocking send of a small picklable object (the parameter server's control and
+    checkpoint messages), behind the emulated link's latency like every other message
+    (its size is unknown before pickling: counted as 0 bytes)."""
+    before_send(delay, None, dest, 0)
+    return mpi.isend(obj, dest, tag)
+
+
+def recv_object(msg: MPI.Message, delay: LinkDelay | None = None) -> Any:
+    """Receive the matched pickled message ``msg`` (see :func:`isend_object`)."""
+    obj = msg.recv()
+    after_receive(delay, None, 0)
+    return obj
 
 
 # ---------------------------------------------------------------------- rank folding

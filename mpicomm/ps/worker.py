@@ -35,7 +35,7 @@ from ..buffers import FLOAT_DTYPES, from_torch, inspect, to_torch
 from ..comm import Communicator
 from ..compress import Compressor, ErrorFeedback
 from ..emulate.linkdelay import LinkDelay
-from ..p2p import isend_bytes, recv_bytes
+from ..p2p import isend_bytes, isend_object, recv_bytes, recv_object
 from . import checkpoint as ckpt
 from . import wire
 from .codec import Codec, PieceView, pull_name
@@ -175,11 +175,12 @@ class Worker:
         """Worker 0 sends each server its new pieces and waits for the acks; then every
         worker waits for worker 0, so no push can reach a server before its piece."""
         if self.rank == 0 and messages:
-            reqs = [self.mpi.isend({"op": "init", "pieces": pieces}, self.server_rank(s),
-                                   wire.TAG_CONTROL) for s, pieces in messages.items()]
+            reqs = [isend_object(self.mpi, {"op": "init", "pieces": pieces},
+                                 self.server_rank(s), wire.TAG_CONTROL, self.delay)
+                    for s, pieces in messages.items()]
             for s in messages:
                 msg, _ = wire.probe_wait(self.mpi, self.server_rank(s), wire.TAG_CONTROL)
-                msg.recv()
+                recv_object(msg, self.delay)
             wire.wait_requests(reqs)
         self.group.barrier()
 
@@ -346,7 +347,7 @@ class Worker:
                 states = {}
                 for s in range(self.servers):
                     msg, _ = wire.probe_wait(self.mpi, self.server_rank(s), wire.TAG_STATE)
-                    states[s] = msg.recv()["pieces"]
+                    states[s] = recv_object(msg, self.delay)["pieces"]
                 data = ckpt.assemble(list(self.keys.values()), states, gathered,
                                      workers=self.workers, mode=self.mode,
                                      optimizer=self.optimizer)
