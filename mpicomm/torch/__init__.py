@@ -20,7 +20,7 @@ from typing import Any
 _EXPORTS = {
     "GradientSync": "mpicomm.torch.gradsync",
     "DistributedOptimizer": "mpicomm.torch.optimizer",
-    "broadcast_module": "mpicomm.torch.gradsync",
+    "broadcast_module": "mpicomm.torch.replicas",
     "LocalSGD": "mpicomm.torch.localsgd",
     "GossipAveraging": "mpicomm.torch.gossip",
     "ddp_comm_hook": "mpicomm.torch.ddp",
@@ -40,3 +40,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'mpicomm.torch' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    """The public names (``dir(mpicomm.torch)``), though none is imported until used."""
+    return list(__all__)

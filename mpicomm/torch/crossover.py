@@ -1,6 +1,6 @@
 """``TorchJob``: a model + optimizer + data as one job of a Crossover scheduler.
 
-One iteration of a :class:`TorchJob` is cut where the Crossover scheduler needs it::
+One iteration of a ``TorchJob`` is cut where the Crossover scheduler needs it::
 
     compute(t):  [apply iteration t-1: optimizer.step()]      (GradientSync jobs)
                  optimizer.zero_grad(); loss_fn(model(x_t), y_t).backward()
@@ -14,7 +14,7 @@ loop ``zero_grad; backward; sync.step(optimizer)`` (or ``...; optimizer.step();
 local.step(loss)``): the trajectory is bit-identical to running the job alone. Moving
 the optimizer step of a GradientSync job to the start of the next compute phase keeps it
 under the token (it is compute) and off the sync thread (our choice: the paper's
-abstract does not say where the update runs; see :mod:`mpicomm.sched.crossover`).
+abstract does not say where the update runs; see ``mpicomm.sched.crossover``).
 
 With GradientSync the buckets start averaging during backward, on GradientSync's own
 communication thread; the sync phase waits for the rest. The communicator is the
@@ -41,7 +41,7 @@ __all__ = ["TorchJob"]
 
 
 class TorchJob(Job):
-    """Train ``model`` on ``data`` as one job of a :class:`~mpicomm.sched.CrossoverScheduler`.
+    """Train ``model`` on ``data`` as one job of a ``mpicomm.sched.CrossoverScheduler``.
 
     Parameters
     ----------
@@ -57,11 +57,11 @@ class TorchJob(Job):
     steps:
         Iterations (default ``len(data)``); the same on every rank.
     strategy:
-        Gradient averaging through :class:`~mpicomm.torch.GradientSync`: a strategy name
+        Gradient averaging through ``mpicomm.torch.GradientSync``: a strategy name
         or instance (default dense allreduce). Exclusive with ``local_sgd``.
     local_sgd:
-        An averaging period (int) or an :class:`~mpicomm.control.AdaComm`: the job uses
-        :class:`~mpicomm.torch.LocalSGD` instead (local optimizer steps, parameters
+        An averaging period (int) or an ``mpicomm.control.AdaComm``: the job uses
+        ``mpicomm.torch.LocalSGD`` instead (local optimizer steps, parameters
         averaged in the sync phase every period).
     bucket_mb:
         GradientSync's bucket size.
@@ -73,7 +73,7 @@ class TorchJob(Job):
         is complete (parameters final for that step), e.g. to record a trajectory.
 
     ``losses`` holds this rank's loss of every iteration (floats), ``sync_object`` the
-    GradientSync or LocalSGD built by :meth:`setup`.
+    GradientSync or LocalSGD built by ``setup``.
     """
 
     def __init__(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
