@@ -118,11 +118,12 @@ class GradientSync:
         ========  ==========================================  =====================
 
         EF: error feedback (what was not sent is added to the next step's gradient).
-        Every compressing strategy also takes ``error_feedback``, ``schedule``,
-        ``momentum_correction``, ``clip_norm`` and ``fusion_bytes``; each class's
-        docstring (``help(mpicomm.strategies.GTopK)``) gives the cost per byte and the
-        tuning advice. A keyword that neither this class nor the strategy takes raises
-        ``TypeError`` before any communication. The strategy is bound to the private
+        The strategies with EF (and qsgd) also take ``error_feedback``, ``schedule``
+        (a density warm-up), ``momentum_correction`` and ``clip_norm``; every strategy
+        takes ``fusion_bytes``. Each class's docstring
+        (``help(mpicomm.strategies.GTopK)``) gives its cost in bytes and tuning advice.
+        A keyword that neither this class nor the strategy takes raises ``TypeError``
+        before any communication. The strategy is bound to the private
         communicator of the communication thread and must not be used elsewhere
         afterwards. Compressing strategies with error feedback key their memory by the
         bucket's parameter names, which stay the same across steps.

@@ -52,9 +52,12 @@ def strategy_class(name: str) -> type[Strategy] | None:
 
 def strategy_option_names(name: str) -> tuple[str, ...] | None:
     """The options strategy ``name`` takes as keywords (its constructor's, less ``comm``),
-    or ``None`` when they cannot be listed (no exported class, or a constructor that
-    takes ``**kwargs``)."""
-    cls = strategy_class(name)
+    or ``None`` when they cannot be listed beforehand (no exported class, or a
+    constructor that takes ``**kwargs``)."""
+    return _constructor_options(strategy_class(name))
+
+
+def _constructor_options(cls: type | None) -> tuple[str, ...] | None:
     if cls is None:
         return None
     params = inspect.signature(cls.__init__).parameters.values()
@@ -79,8 +82,11 @@ def _unknown_options(owner: str, owner_options: Iterable[str], strategy: str | N
         message += f"; strategy {strategy!r} takes {', '.join(theirs) or 'no options'}"
     else:
         message += f"; strategy {strategy!r} does not take {'them' if plural else 'it'}"
-    hints = [f"{k!r} -> {close[0]!r}" for k in unknown
-             for close in [difflib.get_close_matches(k, (*mine, *theirs), n=1)] if close]
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(k, (*mine, *theirs), n=1)
+        if close:
+            hints.append(f"{close[0]!r}" + (f" for {k!r}" if len(unknown) > 1 else ""))
     if hints:
         message += f" (did you mean {', '.join(hints)}?)"
     return TypeError(message)
@@ -121,5 +127,10 @@ def build_strategy(strategy: Strategy | str | None, options: Mapping[str, Any], 
         found = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
         if found is None or found.group(1) not in options:
             raise
-        raise _unknown_options(owner, owner_options, strategy, [found.group(1)],
-                               None) from None
+        try:  # name the options it does take: its class, from a default-built instance
+            known = _constructor_options(type(make(strategy)))
+        except Exception:  # noqa: BLE001 - only the message loses the list
+            known = None
+        unknown = [found.group(1)] if known is None else [k for k in options
+                                                          if k not in known]
+        raise _unknown_options(owner, owner_options, strategy, unknown, known) from None
