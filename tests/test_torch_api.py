@@ -285,16 +285,18 @@ def test_help_text_shows_no_raw_markup():
     for path in sorted(TORCH_DIR.glob("*.py")):
         for where, doc in _docstrings(path):
             assert not ROLE.search(doc), f"{where}: {ROLE.search(doc).group(0)}"
-    for name in mpicomm.torch.__all__:
-        text = pydoc.render_doc(getattr(mpicomm.torch, name), renderer=pydoc.plaintext)
+    for name in ("mpicomm.torch", *mpicomm.torch.__all__):
+        obj = mpicomm.torch if name == "mpicomm.torch" else getattr(mpicomm.torch, name)
+        text = pydoc.render_doc(obj, renderer=pydoc.plaintext)  # what help() prints
         assert not ROLE.search(text), name
 
 
 def test_docstrings_that_take_a_strategy_list_its_names():
     from mpicomm.torch.ddp import MpicommHookState
 
-    for obj in (GradientSync, DistributedOptimizer, MpicommHookState, TorchJob):
+    for obj in (GradientSync, DistributedOptimizer, MpicommHookState, TorchJob,
+                ddp_comm_hook, mpicomm.torch):
         doc = inspect.getdoc(obj) or ""
-        section = doc[doc.index("strategy:"):]
+        section = doc[doc.index("strategy"):]
         missing = [n for n in available() if not re.search(rf"\b{n}\b", section)]
         assert not missing, f"{obj.__name__}'s docstring omits {missing}"

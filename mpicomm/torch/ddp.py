@@ -264,6 +264,12 @@ def ddp_comm_hook(strategy: Strategy | str | None = None, comm: Communicator | N
     hook function with that state attached as ``hook.state``; the hook ignores the
     ``state`` DDP passes back, so ``register_comm_hook(None, hook)`` works too. Call
     ``hook.state.close()`` when training ends.
+
+    ``strategy`` is one of dense, topk, gtopk, artopk, randomk, qsgd, powersgd, fp16,
+    bf16, sign, auto (its options as further keywords: ``ddp_comm_hook("gtopk", comm,
+    density=0.01)``), a ``mpicomm.strategies.Strategy`` instance, or ``None`` for dense
+    allreduce. A keyword that neither the hook (``comm``, ``overlap``) nor the strategy
+    takes raises ``TypeError`` before any communication.
     """
     strategy = build_strategy(strategy, options, owner="ddp_comm_hook",
                               owner_options=_HOOK_OPTIONS)

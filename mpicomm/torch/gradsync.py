@@ -205,9 +205,9 @@ class GradientSync:
     Leaving a ``with`` block by an exception does no collective (another rank may never
     get there): the hooks are removed and the thread is told to stop. A thread that is
     inside a collective the other ranks will not join cannot stop; after
-    ``EXIT_JOIN_S`` seconds it is left behind, and when the process exits (before
-    ``MPI_Finalize``, which would hang on it) the rank prints why and calls
-    ``MPI_Abort``, so the job ends instead of hanging. The private communicator is not
+    ``mpicomm.torch.comm_thread.EXIT_JOIN_S`` seconds it is left behind, and when the
+    process exits (before ``MPI_Finalize``, which would hang on it) the rank prints why
+    and calls ``MPI_Abort``, so the job ends instead of hanging. The private communicator is not
     freed on that path (freeing is collective); ``close`` frees it.
 
     Not supported: sparse gradients (``nn.Embedding(sparse=True)``), and a parameter whose
