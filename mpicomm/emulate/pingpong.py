@@ -33,7 +33,6 @@ import time
 import traceback
 from collections.abc import Sequence
 
-import numpy as np
 from mpi4py import MPI
 
 from .linkdelay import ENV_DELAY, ENV_RANKS_PER_HOST, LinkDelay, from_env
@@ -47,18 +46,18 @@ class _Link:
     def __init__(self, mpi: MPI.Intracomm, link: LinkDelay | None):
         self.mpi, self.link = mpi, link
 
-    def send(self, buf: np.ndarray, dest: int) -> None:
+    def send(self, buf: bytearray, dest: int) -> None:
         if self.link is not None:
-            self.link.before_send(dest, buf.nbytes)
+            self.link.before_send(dest, len(buf))
         self.mpi.Send([buf, MPI.BYTE], dest)
 
-    def recv(self, buf: np.ndarray, source: int) -> None:
+    def recv(self, buf: bytearray, source: int) -> None:
         if self.link is not None:
             self.link.after_receive()
         self.mpi.Recv([buf, MPI.BYTE], source)
 
 
-def _round_trips(link: _Link, me: int, peer: int, buf: np.ndarray, rounds: int
+def _round_trips(link: _Link, me: int, peer: int, buf: bytearray, rounds: int
                  ) -> list[float]:
     times = []
     for _ in range(rounds):
@@ -88,15 +87,15 @@ def _measure(args: argparse.Namespace) -> int:
     result = None
     if rank in (0, peer):
         other = peer if rank == 0 else 0
-        small = np.zeros(max(1, args.small), dtype=np.uint8)
-        big = np.zeros(max(1, args.bytes), dtype=np.uint8)
+        small = bytearray(max(1, args.small))
+        big = bytearray(max(1, args.bytes))
         _round_trips(link, rank, other, small, 2)  # connection set-up
         _round_trips(link, rank, other, big, 1)
         small_rt = _round_trips(link, rank, other, small, args.rounds)
         big_rt = _round_trips(link, rank, other, big, args.rounds)
         lat, lat_med = min(small_rt) / 2, statistics.median(small_rt) / 2
         rate = os.environ.get("MPICOMM_EMU_RATE", "unshaped")
-        bits = big.nbytes * 8
+        bits = len(big) * 8
         result = {
             "suite": "pingpong",
             "latency_s": lat,
@@ -104,7 +103,7 @@ def _measure(args: argparse.Namespace) -> int:
             "latency_median_s": lat_med,
             "bandwidth_median_bits": bits / max(statistics.median(big_rt) / 2 - lat_med,
                                                 1e-9),
-            "bytes": big.nbytes,
+            "bytes": len(big),
             "configured_delay_s": float(os.environ.get(ENV_DELAY, "0") or 0),
             "configured_rate_bits": None if rate == "unshaped" else parse_rate(rate),
             "ranks": size,
