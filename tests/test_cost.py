@@ -15,7 +15,7 @@ import pytest
 import mpicomm
 from mpicomm.collectives import ALGORITHMS, calibrate, cost
 from mpicomm.collectives._common import fold_layout
-from mpicomm.collectives.cost import FORMULAS, CostParams, choose, paper, predict
+from mpicomm.collectives.cost import FORMULAS, CostParams, choose, paper_predict, predict
 
 ALPHA = CostParams(alpha=1.0, beta=0.0, gamma=0.0)  # counts messages on the critical path
 BETA = CostParams(alpha=0.0, beta=1.0, gamma=0.0)  # counts bytes on the critical path
@@ -212,8 +212,8 @@ LOOSE = {("resnet18", 10, 0.01), ("resnet18", 10, 0.001), ("resnet18", 1, 0.001)
 
 def paper_row(model: str, gbps: float, c: float) -> tuple[float, float, float]:
     M, beta, alpha, n = 4 * PARAMS[model], 1 / (gbps * GBPS), 1e-3, 8
-    return tuple(1e3 * f(M, c, n, alpha, beta)
-                 for f in (paper.allgather_topk, paper.artopk_ring, paper.artopk_tree))
+    return tuple(1e3 * paper_predict(s, M, n, alpha, beta, cr=c)
+                 for s in ("allgather_topk", "artopk_ring", "artopk_tree"))
 
 
 @pytest.mark.parametrize(("model", "gbps", "c", "table"), TABLE_VI,
@@ -236,7 +236,7 @@ def test_paper_formulas_agree_with_the_library_formulas():
     c = CostParams(alpha=alpha, beta=beta, gamma=0.0)
     M, ratio = 4e6, 0.01
     bcast = cost.broadcast_binomial(M * ratio, p, c)
-    assert paper.artopk_ring(M, ratio, n, alpha, beta) == pytest.approx(
+    assert paper_predict("artopk_ring", M, n, alpha, beta, cr=ratio) == pytest.approx(
         bcast + cost.allreduce_ring(M * ratio, p, c))
 
 

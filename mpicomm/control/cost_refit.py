@@ -1,28 +1,16 @@
-r"""Calibrate the cost model on the running job: several links, compute, online refinement.
+r"""Refine the cost model while training: EWMA least squares on measured step times (pure).
 
-Three parts, every one ending with numbers that are identical on every rank:
-
-* :func:`~mpicomm.collectives.calibrate.measure_links` (collective; the project's one
-  ping-pong helper, re-exported here): up to ``links`` pairs of ranks time a ping-pong
-  (rank 0 with peers on *other nodes* first; pairs that share no node at the same time,
-  :func:`~mpicomm.collectives.calibrate.link_rounds`; the ranks outside a round wait
-  without spinning), and fits ``t(n) = alpha + n·beta`` per link.
-  The job's parameters take the *slowest* link's alpha and beta: a collective's critical
-  path crosses it.
-* :func:`measure_compute` (local): times the kernels the strategies run besides the
-  network (top-k selection, a gTop-k merge round, densify, matmul, copy) on this machine:
-  :class:`~mpicomm.collectives.cost.ComputeParams`.
-* :func:`calibrate` does both (compute on rank 0), broadcasts, and stores the result in
-  ``comm.resources`` where :meth:`mpicomm.strategies.Strategy.predict` and ``auto``
-  algorithms read it (``dup``/``split`` inherit it).
-* :class:`OnlineCalibration`: exponentially weighted least squares on the measured times
-  of real collectives (agreed across ranks by a max-allreduce), refining alpha, beta and
-  one factor per scheme on its modelled compute (the issue's measured 1.5-4x gap comes
-  from compute and overheads the kernels' rates miss) while training, and a drift test:
-  when alpha or beta moves by more than ``drift`` (a fraction) from the values of the
-  last decision for ``patience`` consecutive refinements in a row (debounce: one
-  outlier step on a loaded machine moves the fit but does not re-decide),
-  :meth:`OnlineCalibration.refine` says so.
+:class:`OnlineCalibration` takes the times of real collectives, each with the
+coefficients of its model (messages and bytes on its critical path, modelled compute),
+and refits alpha, beta and one factor per scheme on its modelled compute (the measured
+1.5-4x gap between kernel rates and a whole step comes from compute and overheads the
+kernels' rates miss), with a drift test: when alpha or beta moves by more than ``drift``
+(a fraction) from the values of the last decision for ``patience`` consecutive
+refinements in a row (debounce: one outlier step on a loaded machine moves the fit but
+does not re-decide), :meth:`OnlineCalibration.refine` says so. No communication here:
+the caller agrees on the times first (every rank then computes the same fit). The
+start-up measurement it starts from is :func:`mpicomm.strategies.kernel_timing.calibrate`
+(links by :mod:`mpicomm.collectives.calibrate`, compute kernels timed).
 
 The refinement in detail: observation ``i`` is a collective whose model is
 ``t_i = a_i·alpha + b_i·beta`` (``a_i`` messages and ``b_i`` bytes on the critical path,
@@ -47,104 +35,12 @@ for a step or two; a real network change persists).
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Sequence
-
 import numpy as np
-import torch
-from mpi4py import MPI
 
-from ..collectives.calibrate import (
-    QUIET_POLL_S,
-    Link,
-    choose_peers,
-    link_rounds,
-    measure_gamma,
-    measure_links,
-    slowest,
-)
-from ..collectives.cost import ComputeParams, CostParams
-from ..comm import Communicator, resolve, wait_all
+from ..collectives.cost import CostParams
+from ..validate import check_int
 
-__all__ = ["Link", "choose_peers", "link_rounds", "measure_links", "measure_compute",
-           "calibrate", "OnlineCalibration", "DEFAULT_SIZES"]
-
-#: Ping-pong sizes (bytes): latency-bound to bandwidth-bound, kept short for start-up.
-DEFAULT_SIZES: tuple[int, ...] = (8, 1 << 12, 1 << 16, 1 << 20)
-
-
-def _median_time(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_compute(numel: int = 1 << 20, density: float = 0.01,
-                    repeats: int = 3) -> ComputeParams:
-    """Time the strategies' local kernels on this machine (no communication).
-
-    ``select``: :func:`mpicomm.selection.topk_indices` of ``density·numel`` out of
-    ``numel`` float32; ``merge``: one :func:`mpicomm.sparse._common.merge_truncate` of two
-    k-pair sets, per pair; ``scatter``: zero fill + scatter of k values into ``numel``;
-    ``flop``: a float32 matmul; ``copy``: an add of two vectors, per byte.
-    """
-    from ..selection import topk_indices
-    from ..sparse._common import merge_truncate
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(numel, generator=gen)
-    k = max(1, int(density * numel))
-    select = _median_time(lambda: topk_indices(x, k), repeats) / numel
-    a_idx = torch.randperm(numel, generator=gen)[:k].sort().values
-    b_idx = torch.randperm(numel, generator=gen)[:k].sort().values
-    a = (a_idx, torch.randn(k, generator=gen))
-    b = (b_idx, torch.randn(k, generator=gen))
-    merge = _median_time(lambda: merge_truncate(a, b, k), repeats) / (2 * k)
-    vals = torch.randn(k, generator=gen)
-
-    def densify() -> None:
-        out = torch.zeros(numel)
-        out[a_idx] = vals
-
-    scatter = _median_time(densify, repeats) / numel
-    n = 256
-    m1, m2 = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
-    flop = _median_time(lambda: m1 @ m2, repeats) / n ** 3
-    y = torch.randn(numel, generator=gen)
-    copy = _median_time(lambda: x + y, repeats) / (8 * numel)
-    return ComputeParams(select=select, merge=merge, scatter=scatter, flop=flop, copy=copy)
-
-
-def calibrate(comm: Communicator | None = None, links: int = 3,
-              sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 8, store: bool = True,
-              compute_numel: int = 1 << 20, oneway_bytes: int = 0
-              ) -> tuple[CostParams, ComputeParams, list[Link]]:
-    """Ping-pong over several links + compute kernels; identical results on every rank.
-
-    ``oneway_bytes``: one large transfer per link on top of the ping-pongs
-    (:func:`~mpicomm.collectives.calibrate.measure_links`).
-
-    alpha/beta are the slowest measured link's (the defaults with one rank), gamma and
-    the compute rates rank 0's. With ``store`` they go to ``comm.resources`` (keys
-    ``cost_params``, ``compute_params``), read by every strategy's ``predict``.
-    """
-    comm = resolve(comm)
-    found = measure_links(comm, links, sizes, repeats, oneway_bytes) if comm.size > 1 else []
-    local = None
-    if comm.rank == 0:
-        local = (measure_gamma(), measure_compute(compute_numel))
-    wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
-    gamma, compute = comm.bcast_object(local, root=0)
-    params = slowest(found, gamma)
-    if store:
-        comm.resources["cost_params"] = params
-        comm.resources["compute_params"] = compute
-    return params, compute, found
+__all__ = ["OnlineCalibration"]
 
 
 class OnlineCalibration:
@@ -152,20 +48,19 @@ class OnlineCalibration:
     collectives, with drift detection (see the module docstring for the estimator).
 
     Feed :meth:`observe` on every rank with the same model coefficients (they come from
-    deterministic formulas) and the measured seconds; :meth:`refine` (collective unless
-    ``comm=None``) agrees on the slowest rank's times, updates the fit, and returns True
-    when alpha or beta has stayed more than ``drift`` away from the reference for
-    ``patience`` refinements in a row, each with its own measured total also more than
-    ``drift`` away from the reference model's prediction (then the current estimate becomes the new
-    reference; a refinement back inside the band resets the count). ``params`` is the
-    current estimate (gamma unchanged);
-    :meth:`compute_scale` the factor on a scheme's modelled compute (1 until observed).
+    deterministic formulas) and the same agreed seconds; :meth:`refine` updates the fit
+    and returns True when alpha or beta has stayed more than ``drift`` away from the
+    reference for ``patience`` refinements in a row, each with its own measured total
+    also more than ``drift`` away from the reference model's prediction (then the current
+    estimate becomes the new reference; a refinement back inside the band resets the
+    count). ``params`` is the current estimate (gamma unchanged); :meth:`compute_scale`
+    the factor on a scheme's modelled compute (1 until observed). Cost: one solve of a
+    ``(2 + schemes)``-square system per observation.
     """
 
     def __init__(self, params: CostParams, *, decay: float = 0.9, drift: float = 0.3,
                  ridge: float = 0.5, patience: int = 3):
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience must be an int >= 1, got {patience!r}")
+        patience = check_int("patience", patience, 1)
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
         if not drift > 0.0:
@@ -200,21 +95,12 @@ class OnlineCalibration:
         seconds of modelled compute of scheme ``kind``, ``seconds`` measured in all."""
         self._pending.append((float(a), float(b), float(seconds), float(work), str(kind)))
 
-    def refine(self, comm: Communicator | None) -> bool:
-        """Agree on the pending observations (max over ranks), update, test for drift.
+    def refine(self) -> bool:
+        """Update the fit with the pending observations and test for drift.
 
-        ``comm=None``: the observations are already agreed (identical on every rank)."""
-        if comm is not None and comm.size > 1:
-            counts = comm.allgather_object(len(self._pending))
-            if len(set(counts)) != 1:
-                raise RuntimeError(f"OnlineCalibration: ranks observed different numbers "
-                                   f"of collectives: {counts}")
-            if self._pending:
-                local = np.array([p[2] for p in self._pending])
-                agreed = np.empty_like(local)
-                comm.ctl.Allreduce(local, agreed, op=MPI.MAX)
-                self._pending = [(a, b, float(t), w, k)
-                                 for (a, b, _, w, k), t in zip(self._pending, agreed)]
+        The observations must be agreed already (identical on every rank: the same
+        coefficients from deterministic formulas, the same measured times), so that
+        every rank computes the same fit and the same answer."""
         ref = self.reference
         # the step's own times against the reference model: an outlier step moves the
         # EWMA fit for several steps, but only its own step is outside the band
