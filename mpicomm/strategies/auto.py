@@ -44,13 +44,10 @@ rank identically:
 Compression gain: ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over the step's buckets (the squared
 norms of :func:`~mpicomm.strategies.auto_exchange.exchange`), summed over ranks:
 :attr:`AutoStrategy.last_gain` and, per scheme, the ``min_gain`` constraint. The CR
-controller is fed *Top-k's* gain instead, ``sqrt(Σ||top-k(g_e)||² / Σ||g_e||²)`` with
-``k`` at the step's ratio (exact Top-k of each rank's own error-fed bucket,
-:meth:`AutoStrategy._topk_reference`), the paper's compressor whatever scheme ran: an
-exploration window's steps run different schemes (the cheapest at each ratio), whose own
-gains are not comparable — AR-Top-k keeps only what the source rank picked, gTop-k what
-survived the global selection. Each (scheme, ratio)'s *efficiency*,
-``Σ||g_c||² / Σ||top-k(g_e)||²``, is what ``gain_weighted`` divides by.
+controller is fed *Top-k's* gain instead, whatever scheme ran
+(:class:`~mpicomm.strategies.auto_ratio.RatioControl`); each (scheme, ratio)'s
+*efficiency*, ``Σ||g_c||² / Σ||top-k(g_e)||²``, is what ``gain_weighted`` divides by
+(:class:`~mpicomm.strategies.auto_choice.SchemeChoices`).
 
 L-GreCo (``lgreco=True``), ``lgreco_family``:
 
@@ -82,17 +79,16 @@ import torch
 from ..buffers import from_torch, to_torch
 from ..collectives.cost import CostParams, calibrated
 from ..compress import ErrorFeedback, PowerSGD
-from ..compress.topk import k_for
 from ..control.cost_refit import OnlineCalibration
 from ..control.cr import CRController
 from ..control.lgreco import LGreco
-from ..selection import topk_masses
 from ._compressed import CompressedStrategy, check_floating
 from .auto_agree import StepAgreement
 from .auto_choice import SchemeChoices
 from .auto_config import AutoConfig
 from .auto_exchange import error_fed, exchange
 from .auto_predict import SchemePredictor
+from .auto_ratio import RatioControl
 from .auto_schemes import Choice, Record, build, select
 from .base import Strategy, fuse
 from .kernel_timing import calibrate
@@ -144,8 +140,9 @@ class AutoStrategy(Strategy):
         if cfg.ratio is None and self.family is None:
             self.controller = CRController(self.sync_time, cfg.ratios, **cfg.cr_options())
         # the per-layer families compress by their bits/ranks: no ratio
-        self._fixed_ratio = 1.0 if self.family else \
-            (None if cfg.ratio is None else float(cfg.ratio))
+        fixed = None if self.controller is not None else \
+            1.0 if self.family else float(cfg.ratio)  # type: ignore[arg-type]
+        self.ratios = RatioControl(self.controller, fixed)
         self.lgreco: Optional[LGreco] = None
         self.layer_errors: Optional[LayerErrors] = None
         if cfg.lgreco:
@@ -179,7 +176,6 @@ class AutoStrategy(Strategy):
         self._segments: dict[str, list[Segment]] = {}
         self._pending: list[dict[str, Any]] = []
         self._gain_sq = [0.0, 0.0, 0.0]  # Σ||g_c||², Σ||g_e||², Σ||top-k(g_e)||²: step
-        self._probe_sq: list[float] = []  # Σ||top-k(g_e)||² at each ratio: a probe step
         self._saved: Optional[dict[str, Any]] = None
         self._started = False
         self._adjust_due = False
@@ -192,10 +188,7 @@ class AutoStrategy(Strategy):
     @property
     def ratio(self) -> float:
         """The CR in force for the next aggregation."""
-        if self._fixed_ratio is not None:
-            return self._fixed_ratio
-        assert self.controller is not None
-        return self.controller.ratio
+        return self.ratios.ratio
 
     @property
     def params(self) -> CostParams:
@@ -347,7 +340,7 @@ class AutoStrategy(Strategy):
         if choice is not None:
             return choice, False
         ratio, p = key[1], self.comm.size
-        exploring = self.controller is not None and self.controller.exploring
+        exploring = self.ratios.exploring
         if self.family is not None:
             choice = self.predictor.family_choice(segments, itemsize, p, params, compute,
                                                   scales)
@@ -415,29 +408,12 @@ class AutoStrategy(Strategy):
     def _topk_reference(self, scheme: str, ratio: float, buf: Any, names: list[str],
                         tensors: list[torch.Tensor], sub: Optional[Strategy]
                         ) -> Optional[float]:
-        """``||top-k(g_e)||²``: what exact Top-k at ``ratio`` would keep of this rank's
-        error-fed bucket (``k = max(1, ceil(ratio·n))``), before the exchange; ``None``
-        where that is what the step keeps itself (Allgather Top-k) or where there is no
-        Top-k ratio (fixed ratio 1, the L-GreCo paths). During the CR controller's probe
-        step, also adds the mass at every candidate ratio to the step's probe sums. One
-        extra top-k selection per bucket (1-3 ms for 1.1e6 floats on one core) on the
-        other schemes' steps."""
-        probing = self.controller is not None and self.controller.probing
-        kept_is_reference = scheme == "allgather_topk" or self.lgreco is not None
-        if not probing and (kept_is_reference or ratio >= 1.0):
-            return None
-        fed = error_fed(scheme, buf, names, tensors, sub, self.memory)
-        n = int(fed.shape[0])
-        if not probing:
-            return topk_masses(fed, [k_for(n, ratio)])[0]
-        assert self.controller is not None  # a probe step runs at one of its ratios
-        ratios = self.controller.ratios
-        masses = topk_masses(fed, [k_for(n, c) for c in ratios])
-        if not self._probe_sq:
-            self._probe_sq = [0.0] * len(ratios)
-        for i, m in enumerate(masses):
-            self._probe_sq[i] += m
-        return None if kept_is_reference else masses[ratios.index(ratio)]
+        """``||top-k(g_e)||²`` of this rank's error-fed bucket at ``ratio``
+        (:meth:`RatioControl.reference`; ``None`` where the step keeps exact Top-k
+        itself: Allgather Top-k, the L-GreCo paths)."""
+        return self.ratios.reference(
+            ratio, lambda: error_fed(scheme, buf, names, tensors, sub, self.memory),
+            kept_is_reference=scheme == "allgather_topk" or self.lgreco is not None)
 
     def _accumulate(self, bucket: str, c: torch.Tensor) -> None:
         """Rank 0 feeds L-GreCo's accumulator on the steps before a solve."""
@@ -462,8 +438,8 @@ class AutoStrategy(Strategy):
         (without them the windows run but only the memory is restored)."""
         now = time.perf_counter()
         wall = 0.0 if self._last_done is None else now - self._last_done
-        self.agreement.finish(self._pending, self._gain_sq + [wall] + self._probe_sq)
-        self._pending, self._gain_sq, self._probe_sq = [], [0.0, 0.0, 0.0], []
+        self.agreement.finish(self._pending, self._gain_sq + [wall] + self.ratios.take_probe())
+        self._pending, self._gain_sq = [], [0.0, 0.0, 0.0]
         actions = [self._action]
         self._action = None
         actions += [self._decide(pending, agreed) for pending, agreed in self.agreement.take()]
@@ -514,36 +490,14 @@ class AutoStrategy(Strategy):
         if wall > 0:  # mean over ranks of the step's wall time outside the buckets
             choices.observe_other(max(wall / self.comm.size - float(seconds.sum()), 0.0))
         self.last_gain = min(math.sqrt(kept / total), 1.0) if total > 0 else 1.0
-        action = self._observe_ratio(pending, drift, total, ref, probe)
+        before = self.ratio
+        action = self.ratios.observe(pending[0]["key_ratio"] if pending else None, drift,
+                                     total, ref, probe)
+        if self.ratio != before:  # choices kept for another ratio are dropped
+            self.choices.keep_ratio(self.ratio)
         lg = self.lgreco
         if lg is not None and lg.due(self.steps):
             self._adjust_due = True  # at the next aggregation, inside the collectives
-        return action
-
-    def _observe_ratio(self, pending: list[dict[str, Any]], drift: bool, total: float,
-                       ref: float, probe: list[float]) -> Optional[str]:
-        """Feed the CR controller the step's Top-k gain (exact Top-k's at the ratio on
-        the step's error-fed gradients, whatever scheme ran: comparable across the
-        ratios of a window) and a probe's gains at every candidate; returns its action.
-        Choices kept for another ratio are dropped when the ratio moves."""
-        controller = self.controller
-        if controller is None:
-            return None
-        gain = min(math.sqrt(ref / total), 1.0) if total > 0 else 1.0
-        before = controller.ratio
-        if drift:
-            controller.network_changed()
-        # the probe's masses reach the controller once (the step after the probe ran
-        # while its result was being agreed, and measured them too)
-        gains = None if not (probe and controller.probing) else {
-            c: min(math.sqrt(m / total), 1.0) if total > 0 else 1.0
-            for c, m in zip(controller.ratios, probe)}
-        ran = pending[0]["key_ratio"] if pending else None
-        action = None
-        if gains is not None or not controller.probing:
-            action = controller.observe(gain, probe=gains, ratio=ran)
-        if controller.ratio != before:
-            self.choices.keep_ratio(controller.ratio)
         return action
 
     def _observe(self, r: dict[str, Any], seconds: float, params: CostParams) -> None:
