@@ -22,7 +22,7 @@ from mpicomm.strategies.lgreco_errors import LayerErrors, layer_shape, topk_tail
 
 GBPS = 1.25e8
 PARAMS = {"resnet18": 11_689_512, "resnet50": 25_557_032, "alexnet": 61_100_840}
-# the Table VI rows tests/test_cost.py checks (algorithms.md B.3), (AG, ART-Ring, ART-Tree)
+# the Table VI rows tests/test_cost.py checks (Tyagi & Swany 2023), (AG, ART-Ring, ART-Tree)
 TABLE_VI = [
     ("resnet18", 10, 0.1, (54.0, 35.0, 43.2), 0.03),
     ("resnet18", 1, 0.1, (526.3, 194.7, 345.6), 0.03),

@@ -190,7 +190,7 @@ def test_cost_params_are_frozen_and_accept_zero():
 GBPS = 1.25e8  # bytes per second per Gbit/s
 PARAMS = {"resnet18": 11_689_512, "resnet50": 25_557_032, "alexnet": 61_100_840}
 
-# (model, Gbit/s, c, (AG, ART-Ring, ART-Tree) in ms), from algorithms.md B.3.
+# (model, Gbit/s, c, (AG, ART-Ring, ART-Tree) in ms), Table VI of Tyagi & Swany 2023.
 TABLE_VI = [
     ("resnet18", 10, 0.1, (54.0, 35.0, 43.2)),
     ("resnet18", 10, 0.01, (7.66, 18.1, 12.2)),

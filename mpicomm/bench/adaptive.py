@@ -49,7 +49,7 @@ Run under MPI with 4+ ranks, e.g.
   few steps earlier or later is partly luck; the per-run numbers are in the JSON).
 * L-GreCo, per family of ``--lgreco-families`` (``topk``: ``auto`` at ratio
   ``--lgreco-ratio`` with Allgather Top-k; ``qsgd``: 4 bits, ``powersgd``: rank 4, the
-  per-layer schemes of :mod:`mpicomm.control.perlayer`): every layer at the uniform
+  per-layer schemes of :mod:`mpicomm.strategies.lgreco_buckets`): every layer at the uniform
   setting (L-GreCo never adjusts) against L-GreCo's per-layer settings (DP every 10
   steps, budget = the uniform setting's total error); bytes per step (measured, the
   first 10 steps of both uniform) and the DP's own size vs the uniform size at the same

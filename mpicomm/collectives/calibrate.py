@@ -1,12 +1,12 @@
 """Fit the cost model's alpha, beta and gamma on the machine the job runs on.
 
 The one ping-pong helper of the project (:func:`pingpong`; ``bench collectives``,
-:mod:`mpicomm.control.calibration` and :func:`mpicomm.topology.measure_link` all use it):
-two ranks exchange messages over the communicator's private point-to-point
-duplicate (the path mpicomm's own algorithms use, Python overhead and the emulated
-cluster's injected latency included) with the registered tag
-:data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is fitted to the
-one-way times (:func:`fit_alpha_beta`).
+:func:`mpicomm.strategies.kernel_timing.calibrate` and
+:func:`mpicomm.topology.measure_link` all use it): two ranks exchange messages over the
+communicator's private point-to-point duplicate (the path mpicomm's own algorithms use,
+Python overhead and the emulated cluster's injected latency included) with the
+registered tag :data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is
+fitted to the one-way times (:func:`fit_alpha_beta`).
 
 * :func:`measure_links` (collective): up to ``links`` pairs ping-pong, rank 0 with
   peers on *other nodes* first (:func:`choose_peers`), in rounds of pairs that share no

@@ -112,8 +112,8 @@ class CompressedStrategy(Strategy):
     yet and adds it to the next gradient of that name (``memory`` is the
     :class:`~mpicomm.compress.ErrorFeedback`; ``None`` without error feedback).
 
-    Options for accuracy at scale (Deep Gradient Compression, algorithms.md G; each
-    off by default):
+    Options for accuracy at scale (Lin, Han, Mao, Wang & Dally, "Deep Gradient
+    Compression", ICLR 2018, arXiv 1712.01887; each off by default):
 
     * ``schedule``: a density warm-up (:class:`mpicomm.control.Schedule`, e.g.
       ``dgc_warmup(steps_per_epoch)``) evaluated at each buffer's step counter, so every

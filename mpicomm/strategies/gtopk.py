@@ -17,7 +17,7 @@ __all__ = ["GTopK"]
 
 
 class GTopK(SparsifyingStrategy):
-    r"""Error-fed gTop-k (Shi et al., ICDCS 2019; algorithms.md A.3) ("gtopk").
+    r"""Error-fed gTop-k (Shi et al., ICDCS 2019, arXiv 1901.04359) ("gtopk").
 
     Per fused buffer ``g`` of ``d`` elements on rank r::
 
