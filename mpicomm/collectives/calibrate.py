@@ -35,6 +35,7 @@ from mpi4py import MPI
 from ..comm import Communicator, resolve, wait_all
 from ..linkdelay import link_delay
 from ..tags import TAG_CALIBRATE
+from ..validate import check_int
 from .cost import CostParams
 
 #: Longest sleep between tests while ranks wait at a calibration barrier (leaves the CPU
@@ -154,8 +155,7 @@ def choose_peers(nodes: Sequence[int], links: int) -> list[int]:
 
 
 def _check(links: int, sizes: Sequence[int]) -> None:
-    if isinstance(links, bool) or not isinstance(links, int) or links < 1:
-        raise ValueError(f"links must be an int >= 1, got {links!r}")
+    check_int("links", links, 1)
     if len(sizes) < 2 or any(int(s) < 0 for s in sizes):
         raise ValueError("sizes needs at least two non-negative message sizes")
 
@@ -207,9 +207,7 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
     at line rate). Cost ``oneway_bytes·beta + 2·alpha`` per link."""
     comm = resolve(comm)
     _check(links, sizes)
-    if isinstance(oneway_bytes, bool) or not isinstance(oneway_bytes, int) or \
-            oneway_bytes < 0:
-        raise ValueError(f"oneway_bytes must be an int >= 0, got {oneway_bytes!r}")
+    oneway_bytes = check_int("oneway_bytes", oneway_bytes, 0)
     rounds = link_rounds(comm.allgather_object(comm.node), links)
     mine: list[Link] = []
     for pairs in rounds:

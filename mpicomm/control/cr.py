@@ -66,6 +66,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from ..validate import check_int
+
 __all__ = ["CRController", "pareto_front", "asf_choice", "knee_choice", "DEFAULT_RATIOS",
            "CRDecision"]
 
@@ -158,15 +160,11 @@ class CRController:
             raise ValueError(f"choice must be 'asf' or 'knee', got {choice!r}")
         if len(weights) != 2 or any(w <= 0 for w in weights):
             raise ValueError(f"weights must be two positive numbers, got {weights!r}")
-        if total_steps is not None and (isinstance(total_steps, bool) or
-                                        not isinstance(total_steps, int) or total_steps < 1):
-            raise ValueError(f"total_steps must be None or an int >= 1, got {total_steps!r}")
-        self.total_steps = total_steps
-        for name, v in (("window", window), ("warmup_steps", warmup_steps),
-                        ("cooldown", cooldown)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "window"
-                                                                    else 0):
-                raise ValueError(f"{name} must be an int >= {int(name == 'window')}, got {v!r}")
+        self.total_steps = None if total_steps is None else \
+            check_int("total_steps", total_steps, 1)
+        window = check_int("window", window, 1)
+        warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        cooldown = check_int("cooldown", cooldown, 0)
         for name, v in (("trigger", trigger), ("gain_smoothing", gain_smoothing)):
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
