@@ -142,7 +142,7 @@ class AutoStrategy(Strategy):
         # the per-layer families compress by their bits/ranks: no ratio
         fixed = None if self.controller is not None else \
             1.0 if self.family else float(cfg.ratio)  # type: ignore[arg-type]
-        self.ratios = RatioControl(self.controller, fixed)
+        self.ratio_control = RatioControl(self.controller, fixed)
         self.lgreco: Optional[LGreco] = None
         self.layer_errors: Optional[LayerErrors] = None
         if cfg.lgreco:
@@ -188,7 +188,7 @@ class AutoStrategy(Strategy):
     @property
     def ratio(self) -> float:
         """The CR in force for the next aggregation."""
-        return self.ratios.ratio
+        return self.ratio_control.ratio
 
     @property
     def params(self) -> CostParams:
@@ -340,7 +340,7 @@ class AutoStrategy(Strategy):
         if choice is not None:
             return choice, False
         ratio, p = key[1], self.comm.size
-        exploring = self.ratios.exploring
+        exploring = self.ratio_control.exploring
         if self.family is not None:
             choice = self.predictor.family_choice(segments, itemsize, p, params, compute,
                                                   scales)
@@ -411,7 +411,7 @@ class AutoStrategy(Strategy):
         """``||top-k(g_e)||²`` of this rank's error-fed bucket at ``ratio``
         (:meth:`RatioControl.reference`; ``None`` where the step keeps exact Top-k
         itself: Allgather Top-k, the L-GreCo paths)."""
-        return self.ratios.reference(
+        return self.ratio_control.reference(
             ratio, lambda: error_fed(scheme, buf, names, tensors, sub, self.memory),
             kept_is_reference=scheme == "allgather_topk" or self.lgreco is not None)
 
@@ -438,7 +438,8 @@ class AutoStrategy(Strategy):
         (without them the windows run but only the memory is restored)."""
         now = time.perf_counter()
         wall = 0.0 if self._last_done is None else now - self._last_done
-        self.agreement.finish(self._pending, self._gain_sq + [wall] + self.ratios.take_probe())
+        probe = self.ratio_control.take_probe()
+        self.agreement.finish(self._pending, self._gain_sq + [wall] + probe)
         self._pending, self._gain_sq = [], [0.0, 0.0, 0.0]
         actions = [self._action]
         self._action = None
@@ -491,8 +492,8 @@ class AutoStrategy(Strategy):
             choices.observe_other(max(wall / self.comm.size - float(seconds.sum()), 0.0))
         self.last_gain = min(math.sqrt(kept / total), 1.0) if total > 0 else 1.0
         before = self.ratio
-        action = self.ratios.observe(pending[0]["key_ratio"] if pending else None, drift,
-                                     total, ref, probe)
+        action = self.ratio_control.observe(pending[0]["key_ratio"] if pending else None,
+                                            drift, total, ref, probe)
         if self.ratio != before:  # choices kept for another ratio are dropped
             self.choices.keep_ratio(self.ratio)
         lg = self.lgreco
