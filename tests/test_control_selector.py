@@ -561,6 +561,47 @@ def test_make_auto_and_its_prediction():
         strategies.make("auto", ratio=2.0)
 
 
+def test_auto_config_is_validated_once_and_names_unknown_options():
+    """``AutoConfig``: keywords or one config object (keywords override it), sequences
+    kept as tuples, frozen; an unknown keyword is one ``TypeError`` naming it and the
+    closest option; bad values are ``ValueError`` at construction; README's keywords
+    build."""
+    import dataclasses
+
+    from mpicomm.strategies import AutoConfig, AutoStrategy
+
+    with pytest.raises(TypeError, match="'trail_steps' .did you mean 'trial_steps'"):
+        strategies.make("auto", trail_steps=2)
+    with pytest.raises(TypeError, match="AutoConfig"):
+        AutoStrategy(config={"ratio": 0.1})
+    cfg = AutoConfig(ratio=0.05, trial_steps=2, schemes=["dense", "gtopk"])
+    assert cfg.schemes == ("dense", "gtopk") and cfg.ratios == (0.1, 0.033, 0.011, 0.004,
+                                                                 0.001)
+    assert AutoStrategy(config=cfg).config is cfg
+    auto = AutoStrategy(config=cfg, calibrate_links=0)
+    assert (auto.config.trial_steps, auto.config.calibrate_links, auto.ratio,
+            auto.schemes) == (2, 0, 0.05, ("dense", "gtopk"))
+    assert cfg.calibrate_links == 2                     # the given config is unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ratio = 0.1  # type: ignore[misc]
+    for bad, match in [({"decay": 1.0}, "decay"), ({"drift": 0.0}, "drift"),
+                       ({"window": 0}, "window"), ({"calibrate_links": 1.5}, "calibrate"),
+                       ({"lgreco": True, "lgreco_every": 3}, "lgreco_acc_steps"),
+                       ({"ratios": ()}, "ratios"), ({"weights": (1.0,)}, "weights"),
+                       ({"lgreco_family": "sign"}, "lgreco_family"),
+                       ({"trigger": 0.0}, "trigger"), ({"total_steps": 0}, "total_steps")]:
+        with pytest.raises(ValueError, match=match):
+            AutoConfig(**bad)
+    # the keywords the README shows
+    per_layer = AutoStrategy(lgreco=True, lgreco_family="powersgd", lgreco_default=4)
+    assert per_layer.family == "powersgd" and per_layer.controller is None
+    assert per_layer.schemes == ("dense", "lgreco_powersgd") and per_layer.ratio == 1.0
+    tuned = strategies.make("auto", min_gain=0.5, probe_triggered=False, trial_steps=2,
+                            lgreco=True, lgreco_every=10, lgreco_family="qsgd")
+    assert tuned.lgreco is not None and tuned.lgreco.default == 4 and \
+        tuned.lgreco.every == 10 and tuned.min_gain == 0.5
+
+
 # ---------------------------------------------------------------------- multi-rank
 @pytest.mark.mpi
 def test_calibrate_gives_every_rank_the_same_numbers_and_dup_keeps_them(comm):

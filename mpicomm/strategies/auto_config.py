@@ -36,8 +36,8 @@ class AutoConfig:
     Options
     -------
     ratios:
-        CR candidates (fractions kept) of the controller (default the paper's
-        {0.1, 0.033, 0.011, 0.004, 0.001}).
+        CR candidates (fractions kept) of the controller (default the paper's {0.1, 0.033,
+        0.011, 0.004, 0.001}).
     ratio:
         A fixed CR instead of the controller (1.0 = always dense).
     schemes:
@@ -48,112 +48,109 @@ class AutoConfig:
         (:func:`~mpicomm.strategies.auto_schemes.select`): no gTop-k with
         ``approximate=False``; no scheme whose measured compression gain
         (:attr:`AutoStrategy.scheme_gains`, EWMA over the steps it ran, agreed) is below
-        ``min_gain`` — the buckets are re-decided as soon as a running scheme's gain
-        falls below it. Not applied to the per-layer QSGD/PowerSGD families.
+        ``min_gain`` — the buckets are re-decided as soon as a running scheme's gain falls
+        below it. Not applied to the per-layer QSGD/PowerSGD families.
     weights, choice, window, trigger, warmup_steps, explore, cooldown, restore_first,
     total_steps, probe_first, probe_triggered:
-        The CR controller's (:class:`mpicomm.control.CRController`). The first exploration starts
-        with the first step, a one-step probe by default (``probe_first``: Top-k's gain
-        at every candidate ratio on step 0's error-fed gradients, measured locally
-        beside the step's own exchange at the middle ratio; ours, see :mod:`mpicomm.control.cr`: on
-        the adaptive bench it saved the 0.3-0.4 s of a 5-step window that is thrown
-        away, about 10% of the best static run's time to the target); the explorations
-        triggered later are probes too by default (``probe_triggered``, at the ratio in
-        force: nothing thrown away), with ``probe_triggered=False`` the paper's windows,
-        which save and restore (``restore_first=False`` keeps the first window's steps,
-        going up the ratios: see :mod:`mpicomm.control.cr`); with ``total_steps`` (the training's
-        length, when known) no exploration starts in the last
-        ``2·window·len(ratios)`` steps. An exploration step runs the cheapest
-        *sparse* scheme at its ratio, never dense or PowerSGD (PowerSGD at ratios 0.1
-        and 0.033 cost up to 0.6 s a step in the window), and the controller is fed
-        Top-k's gain at the ratio whatever scheme ran (:mod:`~mpicomm.strategies.auto`). Its choices
-        are not kept for later steps.
+        The CR controller's (:class:`mpicomm.control.CRController`). The first exploration
+        starts with the first step, a one-step probe by default (``probe_first``: Top-k's
+        gain at every candidate ratio on step 0's error-fed gradients, measured locally
+        beside the step's own exchange at the middle ratio; ours, see
+        :mod:`mpicomm.control.cr`: on the adaptive bench it saved the 0.3-0.4 s of a 5-step
+        window that is thrown away, about 10% of the best static run's time to the target);
+        the explorations triggered later are probes too by default (``probe_triggered``, at
+        the ratio in force: nothing thrown away), with ``probe_triggered=False`` the paper's
+        windows, which save and restore (``restore_first=False`` keeps the first window's
+        steps, going up the ratios: see :mod:`mpicomm.control.cr`); with ``total_steps``
+        (the training's length, when known) no exploration starts in the last
+        ``2·window·len(ratios)`` steps. An exploration step runs the cheapest *sparse*
+        scheme at its ratio, never dense or PowerSGD (PowerSGD at ratios 0.1 and 0.033 cost
+        up to 0.6 s a step in the window), and the controller is fed Top-k's gain at the
+        ratio whatever scheme ran (:mod:`~mpicomm.strategies.auto`). Its choices are not
+        kept for later steps.
     switch_margin:
-        Hysteresis of a re-decision: the running scheme stays unless another is
-        predicted (or measured) cheaper by more than this fraction (noise on a shared
-        host otherwise flips schemes, each switch costing a cold start).
+        Hysteresis of a re-decision: the running scheme stays unless another is predicted
+        (or measured) cheaper by more than this fraction (noise on a shared host otherwise
+        flips schemes, each switch costing a cold start).
     trial_margin, trial_steps:
-        Choice by measurement where the model does not separate the schemes: every
-        scheme whose cost (its measured time once it has run ``trial_steps`` steps at
-        this bucket and ratio, else its prediction) is within ``trial_margin`` of the
-        cheapest is *tried* for ``trial_steps`` real training steps (no rollback: every
-        candidate is a valid aggregation at the same ratio), and the bucket then runs
-        the scheme with the lowest measured time (min over its last
-        ``max(trial_steps, MEASURED_TIMES)`` agreed times,
-        :data:`~mpicomm.strategies.auto_choice.MEASURED_TIMES`). A prediction that separates
-        the schemes clearly (one candidate within the margin) is used without trials.
-        ``trial_steps=0`` chooses by prediction only. Trials run outside CR exploration
-        windows; a (debounced) network drift forgets the measurements and tries again.
-        Default 1: on the adaptive bench every trial step of an approximate scheme
-        (AR-Top-k, gTop-k, PowerSGD at efficiency 0.3-0.7) costs progress, and 2 put
-        about 9 of the first 12 steps on trials. Ours, not the papers'.
+        Choice by measurement where the model does not separate the schemes: every scheme
+        whose cost (its measured time once it has run ``trial_steps`` steps at this bucket
+        and ratio, else its prediction) is within ``trial_margin`` of the cheapest is
+        *tried* for ``trial_steps`` real training steps (no rollback: every candidate is a
+        valid aggregation at the same ratio), and the bucket then runs the scheme with the
+        lowest measured time (min over its last ``max(trial_steps, MEASURED_TIMES)`` agreed
+        times, :data:`~mpicomm.strategies.auto_choice.MEASURED_TIMES`). A prediction that
+        separates the schemes clearly (one candidate within the margin) is used without
+        trials. ``trial_steps=0`` chooses by prediction only. Trials run outside CR
+        exploration windows; a (debounced) network drift forgets the measurements and tries
+        again. Default 1: on the adaptive bench every trial step of an approximate scheme
+        (AR-Top-k, gTop-k, PowerSGD at efficiency 0.3-0.7) costs progress, and 2 put about 9
+        of the first 12 steps on trials. Ours, not the papers'.
     gain_weighted:
         ``True`` (default): compare schemes (in the choice by measurement and
-        :meth:`~mpicomm.strategies.auto_choice.SchemeChoices.outrun`) by the step's
-        seconds per unit of Top-k progress, ``(t + share) / efficiency``
-        (:meth:`~mpicomm.strategies.auto_choice.SchemeChoices.costs`): ``t`` the
-        bucket's exchange,
-        ``share`` its part of :attr:`AutoStrategy.step_other` (the forward, backward and optimizer
-        time every step pays), ``efficiency`` the scheme's mass kept relative to exact
-        Top-k's at that ratio (:attr:`AutoStrategy.efficiency`, squared like the paper's gain; dense
-        and an unmeasured scheme 1). The idea: the number of steps to an accuracy grows
-        as a scheme applies less of the error-fed gradient per step. Measured on the
-        adaptive bench (digits, 4 ranks, ratio 0.011): AR-Top-k's exchange took about
-        half Allgather Top-k's (20 against 38 ms) at efficiency 0.5-0.7, and its static
-        run needed 1.4-2x the steps to 0.96; gTop-k's efficiency was 0.6-0.8. Without
-        the share the faster exchange looked cheaper per unit of progress (20/0.6 < 38),
-        with it (50/0.6 > 68) it does not. ``False``: time alone (the "cheapest that
-        meets ``min_gain``" rule, per step). Efficiencies are measured
-        only while a scheme runs (in trials and while kept), so an approximate scheme
-        chosen early (efficiency 0.8 in the first steps, when the ranks' gradients
-        agree) gives way within a few steps as its efficiency falls
+        :meth:`~mpicomm.strategies.auto_choice.SchemeChoices.outrun`) by the step's seconds
+        per unit of Top-k progress, ``(t + share) / efficiency``
+        (:meth:`~mpicomm.strategies.auto_choice.SchemeChoices.costs`): ``t`` the bucket's
+        exchange, ``share`` its part of :attr:`AutoStrategy.step_other` (the forward,
+        backward and optimizer time every step pays), ``efficiency`` the scheme's mass kept
+        relative to exact Top-k's at that ratio (:attr:`AutoStrategy.efficiency`, squared
+        like the paper's gain; dense and an unmeasured scheme 1). The idea: the number of
+        steps to an accuracy grows as a scheme applies less of the error-fed gradient per
+        step. Measured on the adaptive bench (digits, 4 ranks, ratio 0.011): AR-Top-k's
+        exchange took about half Allgather Top-k's (20 against 38 ms) at efficiency 0.5-0.7,
+        and its static run needed 1.4-2x the steps to 0.96; gTop-k's efficiency was 0.6-0.8.
+        Without the share the faster exchange looked cheaper per unit of progress (20/0.6 <
+        38), with it (50/0.6 > 68) it does not. ``False``: time alone (the "cheapest that
+        meets ``min_gain``" rule, per step). Efficiencies are measured only while a scheme
+        runs (in trials and while kept), so an approximate scheme chosen early (efficiency
+        0.8 in the first steps, when the ranks' gradients agree) gives way within a few
+        steps as its efficiency falls
         (:data:`~mpicomm.strategies.auto_choice.EFFICIENCY_DECAY`). Ours.
     drift_patience:
         Debounce of re-decisions: a drift of alpha/beta
         (:class:`mpicomm.control.OnlineCalibration`'s ``patience``) or of a compute factor
-        must persist for this many agreed steps in a row before the buckets are
-        re-decided (a single slow step on a shared host does not re-decide). Default 5:
-        on the emulated cluster (4 ranks on 2 cores) 3 re-decided 4 times in the first
-        35 steps with nothing changed (the fit settling from the short calibration, and
-        load noise), each re-running the trials; with 5, once or never in two runs,
-        and the bench's network change at step 66 (2x the time per byte, 5x the
-        latency) was flagged at step 70. ``drift=0.5`` missed that change altogether:
-        it moves a whole compressed step's time by only about 40%.
+        must persist for this many agreed steps in a row before the buckets are re-decided
+        (a single slow step on a shared host does not re-decide). Default 5: on the emulated
+        cluster (4 ranks on 2 cores) 3 re-decided 4 times in the first 35 steps with nothing
+        changed (the fit settling from the short calibration, and load noise), each
+        re-running the trials; with 5, once or never in two runs, and the bench's network
+        change at step 66 (2x the time per byte, 5x the latency) was flagged at step 70.
+        ``drift=0.5`` missed that change altogether: it moves a whole compressed step's time
+        by only about 40%.
     calibrate_links:
         Ping-pong links of the start-up calibration; ``0`` keeps the communicator's
-        calibration (or the defaults) without measuring. It is short on purpose: per
-        link, ping-pongs of 8 B and 4 KiB (3 repeats after 2 warm-ups: alpha) and one
-        512 KiB transfer answered by 8 B (beta), about ``22·alpha + 512 KiB·beta`` per
-        round of links (pairs on different nodes run at the same time,
+        calibration (or the defaults) without measuring. It is short on purpose: per link,
+        ping-pongs of 8 B and 4 KiB (3 repeats after 2 warm-ups: alpha) and one 512 KiB
+        transfer answered by 8 B (beta), about ``22·alpha + 512 KiB·beta`` per round of
+        links (pairs on different nodes run at the same time,
         :func:`~mpicomm.collectives.calibrate.link_rounds`; the default 2 links are one
-        round where there are 4 or more nodes: 0.09 s on the emulated cluster's 4
-        hosts at 100 Mbit/s and 1 ms, compute kernels included, against 0.2 s for 3
-        links one after another and 0.76 s for ping-pongs up to 256 KiB, which saw only
-        half the rate behind its 128 KiB ``tbf`` burst). The online refinement corrects
-        what it misses from the first real collectives; beta must be right to within a
-        few times from the start, or a dense step looks cheap (measured: 32 KiB
-        ping-pongs alone gave beta 100x too small, and a 1.1 s dense step).
+        round where there are 4 or more nodes: 0.09 s on the emulated cluster's 4 hosts at
+        100 Mbit/s and 1 ms, compute kernels included, against 0.2 s for 3 links one after
+        another and 0.76 s for ping-pongs up to 256 KiB, which saw only half the rate behind
+        its 128 KiB ``tbf`` burst). The online refinement corrects what it misses from the
+        first real collectives; beta must be right to within a few times from the start, or
+        a dense step looks cheap (measured: 32 KiB ping-pongs alone gave beta 100x too
+        small, and a 1.1 s dense step).
     drift, decay:
         :class:`mpicomm.control.OnlineCalibration`'s drift fraction and EWMA decay.
     lgreco, lgreco_every, lgreco_acc_steps, lgreco_factors:
         Per-layer settings (:class:`mpicomm.control.LGreco`), re-solved every so many steps
-        from candidates around the uniform default (top-k and PowerSGD:
-        ``factors × default``, ``(1.0,)`` = per-layer uniform, the baseline at the same
-        total error; QSGD: ``default + {-2..2}`` bits).
+        from candidates around the uniform default (top-k and PowerSGD: ``factors ×
+        default``, ``(1.0,)`` = per-layer uniform, the baseline at the same total error;
+        QSGD: ``default + {-2..2}`` bits).
     lgreco_family, lgreco_default:
         What L-GreCo sets per layer: ``"topk"`` densities (default: ``ratio``, else the
-        largest of ``ratios``), ``"qsgd"`` bits (default 4) or ``"powersgd"`` ranks
-        (default 4). With ``"qsgd"``/``"powersgd"`` the selector chooses between dense
-        and the per-layer scheme (``"lgreco_qsgd"``/``"lgreco_powersgd"``,
-        :mod:`~mpicomm.strategies.lgreco_buckets`; ``schemes=("lgreco_qsgd",)`` forces it), and
-        ``ratio``/``ratios`` and the CR controller are not used (the bits/ranks are the
+        largest of ``ratios``), ``"qsgd"`` bits (default 4) or ``"powersgd"`` ranks (default
+        4). With ``"qsgd"``/``"powersgd"`` the selector chooses between dense and the
+        per-layer scheme (``"lgreco_qsgd"``/``"lgreco_powersgd"``,
+        :mod:`~mpicomm.strategies.lgreco_buckets`; ``schemes=("lgreco_qsgd",)`` forces it),
+        and ``ratio``/``ratios`` and the CR controller are not used (the bits/ranks are the
         compression).
     history:
         How many :class:`~mpicomm.strategies.auto_schemes.Record` entries
         :attr:`AutoStrategy.records` keeps.
     fusion_bytes:
         The fusion limit of the buckets (:class:`~mpicomm.strategies.Strategy`).
-
     """
 
     # the selector
