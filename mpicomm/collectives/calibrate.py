@@ -204,7 +204,9 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
     ping-pongs before it opened the connection) as one more point of the fit: the
     cheapest way to see the sustained rate where small messages do not (a traffic
     shaper's burst, e.g. the emulated cluster's 128 KiB ``tbf`` bucket, lets them pass
-    at line rate). Cost ``oneway_bytes·beta + 2·alpha`` per link."""
+    at line rate). Cost ``oneway_bytes·beta + 2·alpha`` per link. On a loaded host the
+    transfer's round trip minus the small messages' median one-way time can come out at
+    0; that point is then left out and the link is fitted from the ping-pongs alone."""
     comm = resolve(comm)
     _check(links, sizes)
     oneway_bytes = check_int("oneway_bytes", oneway_bytes, 0)
@@ -219,10 +221,12 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
                      for s in points]
             if oneway_bytes:
                 small = min(range(len(points)), key=points.__getitem__)
-                times.append(pingpong(comm, oneway_bytes, 1, warmup=0, peer=peer,
-                                      origin=origin, reply_bytes=points[small],
-                                      reply_s=times[small]))
-                points.append(oneway_bytes)
+                oneway = pingpong(comm, oneway_bytes, 1, warmup=0, peer=peer,
+                                  origin=origin, reply_bytes=points[small],
+                                  reply_s=times[small])
+                if oneway > 0:  # else lost in noise (reply_s, a median, was larger)
+                    times.append(oneway)
+                    points.append(oneway_bytes)
             if comm.rank == origin:
                 alpha, beta = fit_alpha_beta(points, times)
                 mine.append(Link(origin, peer, alpha, beta))

@@ -35,6 +35,16 @@ Exact per-rank byte formulas, cost-model entries and tuning advice are in each c
 docstring; ``strategy.stats`` reports the bytes actually moved (from the communicator's
 traffic counters) and ``describe()`` / ``state_dict()`` the settings and the state
 (residuals, counters, warm starts) to log and checkpoint.
+
+``auto`` runs the pure controllers of :mod:`mpicomm.control` and is split by job:
+:mod:`.auto` (the strategy: aggregate, ``step_done``), :mod:`.auto_config` (its
+options), :mod:`.auto_schemes` (the schemes and the selector), :mod:`.auto_predict`
+(their predicted times per bucket), :mod:`.auto_choice` (kept choices, trials, gains),
+:mod:`.auto_ratio` (the ratio in force and the CR controller's inputs),
+:mod:`.auto_exchange` (one bucket through its scheme), :mod:`.auto_agree` (agreeing on a
+step's measurements), :mod:`.lgreco_buckets` and :mod:`.lgreco_errors` (L-GreCo's
+per-layer exchanges and measurements), :mod:`.kernel_timing` (the start-up calibration:
+links and compute kernels).
 """
 
 from __future__ import annotations
