@@ -25,3 +25,13 @@ from .schedules import Schedule, dgc_warmup, gtopk_warmup, linear_warmup, parse_
 __all__ = ["AdaComm", "Schedule", "gtopk_warmup", "dgc_warmup", "linear_warmup",
            "parse_schedule", "predict", "lgreco_solve", "LGreco", "CRController",
            "OnlineCalibration"]
+
+
+def __dir__() -> list[str]:
+    """The public names: ``__all__`` and the submodules already imported (not the
+    helpers this module imports for itself)."""
+    from types import ModuleType
+
+    loaded = (n for n, v in globals().items() if not n.startswith("_")
+              and isinstance(v, ModuleType) and v.__name__.startswith(__name__ + "."))
+    return sorted({*__all__, *loaded})

@@ -68,6 +68,8 @@ the strategy keeps its first choices: no records, no refinement, no CR changes.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import math
 import time
 from collections import deque
@@ -107,10 +109,10 @@ class AutoStrategy(Strategy):
     """Adaptive strategy ("auto"): collective selector + CR controller + L-GreCo.
 
     ``AutoStrategy(comm=None, *, config=None, **options)``: ``options`` are
-    :class:`~mpicomm.strategies.AutoConfig`'s fields (documented there), over ``config``
-    where both are given; an unknown option is a ``TypeError``, a bad value a
-    ``ValueError``, before any communication. The module docstring says what it does
-    step by step.
+    :class:`~mpicomm.strategies.AutoConfig`'s fields (documented there; the signature
+    lists them with their defaults), over ``config`` where both are given; an unknown
+    option is a ``TypeError``, a bad value a ``ValueError``, before any communication.
+    The module docstring says what it does step by step.
 
     Read while training: :attr:`ratio`, :attr:`records` (and :attr:`callbacks`),
     :attr:`decisions`, :attr:`last_gain`, :attr:`scheme_gains`, :attr:`efficiency`,
@@ -540,3 +542,19 @@ class AutoStrategy(Strategy):
             if optimizer is not None and saved["optimizer"] is not None:
                 optimizer.load_state_dict(saved["optimizer"])
             self.load_state_dict(saved["strategy"])
+
+
+def _signature() -> inspect.Signature:
+    """``(self, comm=None, *, config=None, <every AutoConfig field with its default>)``:
+    what ``help()`` shows and what wrappers that list a strategy's options read."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("comm", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                default=None),
+              inspect.Parameter("config", keyword, default=None)]
+    params += [inspect.Parameter(f.name, keyword, default=f.default)
+               for f in dataclasses.fields(AutoConfig)]
+    return inspect.Signature(params)
+
+
+AutoStrategy.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
