@@ -1,12 +1,12 @@
 """Fit the cost model's alpha, beta and gamma on the machine the job runs on.
 
 The one ping-pong helper of the project (:func:`pingpong`; ``bench collectives``,
-:mod:`mpicomm.control.calibration` and :func:`mpicomm.jobinfo.measure_link` all use it):
-two ranks exchange messages over the communicator's private point-to-point
-duplicate (the path mpicomm's own algorithms use, Python overhead and the emulated
-cluster's injected latency included) with the registered tag
-:data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is fitted to the
-one-way times (:func:`fit_alpha_beta`).
+:func:`mpicomm.strategies.kernel_timing.calibrate` and
+:func:`mpicomm.jobinfo.measure_link` all use it): two ranks exchange messages over the
+communicator's private point-to-point duplicate (the path mpicomm's own algorithms use,
+Python overhead and the emulated cluster's injected latency included) with the
+registered tag :data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is
+fitted to the one-way times (:func:`fit_alpha_beta`).
 
 * :func:`measure_links` (collective): up to ``links`` pairs ping-pong, rank 0 with
   peers on *other nodes* first (:func:`choose_peers`), in rounds of pairs that share no
@@ -199,9 +199,9 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
     ping-pongs before it opened the connection) as one more point of the fit: the
     cheapest way to see the sustained rate where small messages do not (a traffic
     shaper's burst, e.g. the emulated cluster's 128 KiB ``tbf`` bucket, lets them pass
-    at line rate). Cost ``oneway_bytes·beta + 2·alpha`` per link. A transfer that
-    measures no time beyond its reply's (the small ping-pong was slowed down more than
-    the transfer, on a busy host) adds no point."""
+    at line rate). Cost ``oneway_bytes·beta + 2·alpha`` per link. On a loaded host the
+    transfer's round trip minus the small messages' median one-way time can come out at
+    0; that point is then left out and the link is fitted from the ping-pongs alone."""
     comm = resolve(comm)
     _check(links, sizes)
     oneway_bytes = check_int("oneway_bytes", oneway_bytes, 0)
@@ -219,7 +219,7 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
                 oneway = pingpong(comm, oneway_bytes, 1, warmup=0, peer=peer,
                                   origin=origin, reply_bytes=points[small],
                                   reply_s=times[small])
-                if oneway > 0:  # else noise swamped it (a loaded host): fit without it
+                if oneway > 0:  # else lost in noise (reply_s, a median, was larger)
                     times.append(oneway)
                     points.append(oneway_bytes)
             if comm.rank == origin:

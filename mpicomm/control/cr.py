@@ -1,7 +1,8 @@
 r"""Multi-objective choice of the compression ratio (pure: decisions, no MPI).
 
-Tyagi & Swany, BigData 2023, section 3.E and their ``run_MOOCompression.py``
-(algorithms.md B.4). CR ``c`` = fraction of entries kept. Two objectives per candidate
+Tyagi & Swany, "Flexible Communication for Optimal Distributed Learning over
+Unpredictable Networks", IEEE BigData 2023, section 3.E, and their reference code's
+multi-objective compression step. CR ``c`` = fraction of entries kept. Two objectives per candidate
 ``c``: the predicted synchronization time ``t_sync(c)`` (the selector's cheapest scheme
 for ``c``, from the calibrated model) and ``1/gain(c)``, where the compression gain
 ``gain = ||g_c|| / ||g_e||`` (compressed over error-fed gradient, the code's unsquared
@@ -20,7 +21,7 @@ form) is measured during *exploration*:
    sparse-only windows, going up, 31-35 steps against 41-43 but in about the same time
    (3.8-3.9 s against 3.8-4.4 s; three and two seeds): the kept window's gains led to
    ratio 0.033, dearer steps. So the paper's restore stays the default.
-   ``probe_first=True`` (ours, not the default here; :class:`~.auto.AutoStrategy`'s
+   ``probe_first=True`` (ours, not the default here; :class:`mpicomm.strategies.AutoStrategy`'s
    default) replaces the *first* exploration (at the start, or at the end of the
    warm-up) by a *probe*: one step at the middle candidate (0.011 of the defaults: the
    cost of an ordinary step; at 0.1 a step took 2-4x as long on the adaptive bench)
@@ -159,9 +160,8 @@ class CRController:
             raise ValueError(f"choice must be 'asf' or 'knee', got {choice!r}")
         if len(weights) != 2 or any(w <= 0 for w in weights):
             raise ValueError(f"weights must be two positive numbers, got {weights!r}")
-        if total_steps is not None:
-            total_steps = check_int("total_steps", total_steps, 1)
-        self.total_steps = total_steps
+        self.total_steps = None if total_steps is None else \
+            check_int("total_steps", total_steps, 1)
         window = check_int("window", window, 1)
         warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         cooldown = check_int("cooldown", cooldown, 0)
