@@ -2,7 +2,7 @@
 
 The one ping-pong helper of the project (:func:`pingpong`; ``bench collectives``,
 :func:`mpicomm.strategies.kernel_timing.calibrate` and
-:func:`mpicomm.topology.measure_link` all use it): two ranks exchange messages over the
+:func:`mpicomm.jobinfo.measure_link` all use it): two ranks exchange messages over the
 communicator's private point-to-point duplicate (the path mpicomm's own algorithms use,
 Python overhead and the emulated cluster's injected latency included) with the
 registered tag :data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is
@@ -30,10 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from mpi4py import MPI
 
-from ..comm import Communicator, resolve, wait_all
-from ..linkdelay import link_delay
+from ..arrayops import ops_for
+from ..comm import Communicator, Traffic, resolve, wait_all
+from ..emulate.linkdelay import link_delay
+from ..p2p import Ctx
 from ..tags import TAG_CALIBRATE
 from ..validate import check_int
 from .cost import CostParams
@@ -77,36 +78,30 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
     the round trip minus ``reply_s`` (the reply's own one-way time, measured before):
     half the cost for a large message.
     """
-    mpi, rank = comm.p2p, comm.rank
+    rank = comm.rank
     if peer == origin or not (0 <= peer < comm.size and 0 <= origin < comm.size) or \
             rank not in (origin, peer):
         raise ValueError(f"pingpong: origin {origin} and peer {peer} (of {comm.size}) call "
                          f"it; rank {rank} did")
-    delay = link_delay(comm)  # the emulated cluster's injected latency counts in alpha
+    # blocking messages of the point-to-point layer, outside the communicator's traffic
+    # counters; the emulated link's delay counts in alpha
+    ctx = Ctx(comm.p2p, rank, comm.size, ops_for("numpy", False), Traffic(),
+              delay=link_delay(comm))
     buf = np.zeros(nbytes, dtype=np.uint8)
-    msg = [buf, MPI.BYTE]
     echo = reply_bytes is None
-    reply = msg if echo else [np.zeros(int(reply_bytes), dtype=np.uint8), MPI.BYTE]
+    reply = buf if echo else np.zeros(int(reply_bytes), dtype=np.uint8)
     times = []
     for i in range(warmup + repeats):
         if rank == origin:
             start = time.perf_counter()
-            if delay is not None:
-                delay.before_send(peer)
-            mpi.Send(msg, peer, TAG_CALIBRATE)
-            if delay is not None:
-                delay.after_receive()
-            mpi.Recv(reply, peer, TAG_CALIBRATE)
+            ctx.send(buf, peer, TAG_CALIBRATE)
+            ctx.recv(reply, peer, TAG_CALIBRATE)
             if i >= warmup:
                 elapsed = time.perf_counter() - start
                 times.append(elapsed / 2 if echo else max(elapsed - reply_s, 0.0))
         else:
-            if delay is not None:
-                delay.after_receive()
-            mpi.Recv(msg, origin, TAG_CALIBRATE)
-            if delay is not None:
-                delay.before_send(origin)
-            mpi.Send(reply, origin, TAG_CALIBRATE)
+            ctx.recv(buf, origin, TAG_CALIBRATE)
+            ctx.send(reply, origin, TAG_CALIBRATE)
     return statistics.median(times) if times else 0.0
 
 

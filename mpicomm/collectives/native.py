@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ._common import Ctx
+from ..p2p import Ctx
 
 _MPI_TYPES = {
     "float32": MPI.FLOAT,

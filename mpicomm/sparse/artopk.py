@@ -56,18 +56,19 @@ from ..collectives.allgather import allgather
 from ..collectives.allreduce import allreduce
 from ..collectives.broadcast import broadcast
 from ..comm import Communicator, resolve
-from ..selection import topk_indices
-from ..trace import describe_sparse, traced
+from ..compress.topk_select import topk_indices
+from ..hooks import traced
 from ..validate import check_algorithm
 from ._common import (
     FLOAT_TORCH,
     all_finite,
     check_int,
     check_k,
-    selection_key,
+    describe_sparse,
     to_caller,
     wire_index_dtype,
 )
+from .sets import selection_key
 
 __all__ = ["artopk", "ARTopKState", "SOURCES", "ALGORITHMS"]
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..comm import Communicator
+from ..observe.timeline import Timeline
 from ..strategies import Strategy
-from ..timeline import Timeline
 from . import comm_thread
 from .buckets import Bucket, aggregate_bucket
 

@@ -39,7 +39,7 @@ Approximate (:func:`topk_indices_approx`): a smaller margin and no refinement or
 fallback, so it costs one pass and one compaction; the result is the exact top-m for
 some ``m <= k`` (every entry returned is correct and the recall is ``m / k``; >= 0.95 is
 tested). In eager torch ops both variants are bounded by the same few memory passes; a
-fused single-pass kernel (Triton/CuPy) is what the issue's 10x target would need.
+fused single-pass kernel (Triton/CuPy) is what a 10x speed-up would need.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from .validate import check_int
+from ..validate import check_int
 
 __all__ = ["topk_indices", "topk_threshold", "topk_indices_approx", "topk_among",
            "topk_masses", "index_dtype_for", "PREFILTER_MIN_K"]
