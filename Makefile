@@ -9,7 +9,7 @@
 #   make bench-crossover      the Crossover scheduler on shared memory (2 ranks) and on
 #                             the emulated cluster (2 and 4 hosts), then report
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
-#   make lint                 ruff
+#   make lint                 ruff, and the import-linter contract of .importlinter (layers)
 #   make gpu-check            on a GPU machine: the gpu tests (serial, 2 and 4 ranks), the
 #                             selection/fusion/staging/overlap benchmarks and the end-to-end
 #                             comparison with DDP, JSON + report under GPU_OUT (gpu-results).
@@ -189,6 +189,7 @@ gpu-check:
 
 lint: $(STAMP)
 	$(PY) -m ruff check mpicomm tests examples launchers
+	$(abspath $(VENV))/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info bench-results
