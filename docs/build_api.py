@@ -143,11 +143,75 @@ def convert_headings(text: str) -> str:
     return re.sub(r"^(?P<title>[^\n]*\S[^\n]*)\n[-~]{3,}[ ]*\n", repl, text, flags=re.MULTILINE)
 
 
+_SECTION = re.compile(r"^([^\n]*\S[^\n]*)\n[-~]{3,}[ ]*$", re.MULTILINE)
+_NOT_A_TERM = re.compile(r"^(?:[-*+|]\s|\d+[.)]\s|\.\.\s|>>>)")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def _definition_lists(chunk: str) -> str:
+    """reST definition lists (a term at column 0, its definition indented on the next
+    lines) as Markdown list items ``- term: definition``; Markdown would otherwise run
+    every term and definition of a list together into one paragraph."""
+    lines = chunk.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        is_term = (line.strip() and _indent(line) == 0 and not _NOT_A_TERM.match(line)
+                   and i + 1 < len(lines) and lines[i + 1].strip()
+                   and _indent(lines[i + 1]) > 0
+                   and (i == 0 or not lines[i - 1].strip() or _indent(lines[i - 1]) > 0))
+        if not is_term:
+            out.append(line)
+            i += 1
+            continue
+        body, j = [], i + 1
+        while j < len(lines) and (not lines[j].strip() or _indent(lines[j]) > 0):
+            body.append(lines[j])
+            j += 1
+        while body and not body[-1].strip():  # trailing blank lines end the item
+            body.pop()
+            j -= 1
+        depth = min(_indent(b) for b in body if b.strip())
+        first, rest = body[0][depth:], [b[depth:] for b in body[1:]]
+        out.append(f"- {line.strip()}: {first}")
+        out.extend(f"  {r}" if r.strip() else "" for r in rest)
+        i = j
+    return "\n".join(out)
+
+
+def _numpy_names(chunk: str) -> str:
+    """In a NumPy section, ``name:`` over its indented description is ``name`` (pdoc
+    would print the colon and add its own)."""
+    return re.sub(r"^(\S[^\n]*?):[ ]*(?=\n[ ]+\S)", r"\1", chunk, flags=re.MULTILINE)
+
+
+def convert_definition_lists(text: str) -> str:
+    """:func:`_definition_lists` outside the NumPy sections (``Parameters`` and the
+    like), whose ``name`` / indented description pairs pdoc converts itself."""
+    pieces, last, numpy_section = [], 0, False
+
+    def convert(chunk: str) -> str:
+        return _numpy_names(chunk) if numpy_section else _definition_lists(chunk)
+
+    for m in _SECTION.finditer(text):
+        pieces.append(convert(text[last:m.start()]))
+        pieces.append(m.group(0))
+        numpy_section = m.group(1).strip() in _NUMPY_SECTIONS
+        last = m.end()
+    pieces.append(convert(text[last:]))
+    return "".join(pieces)
+
+
 def to_markdown(docstring: str) -> str:
     """The conversions of the module docstring, in the order pdoc needs them."""
     text = strip_short_roles(docstring)
     text = convert_tables(text)
     text = convert_literal_markers(text)
+    text = convert_definition_lists(text)
     return convert_headings(text)
 
 
