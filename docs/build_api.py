@@ -315,7 +315,7 @@ def build(out: Path) -> tuple[int, dict[str, dict[str, list[str]]]]:
             resolve_lazy_exports(modules)
             # pdoc walks a package's submodules itself unless its __all__ leaves them
             # out; name only those it would not reach, or it warns about duplicates
-            pdoc.pdoc(*roots(modules), output_directory=out)
+            pdoc.pdoc(*roots(modules), r"!.*\._\w+$", output_directory=out)
     finally:
         warnings.showwarning = previous
         pdoc.docstrings.convert = original
