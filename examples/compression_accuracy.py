@@ -21,8 +21,9 @@ Every strategy sees the same initial weights, the same shards and the same batch
 rank), and the same number of epochs; ``--lr-decay E`` multiplies the learning
 rate by 0.1 from epoch E on, for every strategy (dense included). The whole model is one
 bucket, so top-k is taken over the whole model (the papers' setting). Printed: the test
-metric (accuracy in percent, or perplexity) per seed and the median over seeds, the median gap to dense and the worst
-seed's gap in percentage points, the final training loss, the bytes each rank sent per
+metric (accuracy in percent, or perplexity) per seed and the median over seeds, the
+median gap to dense and the worst seed's gap in percentage points, the final training loss,
+the bytes each rank sent per
 step (from the strategies' traffic counters) against dense, and the steps of each run::
 
     mpiexec -n 4 python examples/compression_accuracy.py            # 3 seeds
@@ -64,7 +65,8 @@ import torch
 import mpicomm
 from mpicomm.bench import recipes
 from mpicomm.bench._util import machine
-from mpicomm.bench.harness import Spec, build, train as train_run
+from mpicomm.bench.harness import Spec, build
+from mpicomm.bench.harness import train as train_run
 from mpicomm.bench.recipes import BASES, FLAGS, SCHEDULES  # noqa: F401  (label grammar)
 from mpicomm.bench.sync import GradientMethod
 from mpicomm.strategies import Strategy

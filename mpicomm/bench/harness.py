@@ -72,7 +72,9 @@ class Spec:
     epochs: int | None = None          # None with budget_s: until the budget is spent
     max_steps: int | None = None
     budget_s: float | None = None      # training-clock budget, checked at evaluations
-    eval_every: int = 0                # steps between evaluations; 0: every epoch's end
+    eval_every: int | None = 0         # steps between evaluations; 0: every epoch's end,
+    #                                    None: only at the end of the run
+    epoch_stats: bool = True           # running loss/accuracy per epoch (one allgather)
     eval_split: str = "test"           # "train": the training set (local SGD's loss)
     target: float | None = None        # metric value that counts as reached
     target_key: str | None = None      # evaluation key of the target (default: metric)
@@ -182,8 +184,11 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     ``on_epoch(epoch, context)`` before an epoch; ``on_epoch_end(epoch, stats, context)``
     after it, with ``stats`` the epoch's running training loss and accuracy over all ranks
     (``{"epoch", "train_loss", "train_acc"}``, also kept in ``run.history``);
-    ``on_step(step, context)`` after each step (from 1); ``on_eval(point, context)`` after
-    each evaluation. Every rank must call it with the same arguments.
+    ``on_step(step, context)`` after each step (from 1; setting ``context.stop`` there ends
+    the run after that step, on this rank: every rank must stop at the same step unless
+    ``epoch_stats`` is off and only the final evaluation is collective);
+    ``on_eval(point, context)`` after each evaluation. Every rank must call it with the
+    same arguments.
     """
     w = workload if workload is not None else build(spec, comm)
     d = w.info.defaults
@@ -202,7 +207,7 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
               w.info.direction, w.info.as_dict(), config)
     key = spec.target_key or w.info.metric
     ctx = _Context(opt=opt, model=model, workload=w, sync=sync, run=run)
-    every = spec.eval_every
+    every = spec.eval_every  # None: at the end only
     clock = spec.clock if spec.clock is not None else TrainClock()
     sync.start(model, opt, comm, clip_norm=clip, clock=clock.now)
     if hasattr(clock, "attach"):
@@ -270,24 +275,25 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
                     report_step(steps)  # the emulated cluster's `step N` schedule entries
                 if on_step is not None:
                     on_step(steps, ctx)
-                if spec.max_steps is not None and steps >= spec.max_steps:
+                if ctx.stop or (spec.max_steps is not None and steps >= spec.max_steps):
                     done = True
                     break
-                if every and steps - last_eval >= every and sync.can_evaluate():
-                    if evaluate():
-                        done = True
-                        break
-            clock.pause()
-            total = comm.allgather_object((loss_sum, hit_sum, count_sum))
-            n = sum(t[2] for t in total) or 1.0
-            stats = {"epoch": epoch + 1, "train_loss": sum(t[0] for t in total) / n,
-                     "train_acc": sum(t[1] for t in total) / n}
-            run.history.append(stats)
-            if on_epoch_end is not None:
-                on_epoch_end(epoch, stats, ctx)
-            clock.resume()
+                if every and steps - last_eval >= every and sync.can_evaluate() \
+                        and evaluate():
+                    done = True
+                    break
+            if spec.epoch_stats:
+                clock.pause()
+                total = comm.allgather_object((loss_sum, hit_sum, count_sum))
+                n = sum(t[2] for t in total) or 1.0
+                stats = {"epoch": epoch + 1, "train_loss": sum(t[0] for t in total) / n,
+                         "train_acc": sum(t[1] for t in total) / n}
+                run.history.append(stats)
+                if on_epoch_end is not None:
+                    on_epoch_end(epoch, stats, ctx)
+                clock.resume()
             epoch += 1
-            if not every and not done:
+            if every == 0 and not done:
                 done = evaluate()
         if last_eval != steps or not run.curve:
             evaluate()

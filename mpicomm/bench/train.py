@@ -36,10 +36,10 @@ import statistics
 from typing import Any
 
 from ..comm import init
+from ._util import UsageError, machine, print_table, write_json
 from .harness import Run, Spec, train
 from .recipes import label_strategy
 from .sync import GradientMethod, LocalSGDMethod
-from ._util import UsageError, machine, print_table, write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,8 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..validate import check_int
-
 
 class WorkloadError(ValueError):
     """A request no rank can train: an unknown workload or option, a batch larger than a
@@ -185,8 +183,9 @@ class Workload:
 
     ``model``: the initial model (identical on every rank for the same seed); ``shard``:
     this rank's batches (``shard.batches(epoch)``); ``loss(model, batch)``: ``(mean
-    training loss of the batch, top-1 hits, predictions)``; ``evaluate(model, comm, split="test")``: ``{"loss": ..., metric:
-    ...}`` on the held-out set (``split="train"``: on the training set), collective over
+    training loss of the batch, top-1 hits, predictions)``; ``evaluate(model, comm,
+        split="test")``: ``{"loss": ..., metric: ...}`` on the held-out set
+    (``split="train"``: on the training set), collective over
     ``comm`` (``None``: this rank alone evaluates the whole set); ``info``: sizes, metric
     and direction, optimizer defaults, data provenance.
     """

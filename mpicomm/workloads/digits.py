@@ -20,8 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import (ArrayShard, Info, Workload, classification_eval, count_parameters,
-                   cross_entropy, require)
+from .base import (
+    ArrayShard,
+    Info,
+    Workload,
+    classification_eval,
+    count_parameters,
+    cross_entropy,
+    require,
+)
 from .cache import cached_arrays
 
 NAME = "digits-mlp"

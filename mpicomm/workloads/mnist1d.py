@@ -29,8 +29,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import (ArrayShard, Info, Workload, WorkloadError, classification_eval,
-                   count_parameters, cross_entropy, require)
+from .base import (
+    ArrayShard,
+    Info,
+    Workload,
+    WorkloadError,
+    classification_eval,
+    count_parameters,
+    cross_entropy,
+    require,
+)
 from .cache import cached_arrays
 
 NAME = "mnist1d-cnn"

@@ -2,8 +2,9 @@
 
 Corpus: the ``*.py`` files of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``, sorted by relative path, test suites and
-``site-packages`` left out; about 12 MB for CPython 3.11), present on every machine that runs Python, never downloaded. It differs
-between Python versions, so every result records the file list, byte count and SHA-256
+``site-packages`` left out; about 12 MB for CPython 3.11), present on every machine
+that runs Python, never downloaded. It differs between Python versions, so every result
+records the file list, byte count and SHA-256
 (``info.data["corpus"]``); compare runs only when the checksums match.
 
 Tokens: identifiers, numbers, single punctuation characters and line breaks
@@ -39,8 +40,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import (ArrayShard, Info, Workload, WorkloadError, count_parameters, cross_entropy,
-                   my_slice, sums_over_ranks)
+from .base import (
+    ArrayShard,
+    Info,
+    Workload,
+    WorkloadError,
+    count_parameters,
+    cross_entropy,
+    my_slice,
+    sums_over_ranks,
+)
 from .cache import cached_arrays
 
 NAME = "text-lm"
