@@ -9,8 +9,8 @@ the bytes sent, this rank's time and bytes of every step, and the decisions of a
 methods (the auto strategy's scheme and ratio, AdaComm's period, a schedule's density).
 
 The clock: :func:`now` is the harness's only time source. Training time excludes
-evaluation: at an evaluation point every rank stops its clock, the time so far is the
-maximum over the ranks (a synchronous step is done when its last rank is), the model is
+evaluation: at an evaluation point every rank stops its clock, the time so far (and the
+bytes sent so far, ``bytes``) is the maximum over the ranks (a synchronous step is done when its last rank is), the model is
 evaluated (every rank evaluates a slice, :meth:`Workload.evaluate`) and the clock restarts
 after a barrier. ``spec.clock`` replaces it (the local SGD benchmark's runtime model).
 
@@ -221,9 +221,10 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
         clock.pause()
         if not sync.can_evaluate():
             sync.make_consistent()
-        elapsed = float(comm.allreduce_value(clock.now(), "max"))
+        everyone = comm.allgather_object((clock.now(), int(sync.sent_bytes())))
+        elapsed = float(max(t for t, _ in everyone))
         point = {"step": steps, "epoch": epoch, "time_s": elapsed,
-                 "bytes": int(sync.sent_bytes())}
+                 "bytes": max(b for _, b in everyone)}
         point.update(w.evaluate(model, comm, spec.eval_split))
         run.curve.append(point)
         last_eval = steps

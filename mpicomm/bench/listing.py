@@ -15,13 +15,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "their sizes (builds each; data is generated and cached "
                                  "the first time).")
     ap.add_argument("--ranks", type=int, default=8, help="steps per epoch at this many ranks")
+    ap.add_argument("--workload", action="append", default=None,
+                    help="only this workload (repeatable)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     if args.ranks < 1:
         ap.error("--ranks must be >= 1")
     from .. import workloads
 
-    rows = workloads.describe(args.ranks)
+    try:
+        rows = workloads.describe(args.ranks, args.workload)
+    except workloads.WorkloadError as exc:
+        ap.error(str(exc))
     columns = list(dict.fromkeys(c for r in rows for c in r if c not in ("description", "error")))
     print_table(rows, columns)
     for r in rows:

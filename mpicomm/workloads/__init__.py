@@ -106,12 +106,13 @@ def get(name: str, *, rank: int, size: int, seed: int = 0, batch: int | None = N
     return module.build(rank=rank, size=size, seed=seed, batch=batch, **_resolve(name, opts))
 
 
-def describe(ranks: int = 8) -> list[dict[str, Any]]:
-    """One row per workload at its defaults: parameters (share in embedding/output
-    tables), data sizes, steps per epoch at ``ranks`` ranks, metric. Builds each workload
-    (generating and caching its data the first time)."""
+def describe(ranks: int = 8, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """One row per workload (``only``: these) at its defaults: parameters (share in
+    embedding/output tables), data sizes, steps per epoch at ``ranks`` ranks, metric.
+    Builds each workload (generating and caching its data the first time)."""
     rows = []
-    for name in _MODULES:
+    for name in only or _MODULES:
+        _module(name)
         try:
             w = get(name, rank=0, size=ranks)
         except MissingPackageError as exc:

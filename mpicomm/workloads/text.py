@@ -8,7 +8,8 @@ records the file list, byte count and SHA-256
 (``info.data["corpus"]``); compare runs only when the checksums match.
 
 Tokens: identifiers, numbers, single punctuation characters and line breaks
-(``[A-Za-z_]\\w*|\\d+|\\n|[^\\s\\w]``); every 20th file is held out for validation. The
+(``[A-Za-z_]\\w*|\\d+|\\n|[^\\s\\w]``); every 20th file (the last one of a
+corpus of fewer than 20 files) is held out for validation. The
 vocabulary is the ``vocab - 1`` most frequent training tokens plus ``<unk>``. Training
 examples are the non-overlapping windows of ``seq_len + 1`` tokens of the training stream
 (input: the first ``seq_len``, target: the last ``seq_len``); validation uses the same
@@ -105,11 +106,14 @@ def tokenize(max_bytes: int, vocab: int) -> tuple[dict[str, np.ndarray], dict[st
     def build() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         train_tok: list[str] = []
         valid_tok: list[str] = []
-        for i, n in enumerate(corpus["files"]):
+        files = corpus["files"]
+        for i, n in enumerate(files):
             with open(os.path.join(corpus["root"], n), encoding="utf-8",
                       errors="replace") as f:
                 words = TOKEN.findall(f.read())
-            (valid_tok if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 else train_tok).extend(words)
+            held = i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 or (
+                len(files) < HOLDOUT_EVERY and i == len(files) - 1)
+            (valid_tok if held else train_tok).extend(words)
         counts = Counter(train_tok)
         kept = sorted(counts, key=lambda w: (-counts[w], w))[:vocab - 1]
         ids = {w: i + 1 for i, w in enumerate(kept)}  # 0: <unk>
@@ -163,6 +167,9 @@ def build(*, rank: int, size: int, seed: int, batch: int, vocab: int, embed: int
         if value < low:
             raise WorkloadError(f"workload {NAME!r}: {key} must be >= {low}, got {value}")
     arrays, meta = tokenize(max_bytes, vocab)
+    if min(len(arrays["train"]), len(arrays["valid"])) <= seq_len:
+        raise WorkloadError(f"workload {NAME!r}: the corpus (max_bytes={max_bytes}) is too "
+                            f"small for seq_len {seq_len}")
     x, y = windows(arrays["train"], seq_len)
     vx, vy = windows(arrays["valid"], seq_len, valid_tokens)
     shard = ArrayShard(x, y, rank=rank, size=size, seed=seed, batch=batch, name=NAME)
