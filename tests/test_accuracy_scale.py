@@ -4,7 +4,8 @@ At 8 ranks the digits task gives each rank 10 steps per epoch. AR-Top-k (STAR) w
 error feedback at density 0.01 then oscillates late in training (with fixed per-rank
 shards, seed 2 ended at 85% test accuracy against 97.8% for dense; with the workloads'
 per-epoch shards, plain error feedback ends 0.1-3.6 points below momentum correction on
-seeds 0-6 and at twice its training loss on seed 1, the case checked here). The cause: the updates are residual bursts (the mean update norm is ~5x dense's,
+seeds 0-6 and at twice its training loss on seed 1, the case checked here). The cause: the
+updates are residual bursts (the mean update norm is ~5x dense's,
 ~2x gTop-k's, because one source rank's top-k drains the global residual poorly) and the
 optimizer's momentum keeps pushing every burst for ~1/(1-m) more steps while the residual
 rebuilds in the same direction. DGC's momentum correction with momentum factor masking

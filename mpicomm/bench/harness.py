@@ -10,7 +10,8 @@ methods (the auto strategy's scheme and ratio, AdaComm's period, a schedule's de
 
 The clock: :func:`now` is the harness's only time source. Training time excludes
 evaluation: at an evaluation point every rank stops its clock, the time so far (and the
-bytes sent so far, ``bytes``) is the maximum over the ranks (a synchronous step is done when its last rank is), the model is
+bytes sent so far, ``bytes``) is the maximum over the ranks (a synchronous step is done
+when its last rank is), the model is
 evaluated (every rank evaluates a slice, :meth:`Workload.evaluate`) and the clock restarts
 after a barrier. ``spec.clock`` replaces it (the local SGD benchmark's runtime model).
 
