@@ -123,7 +123,7 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
 
 # ---------------------------------------------------------------------- 2. straggler
 def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
-    from .harness import Spec, train
+    from .harness import Spec, now, train
     from .sync import PSMethod
 
     rows = []
@@ -144,10 +144,10 @@ def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[s
                             else kv.stats()["server_pushes"] >= target)
 
             wc.barrier()
-            start = time.perf_counter()
+            start = now()
             r = train(spec, PSMethod(kv, sleep_s=pause), wc, on_step=enough)
             stats = kv.stats()
-            wall = wc.allreduce_value(time.perf_counter() - start, "max")
+            wall = wc.allreduce_value(now() - start, "max")
             pushes = wc.allreduce_value(r.steps, "sum")
             staleness = wc.allreduce_value(stats["max_staleness"], "max")
             rows.append({"mode": mode if mode != "ssp" else f"ssp(s={args.staleness})",

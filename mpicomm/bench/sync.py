@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..strategies import Strategy
+from . import harness
 from .harness import make_optimizer
 
 
@@ -196,7 +197,7 @@ class PSMethod:
         self.kv, self.slow_factor, self.sleep_s = kv, slow_factor, sleep_s
         self.label = label or f"ps-{kv.mode}"
         self.opt: Any = None
-        self._t0 = time.perf_counter()
+        self._t0 = harness.now()
 
     def optimizer(self, model: torch.nn.Module, lr: float, momentum: float,
                   weight_decay: float) -> Any:
@@ -206,7 +207,7 @@ class PSMethod:
         zero = self.opt.zero_grad
 
         def zero_grad() -> None:  # the straggler's compute time starts here
-            self._t0 = time.perf_counter()
+            self._t0 = harness.now()
             zero()
 
         self.opt.zero_grad = zero_grad
@@ -219,7 +220,7 @@ class PSMethod:
 
     def update(self, loss: torch.Tensor) -> None:
         if self.slow_factor > 1:
-            time.sleep((self.slow_factor - 1) * (time.perf_counter() - self._t0))
+            time.sleep((self.slow_factor - 1) * (harness.now() - self._t0))
         if self.sleep_s:
             time.sleep(self.sleep_s)
         self.opt.step()
