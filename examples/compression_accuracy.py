@@ -51,7 +51,6 @@ scale" section has the 4/8/16 rank tables. At 4 ranks (12 epochs, constant lr, s
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -69,6 +68,7 @@ from mpicomm.bench.harness import Spec, build
 from mpicomm.bench.harness import train as train_run
 from mpicomm.bench.recipes import BASES, FLAGS, SCHEDULES  # noqa: F401  (label grammar)
 from mpicomm.bench.sync import GradientMethod
+from mpicomm.cli import RankZeroParser
 from mpicomm.strategies import Strategy
 
 #: The labels run by default (with and without error feedback). The accuracy-at-scale
@@ -216,7 +216,8 @@ def table(results: list[Result], seeds: list[int], labels: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = RankZeroParser(prog="compression_accuracy.py",
+                            description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=Config.epochs)
     parser.add_argument("--lr", type=float, default=Config.lr)
@@ -255,9 +256,12 @@ def main(argv: list[str] | None = None) -> int:
                  options=options, eval_every=args.eval_every)
     # an unknown label or workload, a batch larger than a shard: ValueError on every rank
     # before any training
-    info = build(spec_for(labels[0], 0, cfg), comm).info
-    for label in labels:
-        recipe(label, cfg, 1)
+    try:
+        info = build(spec_for(labels[0], 0, cfg), comm).info
+        for label in labels:
+            recipe(label, cfg, 1)
+    except ValueError as exc:
+        parser.error(str(exc))
     say = (lambda msg: print(msg, flush=True)) if comm.rank == 0 else None
     if say:
         say(f"{info.description}, {comm.size} ranks, {cfg.epochs} "

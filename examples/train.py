@@ -423,7 +423,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     comm = mpicomm.init()
     setup_logging(comm.rank)
     torch.set_num_threads(args.threads or default_threads(comm))
-    w = build(spec_of(args), comm)  # a bad workload option: ValueError on every rank
+    try:  # an unknown workload or option, a batch larger than a shard: on every rank
+        w = build(spec_of(args), comm)
+    except ValueError as exc:
+        RankZeroParser(prog=os.path.basename(__file__)).error(str(exc))
     log.info("%d ranks x %d torch thread(s); %s: %d train / %d test examples; %d parameters",
              comm.size, torch.get_num_threads(), w.info.description, w.info.train_examples,
              w.info.eval_examples, w.info.parameters)

@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train as peer  # noqa: E402  (examples/train.py: data, model, loop, summary)
 
 import mpicomm  # noqa: E402
+from mpicomm import workloads  # noqa: E402
 from mpicomm.cli import ps_servers  # noqa: E402
 from mpicomm.compress import REGISTRY, make  # noqa: E402
 from mpicomm.ps import MODES, KVStore  # noqa: E402
@@ -114,6 +115,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     comm = mpicomm.init()
     peer.setup_logging(comm.rank)
+    try:  # the workers' shards, checked on every rank before the servers start
+        workloads.get(args.workload, rank=0, size=max(1, comm.size - args.servers),
+                      seed=args.seed, batch=args.batch_size, **args.options)
+    except ValueError as exc:
+        peer.RankZeroParser(prog=os.path.basename(__file__)).error(str(exc))
     kv = KVStore(comm, servers=args.servers, mode=args.mode, staleness=args.staleness,
                  optimizer="sgd", lr=args.lr, momentum=args.momentum,
                  weight_decay=args.weight_decay,
