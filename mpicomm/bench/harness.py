@@ -8,21 +8,23 @@ or AdaComm, or a :class:`~mpicomm.ps.KVStore` parameter server) and returns a
 the bytes sent, this rank's time and bytes of every step, and the decisions of adaptive
 methods (the auto strategy's scheme and ratio, AdaComm's period, a schedule's density).
 
-The clock: :func:`now` is the harness's only time source. Training time excludes
-evaluation: at an evaluation point every rank stops its clock, the time so far (and the
-bytes sent so far, ``bytes``) is the maximum over the ranks (a synchronous step is done
-when its last rank is), the model is
-evaluated (every rank evaluates a slice, :meth:`Workload.evaluate`) and the clock restarts
-after a barrier. ``spec.clock`` replaces it (the local SGD benchmark's runtime model).
+The clock: :func:`now` is the harness's only time source. It starts when every rank has
+set up the method (after a barrier) and excludes evaluation: at an evaluation point every
+rank stops its clock; the time so far and the bytes sent so far (``bytes``) are the
+maxima over the ranks (a synchronous step is done when its last rank is); the model is
+evaluated (every rank evaluates a slice, :meth:`Workload.evaluate`) and the clock
+restarts after a barrier. ``spec.clock`` replaces it (the local SGD benchmark's runtime
+model).
 
 Stopping: after ``epochs`` epochs, ``max_steps`` steps, or at the first evaluation at
 which the clock has passed ``budget_s``; an evaluation always closes the run. A target
 (``spec.target``) is reached at the first evaluation whose metric is at least as good
 (in the workload's direction).
 
-Cost: one small allgather per evaluation (the metric sums) plus the evaluation itself;
-nothing per step beyond the method's own communication (per-step times and bytes are
-this rank's, kept in memory: 16 bytes a step).
+Cost: two small allgathers per evaluation (clock and bytes, the metric sums) plus the
+evaluation itself, one per epoch (the running training loss and accuracy, unless
+``epoch_stats`` is off); nothing per step beyond the method's own communication (per-step
+times and bytes are this rank's, kept in memory: 16 bytes a step).
 """
 
 from __future__ import annotations
@@ -209,8 +211,12 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     key = spec.target_key or w.info.metric
     ctx = _Context(opt=opt, model=model, workload=w, sync=sync, run=run)
     every = spec.eval_every  # None: at the end only
-    clock = spec.clock if spec.clock is not None else TrainClock()
-    sync.start(model, opt, comm, clip_norm=clip, clock=clock.now)
+    clock: Any = spec.clock
+    sync.start(model, opt, comm, clip_norm=clip,
+               clock=lambda: clock.now() if clock is not None else 0.0)
+    if clock is None:  # started together, after the method's set-up
+        comm.barrier()
+        clock = TrainClock()
     if hasattr(clock, "attach"):
         clock.attach(sync)
     last_eval, steps, epoch = 0, 0, 0
