@@ -56,7 +56,7 @@ from .cache import cached_arrays
 NAME = "text-lm"
 OPTIONS = {"vocab": 8192, "embed": 128, "hidden": 128, "seq_len": 32,
            "valid_tokens": 32768, "max_bytes": 0}
-DEFAULTS = {"lr": 5.0, "momentum": 0.0, "weight_decay": 0.0, "epochs": 3, "batch": 8,
+DEFAULTS = {"lr": 5.0, "momentum": 0.0, "weight_decay": 0.0, "epochs": 1, "batch": 3,
             "clip_norm": 0.5}
 TOKEN = re.compile(r"[A-Za-z_]\w*|\d+|\n|[^\s\w]")
 HOLDOUT_EVERY = 20
