@@ -129,6 +129,9 @@ def test_text_lm_records_its_corpus_and_puts_its_weights_in_the_tables(cache_dir
     assert int(x.max()) < 512
     ev = w.evaluate(w.model, None)
     assert ev["perplexity"] == pytest.approx(np.exp(ev["loss"]))
+    # 6 x (LSTM + decoder multiply-adds) per token, 4 x 32 tokens a step
+    per_token = 4 * 128 * (128 + 128) + 128 * 512
+    assert w.info.flops_per_step == 6 * 4 * 32 * per_token
     assert 100 < ev["perplexity"] < 2000  # untrained: about the vocabulary size
     assert w.info.metric == "perplexity" and w.info.direction == "min"
     # the defaults: >= 2 M parameters, most in the embedding and output layers

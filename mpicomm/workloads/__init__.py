@@ -122,6 +122,7 @@ def describe(ranks: int = 8, only: list[str] | None = None) -> list[dict[str, An
         rows.append({"workload": name, "parameters": i.parameters,
                      "in_embeddings": i.embedding_parameters / i.parameters,
                      "train": i.train_examples, "eval": i.eval_examples, "batch": i.batch,
+                     "GFLOP/step": i.flops_per_step / 1e9,
                      f"steps/epoch@{ranks}": i.steps_per_epoch,
                      "epochs": i.defaults["epochs"],
                      f"steps@{ranks}": int(i.defaults["epochs"] * i.steps_per_epoch),

@@ -62,6 +62,7 @@ class Info:
     metric: str                  # "accuracy", "perplexity" or "loss"
     direction: str               # "max" or "min": which way the metric improves
     timing_only: bool            # True when the metric means nothing (random data)
+    flops_per_step: float        # per rank: 6 x forward multiply-adds (step_flops)
     defaults: dict[str, float]   # optimizer recipe: lr, momentum, weight_decay, epochs
     data: dict[str, Any] = field(default_factory=dict)     # where the data came from
     options: dict[str, Any] = field(default_factory=dict)  # resolved workload options
@@ -171,6 +172,37 @@ def cross_entropy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     target = y.reshape(-1)
     hits = float((flat.detach().argmax(1) == target).sum())
     return torch.nn.functional.cross_entropy(flat, target), hits, target.numel()
+
+
+@torch.no_grad()
+def step_flops(model: torch.nn.Module, inputs: torch.Tensor) -> float:
+    """Floating-point operations of one training step on ``inputs``: ``6 * MACs`` of the
+    forward pass (2 per multiply-add forward, 4 backward), counting ``Linear``, ``Conv1d``
+    / ``Conv2d`` and ``LSTM`` layers (elementwise work and lookups left out). A cost model
+    for compute (the virtual clock), not a measurement."""
+    macs = 0.0
+
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+        nonlocal macs
+        if isinstance(module, torch.nn.Linear):
+            macs += out.numel() * module.in_features
+        elif isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d)):
+            k = int(np.prod(module.kernel_size)) * module.in_channels // module.groups
+            macs += out.numel() * k
+        elif isinstance(module, torch.nn.LSTM):
+            seq = out[0]
+            h = module.hidden_size
+            macs += seq.shape[0] * seq.shape[1] * 4 * h * (module.input_size + h)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d,
+                                 torch.nn.LSTM))]
+    try:
+        model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return 6.0 * macs
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -28,6 +28,7 @@ from .base import (
     count_parameters,
     cross_entropy,
     require,
+    step_flops,
 )
 from .cache import cached_arrays
 
@@ -82,7 +83,7 @@ def build(*, rank: int, size: int, seed: int, batch: int, hidden: int, layers: i
 
     info = Info(NAME, f"digits 8x8, MLP 64-{'-'.join([str(hidden)] * layers)}-10",
                 count_parameters(model), 0, len(y), len(y_test), batch, shard.steps_per_epoch,
-                "accuracy", "max", False, dict(DEFAULTS),
+                "accuracy", "max", False, step_flops(model, x[:batch]), dict(DEFAULTS),
                 data={"source": "sklearn.datasets.load_digits", "test_fraction": test_fraction},
                 options={"hidden": hidden, "layers": layers, "test_fraction": test_fraction})
     return Workload(NAME, model, shard, cross_entropy, evaluate, info)

@@ -38,6 +38,7 @@ from .base import (
     count_parameters,
     cross_entropy,
     require,
+    step_flops,
 )
 from .cache import cached_arrays
 
@@ -116,6 +117,6 @@ def build(*, rank: int, size: int, seed: int, batch: int, train_examples: int,
 
     info = Info(NAME, f"MNIST-1D ({len(y)} train), 1-D CNN {channels} channels",
                 count_parameters(model), 0, len(y), len(y_test), batch, shard.steps_per_epoch,
-                "accuracy", "max", False, dict(DEFAULTS), data=meta,
+                "accuracy", "max", False, step_flops(model, x[:batch]), dict(DEFAULTS), data=meta,
                 options={"train_examples": train_examples, "channels": channels})
     return Workload(NAME, model, shard, cross_entropy, evaluate, info)

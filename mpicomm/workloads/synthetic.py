@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .base import Info, Shard, Workload, WorkloadError, count_parameters, cross_entropy
+from .base import Info, Shard, Workload, WorkloadError, count_parameters, cross_entropy, step_flops
 
 NAME = "cnn-large-synthetic"
 OPTIONS = {"width": 1.0, "steps_per_epoch": 100, "image": 32}
@@ -88,7 +88,8 @@ def build(*, rank: int, size: int, seed: int, batch: int, width: float, steps_pe
 
     info = Info(NAME, f"VGG-like CNN x{width:g} on random {image}x{image} images "
                 "(timing only)", count_parameters(model), 0, steps_per_epoch * batch * size,
-                EVAL_BATCH, batch, steps_per_epoch, "loss", "min", True, dict(DEFAULTS),
+                EVAL_BATCH, batch, steps_per_epoch, "loss", "min", True,
+                step_flops(model, fixed[0][:batch]), dict(DEFAULTS),
                 data={"source": "random normal images, uniform labels"},
                 options={"width": width, "steps_per_epoch": steps_per_epoch, "image": image})
     return Workload(NAME, model, shard, cross_entropy, evaluate, info)
