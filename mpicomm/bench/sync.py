@@ -144,6 +144,7 @@ class LocalSGDMethod:
         self.local = LocalSGD(model, self.period, opt, comm=comm, algorithm=self.algorithm,
                               delay_s=self.delay_s, **({"clock": clock} if clock else {}))
         self.opt, self.clip_norm, self.model = opt, clip_norm, model
+        self.averaged = True  # LocalSGD starts every rank from rank 0's parameters
 
     def update(self, loss: torch.Tensor) -> None:
         if self.clip_norm:
