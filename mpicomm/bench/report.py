@@ -376,7 +376,8 @@ def accuracy(r: dict[str, Any]) -> str:
              "worst pp": f"{row['worst_pp']:+.2f}", "kB/step": f"{row['kB_per_step']:.1f}",
              "vs dense": f"{row['x_dense']:.3g}x", "steps": row["steps"]}
             for row in r.get("summary", [])]
-    return (f"digits MLP, density {c.get('density')}, {c.get('epochs')} epochs, batch "
+    task = (r.get("workload") or {}).get("description", "digits MLP")
+    return (f"{task}, density {c.get('density')}, {c.get('epochs')} epochs, batch "
             f"{c.get('batch')}/rank, {lr}, seeds {r.get('seeds')}\n\n" + table(rows))
 
 
