@@ -60,7 +60,7 @@ def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
     if label == "dense":
         return Recipe(Dense(algorithm="ring"), False)
     if "@" in label and "+" not in label:
-        from ..control.selector import build
+        from ..strategies.auto_schemes import build
 
         scheme, _, ratio = label.partition("@")
         try:
