@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--density", type=float, default=0.01,
                         help="density of the BASE[+MOD] labels")
     parser.add_argument("--seeds", type=int, default=1, help="runs per method: seeds 0..N-1")
+    parser.add_argument("--seed-offset", type=int, default=0,
+                        help="first seed (seeds OFFSET..OFFSET+N-1)")
     parser.add_argument("--batch", type=int, default=None, help="per rank (default: recipe)")
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
@@ -129,8 +131,8 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     from .. import workloads
 
-    if args.seeds < 1 or args.eval_every < 0:
-        raise UsageError("--seeds must be >= 1 and --eval-every >= 0")
+    if args.seeds < 1 or args.eval_every < 0 or args.seed_offset < 0:
+        raise UsageError("--seeds must be >= 1, --seed-offset and --eval-every >= 0")
     if args.tau0 < 1 or any(t != "adacomm" and (not t.isdigit() or int(t) < 1)
                             for t in args.local_sgd):
         raise UsageError("--local-sgd takes a period >= 1 or 'adacomm'; --tau0 >= 1")
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # WorkloadError or a bad strategy label
         raise UsageError(str(exc)) from None
     runs: list[Run] = []
-    for seed in range(args.seeds):
+    for seed in range(args.seed_offset, args.seed_offset + args.seeds):
         for method in methods(args, probe.info.steps_per_epoch):
             spec = Spec(workload=args.workload, seed=seed, batch=args.batch, options=options,
                         epochs=args.epochs, max_steps=args.steps, eval_every=args.eval_every,
