@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 import mpicomm
+from mpicomm import workloads
 from mpicomm.bench import recipes
 from mpicomm.bench._util import machine
 from mpicomm.bench.harness import Spec, build
@@ -109,6 +110,7 @@ class Config:
     workload: str = "digits-mlp"
     options: dict[str, Any] = field(default_factory=dict)  # workload options
     eval_every: int = 0      # steps between evaluations (0: every epoch)
+    recipe_clip: bool = False  # clip the averaged gradient as the workload's recipe does
 
     def workload_options(self) -> dict[str, Any]:
         if self.workload == "digits-mlp":
@@ -132,7 +134,8 @@ class Result:
 def spec_for(label: str, seed: int, cfg: Config) -> Spec:
     return Spec(workload=cfg.workload, seed=seed, batch=cfg.batch,
                 options=cfg.workload_options(), epochs=cfg.epochs, lr=cfg.lr,
-                momentum=cfg.momentum, weight_decay=0.0, clip_norm=0.0,
+                momentum=cfg.momentum, weight_decay=0.0,
+                clip_norm=None if cfg.recipe_clip else 0.0,
                 lr_decay_epoch=cfg.lr_decay, eval_every=cfg.eval_every, label=label)
 
 
@@ -219,9 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = RankZeroParser(prog="compression_accuracy.py",
                             description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=Config.epochs)
-    parser.add_argument("--lr", type=float, default=Config.lr)
-    parser.add_argument("--batch", type=int, default=Config.batch, help="per rank")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"default: {Config.epochs} on digits-mlp, else the recipe's")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"default: {Config.lr} on digits-mlp, else the recipe's")
+    parser.add_argument("--momentum", type=float, default=None,
+                        help=f"default: {Config.momentum} on digits-mlp, else the recipe's")
+    parser.add_argument("--batch", type=int, default=None,
+                        help=f"per rank; default: {Config.batch} on digits-mlp, else the "
+                             "recipe's")
     parser.add_argument("--density", type=float, default=Config.density)
     parser.add_argument("--lr-decay", type=int, default=0, metavar="EPOCH",
                         help="multiply lr by 0.1 from this epoch on (0: constant)")
@@ -251,9 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     torch.set_num_threads(1)
     comm = mpicomm.init()
-    cfg = Config(epochs=args.epochs, lr=args.lr, batch=args.batch, density=args.density,
-                 clip_norm=args.clip_norm, lr_decay=args.lr_decay, workload=args.workload,
-                 options=options, eval_every=args.eval_every)
+    # digits-mlp: this example's own settings; other workloads: their recipe
+    recipe_of = (vars(Config()) if args.workload == "digits-mlp" else
+                 workloads.defaults(args.workload) if args.workload in workloads.names()
+                 else {})
+    given = {k: getattr(args, k) if getattr(args, k) is not None else recipe_of.get(k)
+             for k in ("epochs", "lr", "momentum", "batch")}
+    cfg = Config(**{k: v for k, v in given.items() if v is not None},
+                 density=args.density, clip_norm=args.clip_norm, lr_decay=args.lr_decay,
+                 workload=args.workload, options=options, eval_every=args.eval_every,
+                 recipe_clip=args.workload != "digits-mlp")
     # an unknown label or workload, a batch larger than a shard: ValueError on every rank
     # before any training
     try:
