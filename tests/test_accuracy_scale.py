@@ -4,16 +4,15 @@ At 8 ranks the digits task gives each rank 10 steps per epoch. AR-Top-k (STAR) w
 error feedback at density 0.01 then oscillates late in training (with fixed per-rank
 shards, seed 2 ended at 85% test accuracy against 97.8% for dense; with the workloads'
 per-epoch shards, plain error feedback ends 0.1-3.6 points below momentum correction on
-seeds 0-6 and at twice its training loss on seed 1, the case checked here). The cause: the
-updates are residual bursts (the mean update norm is ~5x dense's,
-~2x gTop-k's, because one source rank's top-k drains the global residual poorly) and the
-optimizer's momentum keeps pushing every burst for ~1/(1-m) more steps while the residual
-rebuilds in the same direction. DGC's momentum correction with momentum factor masking
-(the velocity accumulated before sparsification and cleared where sent, the optimizer
-without momentum) removes the amplification. This job, which would have caught the
-collapse, checks that the corrected strategy beats plain error feedback on that seed by
-a wide margin. The full 3-seed, multi-strategy table is examples/compression_accuracy.py
-(see the README's "Accuracy at scale" section for the commands and numbers).
+seeds 0-6, and on seed 1, the case checked here, at twice its training loss). The cause:
+the updates are residual bursts (the mean update norm is ~5x dense's, ~2x gTop-k's,
+because one source rank's top-k drains the global residual poorly) and the optimizer's
+momentum keeps pushing every burst for ~1/(1-m) more steps while the residual rebuilds in
+the same direction. DGC's momentum correction with momentum factor masking (the velocity
+accumulated before sparsification and cleared where sent, the optimizer without
+momentum) removes the amplification. This job checks that the corrected strategy beats
+plain error feedback on that seed by a clear margin. The full 3-seed, multi-strategy
+table is examples/compression_accuracy.py.
 """
 
 from __future__ import annotations
