@@ -67,7 +67,7 @@ from tqdm import tqdm  # noqa: E402
 
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
-from mpicomm.bench.harness import Run, Spec, build, train  # noqa: E402
+from mpicomm.bench.harness import Run, Spec, build, default_threads, train  # noqa: E402
 from mpicomm.bench.sync import GradientMethod, LocalSGDMethod  # noqa: E402
 from mpicomm.bench.train import parse_options  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
@@ -223,15 +223,6 @@ def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"takes no --{opt.replace('_', '-')} (strategies that do: "
                          f"{', '.join(users)})")
     return given
-
-
-def default_threads(comm: mpicomm.Communicator) -> int:
-    """Usable cores of this process divided by the ranks on this node (at least 1)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // comm.local_size)
 
 
 def setup_logging(rank: int) -> None:

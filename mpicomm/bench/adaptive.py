@@ -78,7 +78,7 @@ from ..strategies import AutoStrategy, Dense, Strategy
 from ..strategies.auto_schemes import build
 from ..strategies.lgreco_buckets import FAMILY_SCHEMES
 from ._util import UsageError, machine, print_table, write_json
-from .harness import Spec
+from .harness import Spec, default_threads
 from .harness import build as harness_build
 from .harness import train as run_harness
 from .sync import GradientMethod
@@ -258,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
                          f"({ENV_RANKS_PER_HOST} is not set)")
     parse_schedule(args.schedule)
     comm = init()
+    import torch
+
+    torch.set_num_threads(default_threads(comm))  # ranks of a node share its cores
     methods = ["dense", *[m for m in args.static.split(",") if m], "auto"]
     runs = [[train(m, comm, args, seed=s) for s in range(args.seeds)] for m in methods]
     records = [run.pop("record") for per_method in runs for run in per_method]

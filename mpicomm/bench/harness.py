@@ -152,6 +152,18 @@ def make_optimizer(params: Any, lr: float, momentum: float, weight_decay: float
 _WARM = False
 
 
+def default_threads(comm: Communicator) -> int:
+    """Torch threads per rank: the usable cores of this process divided by the ranks on
+    this node (at least 1), so that the ranks of one node do not oversubscribe it."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // comm.local_size)
+
+
 def _warm_optimizer() -> None:
     global _WARM
     if not _WARM:

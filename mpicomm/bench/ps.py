@@ -39,6 +39,7 @@ import numpy as np
 
 from ..comm import Communicator, init
 from ._util import UsageError, machine, median_seconds, print_table, write_json
+from .harness import default_threads
 
 SECTIONS = ("comm", "straggler", "accuracy")
 
@@ -211,6 +212,9 @@ def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[st
 
 def run(args: argparse.Namespace) -> int:
     comm = init()
+    import torch
+
+    torch.set_num_threads(default_threads(comm))  # ranks of a node share its cores
     if comm.size < 2:
         if comm.rank == 0:
             print("bench ps needs >= 2 ranks (servers + workers); run under mpiexec -n 5")

@@ -35,9 +35,11 @@ import math
 import statistics
 from typing import Any
 
+import torch
+
 from ..comm import init
 from ._util import UsageError, machine, print_table, write_json
-from .harness import Run, Spec, train
+from .harness import Run, Spec, default_threads, train
 from .recipes import label_strategy
 from .sync import GradientMethod, LocalSGDMethod
 
@@ -71,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="lr x 0.1 from this epoch on (0: constant)")
     parser.add_argument("--target", type=float, default=None,
                         help="metric value for time-to-target")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per rank (0: usable cores / ranks per node)")
     parser.add_argument("--no-step-times", action="store_true",
                         help="leave the per-step times and bytes out of the JSON")
 
@@ -138,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--local-sgd takes a period >= 1 or 'adacomm'; --tau0 >= 1")
     options = parse_options(args.option)
     comm = init()
+    torch.set_num_threads(args.threads or default_threads(comm))
     try:
         probe = workloads.get(args.workload, rank=comm.rank, size=comm.size, seed=0,
                               batch=args.batch, **options)
