@@ -92,14 +92,17 @@ def parse_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def methods(args: argparse.Namespace, steps_per_epoch: int) -> list[Any]:
-    """Fresh synchronization methods for one seed (strategies keep state)."""
+def methods(args: argparse.Namespace, info: Any) -> list[Any]:
+    """Fresh synchronization methods for one seed (strategies keep state); ``info``: the
+    workload's facts (steps per epoch for schedules by epochs, the recipe's momentum for
+    momentum correction)."""
     from ..control import AdaComm
 
     out: list[Any] = []
     for label in args.strategy or ([] if args.local_sgd else ["dense"]):
-        r = label_strategy(label, density=args.density, momentum=args.momentum or 0.9,
-                           steps_per_epoch=steps_per_epoch)
+        momentum = info.defaults["momentum"] if args.momentum is None else args.momentum
+        r = label_strategy(label, density=args.density, momentum=momentum,
+                           steps_per_epoch=info.steps_per_epoch)
         out.append(GradientMethod(r.strategy, label=label, owns_momentum=r.owns_momentum))
     for tau in args.local_sgd:
         period: Any = AdaComm(args.tau0) if tau == "adacomm" else int(tau)
@@ -146,12 +149,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         probe = workloads.get(args.workload, rank=comm.rank, size=comm.size, seed=0,
                               batch=args.batch, **options)
-        methods(args, probe.info.steps_per_epoch)  # a bad label fails here, on every rank
+        methods(args, probe.info)  # a bad label fails here, on every rank
     except ValueError as exc:  # WorkloadError or a bad strategy label
         raise UsageError(str(exc)) from None
     runs: list[Run] = []
     for seed in range(args.seed_offset, args.seed_offset + args.seeds):
-        for method in methods(args, probe.info.steps_per_epoch):
+        for method in methods(args, probe.info):
             spec = Spec(workload=args.workload, seed=seed, batch=args.batch, options=options,
                         epochs=args.epochs, max_steps=args.steps, eval_every=args.eval_every,
                         target=args.target, lr=args.lr, momentum=args.momentum,
