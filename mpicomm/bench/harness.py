@@ -40,6 +40,7 @@ import torch
 from .. import workloads
 from ..comm import Communicator
 from ..linkdelay import report_step
+from .report_training import steady
 
 #: The one clock of the harness (seconds, monotonic).
 now: Callable[[], float] = time.perf_counter
@@ -123,6 +124,11 @@ class Run:
     @property
     def final(self) -> dict[str, float]:
         return self.curve[-1] if self.curve else {}
+
+    def steady_step_s(self) -> list[float]:
+        """The per-step times without the warm-up (the first 5 steps, or the first
+        quarter of a shorter run): first steps pay for lazy set-up."""
+        return steady(self.step_s)
 
     def final_metric(self, key: str | None = None) -> float:
         return float(self.final.get(key or self.metric, math.nan))

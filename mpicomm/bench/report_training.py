@@ -11,7 +11,8 @@ sections, ``examples/compression_accuracy.py``) gets
   for perplexity and losses;
 
 and across the ``train`` results, a table of the median time per step of each workload by
-rank count (the scaling baseline: rank 0's steps, evaluation excluded).
+rank count (the scaling baseline: rank 0's steps after the first five, evaluation
+excluded).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ import os
 import statistics
 from collections.abc import Sequence
 from typing import Any
+
+def steady(step_s: list[float]) -> list[float]:
+    """``step_s`` without its first ``min(5, len // 4)`` entries (warm-up: the first steps
+    pay for lazy set-up)."""
+    return step_s[min(5, len(step_s) // 4):]
+
 
 #: The suites of :mod:`mpicomm.bench.report` whose own section already tabulates the runs.
 OWN_TABLES = ("adaptive", "localsgd", "accuracy")
@@ -45,7 +52,7 @@ def runs_table(r: dict[str, Any]) -> list[dict[str, Any]]:
     for x in runs_of(r):
         final = x["curve"][-1]
         steps = max(x.get("steps") or 0, 1)
-        step_s = x.get("step_s") or []
+        step_s = steady(x.get("step_s") or [])
         rows.append({"method": x["label"], "seed": x["seed"], "workload": x["workload"],
                      "steps": x["steps"], x["metric"]: final.get(x["metric"]),
                      "time_s": x["seconds"], "time_to_target_s": x.get("time_to_target_s"),
@@ -98,7 +105,7 @@ def step_time_table(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             if x.get("step_s"):
                 key = (x["workload"], x["label"])
                 cells.setdefault(key, {}).setdefault(x["ranks"], []).append(
-                    1e3 * statistics.median(x["step_s"]))
+                    1e3 * statistics.median(steady(x["step_s"])))
     ranks = sorted({n for per in cells.values() for n in per})
     rows = []
     for (workload, label), per in sorted(cells.items()):

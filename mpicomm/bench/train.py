@@ -127,7 +127,8 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
             "final": median([r.final_metric() for r in mine]),
             "final_loss": median([r.final_metric("loss") for r in mine]),
             "steps": median([r.steps for r in mine]),
-            "step_ms": 1e3 * (median([median(r.step_s) for r in mine if r.step_s]) or 0.0),
+            "step_ms": 1e3 * (median([median(r.steady_step_s()) for r in mine
+                                      if r.step_s]) or 0.0),
             "seconds": median([r.seconds for r in mine]),
             "kB_per_step": median([r.sent_bytes / max(r.steps, 1) / 1e3 for r in mine]),
             "time_to_target_s": t if t is not None and math.isfinite(t) else None,
