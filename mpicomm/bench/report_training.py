@@ -22,6 +22,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+
 def steady(step_s: list[float]) -> list[float]:
     """``step_s`` without its first ``min(5, len // 4)`` entries (warm-up: the first steps
     pay for lazy set-up)."""
