@@ -9,8 +9,8 @@ carry per-(worker, key) sequence numbers for exactly-once updates (:mod:`.checkp
 
 Sources and deviations: bulk-synchronous, asynchronous and stale-synchronous parallel
 (SSP after Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel
-Parameter Server", NIPS 2013: a worker at clock ``c`` sees every update of clocks ``<= c
-- s - 1``); push/pull by key and sharded servers after the MXNet KVStore / ps-lite
+Parameter Server", NIPS 2013: a worker at clock ``c`` sees every update of clocks
+``<= c - s - 1``); push/pull by key and sharded servers after the MXNet KVStore / ps-lite
 designs. Ours: the placement rule (split large keys over all servers, the rest to the
 least-loaded server), async pushes scaled by ``1/W``, a closed worker no longer holding
 SSP back, compression per shard piece with the receiver rebuilding the decompression
