@@ -39,11 +39,14 @@ from .emulate import vengine
 
 __all__ = ["active", "register", "SendToken", "RecvToken", "isend", "irecv", "probed",
            "track", "complete", "block", "finish", "collective", "small_collective_cost",
-           "link_alpha_beta", "STALL_S"]
+           "link_alpha_beta", "world_rank", "STALL_S", "POLL_S"]
 
 #: Real seconds a thread may wait for a resolution before the job is declared stuck
 #: (a thread blocked outside mpicomm, e.g. in a raw mpi4py call, holds back virtual time).
 STALL_S = 120.0
+#: Longest sleep between tests of a thread waiting in MPI under the virtual clock (its
+#: real waiting time is free, so it leaves the cores to the ranks that compute).
+POLL_S = 1e-3
 _T = TypeVar("_T")
 
 
@@ -88,6 +91,11 @@ def _info(mpi_comm: MPI.Comm) -> _CommInfo:
         raise RuntimeError("virtual clock: a communicator that is not registered carries "
                            "mpicomm traffic; create it through mpicomm.Communicator")
     return info
+
+
+def world_rank(mpi_comm: MPI.Comm, rank: int) -> int:
+    """World rank of ``rank`` of a registered communicator."""
+    return _info(mpi_comm).world[rank]
 
 
 @dataclass
@@ -200,7 +208,8 @@ def finish(tokens: Sequence[SendToken | RecvToken]) -> None:
     try:
         for s in tokens:
             if isinstance(s, SendToken):
-                _, u1 = _await(lambda s=s: eng.upload(s.aid, s.seq), "a send's upload")
+                _, u1 = _await(lambda s=s: eng.upload(s.aid, s.seq, release=True),
+                               "a send's upload")
                 end = max(end, u1)
         ordered = []
         for aid, seq in found:

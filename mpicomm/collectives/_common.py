@@ -7,6 +7,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from .. import vwire
 from ..buffers import REDUCE_OPS, ArrayOps, BufferInfo
 from ..comm import Traffic, wait_all
 from ..config import RING_SEGMENT_BYTES, ring_segment_bytes
@@ -46,6 +47,8 @@ class Ctx:
     #: Staged CUDA data: the streamed copies (:class:`mpicomm.staging.Pipeline`) whose
     #: :meth:`need` / :meth:`final` hooks the ring passes call; None otherwise.
     stage: Pipeline | None = None
+    #: Under the virtual clock every message is posted to it (:mod:`mpicomm.vwire`).
+    virtual: bool = False
 
     @classmethod
     def of(cls, comm: Any, ops: ArrayOps, segment_bytes: int | None = None,
@@ -56,8 +59,12 @@ class Ctx:
         the value their argument checks read, which checked mode compared across ranks.
         """
         seg = ring_segment_bytes() if segment_bytes is None else segment_bytes
-        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, link_delay(comm),
-                   comm.wait_poll_s, stage)
+        virtual = vwire.active()
+        poll = comm.wait_poll_s if comm.wait_poll_s is not None or not virtual \
+            else vwire.POLL_S
+        delay = None if virtual else link_delay(comm)
+        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, delay, poll, stage,
+                   virtual)
 
     def need(self, a: int, b: int) -> None:
         """Elements ``a:b`` of the work array are about to be read: wait for their
@@ -84,53 +91,62 @@ class Ctx:
 
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int, tag: int) -> None:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``."""
-        self._count(send, recv)
-        if self.delay is not None:
-            self.delay.before_send(dest)
-            self.delay.after_receive()
         if self.poll_s is None:
+            self._count(send, recv)
+            if self.delay is not None:
+                self.delay.before_send(dest)
+                self.delay.after_receive()
             self.mpi.Sendrecv(self.ops.msg(send), dest, tag, self.ops.msg(recv), source, tag)
             return
-        self.waitall([self.mpi.Irecv(self.ops.msg(recv), source, tag),
-                      self.mpi.Isend(self.ops.msg(send), dest, tag)])
+        self.waitall([self.irecv(recv, source, tag), self.isend(send, dest, tag)])
 
     def send(self, data: Any, dest: int, tag: int) -> None:
-        self._count(sent=data)
-        if self.delay is not None:
-            self.delay.before_send(dest)
         if self.poll_s is None:
+            self._count(sent=data)
+            if self.delay is not None:
+                self.delay.before_send(dest)
             self.mpi.Send(self.ops.msg(data), dest, tag)
         else:
-            self.wait(self.mpi.Isend(self.ops.msg(data), dest, tag))
+            self.wait(self.isend(data, dest, tag))
 
     def recv(self, data: Any, source: int, tag: int) -> None:
-        self._count(received=data)
-        if self.delay is not None:
-            self.delay.after_receive()
         if self.poll_s is None:
+            self._count(received=data)
+            if self.delay is not None:
+                self.delay.after_receive()
             self.mpi.Recv(self.ops.msg(data), source, tag)
         else:
-            self.wait(self.mpi.Irecv(self.ops.msg(data), source, tag))
+            self.wait(self.irecv(data, source, tag))
 
     def isend(self, data: Any, dest: int, tag: int) -> MPI.Request:
         self._count(sent=data)
         if self.delay is not None:
             self.delay.before_send(dest)
+        if self.virtual:
+            token = vwire.isend(self.mpi, dest, tag, self._nbytes(data))
+            return vwire.track(self.mpi.Isend(self.ops.msg(data), dest, tag), token)
         return self.mpi.Isend(self.ops.msg(data), dest, tag)
 
     def irecv(self, data: Any, source: int, tag: int) -> MPI.Request:
         self._count(received=data)
         if self.delay is not None:
             self.delay.after_receive()
+        if self.virtual:
+            token = vwire.irecv(self.mpi, source, tag)
+            return vwire.track(self.mpi.Irecv(self.ops.msg(data), source, tag), token)
         return self.mpi.Irecv(self.ops.msg(data), source, tag)
 
     def wait(self, request: MPI.Request) -> None:
         """Complete one request (blocking in MPI, or test + sleep with ``poll_s``)."""
-        wait_all([request], self.poll_s)
+        self.waitall([request])
 
     def waitall(self, requests: list[MPI.Request]) -> None:
-        """Complete every request of ``requests`` (see :meth:`wait`)."""
-        wait_all(requests, self.poll_s)
+        """Complete every request of ``requests`` (see :meth:`wait`); under the virtual
+        clock, also their virtual times (:func:`mpicomm.vwire.complete`)."""
+        if self.virtual:
+            vwire.complete(requests, self.poll_s, wait_all)
+        else:
+            wait_all(requests, self.poll_s)
 
 
 def check_op(op: Any) -> str:

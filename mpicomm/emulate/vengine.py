@@ -72,7 +72,7 @@ INF = float("inf")
 _MAGIC = 0x6D70636F6D6D7643  # "mpcommvC"
 
 # message flags
-POSTED, UPLOADED, DOWNLOADED, CONSUMED, INTRA = 1, 2, 4, 8, 16
+POSTED, UPLOADED, DOWNLOADED, CONSUMED, INTRA, RELEASED = 1, 2, 4, 8, 16, 32
 
 _ACTOR_D = ("clock", "wlb", "qmin")
 _ACTOR_Q = ("status", "wkind", "wcomm", "wseq", "step", "seq", "head", "up")
@@ -119,7 +119,6 @@ class Engine:
             setattr(self, name, view[off:off + count * size].cast(fmt))
         if create:
             self.hdr[0] = _MAGIC
-            self.hdr[1:4] = memoryview(bytearray(24)).cast("q")  # zeros
             self.hdr[1], self.hdr[2], self.hdr[3] = self.P, self.T, self.N
         elif self.hdr[0] != _MAGIC or (self.hdr[1], self.hdr[2], self.hdr[3]) != \
                 (self.P, self.T, self.N):
@@ -197,7 +196,7 @@ class Engine:
 
     def _free_head(self, aid: int) -> None:
         head, seq = self.a_head[aid], self.a_seq[aid]
-        done = CONSUMED | UPLOADED
+        done = CONSUMED | UPLOADED | RELEASED
         while head < seq and self.m_flags[self._slot(aid, head)] & done == done:
             self.m_flags[self._slot(aid, head)] = 0
             head += 1
@@ -375,11 +374,16 @@ class Engine:
             return None
         return best[0], best[1], best[2], lowest_pending <= best[0]
 
-    def upload(self, aid: int, seq: int) -> tuple[float, float] | None:
+    def upload(self, aid: int, seq: int, release: bool = False
+               ) -> tuple[float, float] | None:
+        """The message's upload interval once resolved (None before). ``release``: the
+        sender has taken its completion (the slot may be reused once received too)."""
         i = self._slot(aid, seq)
         with self:
             if not self.m_flags[i] & UPLOADED:
                 return None
+            if release:
+                self.m_flags[i] |= RELEASED
             return self.m_u0[i], self.m_u1[i]
 
     def arrival(self, aid: int, seq: int) -> float | None:
@@ -408,7 +412,7 @@ class Engine:
         live = self._live() if live is None else live
         T, P = self.T, self.P
         posted: dict[tuple[int, int], float] = {}   # (src rank, dst rank) -> min bound
-        for aid in live if False else range(self.A):
+        for aid in range(self.A):   # messages of ended threads count too
             src = aid // T
             for seq in range(self.a_head[aid], self.a_seq[aid]):
                 i = self._slot(aid, seq)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from .. import vwire
 from ..buffers import (
     BufferInfo,
     cuda_aware,
@@ -303,8 +304,12 @@ class Wire:
         self.direct = device.type == "cuda" and not self.staged
         self._resources = comm.resources
         self._ops = ops_for("torch", self.direct)
-        self.delay = link_delay(comm)  # emulated cluster's injected latency, else None
+        self.virtual = vwire.active()
+        # the emulated cluster's injected latency (None outside it and on the virtual clock)
+        self.delay = None if self.virtual else link_delay(comm)
         self.poll_s = comm.wait_poll_s
+        if self.virtual and self.poll_s is None:
+            self.poll_s = vwire.POLL_S
 
     def _host(self, numel: int, slot: str) -> torch.Tensor:
         info = BufferInfo("torch", "uint8", (numel,), str(self.device), 1)
@@ -324,28 +329,48 @@ class Wire:
         self.traffic.sent_bytes += int(t.shape[0])
         self.traffic.messages += 1
 
-    def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
-        out = self._outgoing(t)
+    def _isend(self, out: torch.Tensor, dest: int, tag: int) -> MPI.Request:
         self._count_send(out)
         if self.delay is not None:
             self.delay.before_send(dest)
+        if not self.virtual:
+            return self.mpi.Isend([out, MPI.BYTE], dest, tag)
+        token = vwire.isend(self.mpi, dest, tag, int(out.shape[0]))
+        return vwire.track(self.mpi.Isend([out, MPI.BYTE], dest, tag), token)
+
+    def _wait(self, request: MPI.Request) -> None:
+        if self.virtual:
+            vwire.complete([request], self.poll_s, wait_all)
+        else:
+            wait_all([request], self.poll_s)
+
+    def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        out = self._outgoing(t)
         if self.poll_s is None:
+            self._count_send(out)
+            if self.delay is not None:
+                self.delay.before_send(dest)
             self.mpi.Send([out, MPI.BYTE], dest, tag)
         else:
-            wait_all([self.mpi.Isend([out, MPI.BYTE], dest, tag)], self.poll_s)
+            self._wait(self._isend(out, dest, tag))
 
     def recv(self, source: int, tag: int) -> torch.Tensor:
         status = MPI.Status()
+        if self.virtual:
+            vwire.block([], sources=[vwire.world_rank(self.mpi, source)])
         if self.poll_s is None:
             message = self.mpi.Mprobe(source, tag, status)
         else:
             message = poll_until(lambda: self.mpi.Improbe(source, tag, status), self.poll_s)
+        token = vwire.probed(self.mpi, status) if self.virtual else None
         n = status.Get_count(MPI.BYTE)
         if self.staged:
             buf = self._host(n, "sparse-recv")
         else:  # direct: the fresh block is synchronized before MPI writes into it
             buf = self._ops.empty(n, torch.uint8, device=self.device)
         message.Recv([buf, MPI.BYTE])
+        if token is not None:
+            vwire.finish([token])
         if self.delay is not None:
             self.delay.after_receive()
         self.traffic.recv_bytes += n
@@ -353,15 +378,11 @@ class Wire:
 
     def exchange(self, t: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
         """Send ``t`` to ``peer`` while receiving ``peer``'s message of unknown length."""
-        out = self._outgoing(t)
-        self._count_send(out)
-        if self.delay is not None:
-            self.delay.before_send(peer)
-        request = self.mpi.Isend([out, MPI.BYTE], peer, tag)
+        request = self._isend(self._outgoing(t), peer, tag)
         try:
             got = self.recv(peer, tag)
         finally:
-            wait_all([request], self.poll_s)
+            self._wait(request)
         return got
 
 
