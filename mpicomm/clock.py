@@ -309,11 +309,11 @@ def describe() -> dict[str, Any]:
 
 
 def calibrate(ops: list[str] | None = None, repeats: int = 5,
-              mpi_comm: MPI.Comm | None = None) -> CostTable:
+              mpi_comm: MPI.Comm | None = None, turns: int | None = None) -> CostTable:
     """Measure the registered compute kernels (:func:`mpicomm.costtable.calibrate`,
     ranks taking turns) into the clock's table; collective over ``mpi_comm`` (default
     the world). Measures and returns a table on the wall clock too."""
-    measured = costtable.calibrate(mpi_comm, ops, repeats)
+    measured = costtable.calibrate(mpi_comm, ops, repeats, turns)
     if _virtual is not None:
         _virtual.table.update(measured)
     return measured
@@ -343,8 +343,8 @@ def start(mpi_comm: MPI.Intracomm | None = None) -> None:
         world.Barrier()
         if rank == 0:
             os.unlink(path)
-        if table is None:
-            table = costtable.calibrate(world, sorted(costtable.kernels()))
+        if table is None:       # one rank measures, the others sleep (a few seconds)
+            table = costtable.calibrate(world, sorted(costtable.kernels()), turns=1)
             table.info["source"] = "measured at start"
         v = _Virtual(plat, engine, rank, table)
         main = _Actor(engine, rank * engine.T, 0.0)

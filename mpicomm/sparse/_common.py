@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from .. import vwire
+from .. import clock, vwire
 from ..buffers import (
     BufferInfo,
     cuda_aware,
@@ -199,6 +199,7 @@ def truncate(idx: torch.Tensor, val: torch.Tensor, k: int) -> Pairs:
     """The ``k`` pairs of a sparse set with the largest ``|value|`` (ties: smaller index)."""
     if idx.shape[0] <= k:
         return idx, val
+    clock.charge("select", idx.shape[0])
     pos = topk_indices(selection_key(val), k)
     return idx[pos], val[pos]
 
@@ -212,6 +213,7 @@ def union(a: Pairs, b: Pairs) -> Pairs:
     """
     ai, av = a
     bi, bv = b
+    clock.charge("merge", ai.shape[0] + bi.shape[0])
     if ai.shape[0] == 0 or bi.shape[0] == 0:
         return (bi, bv) if ai.shape[0] == 0 else (ai, av)
     ci = torch.cat([ai, bi])

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import clock
 from ..buffers import framework_of, to_torch
 from ..collectives.allgather import allgather
 from ..collectives.allreduce import allreduce
@@ -209,6 +210,7 @@ def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator |
 
 
 def _local_topk(xf: torch.Tensor, k: int, allow_nonfinite: bool) -> torch.Tensor:
+    clock.charge("select", xf.shape[0])
     if allow_nonfinite:
         return topk_indices(selection_key(xf), k)
     return topk_indices(xf, k)
