@@ -69,7 +69,7 @@ from .emulate.vnet import Platform, platform_from_env
 
 __all__ = ["now", "mode", "is_virtual", "charge", "compute", "declare", "stamp", "join",
            "calibrate", "cost_table", "platform", "describe", "report_step", "Queue",
-           "waiting_for_threads", "start", "started", "ENV_CLOCK", "MODES"]
+           "waiting_for_threads", "start", "started", "session", "ENV_CLOCK", "MODES"]
 
 ENV_CLOCK = "MPICOMM_CLOCK"
 MODES = ("wall", "virtual")
@@ -322,36 +322,65 @@ def calibrate(ops: list[str] | None = None, repeats: int = 5,
 def start(mpi_comm: MPI.Intracomm | None = None) -> None:
     """Start the virtual clock (collective over the world; idempotent; nothing on the
     wall clock). Called when the world communicator is created."""
-    global _virtual
     if mode() != "virtual" or _virtual is not None:
         return
     with _start_lock:
-        if _virtual is not None:
-            return
-        world = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        if world.Get_size() != MPI.COMM_WORLD.Get_size():
-            raise RuntimeError("virtual clock: start it on the world communicator")
-        rank, size = world.Get_rank(), world.Get_size()
-        plat = platform_from_env(size)          # same environment: same error everywhere
-        table = costtable.load_from_env()
-        path = vengine.Engine.new_path() if rank == 0 else None
-        engine = vengine.Engine(path, plat, create=True) if rank == 0 else None
-        path = world.bcast(path, root=0)
-        if engine is None:
-            engine = vengine.Engine(path, plat, create=False)
-        engine.open_actor(rank, 0, 0.0)
+        if _virtual is None:
+            world = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+            _begin(world, platform_from_env(world.Get_size()), costtable.load_from_env())
+            atexit.register(_stop)
+
+
+def _begin(world: MPI.Intracomm, plat: Platform, table: CostTable | None) -> None:
+    global _virtual
+    if world.Get_size() != MPI.COMM_WORLD.Get_size():
+        raise RuntimeError("virtual clock: start it on the world communicator")
+    rank = world.Get_rank()
+    path = vengine.Engine.new_path() if rank == 0 else None
+    engine = vengine.Engine(path, plat, create=True) if rank == 0 else None
+    path = world.bcast(path, root=0)
+    if engine is None:
+        engine = vengine.Engine(path, plat, create=False)
+    engine.open_actor(rank, 0, 0.0)
+    world.Barrier()
+    if rank == 0:
+        os.unlink(path)
+    if table is None:       # one rank measures, the others sleep (a few seconds)
+        table = costtable.calibrate(world, sorted(costtable.kernels()), turns=1)
+        table.info["source"] = "measured at start"
+    v = _Virtual(plat, engine, rank, table)
+    main = _Actor(engine, rank * engine.T, 0.0)
+    v.main = main
+    v.local.actor = main
+    _virtual = v
+
+
+@contextlib.contextmanager
+def session(plat: Platform, table: CostTable,
+            mpi_comm: MPI.Intracomm | None = None) -> Iterator[None]:
+    """Run the block under a virtual clock on ``plat`` with ``table`` whatever
+    ``MPICOMM_CLOCK`` says (collective over the world, from the thread that runs
+    mpicomm; for tests and for benchmarks that compare both clocks in one job).
+    Communicators created inside the block are timed; the clock then stops."""
+    global _virtual, _mode
+    world = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    if _virtual is not None:
+        raise RuntimeError("a virtual clock already runs in this process")
+    saved = _mode
+    with _start_lock:
+        _begin(world, plat, table)
+        _mode = "virtual"
+    try:
+        yield
+    finally:
+        v = _virtual
+        _stop()
         world.Barrier()
-        if rank == 0:
-            os.unlink(path)
-        if table is None:       # one rank measures, the others sleep (a few seconds)
-            table = costtable.calibrate(world, sorted(costtable.kernels()), turns=1)
-            table.info["source"] = "measured at start"
-        v = _Virtual(plat, engine, rank, table)
-        main = _Actor(engine, rank * engine.T, 0.0)
-        v.main = main
-        v.local.actor = main
-        _virtual = v
-        atexit.register(_stop)
+        with _start_lock:
+            _virtual, _mode = None, saved
+        if v is not None:
+            v.local = threading.local()
+            v.engine.close()
 
 
 def _stop() -> None:
