@@ -27,6 +27,8 @@ SUITES = {
     "staging": "mpicomm.bench.staging",
     "crossover": "mpicomm.bench.crossover",
     "adaptive": "mpicomm.bench.adaptive",
+    "vclock": "mpicomm.bench.vclock",
+    "costs": "mpicomm.bench.costs",
 }
 
 
