@@ -62,7 +62,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import costtable
+from . import costtable, linkdelay
 from .costtable import CostTable
 from .emulate import vengine
 from .emulate.vnet import Platform, platform_from_env
@@ -206,11 +206,17 @@ def join(t: float) -> None:
 
 
 def report_step(step: int) -> None:
-    """The training step this thread has reached, for ``step N`` schedule entries. It
-    travels with every message sent from then on: a rank learns a later step from any
-    message it receives (so reporting it on one rank reaches the others)."""
+    """The training step this thread has reached, for ``step N`` schedule entries.
+
+    Virtual clock: the step travels with every message sent from then on, and a rank
+    learns a later step from any message it receives (reporting it on one rank reaches
+    the others through the next collective); the network conditions of a message are
+    those of its sender's step. Wall clock: the emulated cluster's step file
+    (:func:`mpicomm.linkdelay.report_step`; a no-op outside it)."""
     v = _virtual
-    if v is not None:
+    if v is None:
+        linkdelay.report_step(step)
+    else:
         a = v.actor()
         if step != a.step:
             a.step = int(step)
