@@ -39,3 +39,13 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names: ``__all__``, the lazily imported subpackages and the submodules
+    already imported (not the helpers this module imports for itself)."""
+    from types import ModuleType
+
+    loaded = (n for n, v in globals().items() if not n.startswith("_")
+              and isinstance(v, ModuleType) and v.__name__.startswith(__name__ + "."))
+    return sorted({*__all__, *_LAZY, *loaded})

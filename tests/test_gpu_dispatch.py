@@ -22,7 +22,8 @@ from mpi4py import MPI
 from mpicomm import buffers
 from mpicomm.buffers import ArrayOps, BufferInfo, TorchOps
 from mpicomm.sparse import _common
-from mpicomm.torch import GradientSync, gradsync
+from mpicomm.torch import GradientSync, comm_thread
+from mpicomm.torch.buckets import Bucket
 
 CUDA1 = torch.device("cuda", 1)
 
@@ -188,24 +189,24 @@ def test_direct_wire_receive_synchronizes_before_mpi_writes(monkeypatch):
 def test_communication_thread_binds_the_models_device(monkeypatch):
     calls: list[Any] = []
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
-    host = gradsync._Bucket(0, [], ["a"], 4, [])
-    assert gradsync._bind_thread_device([host]) is None and calls == []
-    on_gpu = [host, gradsync._Bucket(1, [], ["b"], 4, [CUDA1]),
-              gradsync._Bucket(2, [], ["c"], 4, [torch.device("cuda", 2)])]
-    assert gradsync._bind_thread_device(on_gpu) == CUDA1
+    host = Bucket(0, [], ["a"], 4, [])
+    assert comm_thread.bind_thread_device([host]) is None and calls == []
+    on_gpu = [host, Bucket(1, [], ["b"], 4, [CUDA1]),
+              Bucket(2, [], ["c"], 4, [torch.device("cuda", 2)])]
+    assert comm_thread.bind_thread_device(on_gpu) == CUDA1
     assert calls == [CUDA1]
 
 
 @pytest.mark.mpi
 def test_gradient_sync_thread_asks_for_its_device(comm, monkeypatch):
     seen: list[str] = []
-    real = gradsync._bind_thread_device
+    real = comm_thread.bind_thread_device
 
     def spy(buckets: list[Any]) -> Any:
         seen.append(threading.current_thread().name)
         return real(buckets)
 
-    monkeypatch.setattr(gradsync, "_bind_thread_device", spy)
+    monkeypatch.setattr(comm_thread, "bind_thread_device", spy)
     model = torch.nn.Linear(3, 2)
     with GradientSync(model, comm=comm) as sync:
         model(torch.ones(1, 3)).sum().backward()
@@ -218,7 +219,7 @@ def test_a_failing_device_binding_is_raised_by_wait(comm, monkeypatch):
     def broken(buckets: list[Any]) -> None:
         raise RuntimeError("cannot bind the device")
 
-    monkeypatch.setattr(gradsync, "_bind_thread_device", broken)
+    monkeypatch.setattr(comm_thread, "bind_thread_device", broken)
     model = torch.nn.Linear(3, 2)
     sync = GradientSync(model, comm=comm)
     try:

@@ -14,7 +14,8 @@ from mpi4py import MPI
 from mpicomm.strategies import Dense, Strategy, available, make
 from mpicomm.timeline import Timeline
 from mpicomm.torch import DistributedOptimizer, GradientSync, broadcast_module
-from mpicomm.torch.gradsync import _make_buckets, describe_module_mismatch
+from mpicomm.torch.buckets import make_buckets
+from mpicomm.torch.replicas import describe_module_mismatch
 
 if MPI.COMM_WORLD.Get_size() > 1:
     torch.set_num_threads(1)  # several ranks share few cores
@@ -445,11 +446,11 @@ def test_buckets_run_back_to_front_up_to_the_cap():
                                 torch.nn.Linear(100, 2))
     named = list(model.named_parameters())
     # bytes: 0.weight 400, 0.bias 40, 1.weight 4000, 1.bias 400, 2.weight 800, 2.bias 8
-    buckets = _make_buckets(named, cap=1000)
+    buckets = make_buckets(named, cap=1000)
     assert [b.names for b in buckets] == [["2.bias", "2.weight"], ["1.bias"], ["1.weight"],
                                           ["0.bias", "0.weight"]]
     assert [b.nbytes for b in buckets] == [808, 400, 4000, 440]
-    assert len(_make_buckets(named, cap=1 << 30)) == 1
+    assert len(make_buckets(named, cap=1 << 30)) == 1
 
 
 def test_frozen_parameters_get_no_bucket():

@@ -33,3 +33,13 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy: these import MPI and torch
 
         return AutoStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names: ``__all__`` and the submodules already imported (not the
+    helpers this module imports for itself)."""
+    from types import ModuleType
+
+    loaded = (n for n, v in globals().items() if not n.startswith("_")
+              and isinstance(v, ModuleType) and v.__name__.startswith(__name__ + "."))
+    return sorted({*__all__, *loaded})

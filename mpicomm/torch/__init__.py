@@ -9,6 +9,12 @@
 ``PSOptimizer``             train through a parameter server (``mpicomm.ps.KVStore``)
 ``TorchJob``                a model + optimizer + data as a Crossover scheduler job
 
+Where a wrapper takes a ``strategy`` (GradientSync, DistributedOptimizer, ddp_comm_hook,
+TorchJob) it is one of dense, topk, gtopk, artopk, randomk, qsgd, powersgd, fp16, bf16,
+sign, auto, or a ``mpicomm.strategies.Strategy`` instance, and the strategy's options
+follow as keywords: ``GradientSync(model, strategy="gtopk", density=0.05)``.
+``help(mpicomm.torch.GradientSync)`` has the table of names and options.
+
 Imported lazily so that ``import mpicomm`` does not import torch.
 """
 
@@ -20,7 +26,7 @@ from typing import Any
 _EXPORTS = {
     "GradientSync": "mpicomm.torch.gradsync",
     "DistributedOptimizer": "mpicomm.torch.optimizer",
-    "broadcast_module": "mpicomm.torch.gradsync",
+    "broadcast_module": "mpicomm.torch.replicas",
     "LocalSGD": "mpicomm.torch.localsgd",
     "GossipAveraging": "mpicomm.torch.gossip",
     "ddp_comm_hook": "mpicomm.torch.ddp",
@@ -40,3 +46,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'mpicomm.torch' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    """The public names (``dir(mpicomm.torch)``), though none is imported until used."""
+    return list(__all__)

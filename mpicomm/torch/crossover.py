@@ -1,6 +1,6 @@
 """``TorchJob``: a model + optimizer + data as one job of a Crossover scheduler.
 
-One iteration of a :class:`TorchJob` is cut where the Crossover scheduler needs it::
+One iteration of a ``TorchJob`` is cut where the Crossover scheduler needs it::
 
     compute(t):  [apply iteration t-1: optimizer.step()]      (GradientSync jobs)
                  optimizer.zero_grad(); loss_fn(model(x_t), y_t).backward()
@@ -14,7 +14,7 @@ loop ``zero_grad; backward; sync.step(optimizer)`` (or ``...; optimizer.step();
 local.step(loss)``): the trajectory is bit-identical to running the job alone. Moving
 the optimizer step of a GradientSync job to the start of the next compute phase keeps it
 under the token (it is compute) and off the sync thread (our choice: the paper's
-abstract does not say where the update runs; see :mod:`mpicomm.sched.crossover`).
+abstract does not say where the update runs; see ``mpicomm.sched.crossover``).
 
 With GradientSync the buckets start averaging during backward, on GradientSync's own
 communication thread; the sync phase waits for the rest. The communicator is the
@@ -36,12 +36,13 @@ from ..sched.job import Job, check_steps
 from ..strategies import Strategy
 from .gradsync import GradientSync
 from .localsgd import LocalSGD
+from .strategy_options import build_strategy, keyword_names
 
 __all__ = ["TorchJob"]
 
 
 class TorchJob(Job):
-    """Train ``model`` on ``data`` as one job of a :class:`~mpicomm.sched.CrossoverScheduler`.
+    """Train ``model`` on ``data`` as one job of a ``mpicomm.sched.CrossoverScheduler``.
 
     Parameters
     ----------
@@ -57,11 +58,15 @@ class TorchJob(Job):
     steps:
         Iterations (default ``len(data)``); the same on every rank.
     strategy:
-        Gradient averaging through :class:`~mpicomm.torch.GradientSync`: a strategy name
-        or instance (default dense allreduce). Exclusive with ``local_sgd``.
+        Gradient averaging through ``mpicomm.torch.GradientSync``: a
+        ``mpicomm.strategies.Strategy``, ``None`` for ``"dense"`` (allreduce), or one of
+        the names dense, topk, gtopk, artopk, randomk, qsgd, powersgd, fp16, bf16, sign,
+        auto, with its options as further keywords (``strategy="gtopk",
+        density=0.05``; the table is in ``help(mpicomm.torch.GradientSync)``). Exclusive
+        with ``local_sgd``.
     local_sgd:
-        An averaging period (int) or an :class:`~mpicomm.control.AdaComm`: the job uses
-        :class:`~mpicomm.torch.LocalSGD` instead (local optimizer steps, parameters
+        An averaging period (int) or an ``mpicomm.control.AdaComm``: the job uses
+        ``mpicomm.torch.LocalSGD`` instead (local optimizer steps, parameters
         averaged in the sync phase every period).
     bucket_mb:
         GradientSync's bucket size.
@@ -71,9 +76,12 @@ class TorchJob(Job):
     on_step:
         ``on_step(step, job)`` is called under the token once iteration ``step``'s update
         is complete (parameters final for that step), e.g. to record a trajectory.
+    **strategy_options:
+        Options of the strategy named by ``strategy``. A keyword that neither this class
+        nor the strategy takes raises ``TypeError`` at construction.
 
     ``losses`` holds this rank's loss of every iteration (floats), ``sync_object`` the
-    GradientSync or LocalSGD built by :meth:`setup`.
+    GradientSync or LocalSGD built by ``setup``.
     """
 
     def __init__(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -81,7 +89,8 @@ class TorchJob(Job):
                  steps: int | None = None, strategy: Strategy | str | None = None,
                  local_sgd: int | AdaComm | None = None, bucket_mb: float = 25.0,
                  delay_s: float = 0.0,
-                 on_step: Callable[[int, TorchJob], Any] | None = None):
+                 on_step: Callable[[int, TorchJob], Any] | None = None,
+                 **strategy_options: Any):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"job {name!r}: model must be a torch.nn.Module, got "
                             f"{type(model).__name__}")
@@ -106,12 +115,22 @@ class TorchJob(Job):
                              f"{delay_s!r}")
         if on_step is not None and not callable(on_step):
             raise TypeError(f"job {name!r}: on_step must be callable or None")
+        built: Strategy | None = None
+        if local_sgd is None:
+            built = build_strategy(strategy, strategy_options, owner=f"TorchJob {name!r}",
+                                   owner_options=_OPTIONS)
+        elif strategy_options:
+            raise TypeError(f"job {name!r}: strategy options "
+                            f"{', '.join(map(repr, sorted(strategy_options)))} go with "
+                            "strategy (gradient averaging), not with local_sgd")
         super().__init__(name, check_steps(steps))
         self.model = model
         self.optimizer = optimizer
         self.data = data
         self.loss_fn = loss_fn
         self.strategy = strategy
+        self.strategy_options = dict(strategy_options)
+        self._strategy = built  # bound to the job's communicator by setup()
         self.local_sgd = local_sgd
         self.bucket_mb = bucket_mb
         self.delay_s = float(delay_s)
@@ -124,9 +143,15 @@ class TorchJob(Job):
         self._done = -1      # the last iteration whose update is complete
 
     def describe(self) -> tuple[Any, ...]:
-        how = (("local_sgd", repr(self.local_sgd)) if self.local_sgd is not None
-               else ("strategy", self.strategy if isinstance(self.strategy, str)
-                     else type(self.strategy).__name__))
+        """What every rank must agree on: name, steps, and how the job synchronizes."""
+        how: tuple[Any, ...] = (
+            ("local_sgd", repr(self.local_sgd)) if self.local_sgd is not None
+            else ("strategy", self.strategy if isinstance(self.strategy, str)
+                  else type(self.strategy).__name__))
+        if self.strategy_options:  # values that compare across ranks; others by type
+            how += (tuple((k, v if isinstance(v, (bool, int, float, str, type(None)))
+                           else type(v).__name__)
+                          for k, v in sorted(self.strategy_options.items())),)
         return (*super().describe(), how)
 
     def setup(self, comm: Communicator) -> None:
@@ -136,11 +161,13 @@ class TorchJob(Job):
         if self.local_sgd is not None:
             self.sync_object = LocalSGD(self.model, self.local_sgd, self.optimizer, comm=comm)
         else:
-            self.sync_object = GradientSync(self.model, self.strategy, self.bucket_mb,
+            self.sync_object = GradientSync(self.model, self._strategy, self.bucket_mb,
                                             comm=comm)
         self._batches = iter(self.data)
 
     def compute(self, step: int) -> None:
+        """Apply iteration ``step - 1`` (GradientSync), then forward and backward on the
+        next batch (and, with LocalSGD, the local optimizer step)."""
         self._complete(step - 1)
         assert self._batches is not None, "setup() was not called"
         try:
@@ -156,6 +183,8 @@ class TorchJob(Job):
         self._loss = loss.detach()
 
     def sync(self, step: int) -> None:
+        """Wait for the averaged gradients (GradientSync) or count a local step and
+        average every period (LocalSGD), on the job's communicator; then ``delay_s``."""
         assert self._loss is not None
         if isinstance(self.sync_object, GradientSync):
             self._apply = self.sync_object.wait()
@@ -167,6 +196,7 @@ class TorchJob(Job):
             time.sleep(self.delay_s)
 
     def finish(self) -> None:
+        """Apply the last iteration's update."""
         self._complete(self.steps - 1)
 
     def _complete(self, step: int) -> None:
@@ -181,5 +211,11 @@ class TorchJob(Job):
             self.on_step(step, self)
 
     def close(self) -> None:
+        """Close the GradientSync (collective: frees its communicator)."""
         if isinstance(self.sync_object, GradientSync):
             self.sync_object.close()
+
+
+#: The keywords ``TorchJob`` takes itself; any other keyword is a strategy option.
+_OPTIONS = keyword_names(TorchJob.__init__, ("name", "model", "optimizer", "data", "loss_fn",
+                                             "strategy"))

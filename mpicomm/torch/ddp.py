@@ -33,9 +33,9 @@ practice); afterwards buckets are stable and the memory carries from step to ste
 
 CUDA buckets: the hook records an event on the autograd stream and the thread waits for
 it before the strategy reads the buffer, and synchronizes its own stream before handing
-the result to DDP (as :class:`~mpicomm.torch.GradientSync` does).
+the result to DDP (as ``mpicomm.torch.GradientSync`` does).
 
-Cost: the strategy's own (see :mod:`mpicomm.strategies`) per bucket, plus one queue
+Cost: the strategy's own (see ``mpicomm.strategies``) per bucket, plus one queue
 hand-off (~10 µs). DDP's ``bucket_cap_mb`` (default 25) is the fusion size: a sparsifier
 selects top-k per bucket. The process group's own traffic is only DDP's set-up
 broadcast (and ``broadcast_buffers`` for models with buffers, e.g. BatchNorm).
@@ -56,7 +56,8 @@ import torch.distributed as dist
 
 from .. import trace
 from ..comm import Communicator, resolve
-from ..strategies import Dense, Strategy, make
+from ..strategies import Strategy
+from .strategy_options import build_strategy
 
 __all__ = ["init_process_group", "process_group", "MpicommHookState", "mpicomm_hook",
            "ddp_comm_hook"]
@@ -82,7 +83,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     ``RuntimeError`` on every rank when a default group already exists, and
     ``ValueError`` for an unknown backend. ``backend="nccl"`` works the same way on GPUs.
     Release with ``torch.distributed.destroy_process_group()`` (or use
-    :func:`process_group`).
+    ``process_group``).
     """
     comm = resolve(comm)
     error: Exception | None = None
@@ -121,7 +122,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
 @contextlib.contextmanager
 def process_group(comm: Communicator | None = None, backend: str = "gloo",
                   **kwargs: Any) -> Iterator[None]:
-    """:func:`init_process_group` for the body of a ``with`` block, destroyed on exit."""
+    """``init_process_group`` for the body of a ``with`` block, destroyed on exit."""
     init_process_group(comm, backend, **kwargs)
     try:
         yield
@@ -130,8 +131,11 @@ def process_group(comm: Communicator | None = None, backend: str = "gloo",
 
 
 # ---------------------------------------------------------------------- the hook
+_HOOK_OPTIONS = ("comm", "overlap")  # the hook's own keywords; the rest go to the strategy
+
+
 class MpicommHookState:
-    """The state of :func:`mpicomm_hook`: a strategy, its communicator and its thread.
+    """The state of ``mpicomm_hook``: a strategy, its communicator and its thread.
 
     Construction is collective over ``comm`` (it duplicates the communicator). Every rank
     must register the hook on the same DDP model configuration (same buckets).
@@ -139,10 +143,14 @@ class MpicommHookState:
     Parameters
     ----------
     strategy:
-        A :class:`~mpicomm.strategies.Strategy`, a name for :func:`mpicomm.strategies.make`
-        (then ``**options`` go to its constructor), or ``None`` for dense allreduce.
+        A ``mpicomm.strategies.Strategy``, ``None`` for ``"dense"`` (allreduce), or one
+        of the names dense, topk, gtopk, artopk, randomk, qsgd, powersgd, fp16, bf16,
+        sign, auto; then ``**options`` go to its constructor (``"gtopk", density=0.01``;
+        the table of options is in ``help(mpicomm.torch.GradientSync)``). A keyword that
+        neither this class nor the strategy takes raises ``TypeError`` before any
+        communication.
     comm:
-        The :class:`~mpicomm.Communicator` over the DDP ranks (default: the world); its
+        The ``mpicomm.Communicator`` over the DDP ranks (default: the world); its
         ranks must be the process group's, in the same order.
     overlap:
         Aggregate on a background thread (default) so communication overlaps backward.
@@ -151,15 +159,8 @@ class MpicommHookState:
     def __init__(self, strategy: Strategy | str | None = None,
                  comm: Communicator | None = None, *, overlap: bool = True,
                  **options: Any):
-        if strategy is None:
-            strategy = Dense(**options)
-        elif isinstance(strategy, str):
-            strategy = make(strategy, **options)
-        elif not isinstance(strategy, Strategy):
-            raise TypeError("strategy must be an mpicomm Strategy, a strategy name or None, "
-                            f"got {type(strategy).__name__}")
-        elif options:
-            raise TypeError(f"options {sorted(options)} only go with a strategy name")
+        strategy = build_strategy(strategy, options, owner="MpicommHookState",
+                                  owner_options=_HOOK_OPTIONS)
         self.comm = resolve(comm)
         if dist.is_initialized() and dist.get_world_size() != self.comm.size:
             raise ValueError(f"the process group has {dist.get_world_size()} ranks but the "
@@ -183,7 +184,7 @@ class MpicommHookState:
 
     @property
     def stats(self) -> Any:
-        """The strategy's :class:`~mpicomm.strategies.StrategyStats` (bytes, time)."""
+        """The strategy's ``mpicomm.strategies.StrategyStats`` (bytes, time)."""
         return self.strategy.stats
 
     def submit(self, index: int, grad: torch.Tensor) -> torch.futures.Future:
@@ -259,12 +260,20 @@ def ddp_comm_hook(strategy: Strategy | str | None = None, comm: Communicator | N
                   *, overlap: bool = True, **options: Any) -> Any:
     """A ready-made hook for ``ddp_model.register_comm_hook(hook.state, hook)``.
 
-    Builds a :class:`MpicommHookState` (collective; arguments as there) and returns a
+    Builds a ``MpicommHookState`` (collective; arguments as there) and returns a
     hook function with that state attached as ``hook.state``; the hook ignores the
     ``state`` DDP passes back, so ``register_comm_hook(None, hook)`` works too. Call
     ``hook.state.close()`` when training ends.
+
+    ``strategy`` is one of dense, topk, gtopk, artopk, randomk, qsgd, powersgd, fp16,
+    bf16, sign, auto (its options as further keywords: ``ddp_comm_hook("gtopk", comm,
+    density=0.01)``), a ``mpicomm.strategies.Strategy`` instance, or ``None`` for dense
+    allreduce. A keyword that neither the hook (``comm``, ``overlap``) nor the strategy
+    takes raises ``TypeError`` before any communication.
     """
-    state = MpicommHookState(strategy, comm, overlap=overlap, **options)
+    strategy = build_strategy(strategy, options, owner="ddp_comm_hook",
+                              owner_options=_HOOK_OPTIONS)
+    state = MpicommHookState(strategy, comm, overlap=overlap)
 
     def hook(_state, bucket):  # noqa: ANN001, ANN202 - see mpicomm_hook
         return state.submit(bucket.index(), bucket.buffer())

@@ -1,4 +1,4 @@
-"""Decentralized gossip averaging of a model's parameters (see :mod:`mpicomm.roles.gossip`).
+"""Decentralized gossip averaging of a model's parameters (see ``mpicomm.roles.gossip``).
 
 Use it for decentralized SGD (D-PSGD): each rank takes a local optimizer step, then
 mixes its parameters with its neighbours' instead of an allreduce::
@@ -9,10 +9,10 @@ mixes its parameters with its neighbours' instead of an allreduce::
         gossip.step()
     print(gossip.consensus_distance())   # how far the replicas are from agreeing
 
-One :meth:`step` costs ``degree`` sends and receives of the parameter bytes per rank
+One ``step`` costs ``degree`` sends and receives of the parameter bytes per rank
 (degree 2 on a ring, ``ceil(lg P)`` on the exponential graph) and no global
 synchronization. The replicas only approach their mean (by the mixing matrix's
-``sigma_2`` per round); call :meth:`consensus_distance` to monitor it.
+``sigma_2`` per round); call ``consensus_distance`` to monitor it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 
 from ..comm import Communicator, Traffic, resolve
 from ..roles.gossip import Topology, consensus_distance, make_topology, neighbor_average
-from .gradsync import broadcast_module
-from .localsgd import FusedTensors, _check_model
+from .localsgd import FusedTensors
+from .replicas import broadcast_module, check_model
 
 __all__ = ["GossipAveraging"]
 
@@ -38,17 +38,17 @@ class GossipAveraging:
         The ``torch.nn.Module`` replica. Only parameters are mixed (floating-point ones);
         buffers stay local.
     topology:
-        ``"ring"``, ``"exponential"`` or a :class:`~mpicomm.roles.gossip.Topology` for
+        ``"ring"``, ``"exponential"`` or a ``mpicomm.roles.gossip.Topology`` for
         ``comm.size`` ranks.
     comm:
-        :class:`~mpicomm.Communicator` (default: the world).
+        ``mpicomm.Communicator`` (default: the world).
     broadcast:
         Start every replica from rank 0's parameters (default ``True``, collective).
     """
 
     def __init__(self, model: torch.nn.Module, topology: str | Topology = "ring",
                  comm: Communicator | None = None, *, broadcast: bool = True):
-        self.model = _check_model(model)
+        self.model = check_model(model)
         self.comm = resolve(comm)
         if isinstance(topology, Topology):
             if topology.size != self.comm.size:

@@ -43,7 +43,7 @@ from ..comm import Communicator, Traffic, resolve
 from ..control.adacomm import AdaComm
 from ..fusion import Layout, LayoutCache, group, kind_of
 from ..validate import check_algorithm
-from .gradsync import broadcast_module
+from .replicas import broadcast_module, check_model
 
 __all__ = ["LocalSGD"]
 
@@ -54,8 +54,8 @@ class FusedTensors:
     """Tensors of one or more dtypes/devices packed into one flat buffer per group.
 
     ``pack()`` copies the tensors into the flat buffers, ``unpack()`` copies them back;
-    the flat buffers are persistent (:class:`mpicomm.fusion.Layout`) and reused while the
-    group's tensors keep their shapes. Grouping is :func:`mpicomm.fusion.group` by
+    the flat buffers are persistent (``mpicomm.fusion.Layout``) and reused while the
+    group's tensors keep their shapes. Grouping is ``mpicomm.fusion.group`` by
     ``(dtype, device)``, without a size cap. The order of tensors (and so the layout) is
     the order given, which must be the same on every rank.
     """
@@ -88,18 +88,10 @@ class FusedTensors:
         return sum(f.numel() * f.element_size() for _, f in self.groups)
 
 
-def _check_model(model: Any) -> torch.nn.Module:
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not any(True for _ in model.parameters()):
-        raise ValueError("model has no parameters to average")
-    return model
-
-
 class LocalSGD:
     """Average a model's replicas every ``period`` local steps.
 
-    Call :meth:`step` once after each ``optimizer.step()``; it counts the local step and,
+    Call ``step`` once after each ``optimizer.step()``; it counts the local step and,
     when ``period`` steps have passed since the last averaging, replaces the parameters
     (and the floating-point buffers, and optionally the momentum) on every rank by their
     average over the ranks. The constructor broadcasts rank 0's parameters and buffers,
@@ -130,8 +122,8 @@ class LocalSGD:
 
     The period
     ----------
-    ``period`` is an int >= 1 (fixed) or an :class:`~mpicomm.control.AdaComm`. With
-    AdaComm, :meth:`step` needs the loss of each local step. At the first step, ``F_0``
+    ``period`` is an int >= 1 (fixed) or an ``mpicomm.control.AdaComm``. With
+    AdaComm, ``step`` needs the loss of each local step. At the first step, ``F_0``
     is that step's loss averaged over the ranks and ``eta_0`` the learning rate then
     (unless ``period.start()`` was already called). At each averaging round the loss fed
     to the rule is the mean of this rank's losses since the last averaging, averaged
@@ -157,7 +149,7 @@ class LocalSGD:
     model:
         The ``torch.nn.Module`` replica.
     period:
-        Fixed period (int >= 1) or an :class:`AdaComm` controller.
+        Fixed period (int >= 1) or an ``AdaComm`` controller.
     optimizer:
         The local optimizer; needed for AdaComm (learning rate) and momentum averaging.
     average_momentum:
@@ -165,7 +157,7 @@ class LocalSGD:
     average_buffers:
         Also average floating-point buffers (default ``True``).
     comm:
-        :class:`~mpicomm.Communicator` (default: the world).
+        ``mpicomm.Communicator`` (default: the world).
     algorithm:
         Allreduce algorithm: ``"auto"``, ``"ring"``, ``"recursive_doubling"``,
         ``"rabenseifner"`` or ``"mpi"`` (uncounted in ``traffic``).
@@ -186,7 +178,7 @@ class LocalSGD:
                  average_momentum: bool = False, average_buffers: bool = True,
                  comm: Communicator | None = None, algorithm: str = "auto",
                  delay_s: Delay = 0.0, clock: Callable[[], float] = time.perf_counter):
-        self.model = _check_model(model)
+        self.model = check_model(model)
         if isinstance(period, AdaComm):
             self.adacomm: AdaComm | None = period
             self._fixed = period.tau
@@ -222,9 +214,9 @@ class LocalSGD:
         self.algorithm = algorithm
         self.delay_s = delay_s
         self.clock = clock
-        #: Averaging rounds done (scheduled ones and :meth:`average` calls).
+        #: Averaging rounds done (scheduled ones and ``average`` calls).
         self.rounds = 0
-        #: Calls to :meth:`step` (local steps taken).
+        #: Calls to ``step`` (local steps taken).
         self.local_steps = 0
         #: Local steps since the last averaging.
         self.steps_since_average = 0
@@ -250,7 +242,7 @@ class LocalSGD:
 
     @property
     def history(self) -> list[Any]:
-        """AdaComm's decisions (:class:`~mpicomm.control.adacomm.AdaCommDecision`), or []."""
+        """AdaComm's decisions (``mpicomm.control.adacomm.AdaCommDecision``), or []."""
         return list(self.adacomm.history) if self.adacomm is not None else []
 
     def __repr__(self) -> str:
@@ -300,7 +292,7 @@ class LocalSGD:
     def average(self) -> None:
         """Average now (collective), without changing the schedule or AdaComm's state.
 
-        Used by :meth:`step`; call it directly at the end of training (or before an
+        Used by ``step``; call it directly at the end of training (or before an
         evaluation) to leave every rank with the same model.
         """
         if self.average_momentum:

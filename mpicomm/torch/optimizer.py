@@ -9,7 +9,7 @@ For code written against the Horovod/DDP habit of "wrap the optimizer"::
         opt.step()                          # waits for the averages, then steps
 
 It is a wrapper by *composition*: it holds the optimizer you built and a
-:class:`~mpicomm.torch.GradientSync`, and forwards to them. Unlike Horovod's
+``mpicomm.torch.GradientSync``, and forwards to them. Unlike Horovod's
 ``DistributedOptimizer`` it never creates a subclass of your optimizer's class at run
 time, so ``type(opt.optimizer)``, pickling and ``super()`` calls inside your optimizer all
 keep working; the price is that ``isinstance(opt, torch.optim.Optimizer)`` is false. Hand
@@ -26,7 +26,9 @@ from typing import Any
 import torch
 
 from ..strategies import Strategy
+from .gradsync import OPTIONS as SYNC_OPTIONS
 from .gradsync import GradientSync
+from .strategy_options import build_strategy
 
 __all__ = ["DistributedOptimizer"]
 
@@ -41,14 +43,19 @@ class DistributedOptimizer:
         parameter it holds must belong to ``model``, so that its gradient is averaged;
         otherwise ``ValueError``.
     model:
-        The module whose gradients are synchronized (see :class:`GradientSync`).
+        The module whose gradients are synchronized (see ``GradientSync``).
     strategy:
-        How gradients are averaged (default: dense allreduce).
-    **sync_kwargs:
-        Passed to :class:`GradientSync`: ``bucket_mb``, ``comm``, ``broadcast``,
-        ``on_nonfinite``, ``timeline``.
+        How gradients are averaged: a ``mpicomm.strategies.Strategy``, ``None`` for
+        ``"dense"`` (allreduce), or one of the names dense, topk, gtopk, artopk, randomk,
+        qsgd, powersgd, fp16, bf16, sign, auto, with its options as keywords
+        (``strategy="gtopk", density=0.05``; the table is in ``GradientSync``'s
+        docstring).
+    **options:
+        ``GradientSync``'s own keywords (``bucket_mb``, ``comm``, ``broadcast``,
+        ``on_nonfinite``, ``timeline``, ``metrics``) and the strategy's options. A
+        keyword that neither takes raises ``TypeError`` before any communication.
 
-    Construction is collective (it builds a :class:`GradientSync`, which checks the model
+    Construction is collective (it builds a ``GradientSync``, which checks the model
     on every rank and broadcasts rank 0's weights). ``step``, ``zero_grad``,
     ``param_groups``, ``state``, ``defaults``, ``state_dict``, ``load_state_dict`` and
     ``add_param_group`` act on the wrapped optimizer; any other attribute is looked up on
@@ -57,14 +64,18 @@ class DistributedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                 strategy: Strategy | str | None = None, **sync_kwargs: Any):
+                 strategy: Strategy | str | None = None, **options: Any):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
+        sync_options = {k: v for k, v in options.items() if k in SYNC_OPTIONS}
+        strategy = build_strategy(
+            strategy, {k: v for k, v in options.items() if k not in SYNC_OPTIONS},
+            owner="DistributedOptimizer", owner_options=SYNC_OPTIONS)
         self.optimizer = optimizer
         self._model_params = {id(p) for p in model.parameters()}
         self._check_params(optimizer.param_groups)
-        self.sync = GradientSync(model, strategy, **sync_kwargs)
+        self.sync = GradientSync(model, strategy, **sync_options)
         #: ``False`` after a step skipped for a non-finite gradient (``on_nonfinite="skip"``).
         self.last_step_ok = True
 
@@ -86,9 +97,9 @@ class DistributedOptimizer:
         backward - is followed by a wait, so the optimizer always sees averaged
         gradients. Returns what the optimizer's ``step`` returns, or ``None`` when a
         non-finite gradient made every rank skip the step (``on_nonfinite="skip"``;
-        :attr:`last_step_ok` is then ``False``). With a closure the optimizer decides
+        ``last_step_ok`` is then ``False``). With a closure the optimizer decides
         how often to evaluate it, so a skipped evaluation cannot skip the step: it leaves
-        zero gradients for that evaluation and sets :attr:`last_step_ok` to ``False``.
+        zero gradients for that evaluation and sets ``last_step_ok`` to ``False``.
         """
         self.last_step_ok = self.sync.wait()
         if closure is None:
@@ -104,15 +115,15 @@ class DistributedOptimizer:
 
     def synchronize(self) -> bool:
         """Wait until the gradients of the last backward are averaged (see
-        :meth:`GradientSync.wait`); useful before clipping or inspecting them."""
+        ``GradientSync.wait``); useful before clipping or inspecting them."""
         return self.sync.wait()
 
     def no_sync(self) -> Any:
-        """Accumulate gradients locally in this block (see :meth:`GradientSync.no_sync`)."""
+        """Accumulate gradients locally in this block (see ``GradientSync.no_sync``)."""
         return self.sync.no_sync()
 
     def close(self) -> None:
-        """Detach from the model (collective; see :meth:`GradientSync.close`)."""
+        """Detach from the model (collective; see ``GradientSync.close``)."""
         self.sync.close()
 
     def __enter__(self) -> DistributedOptimizer:

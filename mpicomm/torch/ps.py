@@ -1,6 +1,6 @@
-"""Train a ``torch.nn.Module`` through a parameter server (:class:`mpicomm.ps.KVStore`).
+"""Train a ``torch.nn.Module`` through a parameter server (``mpicomm.ps.KVStore``).
 
-:class:`PSOptimizer` takes the optimizer's place in a training loop: the update rule runs
+``PSOptimizer`` takes the optimizer's place in a training loop: the update rule runs
 on the servers, the worker only pushes its gradients and pulls the new parameters::
 
     kv = mpicomm.ps.KVStore(servers=1, mode="ssp", staleness=2, lr=0.05, momentum=0.9)
@@ -33,7 +33,7 @@ __all__ = ["PSOptimizer"]
 
 
 class PSOptimizer:
-    """Optimizer-shaped client of a :class:`~mpicomm.ps.KVStore` for one module (workers)."""
+    """Optimizer-shaped client of a ``mpicomm.ps.KVStore`` for one module (workers)."""
 
     def __init__(self, module: torch.nn.Module, kv: KVStore) -> None:
         if not isinstance(kv, KVStore):
