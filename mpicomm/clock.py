@@ -67,8 +67,8 @@ from .costtable import CostTable
 from .emulate import vengine
 from .emulate.vnet import Platform, platform_from_env
 
-__all__ = ["now", "mode", "is_virtual", "charge", "compute", "declare", "stamp", "join",
-           "calibrate", "cost_table", "platform", "describe", "report_step", "Queue",
+__all__ = ["now", "mode", "is_virtual", "charge", "compute", "sleep", "declare", "stamp", "join",
+           "calibrate", "cost_table", "platform", "describe", "report_step", "Queue", "Handoff",
            "waiting_for_threads", "start", "started", "session", "ENV_CLOCK", "MODES"]
 
 ENV_CLOCK = "MPICOMM_CLOCK"
@@ -187,6 +187,15 @@ def compute(seconds: float) -> None:
     v.actor().advance(float(seconds))
 
 
+def sleep(seconds: float) -> None:
+    """Wait ``seconds``: ``time.sleep`` on the wall clock; on the virtual clock this
+    thread's time moves on by ``seconds`` at once (an injected delay, an idle period)."""
+    if _virtual is None:
+        time.sleep(seconds)
+    elif seconds > 0:
+        _virtual.actor().advance(float(seconds))
+
+
 def declare(op: str, seconds: float, per_call: float = 0.0, unit: str = "call") -> None:
     """Set ``op``'s cost by hand: ``per_call + seconds * units`` (e.g. ``"step"``)."""
     _table().declare(op, seconds, per_call, unit)
@@ -241,14 +250,17 @@ def waiting_for_threads() -> Iterator[None]:
         v.engine.set_state(a.aid, vengine.RUNNING, a.t)
 
 
-class Queue(queue.Queue):
-    """A ``queue.Queue`` that carries virtual time: :meth:`put` stamps an item with the
-    giver's time, :meth:`get` waits as *idle* (the taker's floor is the earliest stamp
-    waiting, or the givers' time) and continues from the later of its own time and the
-    item's. On the wall clock it is a plain queue."""
+class Handoff:
+    """Work handed to one taker thread, each piece stamped with a virtual time.
 
-    def __init__(self, maxsize: int = 0):
-        super().__init__(maxsize)
+    The giver calls :meth:`give` (the piece's time: the giver's, or an explicit later
+    one); the taker waits for work inside :meth:`idle` (its floor is then the earliest
+    time given and not yet taken, or the givers' time) and calls :meth:`take` with the
+    piece's stamp, continuing from the later of its own time and the stamp. On the wall
+    clock every method is (almost) free."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._stamps: list[float] = []
         self._taker: int | None = None
 
@@ -257,31 +269,61 @@ class Queue(queue.Queue):
         if v is not None and self._taker is not None:
             v.engine.set_qmin(self._taker, self._stamps[0] if self._stamps else vengine.INF)
 
-    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        t = stamp()
-        with self.mutex:
-            heapq.heappush(self._stamps, t)
-            self._publish()
-        super().put((t, item), block, timeout)
+    def give(self, t: float | None = None) -> float:
+        """Hand over one piece of work at ``t`` (default: this thread's time)."""
+        t = stamp() if t is None else float(t)
+        if _virtual is not None:
+            with self._lock:
+                heapq.heappush(self._stamps, t)
+                self._publish()
+        return t
 
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+    def take(self, t: float) -> None:
+        """The taker starts the piece given at ``t``."""
+        if _virtual is None:
+            return
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._stamps.remove(t)
+                heapq.heapify(self._stamps)
+            self._publish()
+        join(t)
+
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        """The taker blocks waiting for work during the block."""
         v = _virtual
         if v is None:
-            return super().get(block, timeout)[1]
+            yield
+            return
         a = v.actor()
-        with self.mutex:
+        with self._lock:
             self._taker = a.aid
             qmin = self._stamps[0] if self._stamps else vengine.INF
         v.engine.set_state(a.aid, vengine.IDLE, a.t, qmin=qmin)
         try:
-            t, item = super().get(block, timeout)
-            with self.mutex:
-                self._stamps.remove(t)
-                heapq.heapify(self._stamps)
-                self._publish()
+            yield
         finally:
             v.engine.set_state(a.aid, vengine.RUNNING, a.t)
-        a.to(t)
+
+
+class Queue(queue.Queue):
+    """A ``queue.Queue`` that carries virtual time (a :class:`Handoff` per queue):
+    :meth:`put` stamps an item with the giver's time, :meth:`get` waits idle and
+    continues from the later of its own time and the item's. On the wall clock it is a
+    plain queue."""
+
+    def __init__(self, maxsize: int = 0):
+        super().__init__(maxsize)
+        self.handoff = Handoff()
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        super().put((self.handoff.give(), item), block, timeout)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        with self.handoff.idle():
+            t, item = super().get(block, timeout)
+        self.handoff.take(t)
         return item
 
 

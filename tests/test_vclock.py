@@ -410,3 +410,30 @@ def test_bad_platform_is_one_clear_error_on_every_rank():
                   MPICOMM_CLOCK="virtual", MPICOMM_VIRTUAL_RATE="0")
     assert res.returncode != 0
     assert "MPICOMM_VIRTUAL_RATE='0': a rate must be > 0" in res.output
+
+
+@pytest.mark.mpi
+def test_gradient_sync_overlap_follows_the_backward_cost(comm):
+    from mpicomm.torch import GradientSync
+
+    def elapsed(backward_s: float) -> float:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        x = torch.randn(8, 256)
+        with virtual(comm) as vc:
+            clock.declare("backward", backward_s)
+            with GradientSync(model, comm=vc, bucket_mb=0.3) as sync:
+                vc.barrier()
+                t0 = clock.now()
+                model(x).sum().backward()
+                sync.wait()
+                return vc.allreduce_value(clock.now() - t0, "max")
+
+    alone, hidden = elapsed(0.0), elapsed(1.0)
+    if comm.size == 1:
+        assert alone == 0.0 and hidden == pytest.approx(1.0)
+        return
+    # four 257 KB buckets: the first three are averaged during backward, the last after
+    one = 0.2e-3 + 2 * (comm.size - 1) / comm.size * 257 * 1024 * 8e-9
+    assert alone > 3 * one
+    assert 1.0 + 0.8 * one < hidden < 1.0 + 2 * one

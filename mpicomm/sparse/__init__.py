@@ -31,9 +31,9 @@ __all__ = ["topk_allgather", "gtopk", "artopk", "ARTopKState", "exact_topk", "re
 def _cost_kernels() -> None:
     """Register the sparse layer's compute for the virtual clock's cost table
     (:mod:`mpicomm.costtable`): ``select`` (top-k of 1% of ``n`` float32 values, per
-    value), ``merge`` (sparse union of two sorted sets of ``n/2`` pairs each, a third of the
-    indices shared, per pair), ``scatter`` (zero a dense vector of ``n`` and scatter-add 1% of it, per
-    element)."""
+    value), ``merge`` (sparse union of two sorted sets of ``n/2`` pairs each, a third
+    of the indices shared, per pair), ``scatter`` (zero a dense vector of ``n`` and
+    scatter-add 1% of it, per element)."""
     import torch
 
     from ..costtable import register_kernel
