@@ -60,9 +60,9 @@ __all__ = [
 
 log = logging.getLogger("mpicomm")
 
-#: Resource keys a dup/split inherits (= mpicomm.collectives.cost.CALIBRATION_KEYS; the
-#: comm layer cannot import the cost model, a test keeps the two equal).
-_CALIBRATION_KEYS = ("cost_params", "compute_params")
+#: The :attr:`Communicator.resources` keys that hold a calibration of the cost model
+#: (:func:`mpicomm.collectives.cost.calibrated` reads them); ``dup``/``split`` copy them.
+CALIBRATION_KEYS = ("cost_params", "compute_params")
 
 _SCALAR_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM}
 
@@ -236,7 +236,7 @@ class Communicator:
 
     def _inherit(self, child: Communicator) -> Communicator:
         """Copy the calibrated cost-model parameters (immutable values) into ``child``."""
-        for key in _CALIBRATION_KEYS:
+        for key in CALIBRATION_KEYS:
             if key in self.resources:
                 child.resources[key] = self.resources[key]
         return child

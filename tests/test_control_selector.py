@@ -12,15 +12,17 @@ import pytest
 import torch
 
 from mpicomm import strategies
-from mpicomm.collectives.cost import CALIBRATION_KEYS, ComputeParams, CostParams
-from mpicomm.control import CRController, lgreco_solve, predict, select
-from mpicomm.control.calibration import OnlineCalibration, choose_peers
+from mpicomm.collectives.calibrate import choose_peers
+from mpicomm.collectives.cost import ComputeParams, CostParams, calibrated
+from mpicomm.comm import CALIBRATION_KEYS
+from mpicomm.control import CRController, LGreco, OnlineCalibration, lgreco_solve, predict
 from mpicomm.control.cr import asf_choice, knee_choice, pareto_front
-from mpicomm.control.lgreco import LGreco, _shape, topk_tail_errors
+from mpicomm.strategies.auto_schemes import select
+from mpicomm.strategies.lgreco_errors import LayerErrors, layer_shape, topk_tail_errors
 
 GBPS = 1.25e8
 PARAMS = {"resnet18": 11_689_512, "resnet50": 25_557_032, "alexnet": 61_100_840}
-# the Table VI rows tests/test_cost.py checks (algorithms.md B.3), (AG, ART-Ring, ART-Tree)
+# the Table VI rows tests/test_cost.py checks (Tyagi & Swany 2023), (AG, ART-Ring, ART-Tree)
 TABLE_VI = [
     ("resnet18", 10, 0.1, (54.0, 35.0, 43.2), 0.03),
     ("resnet18", 1, 0.1, (526.3, 194.7, 345.6), 0.03),
@@ -114,7 +116,7 @@ def test_lgreco_per_layer_budget_beats_uniform_at_the_same_error():
     """Layers with very different gradient spectra: the DP moves density to where it
     buys the most error, total size <= uniform and total error <= uniform's."""
     gen = torch.Generator().manual_seed(0)
-    lg = LGreco(0.05, every=10, acc_steps=2)
+    lg = LayerErrors(LGreco(0.05, every=10, acc_steps=2))
     numels = {"flat": 4000, "peaky": 4000, "mid": 2000}
     for _ in range(2):
         lg.accumulate("flat", torch.randn(4000, generator=gen) * 0.01)
@@ -122,7 +124,7 @@ def test_lgreco_per_layer_budget_beats_uniform_at_the_same_error():
         peaky[:50] = torch.randn(50, generator=gen) * 10
         lg.accumulate("peaky", peaky + torch.randn(4000, generator=gen) * 0.001)
         lg.accumulate("mid", torch.randn(2000, generator=gen) ** 3)
-    decision = lg._solve(numels)
+    decision = lg.solve(numels)
     assert decision["error"] <= decision["budget"] + 1e-9
     assert decision["size"] <= decision["uniform_size"]
     assert decision["size"] < 0.8 * decision["uniform_size"]
@@ -133,7 +135,7 @@ def _lgreco_layers(lg, gen, scale=1.0):
     """Four layers with different spectra: iid noise, a fixed rank-2 matrix, a cubed
     (heavy-tailed) matrix and a bias vector."""
     u, v = torch.randn(48, 2, generator=gen), torch.randn(2, 40, generator=gen)
-    for _ in range(lg.acc_steps):
+    for _ in range(lg.lgreco.acc_steps):
         lg.accumulate("flat", torch.randn(48 * 40, generator=gen) * 0.01 * scale)
         lg.accumulate("lowrank", (u @ v).reshape(-1) * scale
                       + torch.randn(48 * 40, generator=gen) * 1e-3)
@@ -145,21 +147,21 @@ def _lgreco_layers(lg, gen, scale=1.0):
 @pytest.mark.parametrize(("family", "default"), [("topk", 0.05), ("qsgd", 4),
                                                  ("powersgd", 4)])
 def test_lgreco_families_fit_the_budget_and_beat_uniform(family, default):
-    lg = LGreco(default, family=family, every=4, acc_steps=2)
+    lg = LayerErrors(LGreco(default, family=family, every=4, acc_steps=2))
     shapes = _lgreco_layers(lg, torch.Generator().manual_seed(3))
     layers, sizes, errors, cands = lg.problem(shapes)
     assert default in cands and len(cands) >= 3
-    decision = lg._solve(shapes)
+    decision = lg.solve(shapes)
     uniform = cands.index(default)
     assert decision["budget"] == pytest.approx(sum(e[uniform] for e in errors))
     assert decision["error"] <= decision["budget"] * (1 + 1e-9)
     assert decision["size"] < decision["uniform_size"]
     # sizes are the project's compressor's wire bytes at the chosen settings
     if family != "topk":
-        lg.values = dict(decision["densities"])
+        lg.lgreco.values = dict(decision["densities"])
         wire = 0
         for n in layers:
-            shape = _shape(shapes[n])
+            shape = layer_shape(shapes[n])
             extra = {"shape": shape} if family == "powersgd" else {}
             wire += lg.compressor(n).wire_bytes(math.prod(shape), 4, **extra)
         assert decision["size"] == wire
@@ -279,7 +281,7 @@ def test_choose_peers_prefers_other_nodes():
 
 
 def test_link_rounds_measure_node_disjoint_pairs_at_once():
-    from mpicomm.control.calibration import link_rounds
+    from mpicomm.collectives.calibrate import link_rounds
 
     # one rank per node (the emulated cluster): every rank in the first round
     assert link_rounds([0, 1, 2, 3], 2) == [[(0, 1), (2, 3)]]
@@ -307,14 +309,14 @@ def test_online_calibration_tracks_a_bandwidth_change_and_flags_drift():
     for _ in range(3):
         for a, b in shapes:
             cal.observe(a, b, a * base.alpha + b * base.beta)
-        assert cal.refine(None) is False
+        assert cal.refine() is False
     assert cal.params.beta == pytest.approx(base.beta, rel=0.05)
     slow = 4e-9   # bandwidth drops 4x
     drift = []
     for _ in range(6):
         for a, b in shapes:
             cal.observe(a, b, a * base.alpha + b * slow)
-        drift.append(cal.refine(None))
+        drift.append(cal.refine())
     assert drift[0] or drift[1]
     assert cal.params.beta == pytest.approx(slow, rel=0.15)
     assert cal.params.alpha == pytest.approx(base.alpha, rel=0.5)
@@ -329,7 +331,7 @@ def test_online_calibration_drift_is_debounced():
     def feed(cal, beta):
         for a, b in shapes:
             cal.observe(a, b, a * base.alpha + b * beta)
-        return cal.refine(None)
+        return cal.refine()
 
     cal = OnlineCalibration(base, decay=0.7, drift=0.3, patience=3)
     assert [feed(cal, base.beta) for _ in range(3)] == [False] * 3
@@ -352,26 +354,26 @@ def test_auto_chooses_by_measurement_where_predictions_are_close():
     that separates the schemes clearly is taken without trials."""
     from collections import deque
 
-    from mpicomm.control import AutoStrategy
-    from mpicomm.control.selector import Choice
+    from mpicomm.strategies import AutoStrategy
+    from mpicomm.strategies.auto_schemes import Choice
 
     auto = AutoStrategy(calibrate_links=0, ratio=0.01, trial_margin=0.5, trial_steps=2)
     key = ("b0", 0.01)
     cands = {"dense": 1.0, "gtopk": 0.10, "artopk_tree": 0.12, "allgather_topk": 0.14}
     pred = Choice("gtopk", 0.01, 0.10, cands)
-    choice, trial = auto._by_measurement(key, pred)
+    choice, trial = auto.choices.by_measurement(key, pred)
     assert (choice.scheme, choice.ratio, trial) == ("gtopk", 0.01, True)
     auto.measured[key] = {"gtopk": deque([0.30, 0.25], maxlen=2)}   # measured 2.5x slower
-    choice, trial = auto._by_measurement(key, pred)
+    choice, trial = auto.choices.by_measurement(key, pred)
     assert (choice.scheme, trial) == ("artopk_tree", True)          # next-cheapest untried
     auto.measured[key]["artopk_tree"] = deque([0.09, 0.08], maxlen=2)
     auto.measured[key]["allgather_topk"] = deque([0.2, 0.11], maxlen=2)
-    choice, trial = auto._by_measurement(key, pred)
+    choice, trial = auto.choices.by_measurement(key, pred)
     assert (choice.scheme, trial, choice.predicted) == ("artopk_tree", False, 0.08)
     # dense is 8x the cheapest: never tried; one clear winner: no trial at all
     assert "dense" not in auto.measured[key]
     clear = Choice("gtopk", 0.01, 0.1, {"dense": 1.0, "gtopk": 0.1})
-    assert auto._by_measurement(("b1", 0.01), clear)[1] is False
+    assert auto.choices.by_measurement(("b1", 0.01), clear)[1] is False
     with pytest.raises(ValueError, match="trial_steps"):
         AutoStrategy(trial_steps=-1)
     with pytest.raises(ValueError, match="drift_patience"):
@@ -387,32 +389,32 @@ def test_auto_weighs_schemes_by_their_efficiency_and_the_whole_step():
     efficiency is unknown divide by 1."""
     from collections import deque
 
-    from mpicomm.control import AutoStrategy
-    from mpicomm.control.selector import Choice
+    from mpicomm.strategies import AutoStrategy
+    from mpicomm.strategies.auto_schemes import Choice
 
     auto = AutoStrategy(calibrate_links=0, ratio=0.01, trial_margin=0.5, trial_steps=2)
-    assert auto.gain_weighted
+    assert auto.choices.gain_weighted
     key = ("b0", 0.01)
     pred = Choice("artopk_tree", 0.01, 0.05,
                   {"dense": 1.0, "gtopk": 0.06, "artopk_tree": 0.05})
     auto.measured[key] = {"gtopk": deque([0.063, 0.066], maxlen=2),
                           "artopk_tree": deque([0.047, 0.050], maxlen=2)}
-    auto.gain_weighted = False
-    assert auto._by_measurement(key, pred)[0].scheme == "artopk_tree"   # time alone
-    auto.gain_weighted = True
-    auto.efficiency = {("gtopk", 0.01): 0.9, ("artopk_tree", 0.01): 0.5,
+    auto.choices.gain_weighted = False
+    assert auto.choices.by_measurement(key, pred)[0].scheme == "artopk_tree"   # time alone
+    auto.choices.gain_weighted = True
+    auto.choices.efficiency = {("gtopk", 0.01): 0.9, ("artopk_tree", 0.01): 0.5,
                        ("gtopk", 0.1): 0.2}
-    choice, trial = auto._by_measurement(key, pred)
+    choice, trial = auto.choices.by_measurement(key, pred)
     assert (choice.scheme, trial) == ("gtopk", False)
     assert choice.predicted == pytest.approx(0.063 / 0.9)
     assert choice.candidates["artopk_tree"] == pytest.approx(0.047 / 0.5)
     assert choice.candidates["dense"] == 1.0
-    assert auto._costs(key, {"allgather_topk": 0.07})["allgather_topk"] == \
+    assert auto.choices.costs(key, {"allgather_topk": 0.07})["allgather_topk"] == \
         pytest.approx(0.07)                                   # unknown efficiency: 1
     # the step's time outside the exchanges, the bucket's share by elements, counts too
-    auto._layouts = {"b0": ([(30,)], 4), "b1": ([(5, 2)], 4)}
-    auto.step_other = 0.04
-    cost = auto._costs(key, {"gtopk": 0.06, "artopk_tree": 0.05, "dense": 1.0})
+    auto.choices.numels = {"b0": 30, "b1": 10}
+    auto.choices.step_other = 0.04
+    cost = auto.choices.costs(key, {"gtopk": 0.06, "artopk_tree": 0.05, "dense": 1.0})
     assert cost["gtopk"] == pytest.approx((0.063 + 0.03) / 0.9)
     assert cost["artopk_tree"] == pytest.approx((0.047 + 0.03) / 0.5)
     assert cost["dense"] == pytest.approx(1.03)
@@ -422,14 +424,14 @@ def test_auto_efficiency_is_an_ewma_until_it_is_stale():
     """A (scheme, ratio)'s efficiency is an EWMA (decay ``EFFICIENCY_DECAY``) over the
     steps it ran; measured again more than ``EFFICIENCY_STALE`` steps after its last
     measurement, the new value replaces it (it falls as training goes on)."""
-    from mpicomm.control import AutoStrategy
-    from mpicomm.control.auto import EFFICIENCY_DECAY, EFFICIENCY_STALE
+    from mpicomm.strategies import AutoStrategy
+    from mpicomm.strategies.auto_choice import EFFICIENCY_DECAY, EFFICIENCY_STALE
 
     auto = AutoStrategy(calibrate_links=0, ratio=0.01)
 
     def measure(step, efficiency):
         record = {"step": step, "scheme": "artopk_tree", "key_ratio": 0.01}
-        auto._track_gains([record], [efficiency], [1.0], [1.0])
+        auto.choices.track_gains([record], [efficiency], [1.0], [1.0])
         return auto.efficiency[("artopk_tree", 0.01)]
 
     assert measure(0, 0.8) == pytest.approx(0.8)
@@ -444,7 +446,7 @@ def test_auto_topk_reference_is_the_exact_topk_mass_of_the_error_fed_bucket():
     itself (Allgather Top-k) or without a Top-k ratio."""
     from types import SimpleNamespace
 
-    from mpicomm.control import AutoStrategy
+    from mpicomm.strategies import AutoStrategy
 
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.float64):
@@ -471,26 +473,26 @@ def test_auto_redecides_a_kept_choice_that_measures_slower_than_another():
     step): a dense step predicted cheap runs ``trial_steps`` steps, not until a drift."""
     from collections import deque
 
-    from mpicomm.control import AutoStrategy
-    from mpicomm.control.selector import Choice
+    from mpicomm.strategies import AutoStrategy
+    from mpicomm.strategies.auto_schemes import Choice
 
     auto = AutoStrategy(calibrate_links=0, ratio=0.1, trial_margin=0.5, trial_steps=2)
     key = ("b0", 0.1)
     predicted = {"dense": 0.4, "allgather_topk": 0.5, "artopk_tree": 0.45}
-    auto._predicted[key] = predicted
-    auto._choices[key] = Choice("dense", 1.0, 0.4, predicted)
+    auto.choices.predicted[key] = predicted
+    auto.choices.kept[key] = Choice("dense", 1.0, 0.4, predicted)
     auto.measured[key] = {"dense": deque([1.2], maxlen=2)}
-    assert auto._outrun() == set()                  # measured once: not yet
+    assert auto.choices.outrun() == set()                  # measured once: not yet
     auto.measured[key]["dense"].append(1.25)
-    assert auto._outrun() == {key}                  # 1.2 s against 0.45 predicted
-    auto._choices[key] = Choice("artopk_tree", 0.1, 0.45, predicted)
+    assert auto.choices.outrun() == {key}                  # 1.2 s against 0.45 predicted
+    auto.choices.kept[key] = Choice("artopk_tree", 0.1, 0.45, predicted)
     auto.measured[key]["artopk_tree"] = deque([0.5, 0.55], maxlen=2)
-    assert auto._outrun() == set()                  # within trial_margin of predictions
+    assert auto.choices.outrun() == set()                  # within trial_margin of predictions
     # a measured alternative: switch_margin (0.1) applies, 0.5 > 1.1 * 0.44
     auto.measured[key]["allgather_topk"] = deque([0.44, 0.46], maxlen=2)
-    assert auto._outrun() == {key}
+    assert auto.choices.outrun() == {key}
     auto.measured[key]["allgather_topk"] = deque([0.47, 0.48], maxlen=2)
-    assert auto._outrun() == set()                  # 0.5 < 1.1 * 0.47
+    assert auto.choices.outrun() == set()                  # 0.5 < 1.1 * 0.47
 
 
 def test_link_delay_is_the_alpha_beta_time_of_the_traffic_sent():
@@ -506,10 +508,15 @@ def test_link_delay_is_the_alpha_beta_time_of_the_traffic_sent():
     assert link_delay(fake, Traffic(1000, 500, 3)) == pytest.approx(3e-4 + 1e-5)
 
 
-def test_calibration_keys_match_the_communicator():
-    from mpicomm import comm as comm_module
+def test_calibrated_reads_the_communicators_calibration_keys():
+    class Fake:
+        resources: dict = {}
 
-    assert comm_module._CALIBRATION_KEYS == CALIBRATION_KEYS
+    fake = Fake()
+    assert calibrated(fake) == (CostParams(), ComputeParams())
+    mine = (CostParams(alpha=1.0), ComputeParams(select=1.0))
+    fake.resources = dict(zip(CALIBRATION_KEYS, mine))
+    assert calibrated(fake) == mine
 
 
 # ---------------------------------------------------------------------- selector
@@ -554,10 +561,51 @@ def test_make_auto_and_its_prediction():
         strategies.make("auto", ratio=2.0)
 
 
+def test_auto_config_is_validated_once_and_names_unknown_options():
+    """``AutoConfig``: keywords or one config object (keywords override it), sequences
+    kept as tuples, frozen; an unknown keyword is one ``TypeError`` naming it and the
+    closest option; bad values are ``ValueError`` at construction; README's keywords
+    build."""
+    import dataclasses
+
+    from mpicomm.strategies import AutoConfig, AutoStrategy
+
+    with pytest.raises(TypeError, match="'trail_steps' .did you mean 'trial_steps'"):
+        strategies.make("auto", trail_steps=2)
+    with pytest.raises(TypeError, match="AutoConfig"):
+        AutoStrategy(config={"ratio": 0.1})
+    cfg = AutoConfig(ratio=0.05, trial_steps=2, schemes=["dense", "gtopk"])
+    assert cfg.schemes == ("dense", "gtopk") and cfg.ratios == (0.1, 0.033, 0.011, 0.004,
+                                                                 0.001)
+    assert AutoStrategy(config=cfg).config is cfg
+    auto = AutoStrategy(config=cfg, calibrate_links=0)
+    assert (auto.config.trial_steps, auto.config.calibrate_links, auto.ratio,
+            auto.schemes) == (2, 0, 0.05, ("dense", "gtopk"))
+    assert cfg.calibrate_links == 2                     # the given config is unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ratio = 0.1  # type: ignore[misc]
+    for bad, match in [({"decay": 1.0}, "decay"), ({"drift": 0.0}, "drift"),
+                       ({"window": 0}, "window"), ({"calibrate_links": 1.5}, "calibrate"),
+                       ({"lgreco": True, "lgreco_every": 3}, "lgreco_acc_steps"),
+                       ({"ratios": ()}, "ratios"), ({"weights": (1.0,)}, "weights"),
+                       ({"lgreco_family": "sign"}, "lgreco_family"),
+                       ({"trigger": 0.0}, "trigger"), ({"total_steps": 0}, "total_steps")]:
+        with pytest.raises(ValueError, match=match):
+            AutoConfig(**bad)
+    # the keywords the README shows
+    per_layer = AutoStrategy(lgreco=True, lgreco_family="powersgd", lgreco_default=4)
+    assert per_layer.family == "powersgd" and per_layer.controller is None
+    assert per_layer.schemes == ("dense", "lgreco_powersgd") and per_layer.ratio == 1.0
+    tuned = strategies.make("auto", min_gain=0.5, probe_triggered=False, trial_steps=2,
+                            lgreco=True, lgreco_every=10, lgreco_family="qsgd")
+    assert tuned.lgreco is not None and tuned.lgreco.default == 4 and \
+        tuned.lgreco.every == 10 and tuned.min_gain == 0.5
+
+
 # ---------------------------------------------------------------------- multi-rank
 @pytest.mark.mpi
 def test_calibrate_gives_every_rank_the_same_numbers_and_dup_keeps_them(comm):
-    from mpicomm.control import calibrate
+    from mpicomm.strategies.kernel_timing import calibrate
 
     saved = {k: comm.resources.pop(k) for k in CALIBRATION_KEYS if k in comm.resources}
     try:
@@ -587,7 +635,7 @@ def test_calibrate_gives_every_rank_the_same_numbers_and_dup_keeps_them(comm):
 def _train_auto(comm, steps, calibrate_links=0, lr=0.1, after_step=None, **options):
     """``steps`` of a small MLP under ``GradientSync`` with an ``AutoStrategy`` of
     ``options``; ``after_step(auto)`` is called after each step."""
-    from mpicomm.control import AutoStrategy
+    from mpicomm.strategies import AutoStrategy
     from mpicomm.torch import GradientSync
 
     torch.manual_seed(0)
@@ -764,7 +812,7 @@ def test_auto_exploration_restores_the_saved_model(comm):
     restore comes after step 5, back to the state saved after step 0; step 6 trains on
     (the default, the paper's loop; ``restore_first=False`` keeps the first window's
     steps, the second run)."""
-    from mpicomm.control import AutoStrategy
+    from mpicomm.strategies import AutoStrategy
     from mpicomm.torch import GradientSync
 
     def run(restore_first):
@@ -820,17 +868,17 @@ def test_auto_lgreco_densities_identical_and_no_larger_than_uniform(comm):
                                                  ("powersgd", 4)])
 def test_lgreco_families_agree_on_every_rank(comm, family, default):
     """Every rank accumulates different gradients; rank 0's solution is everyone's."""
-    lg = LGreco(default, family=family, every=4, acc_steps=2)
+    lg = LayerErrors(LGreco(default, family=family, every=4, acc_steps=2))
     shapes = _lgreco_layers(lg, torch.Generator().manual_seed(10 + comm.rank),
                             scale=1.0 + comm.rank)
     values = lg.adjust(comm, shapes)
     assert set(values) == set(shapes)
     assert comm.allgather_object(sorted(values.items())) == [sorted(values.items())] * \
         comm.size
-    h = lg.history[-1]
+    h = lg.lgreco.history[-1]
     assert h["family"] == family
     assert h["error"] <= h["budget"] * (1 + 1e-9) and h["size"] <= h["uniform_size"]
-    assert all(lg.value(n) == v for n, v in values.items())
+    assert all(lg.lgreco.value(n) == v for n, v in values.items())
 
 
 def _digits():
@@ -848,8 +896,8 @@ def test_auto_lgreco_bits_and_ranks_are_what_goes_on_the_wire(comm, family, defa
     """Per-layer QSGD bits / PowerSGD ranks inside fused buckets: every step's bytes are
     the prediction for the assignment in force, the assignment is rank 0's (identical
     everywhere, error <= budget, size <= uniform), and the model still learns."""
-    from mpicomm.control import AutoStrategy
-    from mpicomm.control.perlayer import FAMILY_SCHEMES, predict_bucket
+    from mpicomm.strategies import AutoStrategy
+    from mpicomm.strategies.lgreco_buckets import FAMILY_SCHEMES, predict_bucket
     from mpicomm.torch import GradientSync
 
     xtr, ytr, xte, yte = _digits()
@@ -918,7 +966,7 @@ def test_auto_decisions_identical_on_every_rank_at_every_step_with_their_lag(com
         t = auto.steps - 1
         agreed = max((r.step for r in auto.records), default=-1)
         assert agreed == t - 1, (t, agreed)
-        trail.append((auto.steps, auto.ratio, sorted(auto._current.items()),
+        trail.append((auto.steps, auto.ratio, sorted(auto.choices.current.items()),
                       auto._saved is not None, len(auto.controller.history)))
 
     _train_auto(comm, 10, after_step=after_step, window=1, ratios=(0.5, 0.1, 0.02),
@@ -939,7 +987,7 @@ def test_auto_triggered_explorations_are_probes_identical_on_every_rank(comm):
     def after_step(auto):
         assert auto._saved is None and auto._action is None
         trail.append((auto.steps, auto.ratio, auto.controller.probing,
-                      sorted(auto._current.items())))
+                      sorted(auto.choices.current.items())))
 
     auto, _, _ = _train_auto(comm, 16, lr=0.5, after_step=after_step,
                              ratios=(0.5, 0.1, 0.02), cooldown=1, trigger=0.001)
@@ -976,12 +1024,11 @@ def _feed(auto, pending, sums):
     """One finished step through the strategy: its bucket measurements ``pending`` and
     step sums (kept, error-fed and Top-k mass, wall time) agreed as during the next
     step's aggregation, then decided as at that step's ``step_done``."""
-    auto._done.append(([{"trial": False, **r} for r in pending], list(sums)))
-    auto._post()
-    if auto._posted:
-        auto._complete()
-    ready, auto._ready = auto._ready, []
-    return [auto._decide(p, a) for p, a in ready]
+    auto.agreement.finish([{"trial": False, **r} for r in pending], sums)
+    auto.agreement.post(auto.comm)
+    if auto.agreement.posted:
+        auto.agreement.complete(auto.comm)
+    return [auto._decide(p, a) for p, a in auto.agreement.take()]
 
 
 @pytest.mark.mpi
@@ -989,9 +1036,8 @@ def test_auto_redecides_on_persistent_drift_not_on_one_outlier(comm):
     """Agreed step times fed to the strategy: a single step 5x slower keeps the choices;
     the same slowdown for ``drift_patience`` steps in a row re-decides, on every rank at
     the same step."""
-    from mpicomm.control import AutoStrategy
-    from mpicomm.control.calibration import OnlineCalibration
-    from mpicomm.control.selector import Choice
+    from mpicomm.strategies import AutoStrategy
+    from mpicomm.strategies.auto_schemes import Choice
 
     auto = AutoStrategy(comm=comm, calibrate_links=0, ratio=0.01, drift_patience=3)
     base = CostParams(alpha=1e-4, beta=1e-8, gamma=0.0)
@@ -1000,13 +1046,13 @@ def test_auto_redecides_on_persistent_drift_not_on_one_outlier(comm):
     a, b = 4.0, 1e5
 
     def step(t, slow):
-        auto._choices[("b0", 0.01)] = kept
+        auto.choices.kept[("b0", 0.01)] = kept
         pending = [{"step": t, "bucket": "b0", "scheme": "gtopk", "key_ratio": 0.01,
                     "ratio": 0.01, "seconds": slow * (a * base.alpha + b * base.beta),
                     "a": a, "b": b, "work": 0.0, "kept_sq": 0.5, "e_sq": 1.0,
                     "ref_sq": 0.5, "predicted": a * base.alpha + b * base.beta}]
         _feed(auto, pending, [0.5, 1.0, 0.5, 0.0])
-        return ("b0", 0.01) in auto._choices
+        return ("b0", 0.01) in auto.choices.kept
 
     trail = [step(t, 1.0) for t in range(3)] + [step(3, 5.0)] + \
         [step(t, 1.0) for t in range(4, 8)]
@@ -1025,9 +1071,8 @@ def test_auto_keeps_measured_times_after_a_drift_of_the_fit_alone(comm, moved):
     but keeps them (no repeated trials). Identical on every rank."""
     from collections import deque
 
-    from mpicomm.control import AutoStrategy
-    from mpicomm.control.calibration import OnlineCalibration
-    from mpicomm.control.selector import Choice
+    from mpicomm.strategies import AutoStrategy
+    from mpicomm.strategies.auto_schemes import Choice
 
     auto = AutoStrategy(comm=comm, calibrate_links=0, ratio=0.01, drift_patience=2)
     base = CostParams(alpha=1e-4, beta=1e-8, gamma=0.0)
@@ -1039,8 +1084,8 @@ def test_auto_keeps_measured_times_after_a_drift_of_the_fit_alone(comm, moved):
     slow, cleared = [], []
     for t in range(12):
         slow.append(4.0 if not moved or t >= 4 else 1.0)
-        if key not in auto._choices:
-            auto._choices[key] = kept
+        if key not in auto.choices.kept:
+            auto.choices.kept[key] = kept
         pending = [{"step": t, "bucket": "b0", "scheme": "gtopk", "key_ratio": 0.01,
                     "ratio": 0.01, "seconds": slow[-1] * model, "a": a, "b": b,
                     "work": 0.0, "kept_sq": 0.5, "e_sq": 1.0, "ref_sq": 0.6,
@@ -1057,28 +1102,27 @@ def test_auto_drops_a_choice_measured_slow_at_the_same_step_on_every_rank(comm):
     """Agreed step times fed to the strategy: a kept dense choice predicted at 0.4 s that
     measures 1.2 s is dropped after ``trial_steps`` agreed steps (no drift involved), and
     the next decision by measurement is not dense; identical on every rank."""
-    from mpicomm.control import AutoStrategy
-    from mpicomm.control.calibration import OnlineCalibration
-    from mpicomm.control.selector import Choice
+    from mpicomm.strategies import AutoStrategy
+    from mpicomm.strategies.auto_schemes import Choice
 
     auto = AutoStrategy(comm=comm, calibrate_links=0, ratio=0.1, trial_steps=2)
     base = CostParams(alpha=1e-4, beta=1e-8, gamma=0.0)
     auto.online = OnlineCalibration(base, drift=100.0)   # no drift: only the measurement
     key = ("b0", 0.1)
     predicted = {"dense": 0.4, "allgather_topk": 0.5, "artopk_tree": 0.45}
-    auto._predicted[key] = predicted
-    auto._choices[key] = auto._current[key] = Choice("dense", 1.0, 0.4, predicted)
+    auto.choices.predicted[key] = predicted
+    auto.choices.kept[key] = auto.choices.current[key] = Choice("dense", 1.0, 0.4, predicted)
     kept = []
     for t in range(3):
         pending = [{"step": t, "bucket": "b0", "scheme": "dense", "key_ratio": 0.1,
                     "ratio": 1.0, "seconds": 1.2, "a": 4.0, "b": 4e7, "work": 0.0,
                     "kept_sq": 1.0, "e_sq": 1.0, "ref_sq": 0.5, "predicted": 0.4}]
         _feed(auto, pending, [1.0, 1.0, 0.5, 0.0])
-        kept.append(key in auto._choices)
+        kept.append(key in auto.choices.kept)
         if not kept[-1]:
             break
     assert kept == [True, False], kept
-    choice, _ = auto._by_measurement(key, Choice("dense", 1.0, 0.4, predicted))
+    choice, _ = auto.choices.by_measurement(key, Choice("dense", 1.0, 0.4, predicted))
     assert choice.scheme != "dense"
     assert comm.allgather_object((kept, choice.scheme)) == [(kept, choice.scheme)] * comm.size
 
@@ -1111,9 +1155,9 @@ def test_auto_trials_close_schemes_identically_and_keeps_the_fastest_measured(
     assert max(tries.count(t) for t in tries) <= trial_steps, tries
     steps = {(t, b, s) for t, b, s in auto.trials}
     assert not any((t + 1, b, s) in steps for t, b, s in steps), auto.trials
-    mine = (auto.trials, auto.decisions, sorted(auto._current.items()))
+    mine = (auto.trials, auto.decisions, sorted(auto.choices.current.items()))
     assert comm.allgather_object(mine) == [mine] * comm.size
-    for key, scheme in auto._current.items():
+    for key, scheme in auto.choices.current.items():
         seen = auto.measured[key]
         # step t's times are agreed during step t+1 and taken at its step_done
         tried = {s for t, bucket, s in auto.trials if bucket == key[0] and t < 11}

@@ -540,12 +540,12 @@ def test_examples_train_ps(tmp_path):
 
 
 def test_ps_cost_formula():
-    from mpicomm.collectives.cost import CostParams, paper, ps_push_pull
+    from mpicomm.collectives.cost import CostParams, paper_predict, ps_push_pull
 
     c = CostParams(alpha=3e-5, beta=1e-9, gamma=0.0)
     for w in (1, 2, 4, 7):  # one server: Table I of Tyagi & Swany with N - 1 = W
         assert ps_push_pull(1e6, w, 1, c) == pytest.approx(
-            paper.parameter_server(1e6, w + 1, c.alpha, c.beta), rel=1e-12)
+            paper_predict("ps", 1e6, w + 1, c.alpha, c.beta), rel=1e-12)
     assert ps_push_pull(1e6, 4, 4, c) == pytest.approx(2 * 3e-5 + 2e6 * 1e-9)
     with pytest.raises(ValueError):
         ps_push_pull(1.0, 0, 1, c)

@@ -1,9 +1,9 @@
 """mpicomm.control.schedules: density warm-up schedules, and the strategies that follow them.
 
 Serial tests check the values per step against the references' schedules written out by
-hand (algorithms.md A.8, B.4, G); the multi-rank test checks that every rank uses the
-same k at the same step in every sparsifying strategy and that quantizers switch from
-dense to compressed exactly when the byte budget says so.
+hand (gTop-k's code, Tyagi & Swany's, Deep Gradient Compression); the multi-rank test
+checks that every rank uses the same k at the same step in every sparsifying strategy and
+that quantizers switch from dense to compressed exactly when the byte budget says so.
 """
 
 from __future__ import annotations

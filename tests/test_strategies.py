@@ -1,8 +1,8 @@
 """mpicomm.strategies: compressed aggregation (error feedback + compressor + collective).
 
 Multi-rank tests (``@pytest.mark.mpi``) run at every rank count of the suite. Each rank
-generates *every* rank's gradients from a seed, so it can replay the algorithm of
-algorithms.md (A.3 gTop-k, B.2 AR-Top-k, Top-k S-SGD, random-k, QSGD) for all ranks in
+generates *every* rank's gradients from a seed, so it can replay the algorithms (gTop-k,
+AR-Top-k, Top-k S-SGD, random-k, QSGD, as their papers state them) for all ranks in
 numpy and compare with what the distributed strategy returned and kept as residual. Byte
 counts come from ``strategy.stats`` (the communicator's traffic counters) and are compared
 with closed forms written here, independently of the implementation.

@@ -35,7 +35,7 @@ Run under MPI with 4+ ranks, e.g.
   at 1 Gbit/s on this 1 M-parameter model the link costs less than that difference
   (there compressed methods lose in time-to-accuracy, though their steps are 2x faster).
 * Methods: ``dense``; each static ``scheme@ratio`` of ``--static``; ``auto``
-  (:class:`mpicomm.control.AutoStrategy` with its defaults: calibrated selector + CR
+  (:class:`mpicomm.strategies.AutoStrategy` with its defaults: calibrated selector + CR
   controller, a probe at step 0 and probes at the ratio in force later (``--window``:
   steps per ratio of an exploration window, where windows are used); told the run's
   length, ``total_steps``, as a scheduler would be). Each
@@ -49,7 +49,7 @@ Run under MPI with 4+ ranks, e.g.
   few steps earlier or later is partly luck; the per-run numbers are in the JSON).
 * L-GreCo, per family of ``--lgreco-families`` (``topk``: ``auto`` at ratio
   ``--lgreco-ratio`` with Allgather Top-k; ``qsgd``: 4 bits, ``powersgd``: rank 4, the
-  per-layer schemes of :mod:`mpicomm.control.perlayer`): every layer at the uniform
+  per-layer schemes of :mod:`mpicomm.strategies.lgreco_buckets`): every layer at the uniform
   setting (L-GreCo never adjusts) against L-GreCo's per-layer settings (DP every 10
   steps, budget = the uniform setting's total error); bytes per step (measured, the
   first 10 steps of both uniform) and the DP's own size vs the uniform size at the same
@@ -72,11 +72,10 @@ import numpy as np
 import torch
 
 from ..comm import Communicator, init
-from ..control import AutoStrategy
-from ..control.perlayer import FAMILY_SCHEMES
-from ..control.selector import build
 from ..linkdelay import ENV_RANKS_PER_HOST, report_step
-from ..strategies import Dense, Strategy
+from ..strategies import AutoStrategy, Dense, Strategy
+from ..strategies.auto_schemes import build
+from ..strategies.lgreco_buckets import FAMILY_SCHEMES
 from ..torch import GradientSync
 from ._util import UsageError, machine, print_table, write_json
 

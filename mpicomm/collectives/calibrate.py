@@ -1,12 +1,12 @@
 """Fit the cost model's alpha, beta and gamma on the machine the job runs on.
 
 The one ping-pong helper of the project (:func:`pingpong`; ``bench collectives``,
-:mod:`mpicomm.control.calibration` and :func:`mpicomm.topology.measure_link` all use it):
-two ranks exchange messages over the communicator's private point-to-point
-duplicate (the path mpicomm's own algorithms use, Python overhead and the emulated
-cluster's injected latency included) with the registered tag
-:data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is fitted to the
-one-way times (:func:`fit_alpha_beta`).
+:func:`mpicomm.strategies.kernel_timing.calibrate` and
+:func:`mpicomm.topology.measure_link` all use it): two ranks exchange messages over the
+communicator's private point-to-point duplicate (the path mpicomm's own algorithms use,
+Python overhead and the emulated cluster's injected latency included) with the
+registered tag :data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is
+fitted to the one-way times (:func:`fit_alpha_beta`).
 
 * :func:`measure_links` (collective): up to ``links`` pairs ping-pong, rank 0 with
   peers on *other nodes* first (:func:`choose_peers`), in rounds of pairs that share no
@@ -35,6 +35,7 @@ from mpi4py import MPI
 from ..comm import Communicator, resolve, wait_all
 from ..linkdelay import link_delay
 from ..tags import TAG_CALIBRATE
+from ..validate import check_int
 from .cost import CostParams
 
 #: Longest sleep between tests while ranks wait at a calibration barrier (leaves the CPU
@@ -154,8 +155,7 @@ def choose_peers(nodes: Sequence[int], links: int) -> list[int]:
 
 
 def _check(links: int, sizes: Sequence[int]) -> None:
-    if isinstance(links, bool) or not isinstance(links, int) or links < 1:
-        raise ValueError(f"links must be an int >= 1, got {links!r}")
+    check_int("links", links, 1)
     if len(sizes) < 2 or any(int(s) < 0 for s in sizes):
         raise ValueError("sizes needs at least two non-negative message sizes")
 
@@ -204,12 +204,12 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
     ping-pongs before it opened the connection) as one more point of the fit: the
     cheapest way to see the sustained rate where small messages do not (a traffic
     shaper's burst, e.g. the emulated cluster's 128 KiB ``tbf`` bucket, lets them pass
-    at line rate). Cost ``oneway_bytes·beta + 2·alpha`` per link."""
+    at line rate). Cost ``oneway_bytes·beta + 2·alpha`` per link. On a loaded host the
+    transfer's round trip minus the small messages' median one-way time can come out at
+    0; that point is then left out and the link is fitted from the ping-pongs alone."""
     comm = resolve(comm)
     _check(links, sizes)
-    if isinstance(oneway_bytes, bool) or not isinstance(oneway_bytes, int) or \
-            oneway_bytes < 0:
-        raise ValueError(f"oneway_bytes must be an int >= 0, got {oneway_bytes!r}")
+    oneway_bytes = check_int("oneway_bytes", oneway_bytes, 0)
     rounds = link_rounds(comm.allgather_object(comm.node), links)
     mine: list[Link] = []
     for pairs in rounds:
@@ -221,10 +221,12 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
                      for s in points]
             if oneway_bytes:
                 small = min(range(len(points)), key=points.__getitem__)
-                times.append(pingpong(comm, oneway_bytes, 1, warmup=0, peer=peer,
-                                      origin=origin, reply_bytes=points[small],
-                                      reply_s=times[small]))
-                points.append(oneway_bytes)
+                oneway = pingpong(comm, oneway_bytes, 1, warmup=0, peer=peer,
+                                  origin=origin, reply_bytes=points[small],
+                                  reply_s=times[small])
+                if oneway > 0:  # else lost in noise (reply_s, a median, was larger)
+                    times.append(oneway)
+                    points.append(oneway_bytes)
             if comm.rank == origin:
                 alpha, beta = fit_alpha_beta(points, times)
                 mine.append(Link(origin, peer, alpha, beta))

@@ -32,6 +32,10 @@ AR-Top-k (tree)                 bcast of k indices + recursive-doubling allreduc
 PS push + pull (S servers)      2α + 2W(n/S)β + W(n/S)γ   (busiest server port; Table I: S=1)
 ==============================  ===============================================================
 
+:func:`paper_predict` holds the coarser per-scheme formulas of Tyagi & Swany's Table I
+(one entry per synchronization scheme rather than per algorithm), for comparisons with the
+paper; the selector uses the per-algorithm formulas above.
+
 Tuning: the defaults in :class:`CostParams` are rough figures for shared memory under
 Python; measure them on the target machine before trusting ``algorithm="auto"`` there:
 ``mpicomm.collectives.calibrate.measure(comm, store=True)`` fits alpha/beta from a
@@ -44,10 +48,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any
 
-__all__ = ["CostParams", "ComputeParams", "predict", "choose", "FORMULAS", "paper", "calibrated",
-           "CALIBRATION_KEYS", "ps_push_pull"]
+from ..validate import check_int
+
+__all__ = ["CostParams", "ComputeParams", "predict", "choose", "FORMULAS", "calibrated",
+           "ps_push_pull", "paper_predict", "PAPER_SCHEMES"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class ComputeParams:
     result (zero fill + scatter-add); ``flop``: seconds per multiply-add of a float32
     matmul (PowerSGD); ``copy``: seconds per byte of a local copy or add (error-feedback
     compensation, fusion, host staging). The defaults are rough single-core CPU figures;
-    :func:`mpicomm.control.calibration.measure_compute` measures them.
+    :func:`mpicomm.strategies.kernel_timing.measure_compute` measures them.
     """
 
     select: float = 4e-9
@@ -91,14 +98,11 @@ class ComputeParams:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
 
 
-#: The ``Communicator.resources`` keys that hold a calibration; ``dup``/``split`` copy them.
-CALIBRATION_KEYS = ("cost_params", "compute_params")
-
-
 def calibrated(comm: Any) -> tuple[CostParams, ComputeParams]:
     """The communicator's calibrated :class:`CostParams` and :class:`ComputeParams` (set by
-    :func:`mpicomm.collectives.calibrate.measure` / :mod:`mpicomm.control.calibration`,
-    inherited by ``dup``/``split``), or the defaults where none was measured."""
+    :func:`mpicomm.collectives.calibrate.measure` / :func:`mpicomm.strategies.kernel_timing.
+    calibrate` under the keys :data:`mpicomm.comm.CALIBRATION_KEYS`, inherited by
+    ``dup``/``split``), or the defaults where none was measured."""
     resources = getattr(comm, "resources", {}) if comm is not None else {}
     return (resources.get("cost_params") or CostParams(),
             resources.get("compute_params") or ComputeParams())
@@ -222,7 +226,8 @@ def artopk_tree(k: float, index_bytes: float, value_bytes: float, p: int,
                 c: CostParams) -> float:
     """AR-Top-k "tree": binomial broadcast of k indices + recursive-doubling allreduce of
     k values, which is how :func:`mpicomm.sparse.artopk` realises the paper's Tree-AR
-    (the paper's binomial reduce + broadcast, 2 lg p rounds, is ``paper.artopk_tree``)."""
+    (the paper's binomial reduce + broadcast, 2 lg p rounds, is
+    ``paper_predict("artopk_tree", ...)``)."""
     return (broadcast_binomial(k * index_bytes, p, c)
             + allreduce_recursive_doubling(k * value_bytes, p, c))
 
@@ -300,27 +305,84 @@ def choose(collective: str, nbytes: float, p: int, params: CostParams | None = N
     return min(table, key=lambda name: table[name](nbytes, p, c))
 
 
-class paper:  # noqa: N801 - a namespace, not a class of objects
-    """Table I of Tyagi & Swany (IEEE BigData 2023), with ``log`` = log2 as in their code.
+# ---------------------------------------------------------------------- the paper's table
+def _paper_terms(n: int) -> dict[str, Callable[[float, float, float], float]]:
+    """``scheme -> f(Mc, alpha, beta)`` of Tyagi & Swany's Table I for ``n`` ranks."""
+    lg = math.log2(n)
+    return {
+        "allreduce_ring": lambda m, a, b: 2 * (n - 1) * a + 2 * (n - 1) / n * m * b,
+        "allreduce_tree": lambda m, a, b: 2 * a * lg + 2 * lg * m * b,
+        "broadcast": lambda m, a, b: a * lg + lg * m * b,
+        "allgather": lambda m, a, b: a * lg + (n - 1) * m * b,
+        "ps": lambda m, a, b: 2 * a + 2 * (n - 1) * m * b,
+        "allgather_topk": lambda m, a, b: a * lg + 2 * m * b * (n - 1),
+        "artopk_ring": lambda m, a, b: a * (2 * (n - 1) + lg) + m * b * (2 * (n - 1) / n + lg),
+        "artopk_tree": lambda m, a, b: 3 * a * lg + 3 * m * b * lg,
+        "gtopk": lambda m, a, b: a * lg + 2 * m * b * lg,
+    }
 
-    ``M`` is the gradient size in bytes, ``c`` the fraction of entries kept, ``n`` the
-    number of workers. Used to check the model against the paper's Table VI.
+
+#: Scheme names :func:`paper_predict` knows.
+PAPER_SCHEMES: tuple[str, ...] = tuple(_paper_terms(2))
+
+
+def _nonnegative(name: str, value: object, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be finite and {'>' if positive else '>='} 0, "
+                         f"got {value}")
+    return value
+
+
+def paper_predict(scheme: str, nbytes: float, ranks: int, alpha: float, beta: float,
+                  cr: float = 1.0) -> float:
+    r"""Seconds to synchronize a gradient of ``nbytes`` (dense size M) over ``ranks`` by
+    the formulas of Tyagi & Swany, "Flexible Communication for Optimal Distributed
+    Learning over Unpredictable Networks", IEEE BigData 2023, pp. 925-935, Table I
+    and Eq. 4, with ``log`` = log2 as in their code, plus gTop-k's butterfly (Shi et al.,
+    "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification for Low
+    Bandwidth Networks", ICDCS 2019, arXiv 1901.04359). ``c`` = ``cr`` is the fraction
+    of entries kept, ``N`` = ``ranks``:
+
+    =================  ===========================================  ======================
+    scheme             seconds                                      source
+    =================  ===========================================  ======================
+    allreduce_ring     2(N-1)α + 2(N-1)/N·Mcβ                       Table I, Ring-AR
+    allreduce_tree     2α·lg N + 2 lg N·Mcβ                         Table I, Tree-AR
+    broadcast          α·lg N + lg N·Mcβ                            Table I
+    allgather          α·lg N + (N-1)·Mcβ                           Table I
+    ps                 2α + 2(N-1)·Mcβ                              Table I, param. server
+    allgather_topk     α·lg N + 2Mcβ(N-1)          (values+indices) Eq. (AG)
+    artopk_ring        α[2(N-1) + lg N] + Mcβ[2(N-1)/N + lg N]      Eq. 4a
+    artopk_tree        3α·lg N + 3Mcβ·lg N                          Eq. 4b
+    gtopk              α·lg N + 2Mcβ·lg N          (butterfly)      Shi et al.
+    =================  ===========================================  ======================
+
+    These are the *paper's* formulas, for the paper's comparisons (Table VI) and quick
+    what-if questions ("which collective at 1 Gbit/s and 8 ranks?"); the selector in the
+    training loop uses the finer per-algorithm formulas above as the strategies run them
+    (:meth:`mpicomm.strategies.Strategy.predict`: folds for non-powers of two, gamma,
+    measured compute). Also :func:`mpicomm.control.predict`.
+
+    ``alpha`` in seconds per message, ``beta`` in seconds per byte; the sparse schemes
+    send ``cr·M`` values plus as many index bytes, the dense ones move ``cr·M`` (leave
+    ``cr=1``). One rank costs nothing. ``ValueError`` for an unknown scheme or a value out
+    of range, ``TypeError`` for a non-number.
+
+    Example: ResNet-50 (M = 4·25,557,032 B), 8 ranks, α = 1 ms, 5 Gbit/s
+    (β = 1/(5·1.25e8) s/B), c = 0.1 gives AG 232 ms, AR-Top-k ring 94.7 ms, tree 156.2 ms,
+    the paper's Table VI row.
     """
-
-    @staticmethod
-    def parameter_server(M: float, n: int, alpha: float, beta: float) -> float:
-        return 2 * alpha + 2 * (n - 1) * M * beta
-
-    @staticmethod
-    def allgather_topk(M: float, c: float, n: int, alpha: float, beta: float) -> float:
-        return alpha * math.log2(n) + 2 * M * c * beta * (n - 1)
-
-    @staticmethod
-    def artopk_ring(M: float, c: float, n: int, alpha: float, beta: float) -> float:
-        lg = math.log2(n)
-        return alpha * (2 * (n - 1) + lg) + M * c * beta * (2 * (n - 1) / n + lg)
-
-    @staticmethod
-    def artopk_tree(M: float, c: float, n: int, alpha: float, beta: float) -> float:
-        lg = math.log2(n)
-        return 3 * alpha * lg + 3 * M * c * beta * lg
+    if not isinstance(scheme, str) or scheme not in PAPER_SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {', '.join(PAPER_SCHEMES)}")
+    nbytes = _nonnegative("nbytes", nbytes)
+    ranks = check_int("ranks", ranks, 1)
+    alpha, beta = _nonnegative("alpha", alpha), _nonnegative("beta", beta)
+    cr = _nonnegative("cr", cr, positive=True)
+    if cr > 1:
+        raise ValueError(f"cr is the fraction of entries kept, in (0, 1]; got {cr}")
+    if ranks == 1:
+        return 0.0
+    return _paper_terms(ranks)[scheme](nbytes * cr, alpha, beta)

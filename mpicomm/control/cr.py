@@ -1,7 +1,8 @@
 r"""Multi-objective choice of the compression ratio (pure: decisions, no MPI).
 
-Tyagi & Swany, BigData 2023, section 3.E and their ``run_MOOCompression.py``
-(algorithms.md B.4). CR ``c`` = fraction of entries kept. Two objectives per candidate
+Tyagi & Swany, "Flexible Communication for Optimal Distributed Learning over
+Unpredictable Networks", IEEE BigData 2023, section 3.E, and their reference code's
+multi-objective compression step. CR ``c`` = fraction of entries kept. Two objectives per candidate
 ``c``: the predicted synchronization time ``t_sync(c)`` (the selector's cheapest scheme
 for ``c``, from the calibrated model) and ``1/gain(c)``, where the compression gain
 ``gain = ||g_c|| / ||g_e||`` (compressed over error-fed gradient, the code's unsquared
@@ -20,7 +21,7 @@ form) is measured during *exploration*:
    sparse-only windows, going up, 31-35 steps against 41-43 but in about the same time
    (3.8-3.9 s against 3.8-4.4 s; three and two seeds): the kept window's gains led to
    ratio 0.033, dearer steps. So the paper's restore stays the default.
-   ``probe_first=True`` (ours, not the default here; :class:`~.auto.AutoStrategy`'s
+   ``probe_first=True`` (ours, not the default here; :class:`mpicomm.strategies.AutoStrategy`'s
    default) replaces the *first* exploration (at the start, or at the end of the
    warm-up) by a *probe*: one step at the middle candidate (0.011 of the defaults: the
    cost of an ordinary step; at 0.1 a step took 2-4x as long on the adaptive bench)
@@ -64,6 +65,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
+
+from ..validate import check_int
 
 __all__ = ["CRController", "pareto_front", "asf_choice", "knee_choice", "DEFAULT_RATIOS",
            "CRDecision"]
@@ -157,15 +160,11 @@ class CRController:
             raise ValueError(f"choice must be 'asf' or 'knee', got {choice!r}")
         if len(weights) != 2 or any(w <= 0 for w in weights):
             raise ValueError(f"weights must be two positive numbers, got {weights!r}")
-        if total_steps is not None and (isinstance(total_steps, bool) or
-                                        not isinstance(total_steps, int) or total_steps < 1):
-            raise ValueError(f"total_steps must be None or an int >= 1, got {total_steps!r}")
-        self.total_steps = total_steps
-        for name, v in (("window", window), ("warmup_steps", warmup_steps),
-                        ("cooldown", cooldown)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "window"
-                                                                    else 0):
-                raise ValueError(f"{name} must be an int >= {int(name == 'window')}, got {v!r}")
+        self.total_steps = None if total_steps is None else \
+            check_int("total_steps", total_steps, 1)
+        window = check_int("window", window, 1)
+        warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        cooldown = check_int("cooldown", cooldown, 0)
         for name, v in (("trigger", trigger), ("gain_smoothing", gain_smoothing)):
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")

@@ -1,59 +1,47 @@
-r"""L-GreCo: per-layer compression parameters under a total-error budget (pure + one bcast).
+r"""L-GreCo: per-layer compression parameters under a total-error budget (pure).
 
-Alimohammadi, Markov, Frantar & Alistarh, MLSys 2024 (algorithms.md D). For layers
-``l = 1..L`` with candidate settings ``j`` of size ``size[l][j]`` (bytes or elements on
-the wire) and error ``err[l][j] = ||A_l - C_j(A_l)||`` (Frobenius, not squared, on a
-gradient accumulated over recent steps), choose one candidate per layer::
+Alimohammadi, Markov, Frantar & Alistarh, "L-GreCo: Layerwise-Adaptive Gradient
+Compression for Efficient and Accurate Deep Learning", MLSys 2024 (arXiv 2210.17357).
+For layers ``l = 1..L`` with candidate settings ``j`` of size ``size[l][j]`` (bytes or
+elements on the wire) and error ``err[l][j] = ||A_l - C_j(A_l)||`` (Frobenius, not
+squared, on a gradient accumulated over recent steps), choose one candidate per layer::
 
     minimize Σ_l size[l][c_l]   subject to   Σ_l err[l][c_l] <= E_max
 
 with ``E_max`` = the total error of the uniform default (the paper's alpha_budget = 1).
 
-:func:`lgreco_solve` is the paper's knapsack dynamic program over *discretized* error.
-The discretization (ours follows the reference code, D.4): the budget is cut into ``B``
-(default 10,000) units of ``E_max / B``; each error becomes ``ceil(err / unit)`` units
-(a layer costs at least 1 unit; a non-finite error or one above the budget is
-infeasible); ``DP[l][b]`` is the least size of layers ``1..l`` using exactly ``b`` units;
-the answer is the best ``DP[L][b]`` over ``b <= B``, traced back through a parent table.
-Rounding *up* makes every returned assignment truly feasible (Σ err <= E_max); the price
-is that an assignment whose rounded units exceed ``B`` (at most ``L`` units of slack, the
-uniform default among them in rare cases) is not seen. Where the reference takes
-``e_1 < b`` for the first layer we use ``<=`` (the same DP as for the other layers).
+:func:`lgreco_solve` is the paper's knapsack dynamic program over *discretized* error,
+discretized as in the authors' reference code: the budget is cut into ``B`` (default
+10,000) units of ``E_max / B``; each error becomes ``ceil(err / unit)`` units (a layer
+costs at least 1 unit; a non-finite error or one above the budget is infeasible);
+``DP[l][b]`` is the least size of layers ``1..l`` using exactly ``b`` units; the answer is
+the best ``DP[L][b]`` over ``b <= B``, traced back through a parent table. Rounding *up*
+makes every returned assignment truly feasible (Σ err <= E_max); the price is that an
+assignment whose rounded units exceed ``B`` (at most ``L`` units of slack, the uniform
+default among them in rare cases) is not seen. Where the reference takes ``e_1 < b`` for
+the first layer we use ``<=`` (the same DP as for the other layers).
 Cost: O(L·|C|·B) time, vectorized over b; O(L·B) memory.
 
-:class:`LGreco` applies it to top-k densities inside fused buffers: candidates around the
-default density (``default·{1/4, 1/2, 1, 2, 4}``, within (0, 1]), size = ``2·k`` wire
-words (value + index), error = the exact top-k tail ``sqrt(Σ_{i>k} |A|²_(i))`` of the
-layer's accumulated error-fed gradient (the analogue of the reference's SVD tail for
-PowerSGD ranks; exact, hence non-increasing in k). Rank 0 accumulates
-``A_l = Σ_t G_l,t / T`` over the last ``acc_steps`` steps before each adjustment, solves,
-and broadcasts the densities, so every rank uses the same. If the solution were larger
-than the uniform default (the discretization slack above), the uniform default is kept,
-so the total size never exceeds it. Top-k is our instantiation; the public L-GreCo code
-implements only PowerSGD ranks.
+:class:`LGreco` is the controller around it: the family and its uniform default, the
+candidate settings, when to accumulate and when to solve (``every``, ``acc_steps``), and
+:meth:`LGreco.decide`: given each layer's measured sizes and errors at the candidates, the
+per-layer settings (the uniform default wherever the DP's answer would be larger, so the
+total size never exceeds it). Three families (``family=``):
 
-Three families (``family=``), each measured with the project's own compressor
-(:mod:`mpicomm.compress`), so sizes are its ``wire_bytes`` and errors are
-``||A - decompress(compress(A))||`` of that very compressor:
+* ``"topk"``: densities ``default·factors`` within (0, 1] (``factors`` default
+  ``{1/4, 1/2, 1, 2, 4}``); size ``2·k`` wire words (value + index), error the exact
+  top-k tail ``sqrt(Σ_{i>k} |A|²_(i))`` (the analogue of the reference's SVD tail for
+  PowerSGD ranks; exact, hence non-increasing in k). Top-k is our instantiation; the
+  public L-GreCo code implements only PowerSGD ranks.
+* ``"qsgd"``: bits ``default + {-2, -1, 0, 1, 2}`` within [1, 8].
+* ``"powersgd"``: ranks ``round(default·factors)`` (>= 1).
 
-* ``"topk"``: densities ``default·factors`` (above); size ``2·k`` words, exact tail error.
-* ``"qsgd"``: bits ``default + {-2, -1, 0, 1, 2}`` within [1, 8]
-  (:class:`~mpicomm.compress.qsgd.QSGD`, ``bucket_size``); size its wire bytes; error one
-  sample of the stochastic quantization with a fixed seed (the expectation falls with
-  the bits; one sample is the paper's per-layer measurement as well).
-* ``"powersgd"``: ranks ``round(default·factors)`` (>= 1)
-  (:class:`~mpicomm.compress.powersgd.PowerSGD`, no warm start, ``seed``), on the layer
-  reshaped to its matrix view; size its wire bytes (a layer too small to compress is
-  sent dense at every rank: same size, zero error). The reference measures the SVD tail
-  (the best rank-r error); ours is the error of the one power-iteration step the
-  training loop actually applies, which is at least the SVD tail.
-
-Where the layers come from: :meth:`LGreco.adjust` takes ``{layer: numel or shape}``
-(a shape is needed for PowerSGD's matrix view; an int means a vector).
-:meth:`LGreco.compressor` gives the configured compressor of a layer, to keep one
-compressor (and its error-feedback memory) per layer.
-:class:`~.auto.AutoStrategy` applies all three inside its fused buckets
-(``lgreco_family=``; QSGD bits and PowerSGD ranks through :mod:`~.perlayer`).
+Measuring the sizes and errors (with the project's compressors, on rank 0's accumulated
+gradients) and broadcasting the decision is the strategies' side:
+:class:`mpicomm.strategies.lgreco_errors.LayerErrors`; the per-layer exchanges inside a
+fused bucket are :mod:`mpicomm.strategies.lgreco_buckets`. Tuning: ``every`` 50-500
+steps (a solve costs one compression per layer and candidate on rank 0), ``acc_steps``
+a few steps (the accumulated gradient is what the errors are measured on).
 """
 
 from __future__ import annotations
@@ -63,9 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..selection import topk_masses
 from ..validate import check_int
 
 __all__ = ["lgreco_solve", "LGreco", "DEFAULT_FACTORS", "FAMILIES", "QSGD_OFFSETS"]
@@ -95,8 +81,7 @@ def lgreco_solve(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[flo
     """
     if len(sizes) != len(errors):
         raise ValueError(f"sizes has {len(sizes)} layers but errors has {len(errors)}")
-    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
-        raise ValueError(f"buckets must be an int >= 1, got {buckets!r}")
+    buckets = check_int("buckets", buckets, 1)
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
         raise ValueError(f"budget must be a finite number > 0, got {budget!r}")
     if not sizes:
@@ -144,31 +129,19 @@ def lgreco_solve(sizes: Sequence[Sequence[float]], errors: Sequence[Sequence[flo
     return picks
 
 
-def topk_tail_errors(a: torch.Tensor, ks: Sequence[int]) -> list[float]:
-    """``||a - topk_k(a)||`` for each k: the norm of all but the k largest magnitudes
-    (:func:`~mpicomm.selection.topk_masses` of ``a``'s entries, taken from its total)."""
-    flat = a.detach().reshape(-1)
-    total = float(flat.double().pow(2).sum())
-    return [math.sqrt(max(total - kept, 0.0)) for kept in topk_masses(flat, ks)]
-
-
-def _shape(spec: Any) -> tuple[int, ...]:
-    """A layer's shape from ``numel`` (a vector) or a shape."""
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        return (spec,)
-    return tuple(int(d) for d in spec)
-
-
 class LGreco:
     """Per-layer compression parameters (top-k density, QSGD bits or PowerSGD rank).
 
     ``default`` is the uniform setting (a density in (0, 1] for ``"topk"``, bits in
     [1, 8] for ``"qsgd"``, a rank >= 1 for ``"powersgd"``); ``every`` the steps between
-    adjustments; ``acc_steps`` how many steps before an adjustment rank 0 accumulates
-    gradients; ``factors`` the candidate multiples of the default (top-k, PowerSGD;
-    QSGD takes :data:`QSGD_OFFSETS`). :meth:`value` (alias :meth:`density`) gives a
-    layer's setting (the default until the first adjustment). Decisions are rank 0's,
-    broadcast.
+    adjustments; ``acc_steps`` how many steps before an adjustment the gradients are
+    accumulated (:meth:`accumulating`); ``factors`` the candidate multiples of the
+    default (top-k, PowerSGD; QSGD takes :data:`QSGD_OFFSETS`); ``buckets`` the DP's
+    error units; ``bucket_size`` and ``seed`` the settings of the compressors the errors
+    are measured with (QSGD's bucket, PowerSGD's and QSGD's random streams).
+    :meth:`value` (alias :meth:`density`) gives a layer's setting (the default until the
+    first decision); :meth:`decide` solves, :meth:`apply` takes a decision (the same on
+    every rank: one rank decides, the others receive it).
     """
 
     def __init__(self, default: float, *, every: int = 50, acc_steps: int = 5,
@@ -177,30 +150,28 @@ class LGreco:
         if family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
         if family == "topk" and not (isinstance(default, (int, float))
+                                     and not isinstance(default, bool)
                                      and 0 < default <= 1):
             raise ValueError(f"default density must be in (0, 1], got {default!r}")
-        if family == "qsgd" and (isinstance(default, bool) or not isinstance(default, int)
-                                 or not 1 <= default <= 8):
-            raise ValueError(f"default bits must be an int in [1, 8], got {default!r}")
-        if family == "powersgd" and (isinstance(default, bool)
-                                     or not isinstance(default, int) or default < 1):
-            raise ValueError(f"default rank must be an int >= 1, got {default!r}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an int >= 1, got {every!r}")
-        if isinstance(acc_steps, bool) or not isinstance(acc_steps, int) or \
-                not 1 <= acc_steps <= every:
-            raise ValueError(f"acc_steps must be an int in [1, every], got {acc_steps!r}")
+        if family == "qsgd":
+            check_int("default bits", default, 1, 8)
+        if family == "powersgd":
+            check_int("default rank", default, 1)
+        every = check_int("every", every, 1)
+        acc_steps = check_int("acc_steps", acc_steps, 1, every)
+        buckets = check_int("buckets", buckets, 1)
         if not factors or any(f <= 0 for f in factors):
             raise ValueError("factors must be positive")
-        check_int("bucket_size", bucket_size, 1)  # here, not on rank 0 alone in adjust
+        check_int("bucket_size", bucket_size, 1)
         check_int("seed", seed, 0)
         self.family = family
         self.default = float(default) if family == "topk" else int(default)
         self.every, self.acc_steps, self.buckets = every, acc_steps, buckets
         self.bucket_size, self.seed = bucket_size, seed
         self.factors = tuple(sorted(set(float(f) for f in factors)))
+        #: The per-layer settings in force (a layer not listed runs at the default).
         self.values: dict[str, float] = {}
-        self._acc: dict[str, torch.Tensor] = {}
+        #: Every decision taken (:meth:`decide`'s dicts), oldest first.
         self.history: list[dict[str, Any]] = []
 
     @property
@@ -214,76 +185,31 @@ class LGreco:
     density = value
 
     def candidates(self) -> list[float]:
+        """The candidate settings, ascending (the default among them)."""
         if self.family == "topk":
             return sorted({min(1.0, self.default * f) for f in self.factors})
         if self.family == "qsgd":
             return sorted({min(8, max(1, int(self.default) + d)) for d in QSGD_OFFSETS})
         return sorted({max(1, round(self.default * f)) for f in self.factors})
 
-    def compressor(self, layer: str, value: Any = None) -> Any:
-        """The project's compressor for ``layer`` at its setting (or at ``value``)."""
-        from ..compress.powersgd import PowerSGD
-        from ..compress.qsgd import QSGD
-        from ..compress.topk import TopK
-
-        v = self.value(layer) if value is None else value
-        if self.family == "topk":
-            return TopK(density=float(v))
-        if self.family == "qsgd":
-            return QSGD(bits=int(v), bucket_size=self.bucket_size, seed=self.seed)
-        return PowerSGD(rank=int(v), warm_start=False, seed=self.seed)
-
     def accumulating(self, step: int) -> bool:
         """Whether step ``step`` (0-based) feeds the accumulator (the last ``acc_steps``
         before an adjustment)."""
         return (step % self.every) >= self.every - self.acc_steps
 
-    def accumulate(self, layer: str, grad: torch.Tensor) -> None:
-        """Add one step's error-fed layer gradient (call on rank 0 only)."""
-        g = grad.detach().reshape(-1).double() / self.acc_steps
-        held = self._acc.get(layer)
-        self._acc[layer] = g.clone() if held is None else held + g
+    def due(self, step: int) -> bool:
+        """Whether the settings are re-solved after step ``step`` (0-based)."""
+        return (step + 1) % self.every == 0
 
-    def problem(self, numels: dict[str, Any]) -> tuple[list[str], list[list[float]],
-                                                       list[list[float]], list[float]]:
-        """(layers, sizes, errors, candidates) from the accumulated gradients;
-        ``numels[layer]`` a numel or a shape."""
+    def decide(self, layers: Sequence[str], sizes: Sequence[Sequence[float]],
+               errors: Sequence[Sequence[float]]) -> dict[str, Any]:
+        """The per-layer settings from each layer's ``sizes[l][j]`` and ``errors[l][j]``
+        at :meth:`candidates` ``j``: :func:`lgreco_solve` under the budget of the uniform
+        default's total error, kept only where its total size is at most the uniform
+        default's (else, and where no assignment fits after discretization, the uniform
+        default). Returns ``{"densities": {layer: setting}, "size", "uniform_size",
+        "error", "budget", "family"}``."""
         cands = self.candidates()
-        layers = [name for name in numels if name in self._acc]
-        sizes, errors = [], []
-        for name in layers:
-            shape = _shape(numels[name])
-            n = math.prod(shape)
-            if self.family == "topk":
-                ks = [max(1, min(n, math.ceil(c * n))) for c in cands]
-                sizes.append([2.0 * k for k in ks])
-                errors.append(topk_tail_errors(self._acc[name], ks))
-                continue
-            a = self._acc[name].float().reshape(shape)
-            row_s, row_e = [], []
-            for c in cands:
-                comp = self.compressor(name, c)
-                approx = comp.decompress(comp.compress(a, name=name))
-                row_s.append(float(comp.wire_bytes(n, 4, shape=shape)
-                                   if self.family == "powersgd" else comp.wire_bytes(n, 4)))
-                row_e.append(float(torch.linalg.vector_norm((a - approx).double())))
-            sizes.append(row_s)
-            errors.append(row_e)
-        return layers, sizes, errors, cands
-
-    def adjust(self, comm: Any, numels: dict[str, Any]) -> dict[str, float]:
-        """Solve on rank 0 and broadcast the settings (collective)."""
-        decision = None
-        if comm.rank == 0:
-            decision = self._solve(numels)
-        decision = comm.bcast_object(decision, root=0)
-        self.values = dict(decision["densities"])
-        self.history.append(decision)
-        self._acc.clear()
-        return self.values
-
-    def _solve(self, numels: dict[str, Any]) -> dict[str, Any]:
-        layers, sizes, errors, cands = self.problem(numels)
         uniform = cands.index(min(cands, key=lambda c: abs(c - self.default)))
         if not layers:
             return {"densities": {}, "size": 0.0, "uniform_size": 0.0, "error": 0.0,
@@ -303,3 +229,9 @@ class LGreco:
                 "uniform_size": float(uniform_size),
                 "error": float(sum(e[j] for e, j in zip(errors, picks))),
                 "budget": float(budget), "family": self.family}
+
+    def apply(self, decision: dict[str, Any]) -> dict[str, float]:
+        """Put a decision of :meth:`decide` in force; returns the per-layer settings."""
+        self.values = dict(decision["densities"])
+        self.history.append(decision)
+        return self.values

@@ -22,7 +22,9 @@ every rank aggregates the same buffers in the same order (the
 at every step without communicating; the sparse collectives check that the ranks agree on
 ``k`` and raise, not hang, when they do not.
 
-The references' schedules (algorithms.md A.8, B.4, G):
+The references' schedules (gTop-k: Shi et al., ICDCS 2019, arXiv 1901.04359; Tyagi &
+Swany, IEEE BigData 2023; Deep Gradient Compression: Lin et al., ICLR 2018,
+arXiv 1712.01887):
 
 * :func:`gtopk_warmup`: density 0.004 during epoch 0, then the final density
   (the gTop-k code's ``[0.004, ρ]``, with ρ = 0.001 in the paper);

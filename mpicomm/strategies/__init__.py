@@ -24,15 +24,27 @@ fp16, bf16  :class:`FP16Allreduce`,    cast (after / P), allreduce, cast back;
             :class:`BF16Allreduce`     ≈ 2(P-1)/P·2d bytes
 sign        :class:`SignAllgather`     EF + scaled sign per tensor + allgather;
                                        (P-1)·Σ(ceil(d_t/8) + 4) bytes
-auto        :class:`mpicomm.control.   per bucket the cheapest of dense / Allgather
-            AutoStrategy`              Top-k / gTop-k / AR-Top-k / PowerSGD at an
-                                       adaptive ratio (:mod:`mpicomm.control`)
+auto        :class:`AutoStrategy`      per bucket the cheapest of dense / Allgather
+                                       Top-k / gTop-k / AR-Top-k / PowerSGD at an
+                                       adaptive ratio, driving the controllers of
+                                       :mod:`mpicomm.control` (options:
+                                       :class:`AutoConfig`)
 ==========  =========================  ==================================================
 
 Exact per-rank byte formulas, cost-model entries and tuning advice are in each class's
 docstring; ``strategy.stats`` reports the bytes actually moved (from the communicator's
 traffic counters) and ``describe()`` / ``state_dict()`` the settings and the state
 (residuals, counters, warm starts) to log and checkpoint.
+
+``auto`` runs the pure controllers of :mod:`mpicomm.control` and is split by job:
+:mod:`.auto` (the strategy: aggregate, ``step_done``), :mod:`.auto_config` (its
+options), :mod:`.auto_schemes` (the schemes and the selector), :mod:`.auto_predict`
+(their predicted times per bucket), :mod:`.auto_choice` (kept choices, trials, gains),
+:mod:`.auto_ratio` (the ratio in force and the CR controller's inputs),
+:mod:`.auto_exchange` (one bucket through its scheme), :mod:`.auto_agree` (agreeing on a
+step's measurements), :mod:`.lgreco_buckets` and :mod:`.lgreco_errors` (L-GreCo's
+per-layer exchanges and measurements), :mod:`.kernel_timing` (the start-up calibration:
+links and compute kernels).
 """
 
 from __future__ import annotations
@@ -40,6 +52,8 @@ from __future__ import annotations
 from typing import Any
 
 from .artopk import ARTopK
+from .auto import AutoStrategy
+from .auto_config import AutoConfig
 from .base import Strategy, StrategyStats
 from .cast import BF16Allreduce, FP16Allreduce
 from .dense import Dense
@@ -63,6 +77,8 @@ __all__ = [
     "FP16Allreduce",
     "BF16Allreduce",
     "SignAllgather",
+    "AutoStrategy",
+    "AutoConfig",
     "make",
     "available",
 ]
@@ -70,21 +86,18 @@ __all__ = [
 _BY_NAME: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (Dense, TopKAllgather, GTopK, ARTopK, RandomKAllreduce, QSGDAllgather,
-                PowerSGDAllreduce, FP16Allreduce, BF16Allreduce, SignAllgather)
+                PowerSGDAllreduce, FP16Allreduce, BF16Allreduce, SignAllgather,
+                AutoStrategy)
 }
 
 
 def available() -> tuple[str, ...]:
     """Names accepted by :func:`make`."""
-    return tuple(sorted((*_BY_NAME, "auto")))
+    return tuple(sorted(_BY_NAME))
 
 
 def make(name: str, **kwargs: Any) -> Strategy:
     """Build the strategy called ``name`` with keyword arguments for its constructor."""
-    if name == "auto":  # lives with the controllers it drives (the layer above)
-        from ..control.auto import AutoStrategy
-
-        return AutoStrategy(**kwargs)
     cls = _BY_NAME.get(name)
     if cls is None:
         raise ValueError(f"unknown strategy {name!r}; available: {', '.join(available())}")

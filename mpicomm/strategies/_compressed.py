@@ -5,6 +5,8 @@
   name, per-name step counters that are identical on every rank (every rank makes the
   same calls in the same order), a floating-point check of the inputs before anything
   is communicated, and ``state_dict``/``load_state_dict`` for all of it.
+* :class:`SparsifyingStrategy`: the compressing strategies that send ``k`` entries
+  through a sparse collective (their bytes per rank decide ``warmup_dense``).
 * :func:`sparsity`: the ``density`` / ``k`` argument rule of the sparsifying strategies.
 * :func:`measure`: the traffic and time accounting of :meth:`Strategy.aggregate`, for
   strategies that override ``aggregate`` instead of ``aggregate_flat``.
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +31,7 @@ from ..sparse._common import pack_bytes, unpack_bytes
 from ..validate import check_algorithm
 from .base import DEFAULT_FUSION_BYTES, Strategy
 
-__all__ = ["CompressedStrategy", "DEFAULT_DENSITY", "sparsity", "k_of",
+__all__ = ["CompressedStrategy", "SparsifyingStrategy", "DEFAULT_DENSITY", "sparsity", "k_of",
            "check_allreduce_algorithm", "check_flag", "check_schedule", "check_clip_norm",
            "pack_bytes", "unpack_bytes"]
 
@@ -109,8 +112,8 @@ class CompressedStrategy(Strategy):
     yet and adds it to the next gradient of that name (``memory`` is the
     :class:`~mpicomm.compress.ErrorFeedback`; ``None`` without error feedback).
 
-    Options for accuracy at scale (Deep Gradient Compression, algorithms.md G; each
-    off by default):
+    Options for accuracy at scale (Lin, Han, Mao, Wang & Dally, "Deep Gradient
+    Compression", ICLR 2018, arXiv 1712.01887; each off by default):
 
     * ``schedule``: a density warm-up (:class:`mpicomm.control.Schedule`, e.g.
       ``dgc_warmup(steps_per_epoch)``) evaluated at each buffer's step counter, so every
@@ -270,21 +273,6 @@ class CompressedStrategy(Strategy):
                 return k_of(numel, scheduled, None)
         return k_of(numel, density, k)
 
-    def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
-        """Bytes per rank (critical path) of this strategy's sparse collective with ``k``
-        entries of a ``numel``-element buffer; sparsifiers override it."""
-        raise NotImplementedError(f"{type(self).__name__} has no sparse collective")
-
-    def sparse_dearer(self, numel: int, k: int, itemsize: int, final_k: int) -> bool:
-        """With ``warmup_dense``: is ``k`` a warm-up value (> ``final_k``) at which the
-        sparse collective sends more bytes than a dense ring allreduce of the buffer?
-        The same on every rank (it depends on the step's ``k`` and P only)."""
-        p = self.comm.size
-        if not self.warmup_dense or k <= final_k or p == 1:
-            return False
-        return self._sparse_bytes(numel, k, itemsize, p) > \
-            cost.allreduce_ring(numel * itemsize, p, BYTES)
-
     def dense_step(self, step: int, fraction: float) -> bool:
         """For quantizers: aggregate densely at ``step``? True while the schedule's
         density (with ``fraction`` = the strategy's wire bytes / dense bytes as the final
@@ -304,3 +292,25 @@ class CompressedStrategy(Strategy):
             self.memory.update(name, c, c)
         self.stats.extra["dense_steps"] = self.stats.extra.get("dense_steps", 0) + 1
         return allreduce(c.contiguous(), op="avg", algorithm="ring", comm=self.comm)
+
+
+class SparsifyingStrategy(CompressedStrategy):
+    """A compressing strategy that sends ``k`` (index, value) entries of each buffer
+    through a sparse collective (Top-k Allgather, gTop-k, AR-Top-k): subclasses give that
+    collective's bytes per rank (:meth:`_sparse_bytes`), which ``warmup_dense``
+    compares with a dense allreduce (:meth:`sparse_dearer`)."""
+
+    @abstractmethod
+    def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
+        """Bytes per rank (critical path) of this strategy's sparse collective with ``k``
+        entries of a ``numel``-element buffer."""
+
+    def sparse_dearer(self, numel: int, k: int, itemsize: int, final_k: int) -> bool:
+        """With ``warmup_dense``: is ``k`` a warm-up value (> ``final_k``) at which the
+        sparse collective sends more bytes than a dense ring allreduce of the buffer?
+        The same on every rank (it depends on the step's ``k`` and P only)."""
+        p = self.comm.size
+        if not self.warmup_dense or k <= final_k or p == 1:
+            return False
+        return self._sparse_bytes(numel, k, itemsize, p) > \
+            cost.allreduce_ring(numel * itemsize, p, BYTES)

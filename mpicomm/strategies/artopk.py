@@ -12,13 +12,13 @@ from ..compress.topk import index_itemsize
 from ..sparse import ARTopKState, artopk
 from ..sparse.artopk import ALGORITHMS, SOURCES
 from ..validate import check_algorithm
-from ._compressed import BYTES, CompressedStrategy, k_of, sparsity
+from ._compressed import BYTES, SparsifyingStrategy, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["ARTopK"]
 
 
-class ARTopK(CompressedStrategy):
+class ARTopK(SparsifyingStrategy):
     r"""Error-fed Allreduce-compatible top-k (Tyagi & Swany, BigData 2023; B.2) ("artopk").
 
     Per fused buffer ``g`` of ``d`` elements on rank r, at the buffer's t-th aggregation::

@@ -316,11 +316,8 @@ class Strategy(ABC):
                       params: CostParams | None = None,
                       compute: ComputeParams | None = None) -> dict[str, float]:
         """``{"comm": s, "compute": s}`` of :meth:`predict` (summed over fused buffers)."""
-        if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
-            raise ValueError(f"itemsize must be a positive int, got {itemsize!r}")
-        p = self.comm.size if p is None else p
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-            raise ValueError(f"p must be a positive int, got {p!r}")
+        itemsize = check_int("itemsize", itemsize, 1)
+        p = check_int("p", self.comm.size if p is None else p, 1)
         if params is None or compute is None:
             cal_params, cal_compute = calibrated(self._comm if self._comm is not None
                                                  else self.comm)

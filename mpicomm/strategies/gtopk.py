@@ -10,14 +10,14 @@ from ..collectives import cost
 from ..compress import TopK
 from ..compress.topk import index_itemsize
 from ..sparse import gtopk
-from ._compressed import BYTES, CompressedStrategy, check_flag, k_of, sparsity
+from ._compressed import BYTES, SparsifyingStrategy, check_flag, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["GTopK"]
 
 
-class GTopK(CompressedStrategy):
-    r"""Error-fed gTop-k (Shi et al., ICDCS 2019; algorithms.md A.3) ("gtopk").
+class GTopK(SparsifyingStrategy):
+    r"""Error-fed gTop-k (Shi et al., ICDCS 2019, arXiv 1901.04359) ("gtopk").
 
     Per fused buffer ``g`` of ``d`` elements on rank r::
 

@@ -10,17 +10,17 @@ from ..collectives import cost
 from ..compress import SampledTopK, TopK
 from ..compress.topk import index_itemsize
 from ..sparse import topk_allgather
-from ._compressed import BYTES, CompressedStrategy, check_flag, k_of, sparsity
+from ._compressed import BYTES, SparsifyingStrategy, check_flag, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["TopKAllgather"]
 
 
-class TopKAllgather(CompressedStrategy):
+class TopKAllgather(SparsifyingStrategy):
     r"""Error-fed top-k sparsification + Allgather of (index, value) pairs ("topk").
 
     Per fused buffer ``g`` of ``d`` elements on rank r, step t (the "Top-k S-SGD"
-    baseline of gTop-k, algorithms.md A.9)::
+    baseline of gTop-k: Shi et al., ICDCS 2019, arXiv 1901.04359)::
 
         c_r = g_r + e_r                       # error feedback (e_r = 0 without it)
         S_r = top-k of |c_r|                  # total order |v| desc, index asc

@@ -1,4 +1,4 @@
-r"""The collective selector: per fused bucket and ratio, the cheapest scheme (pure).
+r"""The schemes ``auto`` chooses among, and the selector: per bucket and ratio, the cheapest.
 
 For a bucket (tensor shapes, dtype size) and a CR ``c`` (fraction kept), every
 candidate scheme is built as the strategy that would run it and asked for its predicted
@@ -21,7 +21,7 @@ powersgd        :class:`~mpicomm.strategies.PowerSGDAllreduce`    rank r: the la
 ==============  ================================================  =====================
 
 Accuracy constraints: ``approximate=False`` excludes gTop-k (its result is not the exact
-top-k of the sum, A.6); ``min_gain`` excludes a scheme whose measured compression gain
+top-k of the sum); ``min_gain`` excludes a scheme whose measured compression gain
 (EWMA, from the auto strategy) is below it; PowerSGD needs at least one matrix the rank
 compresses, and ``c`` >= the smallest rank-1 fraction. ``c = 1`` means dense.
 Inputs that are identical on every rank give the identical choice everywhere (pure
@@ -37,7 +37,12 @@ from typing import Any, Optional
 
 from ..collectives.cost import ComputeParams, CostParams
 from ..compress.powersgd import matrix_shape
-from ..strategies import ARTopK, Dense, GTopK, PowerSGDAllreduce, Strategy, TopKAllgather
+from .artopk import ARTopK
+from .base import Strategy
+from .dense import Dense
+from .gtopk import GTopK
+from .powersgd import PowerSGDAllreduce
+from .topk import TopKAllgather
 
 __all__ = ["SCHEMES", "Choice", "Record", "build", "powersgd_rank", "select"]
 
@@ -58,7 +63,8 @@ class Choice:
 @dataclass(frozen=True)
 class Record:
     """Predicted against measured time of one bucket's aggregation (agreed: the mean
-    over ranks), for logs, traces and metrics (:attr:`AutoStrategy.records`)."""
+    over ranks), for logs, traces and metrics
+    (:attr:`mpicomm.strategies.AutoStrategy.records`)."""
 
     step: int
     bucket: str
@@ -119,7 +125,9 @@ def select(shapes: Sequence[tuple[int, ...]], ratio: float, itemsize: int, p: in
     """The cheapest admissible scheme for one fused bucket of ``shapes`` at ``ratio``.
 
     ``compute_scale[scheme]`` multiplies that scheme's modelled compute (the online
-    calibration's fitted factor, :meth:`~.calibration.OnlineCalibration.compute_scale`).
+    calibration's fitted factor, :meth:`mpicomm.control.OnlineCalibration.compute_scale`).
+    Cost: one :meth:`~mpicomm.strategies.Strategy.predict_parts` per candidate scheme
+    (microseconds; no communication).
     """
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown or not schemes:

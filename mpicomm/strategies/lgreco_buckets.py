@@ -1,9 +1,15 @@
-r"""Per-layer QSGD bits and PowerSGD ranks inside one fused bucket (L-GreCo applied).
+r"""L-GreCo's per-layer settings inside one fused bucket: compress, exchange, predict.
 
-:class:`~.lgreco.LGreco` chooses one setting per layer; a fused bucket holds several
-layers (``segments``: ``(layer, numel, shape)`` in bucket order). These functions compress
-every segment with *its* setting and still run one collective sequence per bucket, so
-fusion keeps its latency saving:
+:class:`mpicomm.control.LGreco` chooses one setting per layer; a fused bucket holds
+several layers (``segments``: ``(layer, numel, shape)`` in bucket order). These functions
+compress every segment with *its* setting and still run one collective sequence per
+bucket, so fusion keeps its latency saving:
+
+``topk_bucket`` (family ``"topk"``): each layer's own top-k at its density
+(:func:`segment_topk_indices`, the union in bucket order), then either a sparse allgather
+of the union (``allgather_topk``: ``(P-1)·Σ_l k_l`` pairs per rank) or AR-Top-k
+(``artopk_ring``/``artopk_tree``: the source rank's union, its size agreed by a
+broadcast from the source, then the allreduce of those entries).
 
 ``qsgd_bucket`` (family ``"qsgd"``), on rank r, bucket ``c`` (error-fed), layer l with
 ``b_l`` bits::
@@ -35,10 +41,10 @@ fusion keeps its latency saving:
   collective fewer than :class:`~mpicomm.strategies.PowerSGDAllreduce`). The residual is
   ``c - U`` for compressed layers (error-fed PowerSGD) and 0 for layers sent dense.
 
-:func:`predict_bucket` is the alpha-beta-gamma time of either (the collectives'
-formulas in :mod:`mpicomm.collectives.cost` plus the compute the strategies model), used
-by the selector in ``strategy="auto"`` to choose between dense and the per-layer scheme,
-and with ``beta = 1`` the bytes one rank sends.
+:func:`predict_bucket` is the alpha-beta-gamma time of the QSGD or PowerSGD exchange
+(the collectives' formulas in :mod:`mpicomm.collectives.cost` plus the compute the
+strategies model), used by :class:`~mpicomm.strategies.AutoStrategy` to choose between
+dense and the per-layer scheme, and with ``beta = 1`` the bytes one rank sends.
 
 Tuning: per-layer settings pay off when layers differ in how compressible their
 gradients are (a low-rank layer next to a noisy one); identical layers get the uniform
@@ -57,9 +63,12 @@ from ..collectives import allgather, allreduce, cost
 from ..compress import QSGD, PowerSGD
 from ..compress.base import Payload
 from ..compress.powersgd import matrix_shape
+from ..selection import topk_indices
+from ..sparse import artopk, topk_allgather
 from ..sparse._common import pack_bytes, unpack_bytes
 
-__all__ = ["Segment", "qsgd_bucket", "powersgd_bucket", "predict_bucket", "FAMILY_SCHEMES"]
+__all__ = ["Segment", "qsgd_bucket", "powersgd_bucket", "predict_bucket", "FAMILY_SCHEMES",
+           "segment_topk_indices", "topk_bucket"]
 
 #: ``(layer name, numel, shape)`` of one layer inside a fused bucket.
 Segment = tuple[str, int, tuple[int, ...]]
@@ -70,6 +79,41 @@ FAMILY_SCHEMES: dict[str, str] = {"qsgd": "lgreco_qsgd", "powersgd": "lgreco_pow
 
 def _work(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def segment_topk_indices(c: torch.Tensor, segments: Sequence[Segment],
+                         densities: Mapping[str, float]) -> torch.Tensor:
+    """Each segment's top-k of ``c`` (``k = max(1, min(n, ceil(density·n)))``), as sorted
+    bucket indices (int64). Deterministic (|value| desc, index asc)."""
+    picks, offset = [], 0
+    for layer, n, _ in segments:
+        k = max(1, min(n, math.ceil(densities[layer] * n)))
+        picks.append(topk_indices(c[offset:offset + n], k).to(torch.int64) + offset)
+        offset += n
+    return torch.cat(picks).sort().values
+
+
+def topk_bucket(scheme: str, c: torch.Tensor, segments: Sequence[Segment],
+                densities: Mapping[str, float], comm: Any, step: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices this rank sent, the dense mean over ranks) of the flat error-fed bucket
+    ``c`` with every segment at its own top-k density (collective).
+
+    ``scheme``: ``"allgather_topk"`` (every rank's union of per-segment picks, sparse
+    allgather) or ``"artopk_ring"``/``"artopk_tree"`` (the picks of the source rank
+    ``step mod P``; every rank sends its entries at those indices). The caller keeps the
+    error-feedback residual: ``c`` outside the returned indices."""
+    numel = c.shape[0]
+    idx = segment_topk_indices(c, segments, densities)
+    if scheme == "allgather_topk":
+        return idx, topk_allgather(idx, c[idx], numel, op="avg", comm=comm)
+    source = step % comm.size
+    k = int(comm.bcast_object(int(idx.shape[0]), root=source))
+    got, mean = artopk(c, k, step, "star", comm, None, scheme.split("_")[1],
+                       source_indices=idx if comm.rank == source else None)
+    out = torch.zeros(numel, dtype=c.dtype, device=c.device)
+    out[got] = mean
+    return got, out
 
 
 def qsgd_bucket(c: torch.Tensor, segments: Sequence[Segment], bits: Mapping[str, int],

@@ -1,0 +1,149 @@
+r"""One fused bucket of ``strategy="auto"`` through the scheme chosen for it.
+
+:func:`exchange` runs the bucket and returns, besides the averaged tensors, the squared
+norms the compression gain is made of: ``||g_e||²`` of this rank's error-fed bucket
+(``g_e = g + e``, gradient plus residual) and ``||e_new||²`` of what it keeps back, so
+that ``||g_c||² = ||g_e||² - ||e_new||²`` is what it applied (exact for the sparse
+schemes, whose residual is the error-fed gradient minus what was sent; for PowerSGD the
+residual is relative to the global approximation, an estimate).
+
+Error feedback: one memory shared by every scheme, keyed by bucket name, so a switch
+between sparse schemes keeps the residual; a dense step adds and clears it. PowerSGD
+keeps its residuals per tensor (its own keys): a switch to or from PowerSGD leaves the
+other scheme's residual waiting until that scheme returns (delayed, not lost; ours, the
+papers do not switch schemes). The sparse schemes report what they sent
+(:attr:`mpicomm.compress.ErrorFeedback.track_sent`), so ``||g_e||²`` costs no extra pass
+over the bucket: ``||sent||² + ||residual||²`` (disjoint supports).
+
+With L-GreCo (:mod:`~mpicomm.strategies.lgreco_buckets`): the top-k family sends the
+union of per-layer top-k (the residual per segment is that layer's); the QSGD family is
+unbiased and keeps no error feedback (at 2-4 bits its residual is as large as the
+gradient and error feeding it diverges, as :class:`~mpicomm.strategies.QSGDAllgather` by
+default); the PowerSGD family keeps its residual per layer (segments of the bucket's)
+and a warm-start Q per layer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..buffers import to_torch
+from ..compress import ErrorFeedback, PowerSGD
+from ..control.lgreco import LGreco
+from .base import Strategy, link_delay
+from .lgreco_buckets import Segment, powersgd_bucket, qsgd_bucket, topk_bucket
+
+__all__ = ["exchange", "error_fed", "squared_norm"]
+
+
+def squared_norm(t: torch.Tensor) -> float:
+    """``||t||²``. CPU float32/64 in numpy's single-threaded einsum (the norms of every
+    step: torch's intra-op threads compete with the ranks where they share cores, as in
+    :func:`~mpicomm.selection.topk_masses`; 0.16 ms for 1.1e6 float32, relative error
+    1e-6 against float64), else torch in float64."""
+    t = t.detach().reshape(-1)
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        a = t.numpy()
+        return float(np.einsum("i,i->", a, a))
+    t = t.to(torch.float64)
+    return float(torch.dot(t, t))
+
+
+def error_fed(scheme: str, buf: Any, names: Sequence[str], tensors: Sequence[torch.Tensor],
+              sub: Optional[Strategy], memory: ErrorFeedback) -> torch.Tensor:
+    """This rank's error-fed bucket ``g + residual`` (flat, a new tensor where there is
+    a residual), before the exchange; PowerSGD's residuals are its sub-strategy's, per
+    tensor."""
+    if scheme == "powersgd":
+        residuals = getattr(sub, "memory", None)
+        return torch.cat([t.reshape(-1) + to_torch(residuals.residual(n)).reshape(-1)
+                          if residuals is not None and n in residuals else t.reshape(-1)
+                          for t, n in zip(tensors, names)])
+    fed = buf.flat.reshape(-1)
+    if buf.name in memory:
+        fed = fed + to_torch(memory.residual(buf.name)).reshape(-1)
+    return fed
+
+
+def _family_bucket(family: str, c: torch.Tensor, bucket: str, segments: Sequence[Segment],
+                   lgreco: LGreco, memory: ErrorFeedback, comm: Any, step: int,
+                   compressors: dict[int, PowerSGD]) -> tuple[torch.Tensor, float]:
+    """The bucket with each layer at its own QSGD bits / PowerSGD rank, and the squared
+    norm of what was not transmitted (PowerSGD: the error-feedback residual)."""
+    values = {layer: int(lgreco.value(layer)) for layer, _, _ in segments}
+    if family == "qsgd":
+        mean, own = qsgd_bucket(c, segments, values, comm, step,
+                                bucket_size=lgreco.bucket_size, seed=lgreco.seed)
+        return mean, squared_norm(c - own)
+    mean, sent = powersgd_bucket(c, segments, values, comm, step, compressors,
+                                 seed=lgreco.seed)
+    memory.update(bucket, c, sent)
+    return mean, squared_norm(to_torch(memory.residual(bucket)))
+
+
+def exchange(scheme: str, buf: Any, names: Sequence[str], tensors: Sequence[torch.Tensor],
+             sub: Optional[Strategy], memory: ErrorFeedback, comm: Any, step: int, *,
+             lgreco: Optional[LGreco] = None, family: Optional[str] = None,
+             segments: Sequence[Segment] = (),
+             compressors: Optional[dict[int, PowerSGD]] = None,
+             accumulate: Optional[Callable[[torch.Tensor], None]] = None
+             ) -> tuple[list[torch.Tensor], float, float]:
+    """Run bucket ``buf`` (a :class:`~mpicomm.strategies.base.FusedBuffer` of ``tensors``
+    named ``names``) through ``scheme``: ``(averaged tensors, ||g_e||², ||e_new||²)``.
+
+    ``sub`` is the strategy that runs ``scheme`` (``None`` for an L-GreCo QSGD/PowerSGD
+    family's per-layer scheme); ``memory`` the shared error feedback; ``lgreco``,
+    ``family``, ``segments`` and ``compressors`` (per-rank PowerSGD warm starts) the
+    per-layer settings where L-GreCo runs; ``accumulate(c)`` receives the error-fed
+    bucket where L-GreCo measures it. Collective. An emulated link's delay
+    (:func:`~mpicomm.strategies.base.link_delay`) is slept here (PowerSGD's sub-strategy
+    sleeps its own)."""
+    if scheme == "powersgd":
+        assert sub is not None
+        res = sub.memory  # type: ignore[attr-defined]
+        e_sq = sum(squared_norm(t) + (squared_norm(to_torch(res.residual(n)))
+                                      if res is not None and n in res else 0.0)
+                   for t, n in zip(tensors, names))
+        out = [to_torch(o) for o in sub.aggregate(list(tensors), list(names))]
+        left = sum(squared_norm(to_torch(res.residual(n)))
+                   for n in names if res is not None and n in res)
+        return [o.reshape(-1) for o in out], e_sq, left
+    before = comm.traffic.snapshot()
+    flat = buf.flat
+    if scheme == "dense":
+        assert sub is not None
+        if buf.name in memory:
+            flat = memory.compensate(buf.name, flat)
+            memory.reset(buf.name)
+        e_sq, left = squared_norm(flat), 0.0  # gain 1
+        averaged = sub.aggregate_flat(flat, buf.name)
+    elif family is not None:  # the per-layer QSGD / PowerSGD scheme
+        assert lgreco is not None
+        c = error_fed(scheme, buf, names, tensors, sub, memory)
+        e_sq = squared_norm(c)
+        if accumulate is not None:
+            accumulate(c)
+        averaged, left = _family_bucket(family, c, buf.name, segments, lgreco, memory, comm,
+                                        step, compressors if compressors is not None else {})
+    else:  # the sparse schemes send entries of g + e and keep the others:
+        if lgreco is not None:  # ||g + e||² = ||sent||² + ||residual||²
+            c = error_fed(scheme, buf, names, tensors, sub, memory)
+            if accumulate is not None:
+                accumulate(c)
+            densities = {layer: lgreco.density(layer) for layer, _, _ in segments}
+            sent, averaged = topk_bucket(scheme, c, segments, densities, comm, step)
+            memory.update_sparse(buf.name, c, sent, inplace=False)
+        else:  # (the strategy forms g + e itself)
+            assert sub is not None
+            averaged = sub.aggregate_flat(flat, buf.name)
+        left = squared_norm(to_torch(memory.residual(buf.name)))
+        e_sq = left + memory.sent_sq(buf.name)
+    delay = link_delay(comm, comm.traffic - before)
+    if delay > 0:
+        time.sleep(delay)
+    return [o.reshape(-1) for o in buf.split(averaged)], e_sq, left
