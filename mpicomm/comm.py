@@ -299,8 +299,19 @@ class Communicator:
         return vwire.collective(self.ctl, timed_run, lambda a, b, p: vwire.small_collective_cost(
             kind, nbytes(out[0]), p, a, b))
 
-    def barrier(self) -> None:
-        self._timed("barrier", self.ctl.Barrier)
+    def barrier(self, poll_s: float | None = None) -> None:
+        """Wait until every rank is here. ``poll_s``: wait asleep (``MPI_Ibarrier``,
+        tested with sleeps of up to ``poll_s``, :func:`wait_all`) so that a rank waiting
+        leaves the CPU to those still working (calibration turns, Crossover gates)."""
+        if poll_s is None:
+            self._timed("barrier", self.ctl.Barrier)
+        elif not vwire.active():
+            wait_all([self.ctl.Ibarrier()], poll_s)
+        else:
+            started = vwire.start_collective(self.ctl)
+            vwire.complete_collectives(
+                [started], [self.ctl.Ibarrier()], poll_s, wait_all,
+                lambda a, b, p: vwire.small_collective_cost("barrier", 0, p, a, b))
 
     def allreduce_value(self, value: float | int | bool, op: str = "sum") -> Any:
         """Reduce one Python scalar over the ranks (for control decisions, not tensors).

@@ -39,7 +39,8 @@ from .emulate import vengine
 
 __all__ = ["active", "register", "SendToken", "RecvToken", "isend", "irecv", "probed",
            "track", "complete", "block", "finish", "collective", "small_collective_cost",
-           "link_alpha_beta", "world_rank", "STALL_S", "POLL_S"]
+           "link_alpha_beta", "world_rank", "start_collective", "complete_collectives",
+           "Started", "STALL_S", "POLL_S"]
 
 #: Real seconds a thread may wait for a resolution before the job is declared stuck
 #: (a thread blocked outside mpicomm, e.g. in a raw mpi4py call, holds back virtual time).
@@ -291,6 +292,53 @@ def small_collective_cost(kind: str, nbytes: float, p: int, alpha: float,
     if kind == "allgather":
         return lg * alpha + (p - 1) * nbytes * beta
     raise ValueError(f"no model for MPI collective {kind!r}")
+
+
+@dataclass
+class Started:
+    """A nonblocking MPI collective under way (:func:`start_collective`)."""
+
+    mpi_comm: MPI.Intracomm
+    seq: int
+    latest: Any            # the members' latest entry time, once the request is done
+    request: MPI.Request
+
+
+def start_collective(mpi_comm: MPI.Intracomm) -> Started:
+    """Record this thread's entry into a nonblocking MPI collective it starts now on
+    ``mpi_comm`` (a small max-allreduce of the entry times runs beside it)."""
+    import numpy as np
+
+    v, a = _state()
+    info = _info(mpi_comm)
+    info.coll_seq += 1
+    latest = np.array([a.t])
+    return Started(mpi_comm, info.coll_seq, latest,
+                   mpi_comm.Iallreduce(MPI.IN_PLACE, latest, op=MPI.MAX))
+
+
+def complete_collectives(started: Sequence[Started], requests: Sequence[MPI.Request],
+                         poll_s: float | None,
+                         wait: Callable[[Sequence[MPI.Request], float | None], None],
+                         cost: Callable[[float, float, int], float]) -> None:
+    """Wait (``wait``) for the real ``requests`` of collectives started with
+    :func:`start_collective`; this thread continues from the later of its time and each
+    one's latest entry plus ``cost(alpha, beta, p)``."""
+    if not started:
+        wait(requests, poll_s)
+        return
+    v, a = _state()
+    first = started[0]
+    info = _info(first.mpi_comm)
+    v.engine.set_state(a.aid, vengine.COLL, a.t, ranks=info.world, comm=info.cid,
+                       seq=first.seq)
+    try:
+        wait([*requests, *(s.request for s in started)], poll_s)
+        for s in started:
+            alpha, beta = link_alpha_beta(s.mpi_comm)
+            a.to(float(s.latest[0]) + cost(alpha, beta, s.mpi_comm.Get_size()))
+    finally:
+        v.engine.set_state(a.aid, vengine.RUNNING, a.t)
 
 
 def collective(mpi_comm: MPI.Intracomm, run: Callable[[], _T],

@@ -30,12 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from mpi4py import MPI
 
-from ..comm import Communicator, resolve, wait_all
-from ..linkdelay import link_delay
+from .. import clock
+from ..buffers import ops_for
+from ..comm import Communicator, Traffic, resolve
 from ..tags import TAG_CALIBRATE
 from ..validate import check_int
+from ._common import Ctx
 from .cost import CostParams
 
 #: Longest sleep between tests while ranks wait at a calibration barrier (leaves the CPU
@@ -77,36 +78,30 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
     the round trip minus ``reply_s`` (the reply's own one-way time, measured before):
     half the cost for a large message.
     """
-    mpi, rank = comm.p2p, comm.rank
+    rank = comm.rank
     if peer == origin or not (0 <= peer < comm.size and 0 <= origin < comm.size) or \
             rank not in (origin, peer):
         raise ValueError(f"pingpong: origin {origin} and peer {peer} (of {comm.size}) call "
                          f"it; rank {rank} did")
-    delay = link_delay(comm)  # the emulated cluster's injected latency counts in alpha
+    # the one point-to-point path (the emulated cluster's injected latency and the
+    # virtual clock included), its bytes kept out of the communicator's traffic count
+    ctx = Ctx.of(comm, ops_for("numpy", False))
+    ctx.traffic = Traffic()
     buf = np.zeros(nbytes, dtype=np.uint8)
-    msg = [buf, MPI.BYTE]
     echo = reply_bytes is None
-    reply = msg if echo else [np.zeros(int(reply_bytes), dtype=np.uint8), MPI.BYTE]
+    reply = buf if echo else np.zeros(int(reply_bytes), dtype=np.uint8)
     times = []
     for i in range(warmup + repeats):
         if rank == origin:
-            start = time.perf_counter()
-            if delay is not None:
-                delay.before_send(peer)
-            mpi.Send(msg, peer, TAG_CALIBRATE)
-            if delay is not None:
-                delay.after_receive()
-            mpi.Recv(reply, peer, TAG_CALIBRATE)
+            start = clock.now()
+            ctx.send(buf, peer, TAG_CALIBRATE)
+            ctx.recv(reply, peer, TAG_CALIBRATE)
             if i >= warmup:
-                elapsed = time.perf_counter() - start
+                elapsed = clock.now() - start
                 times.append(elapsed / 2 if echo else max(elapsed - reply_s, 0.0))
         else:
-            if delay is not None:
-                delay.after_receive()
-            mpi.Recv(msg, origin, TAG_CALIBRATE)
-            if delay is not None:
-                delay.before_send(origin)
-            mpi.Send(reply, origin, TAG_CALIBRATE)
+            ctx.recv(buf, origin, TAG_CALIBRATE)
+            ctx.send(reply, origin, TAG_CALIBRATE)
     return statistics.median(times) if times else 0.0
 
 
@@ -128,7 +123,11 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[floa
 
 
 def measure_gamma(nbytes: int = 1 << 22, repeats: int = 10) -> float:
-    """Seconds per byte of an in-place float32 numpy add (the reduction kernel)."""
+    """Seconds per byte of an in-place float32 numpy add (the reduction kernel); under
+    the virtual clock, the cost table's ``reduce`` rate (what a reduction is charged)."""
+    table = clock.cost_table()
+    if table is not None:
+        return table.cost("reduce", 1) - table.cost("reduce", 0)
     count = max(1, nbytes // 4)
     acc = np.zeros(count, dtype=np.float32)
     other = np.ones(count, dtype=np.float32)
@@ -230,7 +229,7 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
             if comm.rank == origin:
                 alpha, beta = fit_alpha_beta(points, times)
                 mine.append(Link(origin, peer, alpha, beta))
-        wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
+        comm.barrier(poll_s=QUIET_POLL_S)
     fitted = {(lk.a, lk.b): lk for found in comm.allgather_object(mine) for lk in found}
     return [fitted[pair] for pairs in rounds for pair in pairs]
 
@@ -256,7 +255,7 @@ def measure(comm: Communicator | None = None, sizes: Sequence[int] = DEFAULT_SIZ
     _check(links, sizes)
     found = measure_links(comm, links, sizes, repeats) if comm.size > 1 else []
     gamma = measure_gamma() if comm.rank == 0 else None
-    wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
+    comm.barrier(poll_s=QUIET_POLL_S)
     params = slowest(found, comm.bcast_object(gamma, root=0))
     if store:
         comm.resources["cost_params"] = params

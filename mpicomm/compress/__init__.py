@@ -89,6 +89,16 @@ def _cost_kernels() -> None:
     for name in REGISTRY:
         kernels_of(name)
 
+    def matmul(n: int) -> Callable[[], Any]:   # n multiply-adds: an m x m by m x m product
+        import torch
+
+        m = max(1, round(n ** (1 / 3)))
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(m, m, generator=gen), torch.randn(m, m, generator=gen)
+        return lambda: a @ b
+
+    register_kernel("flop", matmul, "multiply-add", (1 << 15, 1 << 24))
+
 
 def make(name: str, **kwargs: Any) -> Compressor:
     """The compressor called ``name`` (see :data:`REGISTRY`) built with ``kwargs``.

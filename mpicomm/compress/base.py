@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from .. import clock
 
-__all__ = ["Payload", "Compressor"]
+__all__ = ["Payload", "Compressor", "charge"]
 
 
 @dataclass
@@ -58,6 +58,14 @@ _nesting = threading.local()
 def _numel(x: Any) -> int:
     n = getattr(x, "numel", None)
     return int(n()) if callable(n) else int(getattr(x, "size", 0))
+
+
+def charge(op: str, units: float) -> None:
+    """Charge the virtual clock for work a compressor does outside ``compress`` /
+    ``decompress`` (PowerSGD's phases, driven by a strategy); nothing when called from
+    inside them (their per-element charge covers it)."""
+    if getattr(_nesting, "depth", 0) == 0:
+        clock.charge(op, units)
 
 
 def _charged(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -25,13 +25,13 @@ and a warm-start Q per layer.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from .. import clock
 from ..buffers import to_torch
 from ..compress import ErrorFeedback, PowerSGD
 from ..control.lgreco import LGreco
@@ -145,5 +145,5 @@ def exchange(scheme: str, buf: Any, names: Sequence[str], tensors: Sequence[torc
         e_sq = left + memory.sent_sq(buf.name)
     delay = link_delay(comm, comm.traffic - before)
     if delay > 0:
-        time.sleep(delay)
+        clock.sleep(delay)
     return [o.reshape(-1) for o in buf.split(averaged)], e_sq, left

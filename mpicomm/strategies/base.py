@@ -44,13 +44,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from .. import trace
+from .. import clock, trace
 from ..buffers import from_torch, inspect, to_torch
 from ..collectives.cost import ComputeParams, CostParams, calibrated
 from ..comm import Communicator, Traffic, resolve
@@ -194,7 +193,7 @@ def link_delay(comm: Communicator, moved: Traffic) -> float:
 def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
     """Count the traffic, time and dense-equivalent bytes of one aggregation (on success);
     sleeps the :func:`link_delay` of an emulated link when one is set."""
-    start = time.perf_counter()
+    start = clock.now()
     comm = strategy.comm
     with comm.traffic.measure() as moved, trace.block(
             f"{strategy.name}.aggregate", "strategy", comm,
@@ -202,8 +201,8 @@ def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
         yield
     delay = link_delay(comm, moved)
     if delay > 0:
-        time.sleep(delay)
-    strategy.stats.add_call(moved, tensors, time.perf_counter() - start)
+        clock.sleep(delay)
+    strategy.stats.add_call(moved, tensors, clock.now() - start)
 
 
 class Strategy(ABC):
