@@ -67,9 +67,10 @@ from .costtable import CostTable
 from .emulate import vengine
 from .emulate.vnet import Platform, platform_from_env
 
-__all__ = ["now", "mode", "is_virtual", "charge", "compute", "sleep", "declare", "stamp", "join",
-           "calibrate", "cost_table", "platform", "describe", "report_step", "Queue", "Handoff",
-           "waiting_for_threads", "start", "started", "session", "ENV_CLOCK", "MODES"]
+__all__ = ["now", "mode", "is_virtual", "charge", "compute", "sleep", "declare", "stamp",
+           "join", "calibrate", "calibrate_calls", "cost_table", "platform", "describe",
+           "report_step", "Queue", "Handoff", "waiting_for_threads", "start", "started",
+           "session", "ENV_CLOCK", "MODES"]
 
 ENV_CLOCK = "MPICOMM_CLOCK"
 MODES = ("wall", "virtual")
@@ -362,6 +363,17 @@ def calibrate(ops: list[str] | None = None, repeats: int = 5,
     ranks taking turns) into the clock's table; collective over ``mpi_comm`` (default
     the world). Measures and returns a table on the wall clock too."""
     measured = costtable.calibrate(mpi_comm, ops, repeats, turns)
+    if _virtual is not None:
+        _virtual.table.update(measured)
+    return measured
+
+
+def calibrate_calls(calls: dict[str, Any], repeats: int = 5,
+                    mpi_comm: MPI.Comm | None = None, turns: int | None = None) -> CostTable:
+    """Measure whole operations (``{"step": fn, ...}``, zero-argument callables; ranks
+    taking turns, :func:`mpicomm.costtable.measure_calls`) into the clock's table, each
+    then charged per call (``charge("step")``). Collective over ``mpi_comm``."""
+    measured = costtable.measure_calls(calls, mpi_comm, repeats, turns)
     if _virtual is not None:
         _virtual.table.update(measured)
     return measured

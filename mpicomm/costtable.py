@@ -53,6 +53,7 @@ from typing import Any
 from mpi4py import MPI
 
 __all__ = ["OpCost", "CostTable", "Kernel", "register_kernel", "kernels", "calibrate",
+           "measure_calls",
            "FORMAT", "ENV_COSTS", "load_from_env"]
 
 FORMAT = "mpicomm-cost-table/1"
@@ -248,12 +249,44 @@ def calibrate(mpi_comm: MPI.Comm | None = None, ops: list[str] | None = None,
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     chosen = {n: _KERNELS[n] for n in names}
+    return _by_turns(mpi_comm, turns, repeats, lambda: _measure_local(chosen, repeats),
+                     {op: k.unit for op, k in chosen.items()})
+
+
+def measure_calls(calls: Mapping[str, Callable[[], Any]], mpi_comm: MPI.Comm | None = None,
+                  repeats: int = 5, turns: int | None = None) -> CostTable:
+    """Like :func:`calibrate` for whole operations: each of ``calls`` (a zero-argument
+    callable, e.g. a model's forward) is timed as it is, ``per_call`` seconds, unit
+    ``call``. Collective; the same table on every rank."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+    def local() -> dict[str, tuple[float, float]]:
+        torch = sys.modules.get("torch")
+        threads = torch.get_num_threads() if torch is not None else None
+        if torch is not None:
+            torch.set_num_threads(1)
+        try:
+            return {op: (_cpu_seconds(fn, repeats), 0.0) for op, fn in calls.items()}
+        finally:
+            if torch is not None and threads is not None:
+                torch.set_num_threads(threads)
+
+    mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    return _by_turns(mpi_comm, turns, repeats, local, {op: "call" for op in calls})
+
+
+def _by_turns(mpi_comm: MPI.Comm, turns: int | None, repeats: int,
+              local: Callable[[], dict[str, tuple[float, float]]],
+              units: Mapping[str, str]) -> CostTable:
+    """The first ``turns`` ranks run ``local()`` one after another (the others asleep);
+    per op, the median over them of ``(per_call, per_unit)``."""
     size = mpi_comm.Get_size()
     turns = size if turns is None else max(1, min(int(turns), size))
     mine: dict[str, tuple[float, float]] | None = None
     for turn in range(turns):
         if turn == mpi_comm.Get_rank():
-            mine = _measure_local(chosen, repeats)
+            mine = local()
         _quiet_barrier(mpi_comm)
     everyone = [r for r in mpi_comm.allgather(mine) if r is not None]
     table = CostTable(info={
@@ -262,8 +295,8 @@ def calibrate(mpi_comm: MPI.Comm | None = None, ops: list[str] | None = None,
                     "cpus": os.cpu_count()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     })
-    for op in names:
+    for op, unit in units.items():
         per_call = statistics.median(r[op][0] for r in everyone)
         per_unit = statistics.median(r[op][1] for r in everyone)
-        table.ops[op] = OpCost(per_call, per_unit, chosen[op].unit, "measured")
+        table.ops[op] = OpCost(per_call, per_unit, unit, "measured")
     return table

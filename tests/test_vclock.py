@@ -437,3 +437,27 @@ def test_gradient_sync_overlap_follows_the_backward_cost(comm):
     one = 0.2e-3 + 2 * (comm.size - 1) / comm.size * 257 * 1024 * 8e-9
     assert alone > 3 * one
     assert 1.0 + 0.8 * one < hidden < 1.0 + 2 * one
+
+
+@pytest.mark.mpi
+def test_calibrate_model_enters_the_step_and_restores_the_model(comm):
+    from mpicomm.torch.costs import calibrate_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    with virtual(comm):
+        measured = calibrate_model(model, x, y, torch.nn.functional.cross_entropy, opt,
+                                   repeats=2)
+        table = clock.cost_table()
+        for op in ("forward", "backward", "optimizer"):
+            assert table.ops[op] == measured.ops[op] and measured.ops[op].unit == "call"
+        assert measured.ops["forward"].per_call > 0
+        t0 = clock.now()
+        clock.charge("forward")
+        assert clock.now() - t0 == pytest.approx(measured.ops["forward"].per_call)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
