@@ -70,7 +70,7 @@ from .emulate.vnet import Platform, platform_from_env
 __all__ = ["now", "mode", "is_virtual", "charge", "compute", "sleep", "declare", "stamp",
            "join", "calibrate", "calibrate_calls", "cost_table", "platform", "describe",
            "report_step", "Queue", "Handoff", "waiting_for_threads", "start", "started",
-           "session", "ENV_CLOCK", "MODES"]
+           "session", "reset_mode", "ENV_CLOCK", "MODES"]
 
 ENV_CLOCK = "MPICOMM_CLOCK"
 MODES = ("wall", "virtual")
@@ -146,6 +146,15 @@ def mode() -> str:
     if _mode is None:
         _mode = _mode_from_env()
     return _mode
+
+
+def reset_mode() -> None:
+    """Read ``MPICOMM_CLOCK`` again at the next :func:`mode` (before the clock starts;
+    for launchers and command lines that set it in-process)."""
+    global _mode
+    if _virtual is not None:
+        raise RuntimeError("the virtual clock already runs")
+    _mode = None
 
 
 def is_virtual() -> bool:
