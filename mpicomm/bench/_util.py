@@ -6,12 +6,12 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpi4py import MPI
 
+from .. import clock
 from ..comm import Communicator
 
 
@@ -46,9 +46,9 @@ def median_seconds(fn: Callable[[], Any], comm: Communicator, repeats: int = 10,
     times = []
     for _ in range(repeats):
         comm.barrier()
-        start = time.perf_counter()
+        start = clock.now()
         fn()
-        times.append(comm.allreduce_value(time.perf_counter() - start, "max"))
+        times.append(comm.allreduce_value(clock.now() - start, "max"))
     return statistics.median(times)
 
 
