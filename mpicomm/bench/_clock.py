@@ -24,11 +24,14 @@ from ._util import UsageError
 __all__ = ["add_arguments", "apply", "measure_costs", "describe"]
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
+def add_arguments(ap: argparse.ArgumentParser, extra: tuple[str, ...] = (),
+                  help_extra: str = "") -> None:
+    """The options; ``extra`` are further ``--clock`` choices of the suite's own (they
+    count as the wall clock here)."""
     g = ap.add_argument_group("clock")
-    g.add_argument("--clock", choices=("wall", "virtual"), default=None,
+    g.add_argument("--clock", choices=("wall", "virtual", *extra), default=None,
                    help="wall, or virtual: the times of a simulated cluster (default: "
-                        "MPICOMM_CLOCK, else wall)")
+                        "MPICOMM_CLOCK, else wall)" + help_extra)
     g.add_argument("--rate", default=None, help="virtual: link rate per host (1gbit)")
     g.add_argument("--delay", default=None, help="virtual: one-way latency (100us)")
     g.add_argument("--ranks-per-host", default=None, help="virtual: ranks per host")
@@ -41,6 +44,8 @@ def apply(args: argparse.Namespace) -> None:
     """Before the world communicator exists: turn ``--clock virtual`` and its platform
     options into the environment the clock starts from (same on every rank)."""
     want = args.clock or clock.mode()
+    if args.clock is None:
+        args.clock = want
     given = {vnet.ENV_RATE: args.rate, vnet.ENV_DELAY: args.delay,
              vnet.ENV_RANKS_PER_HOST: args.ranks_per_host, vnet.ENV_SCHEDULE: args.schedule,
              costtable.ENV_COSTS: args.costs}

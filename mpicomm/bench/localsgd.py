@@ -54,13 +54,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .. import clock
 from ..comm import Communicator, init
+from . import _clock
 from ._util import UsageError, machine, print_table, write_json
 
 METHOD_SYNC = "sync"
@@ -93,30 +94,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=16,
                         help="evaluate after an averaging once this many local steps passed")
     parser.add_argument("--algorithm", default="auto", help="allreduce algorithm")
-    parser.add_argument("--clock", choices=("wall", "model"), default="wall",
-                        help="wall: measured seconds (real delay slept); model: "
-                             "steps*Y + rounds*D, no sleeping")
+    _clock.add_arguments(parser, extra=("model",),
+                         help_extra="; wall: measured seconds (real delay slept); model: "
+                                    "steps*Y + rounds*D, no sleeping; virtual: the "
+                                    "step charged from the cost table, the averaging "
+                                    "timed by the network model (--delay-ms auto is 0)")
 
 
 # ---------------------------------------------------------------------- pieces
 class TrainClock:
-    """perf_counter seconds since creation, excluding paused stretches (evaluation)."""
+    """:func:`mpicomm.clock.now` seconds since creation (wall or virtual), excluding
+    paused stretches (evaluation)."""
 
     def __init__(self) -> None:
-        self._start = time.perf_counter()
+        self._start = clock.now()
         self._paused_total = 0.0
         self._paused_at: float | None = None
 
     def now(self) -> float:
-        end = self._paused_at if self._paused_at is not None else time.perf_counter()
+        end = self._paused_at if self._paused_at is not None else clock.now()
         return end - self._start - self._paused_total
 
     def pause(self) -> None:
-        self._paused_at = time.perf_counter()
+        self._paused_at = clock.now()
 
     def resume(self) -> None:
         assert self._paused_at is not None
-        self._paused_total += time.perf_counter() - self._paused_at
+        self._paused_total += clock.now() - self._paused_at
         self._paused_at = None
 
 
@@ -180,21 +184,31 @@ def make_optimizer(model: Any, args: argparse.Namespace) -> Any:
 
 
 def measure_step_time(shard: Shard, args: argparse.Namespace, comm: Communicator) -> float:
-    """Median time of one local SGD step (all ranks computing at once), max over ranks."""
+    """Median time of one local SGD step (all ranks computing at once), max over ranks.
+    Under the virtual clock: the step's forward, backward and optimizer costs, measured
+    into the cost table (ranks taking turns, :func:`mpicomm.torch.costs.calibrate_model`)
+    and charged by every training step."""
     import torch
 
     model = make_model(0, args.hidden)
     opt = make_optimizer(model, args)
     rng = np.random.default_rng(comm.rank)
+    if clock.started():
+        from ..torch.costs import calibrate_model
+
+        idx = torch.from_numpy(rng.integers(0, len(shard.y), args.batch))
+        costs = calibrate_model(model, shard.x[idx], shard.y[idx],
+                                torch.nn.functional.cross_entropy, opt, comm, turns=None)
+        return sum(costs.ops[op].per_call for op in ("forward", "backward", "optimizer"))
     times = []
     comm.barrier()
     for _ in range(300):
         idx = torch.from_numpy(rng.integers(0, len(shard.y), args.batch))
-        start = time.perf_counter()
+        start = clock.now()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(shard.x[idx]), shard.y[idx]).backward()
         opt.step()
-        times.append(time.perf_counter() - start)
+        times.append(clock.now() - start)
     return float(comm.allreduce_value(statistics.median(times[50:]), "max"))
 
 
@@ -218,9 +232,9 @@ def measure_round_time(shard: Shard, args: argparse.Namespace, comm: Communicato
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(shard.x[idx]), shard.y[idx]).backward()
         opt.step()
-        start = time.perf_counter()
+        start = clock.now()
         local.step()
-        times.append(time.perf_counter() - start)
+        times.append(clock.now() - start)
     return float(comm.allreduce_value(statistics.median(times[20:]), "max"))
 
 
@@ -267,11 +281,11 @@ def train(method: str, schedule: str, seed: int, shard: Shard, delay_s: float,
     else:
         period = 1 if method == METHOD_SYNC else int(method.split("=")[1])
     comm.barrier()
-    clock: Any = TrainClock() if model_clock is None else ModelClock(*model_clock)
+    timer: Any = TrainClock() if model_clock is None else ModelClock(*model_clock)
     local = LocalSGD(model, period, opt, comm=comm, algorithm=args.algorithm,
-                     delay_s=delay_s if model_clock is None else 0.0, clock=clock.now)
+                     delay_s=delay_s if model_clock is None else 0.0, clock=timer.now)
     if model_clock is not None:
-        clock.local = local
+        timer.local = local
     run = Run(method, schedule, seed)
     rng = np.random.default_rng(1000 * seed + comm.rank)
     loss_fn = torch.nn.functional.cross_entropy
@@ -280,10 +294,10 @@ def train(method: str, schedule: str, seed: int, shard: Shard, delay_s: float,
     def evaluate() -> bool:
         """Record (agreed clock, global training loss); True when the budget is spent."""
         nonlocal decayed
-        clock.pause()
+        timer.pause()
         with torch.no_grad():
             local_sum = float(loss_fn(model(shard.x), shard.y, reduction="sum"))
-        everyone = comm.allgather_object((local_sum, clock.now()))
+        everyone = comm.allgather_object((local_sum, timer.now()))
         loss = sum(v[0] for v in everyone) / shard.total
         elapsed = max(v[1] for v in everyone)
         run.curve.append((elapsed, loss))
@@ -291,7 +305,7 @@ def train(method: str, schedule: str, seed: int, shard: Shard, delay_s: float,
             for group in opt.param_groups:
                 group["lr"] /= 10
             decayed = True
-        clock.resume()
+        timer.resume()
         return elapsed >= args.budget_s
 
     evaluate()
@@ -299,8 +313,11 @@ def train(method: str, schedule: str, seed: int, shard: Shard, delay_s: float,
     while True:
         idx = torch.from_numpy(rng.integers(0, len(shard.y), args.batch))
         opt.zero_grad()
+        clock.charge("forward")          # the virtual clock's step (nothing on the wall)
         loss = loss_fn(model(shard.x[idx]), shard.y[idx])
+        clock.charge("backward")
         loss.backward()
+        clock.charge("optimizer")
         opt.step()
         averaged = local.step(loss)
         run.steps += 1
@@ -376,7 +393,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
+    _clock.apply(args)
     comm = init()
+    _clock.measure_costs(comm)
     shard = load_shard(comm)
     taus = [int(t) for t in args.taus.split(",") if t.strip()]
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
@@ -385,8 +404,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"unknown schedule {s!r}; use fixed and/or decay")
     methods = [METHOD_SYNC] + [f"tau={t}" for t in taus] + ["adacomm"]
     step_s = measure_step_time(shard, args, comm)
-    delay_s = (args.delay_factor * step_s if args.delay_ms == "auto"
-               else float(args.delay_ms) / 1e3)
+    if args.delay_ms == "auto":   # virtual: the network model is the slow network
+        delay_s = 0.0 if clock.started() else args.delay_factor * step_s
+    else:
+        delay_s = float(args.delay_ms) / 1e3
     real_s = measure_round_time(shard, args, comm)
     if comm.rank == 0:
         print(f"# localsgd: {comm.size} ranks, digits MLP 64-{args.hidden}-10, batch "
@@ -398,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"# measured real averaging round (no delay, in a training loop) = "
               f"{real_s * 1e3:.3f} ms: effective (real + D)/Y = "
               f"{(real_s + delay_s) / step_s:.1f}", flush=True)
-    model_clock = None if args.clock == "wall" else (step_s, delay_s)
+    model_clock = (step_s, delay_s) if args.clock == "model" else None
     if comm.rank == 0 and model_clock is not None:
         print(f"# model clock: t = steps x Y + rounds x D = steps x {step_s * 1e3:.3f} ms + "
               f"rounds x {delay_s * 1e3:.3f} ms (no sleeping; real rounds not counted)",
@@ -427,6 +448,7 @@ def run(args: argparse.Namespace) -> int:
                                            else f"{k}={v}" for k, v in m.items()))
         write_json(args.json, {
             "suite": "localsgd", "machine": machine(), "args": vars(args),
+            "clock": _clock.describe(),
             "step_s": step_s, "delay_s": delay_s, "real_round_s": real_s, "rows": rows,
             "summary": summary,
             "targets": met,
