@@ -86,10 +86,12 @@ def _mode_from_env() -> str:
 class _Actor:
     """A thread's virtual time (published to the engine's table)."""
 
-    __slots__ = ("aid", "t", "step", "engine", "gap", "__weakref__")
+    __slots__ = ("aid", "t", "step", "engine", "gap", "owner", "__weakref__")
 
-    def __init__(self, engine: vengine.Engine, aid: int, t: float):
+    def __init__(self, engine: vengine.Engine, aid: int, t: float,
+                 owner: _Virtual | None = None):
         self.engine, self.aid, self.t, self.step = engine, aid, t, -1
+        self.owner = owner       # returns the actor's slot when the thread ends
         from .emulate.vnet import GapLink
 
         self.gap = GapLink()     # this actor's own download link (one-rank hosts)
@@ -108,6 +110,9 @@ class _Actor:
         with contextlib.suppress(Exception):
             if _virtual is not None and _virtual.engine is self.engine:
                 self.engine.close_actor(self.aid)
+                if self.owner is not None:
+                    with self.owner.lock:
+                        self.owner.free.append(self.aid % self.engine.T)
 
 
 class _Virtual:
@@ -118,7 +123,7 @@ class _Virtual:
         self.platform, self.engine, self.rank, self.table = platform_, engine, rank, table
         self.local = threading.local()
         self.lock = threading.Lock()
-        self.next_index = 1
+        self.free = list(range(engine.T - 1, 0, -1))   # actor slots of this rank's threads
         self.main: _Actor | None = None
         self.actors: list[_Actor] = []   # keeps the helper threads' actors closable at exit
 
@@ -126,11 +131,13 @@ class _Virtual:
         a = getattr(self.local, "actor", None)
         if a is None:
             with self.lock:
-                index = self.next_index
-                self.next_index += 1
+                if not self.free:
+                    raise RuntimeError(f"virtual clock: more than {self.engine.T} threads of "
+                                       f"rank {self.rank} keep their own virtual time")
+                index = self.free.pop()
             start_t = self.main.t if self.main is not None else 0.0
             aid = self.engine.open_actor(self.rank, index, start_t)
-            a = _Actor(self.engine, aid, start_t)
+            a = _Actor(self.engine, aid, start_t, self)
             self.local.actor = a
         return a
 

@@ -461,3 +461,36 @@ def test_calibrate_model_enters_the_step_and_restores_the_model(comm):
         assert clock.now() - t0 == pytest.approx(measured.ops["forward"].per_call)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters()) and not opt.state
+
+
+@pytest.mark.mpi
+def test_crossover_overlaps_one_jobs_sync_with_the_others_compute(comm):
+    from mpicomm.sched import CrossoverScheduler
+    from mpicomm.torch import TorchJob
+
+    def job(name: str, seed: int, steps: int) -> TorchJob:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Linear(512, 64))
+        gen = torch.Generator().manual_seed(seed + comm.rank)
+        data = [(torch.randn(8, 64, generator=gen), torch.randn(8, 64, generator=gen))
+                for _ in range(steps)]
+        return TorchJob(name, model, torch.optim.SGD(model.parameters(), lr=0.01), data,
+                        torch.nn.functional.mse_loss, strategy="dense")
+
+    def run() -> tuple[float, float, float, list[float]]:
+        with virtual(comm) as vc:
+            for op in ("forward", "backward", "optimizer"):
+                clock.declare(op, 0.01)
+            with CrossoverScheduler([job("a", 0, 4), job("b", 1, 4)], comm=vc) as sched:
+                stats = sched.run()
+            compute = sum(j.compute_seconds for j in stats.jobs.values())
+            sync = sum(j.sync_seconds for j in stats.jobs.values())
+            losses = [loss for j in sched.jobs for loss in j.losses]
+            return stats.seconds, compute, sync, losses
+
+    total, compute, sync, losses = run()
+    assert run() == (total, compute, sync, losses)        # repeatable, bit for bit
+    assert compute == pytest.approx(2 * 4 * 0.03)         # forward + backward + optimizer
+    assert total >= compute - 1e-12
+    if comm.size > 1:     # a job's averaging hides behind the other job's compute
+        assert sync > 0 and total < compute + sync

@@ -66,8 +66,9 @@ __all__ = ["Engine", "RUNNING", "RECV", "RESOLVE", "COLL", "IDLE", "JOIN", "DONE
 RUNNING, RECV, RESOLVE, COLL, IDLE, JOIN, DONE = range(7)
 #: Messages a single actor may have in flight (posted, not yet received and resolved).
 SLOTS = 2048
-#: Actors (threads with their own clock) per rank.
-THREADS = 4
+#: Actors (threads with their own clock) alive at once per rank (a rank's main thread,
+#: GradientSync's communication thread, a Crossover job's sync thread, ...).
+THREADS = 8
 INF = float("inf")
 _MAGIC = 0x6D70636F6D6D7643  # "mpcommvC"
 

@@ -13,13 +13,16 @@ The loop then charges them::
 
     mpicomm.clock.charge("forward")
     loss = loss_fn(model(x), y)
-    loss.backward()            # GradientSync charges "backward" bucket by bucket
+    loss.backward()
+    mpicomm.clock.charge("backward")     # after it: the time backward ends
     sync.step(optimizer)
     mpicomm.clock.charge("optimizer")
 
-``GradientSync`` spreads ``backward`` over its buckets, so the overlap of the averaging
-with backward is the model's (:mod:`mpicomm.torch.bucket_pipeline`); a loop without it
-charges ``backward`` itself. A GPU's step can be declared instead
+``GradientSync`` hands each bucket to its thread at the time backward has produced it
+(the bucket's share of ``backward`` after the step's first gradient,
+:mod:`mpicomm.torch.bucket_pipeline`), so the overlap of the averaging with backward is
+the model's; the loop's own ``charge("backward")`` after ``loss.backward()`` then ends
+backward at the same time (charge it after, not before). A GPU's step can be declared instead
 (``mpicomm.clock.declare("backward", seconds)``). The model's parameters, gradients and
 the optimizer's state are restored after measuring. Cost: ``(repeats + 1)`` forward
 passes and forward+backward passes (and optimizer steps) per measuring rank.
