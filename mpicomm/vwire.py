@@ -38,6 +38,7 @@ from . import clock
 from .emulate import vengine
 
 __all__ = ["active", "register", "SendToken", "RecvToken", "isend", "irecv", "probed",
+           "next_source", "release",
            "track", "complete", "block", "finish", "collective", "small_collective_cost",
            "link_alpha_beta", "world_rank", "start_collective", "complete_collectives",
            "Started", "STALL_S", "POLL_S"]
@@ -154,6 +155,38 @@ def irecv(mpi_comm: MPI.Comm, source: int, tag: int) -> RecvToken:
 def probed(mpi_comm: MPI.Comm, status: MPI.Status) -> RecvToken:
     """The token of a message matched by a probe (its source and tag from ``status``)."""
     return irecv(mpi_comm, status.Get_source(), status.Get_tag())
+
+
+def next_source(mpi_comm: MPI.Comm, tags: Sequence[int], poll_s: float | None = None
+                ) -> tuple[int, int]:
+    """``(source, tag)`` of the message this thread receives next on ``mpi_comm`` with
+    one of ``tags``, from any other rank: the one that arrives first in virtual time
+    (ties: lower source, then tag), once no other can arrive earlier. The virtual
+    clock's deterministic answer to a wildcard probe; the caller then probes that very
+    message (``MPI_Mprobe(source, tag)``) and completes it with :func:`probed` and
+    :func:`finish`. Waits, as waiting for messages from every other rank."""
+    v, a = _state()
+    info = _info(mpi_comm)
+    me = v.rank
+    members = [r for r, w in enumerate(info.world) if w != me]
+    block([], sources=[info.world[r] for r in members])
+
+    def decide() -> tuple[int, int] | None:
+        expected = {(info.world[r], t): info.received.get((r, t), 0)
+                    for r in members for t in tags}
+        return v.engine.earliest(me, info.cid, expected)
+
+    src, tag = _await(decide, "the next message of a wildcard receive")
+    return info.world.index(src), tag
+
+
+def release(request: MPI.Request) -> None:
+    """A tracked send completed without a wait (tested and dropped): its thread does not
+    wait for its completion time."""
+    token = _tracked.pop(id(request), None)
+    if isinstance(token, SendToken):
+        v, _ = _state()
+        v.engine.release(token.aid, token.seq)
 
 
 def track(request: MPI.Request, token: SendToken | RecvToken) -> MPI.Request:

@@ -240,16 +240,54 @@ class Engine:
         """``(actor, seq)`` of the ``ordinal``-th message from rank ``src`` to ``dst`` on
         ``(comm, tag)``, or None if it is not posted yet."""
         with self:
-            for aid in range(src * self.T, (src + 1) * self.T):
-                if not self.a_status[aid] and self.a_seq[aid] == 0:
-                    continue
-                for seq in range(self.a_head[aid], self.a_seq[aid]):
-                    i = self._slot(aid, seq)
-                    if (self.m_flags[i] & POSTED and not self.m_flags[i] & CONSUMED
-                            and self.m_dst[i] == dst and self.m_ord[i] == ordinal
-                            and self.m_tag[i] == tag and self.m_comm[i] == comm):
-                        return aid, seq
+            return self._find(src, dst, comm, tag, ordinal)
+
+    def _find(self, src: int, dst: int, comm: int, tag: int, ordinal: int
+              ) -> tuple[int, int] | None:
+        for aid in range(src * self.T, (src + 1) * self.T):
+            if not self.a_status[aid] and self.a_seq[aid] == 0:
+                continue
+            for seq in range(self.a_head[aid], self.a_seq[aid]):
+                i = self._slot(aid, seq)
+                if (self.m_flags[i] & POSTED and not self.m_flags[i] & CONSUMED
+                        and self.m_dst[i] == dst and self.m_ord[i] == ordinal
+                        and self.m_tag[i] == tag and self.m_comm[i] == comm):
+                    return aid, seq
         return None
+
+    def earliest(self, dst: int, comm: int, expected: dict[tuple[int, int], int]
+                 ) -> tuple[int, int] | None:
+        """Which message rank ``dst`` receives next on ``comm`` among the channels
+        ``expected`` (``(source rank, tag) -> the ordinal it receives next``): the one
+        that reaches ``dst``'s download link first (ties: source, then tag), once no
+        other can come earlier (messages still in their upload, or not sent yet: their
+        senders' floors plus the lookahead). ``(source, tag)``, or None while that is
+        not decided (call again)."""
+        with self:
+            self._advance()
+            best, blocked = None, INF
+            for (src, tag), ordinal in expected.items():
+                loc = self._find(src, dst, comm, tag, ordinal)
+                if loc is None:
+                    continue
+                i = self._slot(*loc)
+                if not self.m_flags[i] & UPLOADED:
+                    blocked = min(blocked, self.m_tsend[i] + self.m_delay[i])
+                    continue
+                cand = (self.m_u0[i] + self.m_delay[i], src, tag)
+                if best is None or cand < best:
+                    best = cand
+            if best is None or blocked <= best[0]:
+                return None
+            floors = self.floors()
+            sources = {src for src, _ in expected}
+            for src in sources:
+                la = (self.platform.shm_delay if self.hosts[src] == self.hosts[dst]
+                      else self.lookahead)
+                for aid in range(src * self.T, (src + 1) * self.T):
+                    if self.a_status[aid] and floors.get(aid, INF) + la <= best[0]:
+                        return None
+            return best[1], best[2]
 
     def message(self, aid: int, seq: int) -> dict[str, float]:
         """The fields of a posted message (a copy)."""
@@ -258,6 +296,11 @@ class Engine:
             out = {n: getattr(self, f"m_{n}")[i] for n in _MSG_D}
             out.update({n: getattr(self, f"m_{n}")[i] for n in _MSG_Q})
         return out
+
+    def release(self, aid: int, seq: int) -> None:
+        """The sender will not wait for this message's completion."""
+        with self:
+            self.m_flags[self._slot(aid, seq)] |= RELEASED
 
     def consume(self, aid: int, seq: int) -> None:
         with self:
