@@ -183,24 +183,31 @@ def next_source(mpi_comm: MPI.Comm, tags: Sequence[int], poll_s: float | None = 
 def release(request: MPI.Request) -> None:
     """A tracked send completed without a wait (tested and dropped): its thread does not
     wait for its completion time."""
-    token = _tracked.pop(id(request), None)
+    token = _take(request)
     if isinstance(token, SendToken):
         v, _ = _state()
         v.engine.release(token.aid, token.seq)
 
 
 def track(request: MPI.Request, token: SendToken | RecvToken) -> MPI.Request:
-    """Remember which message ``request`` carries (for :func:`complete`)."""
-    _tracked[id(request)] = token
+    """Remember which message ``request`` carries (for :func:`complete`); the request is
+    kept with it, so its id cannot be reused while it is tracked."""
+    _tracked[id(request)] = (request, token)
     return request
+
+
+def _take(request: MPI.Request) -> SendToken | RecvToken | None:
+    entry = _tracked.pop(id(request), None)
+    if entry is None or entry[0] is not request:
+        return None
+    return entry[1]
 
 
 def complete(requests: Sequence[MPI.Request], poll_s: float | None,
              wait: Callable[[Sequence[MPI.Request], float | None], None]) -> None:
     """Complete tracked ``requests`` with ``wait`` (the real MPI wait) and advance this
     thread's clock to their completion (see the module docstring)."""
-    tokens = [_tracked.pop(id(r), None) for r in requests]
-    tokens = [t for t in tokens if t is not None]
+    tokens = [t for t in map(_take, requests) if t is not None]
     block(tokens)
     try:
         wait(requests, poll_s)

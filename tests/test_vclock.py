@@ -208,6 +208,23 @@ def test_engine_floors_follow_waits(engine):
     assert f[4] == pytest.approx(f[0] + 1e-3)       # + the lookahead between hosts
 
 
+def test_engine_wildcard_receive_takes_the_earliest_arrival(engine):
+    # rank 0 (host 0) expects tag 5 from ranks 2 and 3 (host 1); rank 3 posts first in
+    # real time but later in virtual time
+    for aid in (0, 2):
+        engine.set_state(aid, vengine.RECV, 0.0, ranks=[2, 3])
+    expected = {(2, 5): 0, (3, 5): 0}
+    engine.try_post(6, 0, 1, 5, 0, 1000.0, 0.2)          # rank 3 at t = 0.2
+    engine.set_clock(4, 0.05)
+    assert engine.earliest(0, 1, expected) is None        # rank 2 may still send sooner
+    engine.try_post(4, 0, 1, 5, 0, 1000.0, 0.1)           # rank 2 at t = 0.1
+    engine.set_state(4, vengine.RESOLVE, 0.1, lb=0.5)
+    engine.set_state(6, vengine.RESOLVE, 0.2, lb=0.5)
+    assert engine.earliest(0, 1, expected) == (2, 5)
+    engine.consume(*engine.find(2, 0, 1, 5, 0))
+    assert engine.earliest(0, 1, {(2, 5): 1, (3, 5): 0}) == (3, 5)
+
+
 def test_engine_collective_floor(engine):
     for aid, t in ((0, 1.0), (2, 3.0), (4, 2.0)):
         engine.set_state(aid, vengine.COLL, t, ranks=[0, 1, 2], comm=7, seq=1)
