@@ -9,7 +9,9 @@
 #   make bench-crossover      the Crossover scheduler on shared memory (2 ranks) and on
 #                             the emulated cluster (2 and 4 hosts), then report
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
-#   make lint                 ruff
+#   make lint                 ruff, and the import-linter contract of .importlinter (layers)
+#   make docs                 API reference from the docstrings (pdoc, the `docs` extra,
+#                             installed by this target only) under DOCS_OUT (build/docs/api)
 #   make gpu-check            on a GPU machine: the gpu tests (serial, 2 and 4 ranks), the
 #                             selection/fusion/staging/overlap benchmarks and the end-to-end
 #                             comparison with DDP, JSON + report under GPU_OUT (gpu-results).
@@ -68,7 +70,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover report lint \
-	clean gpu-check
+	docs clean gpu-check
 
 install: $(STAMP)
 
@@ -189,6 +191,13 @@ gpu-check:
 
 lint: $(STAMP)
 	$(PY) -m ruff check mpicomm tests examples launchers
+	$(abspath $(VENV))/bin/lint-imports
+
+DOCS_OUT ?= build/docs/api
+docs: $(STAMP)
+	$(PIP) -e ".[docs]"
+	rm -rf $(DOCS_OUT)
+	$(PY) docs/build_api.py --out $(DOCS_OUT) --check
 
 clean:
 	rm -rf $(VENV) build *.egg-info bench-results

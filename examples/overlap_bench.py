@@ -37,8 +37,8 @@ import torch
 
 import mpicomm
 from mpicomm.collectives import allreduce
+from mpicomm.observe.timeline import Timeline
 from mpicomm.strategies import Dense
-from mpicomm.timeline import Timeline
 from mpicomm.torch import GradientSync
 
 

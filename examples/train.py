@@ -68,8 +68,8 @@ import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
-from mpicomm.linkdelay import report_step  # noqa: E402
-from mpicomm.metrics import Metrics  # noqa: E402
+from mpicomm.emulate.linkdelay import report_step  # noqa: E402
+from mpicomm.observe.metrics import Metrics  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.torch import GradientSync, LocalSGD  # noqa: E402
 
@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="write the summary as JSON here (rank 0)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar on rank 0")
     ap.add_argument("--metrics", metavar="PATH", default=None,
-                    help="per-step metrics as JSON lines (mpicomm.metrics; rank 0, or one "
+                    help="per-step metrics as JSON lines (mpicomm.observe.metrics; rank 0, or one "
                          "file per rank with {rank} in PATH) and their plots as PATH.png "
                          "when matplotlib is installed")
     args = ap.parse_args(argv)
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def plot_metrics_file(path: str) -> None:
     """``path``.png: the panels of ``python -m mpicomm plot`` (skipped without matplotlib)."""
     try:
-        from mpicomm.plot import plot_metrics
+        from mpicomm.observe.plot import plot_metrics
         log.info("metrics plots: %s", plot_metrics(path, path + ".png"))
     except ImportError as exc:
         log.warning("no plots of %s: %s", path, exc)

@@ -11,9 +11,11 @@ numpy arrays, torch tensors or cupy arrays and return the same kind of object::
 import importlib
 from typing import Any
 
+from . import observe as _observe  # noqa: F401  (adds its start-from-environment hook to init)
 from ._version import __version__
+from .abort import install_abort_handler
 from .collectives import allgather, allgatherv, allreduce, broadcast, reduce_scatter
-from .comm import Communicator, Roles, Traffic, init, install_abort_handler, world
+from .comm import Communicator, Roles, Traffic, init, world
 
 __all__ = [
     "__version__",
@@ -31,8 +33,8 @@ __all__ = [
 ]
 
 # Subpackages that import torch load on first use: ``import mpicomm`` stays light.
-_LAZY = ("compress", "sparse", "strategies", "control", "roles", "sched", "ps", "torch",
-         "timeline", "selection", "buffers", "collectives")
+_LAZY = ("compress", "sparse", "strategies", "control", "gossip", "sched", "ps", "torch",
+         "buffers", "collectives", "emulate", "hooks", "p2p")
 
 
 def __getattr__(name: str) -> Any:

@@ -5,11 +5,11 @@
     whether CUDA is available, the CUDA-aware decision with its reason, and the default
     alpha-beta-gamma cost parameters. Under ``mpiexec -n N`` (rank 0 prints) also the
     nodes and local ranks, alpha and beta measured per link kind (intra-/inter-node) and
-    which buffer backends work (:mod:`mpicomm.topology`).
+    which buffer backends work (:mod:`mpicomm.jobinfo`).
 
 ``python -m mpicomm plot metrics.jsonl [-o out.png]``
-    PNG plots of a metrics file (:mod:`mpicomm.metrics`) or of a Chrome trace
-    (:mod:`mpicomm.trace`); needs matplotlib (the ``plot`` extra).
+    PNG plots of a metrics file (:mod:`mpicomm.observe.metrics`) or of a Chrome trace
+    (:mod:`mpicomm.observe.trace`); needs matplotlib (the ``plot`` extra).
 
 ``python -m mpicomm run -n N [--servers S] [--] command ...``
     Runs ``mpiexec -n N command ...`` with the ``mpiexec`` of the MPI library that mpi4py
@@ -17,15 +17,8 @@
     ``1 <= S < N``) puts ``MPICOMM_PS_SERVERS=S`` in every rank's environment; a script
     reads it with :func:`ps_servers` and passes it on, e.g.
     ``mpicomm.ps.KVStore(comm, servers=ps_servers(), ...)``. Same logic as
-    ``launchers/mpicomm-run``:
-
-    * ``mpiexec``: ``$MPICOMM_MPIEXEC``, else the one beside this Python (an MPI wheel in a
-      virtual environment puts it there), else the first on ``PATH``;
-    * for Open MPI it sets, unless already set: ``OMPI_ALLOW_RUN_AS_ROOT=1`` and
-      ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` when running as root (containers),
-      ``PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe`` when ``N`` exceeds the
-      usable cores, and ``OMPI_MCA_btl=^ofi`` (skips the slow OFI probe on machines
-      without such a network). MPICH needs none of these.
+    ``launchers/mpicomm-run`` (:mod:`mpicomm.emulate.mpienv`: which ``mpiexec``, and the
+    settings Open MPI needs in containers and on oversubscribed machines).
 """
 
 from __future__ import annotations
@@ -33,15 +26,15 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "mpi_flavor", "find_mpiexec", "launcher_env", "info", "ps_servers",
-           "ENV_PS_SERVERS"]
+from .emulate.mpienv import find_mpiexec, launcher_env, library_version, mpi_flavor
+
+__all__ = ["main", "info", "ps_servers", "ENV_PS_SERVERS"]
 
 #: Set by ``python -m mpicomm run --servers S`` for every rank.
 ENV_PS_SERVERS = "MPICOMM_PS_SERVERS"
@@ -50,70 +43,6 @@ _THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
 
 
 # ---------------------------------------------------------------------- run
-def library_version() -> str:
-    """``MPI_Get_library_version()`` of the MPI that mpi4py uses, without initializing MPI."""
-    import mpi4py
-
-    if not _mpi_imported():
-        mpi4py.rc.initialize = False  # the query is legal before MPI_Init
-    from mpi4py import MPI
-
-    return MPI.Get_library_version()
-
-
-def _mpi_imported() -> bool:
-    return "mpi4py.MPI" in sys.modules
-
-
-def mpi_flavor(version: str) -> str:
-    """``"openmpi"``, ``"mpich"`` (MPICH and its derivatives) or ``"other"``."""
-    if "Open MPI" in version:
-        return "openmpi"
-    if "MPICH" in version or "Intel(R) MPI" in version or "MVAPICH" in version:
-        return "mpich"
-    return "other"
-
-
-def find_mpiexec(python: str | None = None) -> str:
-    """``$MPICOMM_MPIEXEC``, else the ``mpiexec`` beside ``python`` (default: this one),
-    else the one on ``PATH``; ``FileNotFoundError`` when there is none."""
-    explicit = os.environ.get("MPICOMM_MPIEXEC")
-    if explicit:
-        return explicit
-    beside = Path(python or sys.executable).parent / "mpiexec"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise FileNotFoundError("no mpiexec beside this Python nor on PATH; install an MPI "
-                                "(pip install mpich) or set MPICOMM_MPIEXEC")
-    return found
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def launcher_env(flavor: str, ranks: int, base: dict[str, str] | None = None
-                 ) -> dict[str, str]:
-    """The environment for ``mpiexec``: ``base`` (default ``os.environ``) plus, for Open
-    MPI, the settings of the module docstring; variables already set are kept."""
-    env = dict(os.environ if base is None else base)
-    if flavor != "openmpi":
-        return env
-    wanted = {"OMPI_MCA_btl": "^ofi"}
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        wanted.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if ranks > usable_cores():
-        wanted["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
-    for key, value in wanted.items():
-        env.setdefault(key, value)
-    return env
-
-
 def ps_servers(default: int | None = None) -> int | None:
     """The server count given by ``python -m mpicomm run --servers S``
     (``$MPICOMM_PS_SERVERS``), else ``default``; ``ValueError`` if it is not an integer
@@ -162,8 +91,8 @@ def info() -> dict[str, Any]:
     from mpi4py import MPI
 
     from . import __version__
-    from .buffers import _probe_cuda_aware
     from .collectives.cost import CostParams
+    from .cudampi import cuda_aware_reason
 
     cuda = "torch not installed"
     try:
@@ -174,7 +103,7 @@ def info() -> dict[str, Any]:
     except ImportError:
         pass
     try:
-        aware, reason = _probe_cuda_aware()
+        aware, reason = cuda_aware_reason()
     except ValueError as exc:  # MPICOMM_CUDA_AWARE=1 on an MPI that denies CUDA support
         aware, reason = False, f"refused: {exc}"
     params = CostParams()
@@ -220,10 +149,10 @@ class RankZeroParser(argparse.ArgumentParser):
 
 def job_info() -> dict[str, str]:
     """Under ``mpiexec -n N`` (N > 1): nodes, local ranks, measured alpha/beta per link
-    kind and usable buffer backends (:mod:`mpicomm.topology`; collective). One process
+    kind and usable buffer backends (:mod:`mpicomm.jobinfo`; collective). One process
     gets its placement and backends (no link to measure)."""
     from .comm import init
-    from .topology import describe_job, format_job
+    from .jobinfo import describe_job, format_job
 
     return format_job(describe_job(init()))
 
@@ -238,7 +167,7 @@ def _mpiexec_or_none() -> str:
 # ---------------------------------------------------------------------- plot
 def plot(path: str, output: str | None = None) -> int:
     """``python -m mpicomm plot``: a metrics file's panels, or a trace's spans, as PNG."""
-    from .plot import plot_metrics, plot_trace
+    from .observe.plot import plot_metrics, plot_trace
 
     out = output or str(Path(path).with_suffix(".png"))
     try:
@@ -264,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "cost-model defaults; under mpiexec also nodes, links "
                                 "(alpha/beta) and usable buffer backends")
     pp = sub.add_parser("plot", help="PNG plots of a metrics JSON-lines file (or a trace)",
-                        description="Plot a metrics file of mpicomm.metrics (loss and "
+                        description="Plot a metrics file of mpicomm.observe.metrics (loss and "
                                     "accuracy against time and bytes, tau, collective, "
                                     "traffic, predicted vs measured communication) or, for "
                                     "a Chrome-trace JSON, its spans. Needs matplotlib.")

@@ -62,9 +62,9 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import costtable, linkdelay
+from . import costtable
 from .costtable import CostTable
-from .emulate import vengine
+from .emulate import linkdelay, vengine
 from .emulate.vnet import Platform, platform_from_env
 
 __all__ = ["now", "mode", "is_virtual", "charge", "compute", "sleep", "declare", "stamp",
@@ -238,7 +238,7 @@ def report_step(step: int) -> None:
     learns a later step from any message it receives (reporting it on one rank reaches
     the others through the next collective); the network conditions of a message are
     those of its sender's step. Wall clock: the emulated cluster's step file
-    (:func:`mpicomm.linkdelay.report_step`; a no-op outside it)."""
+    (:func:`mpicomm.emulate.linkdelay.report_step`; a no-op outside it)."""
     v = _virtual
     if v is None:
         linkdelay.report_step(step)

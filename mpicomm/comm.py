@@ -12,8 +12,9 @@ needs:
   the ranks exchange a short description of the call (operation, shape, dtype, options)
   and raise ``ValueError`` on *every* rank naming the first disagreement, instead of
   deadlocking or silently reducing mismatched buffers;
-* the error policy: :func:`install_abort_handler` makes an uncaught exception on any rank
-  print that rank's traceback and call ``MPI_Abort``, so the job ends within seconds.
+* :func:`init`, which also installs the error policy of :mod:`mpicomm.abort` (an
+  uncaught exception on any rank aborts the job) and runs the hooks that observers added
+  with :func:`on_init`.
 
 Creating a communicator is collective (it duplicates and splits the wrapped one), so
 every rank of the wrapped communicator must construct it, in the same order.
@@ -31,7 +32,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +39,7 @@ from typing import Any
 from mpi4py import MPI
 
 from . import clock, vwire
+from .abort import abort_job, install_abort_handler
 from .config import env_flag
 from .validate import NotAnIntegerError, check_int, check_poll_s
 
@@ -49,10 +50,7 @@ __all__ = [
     "init",
     "world",
     "resolve",
-    "install_abort_handler",
-    "abort_job",
-    "job_scope",
-    "current_job",
+    "on_init",
     "configure_logging",
     "wait_all",
     "poll_until",
@@ -482,125 +480,6 @@ def describe_mismatch(calls: Sequence[tuple[str, tuple[tuple[str, Any], ...]]]) 
     return None
 
 
-# ---------------------------------------------------------------------- error policy
-_abort_lock = threading.Lock()
-_abort_installed = False
-_job_local = threading.local()
-
-
-def current_job() -> str | None:
-    """The job name set by the innermost :func:`job_scope` on this thread, or ``None``."""
-    return getattr(_job_local, "name", None)
-
-
-@contextlib.contextmanager
-def job_scope(name: str) -> Iterator[None]:
-    """Mark the code in the block as working for job ``name`` (this thread only).
-
-    For several jobs in one process (the Crossover scheduler): a fatal error inside the
-    block (an uncaught exception, :meth:`Communicator.abort`, :func:`abort_job`) names the
-    job in the message that precedes ``MPI_Abort``. An exception leaving the block carries
-    the name in its ``mpicomm_job`` attribute, so the abort handler still names the job
-    after the block has been left.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"job name must be a str, got {type(name).__name__}")
-    previous = current_job()
-    _job_local.name = name
-    try:
-        yield
-    except BaseException as exc:
-        if getattr(exc, "mpicomm_job", None) is None:
-            with contextlib.suppress(AttributeError, TypeError):
-                exc.mpicomm_job = name  # type: ignore[attr-defined]
-        raise
-    finally:
-        _job_local.name = previous
-
-
-def _prefix(job: str | None) -> str:
-    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    return f"[mpicomm rank {rank}/{size}{f' job {job!r}' if job else ''}]"
-
-
-def abort_job(message: str = "", code: int = 1, *, job: str | None = None) -> None:
-    """Print ``message`` prefixed with the rank and job, then ``MPI_Abort`` (all ranks).
-
-    ``job`` defaults to the thread's :func:`job_scope`. With a job, the message adds that
-    every job sharing these processes ends too.
-    """
-    job = job if job is not None else current_job()
-    others = " (MPI_Abort ends every job sharing these processes)" if job else ""
-    if message:
-        sys.stderr.write(f"{_prefix(job)} {message}{others}\n")
-    abort_after_flush(code)
-
-
-def _abort_with_traceback(kind: str, exc_type, exc, tb, thread_name: str | None = None) -> None:
-    job = getattr(exc, "mpicomm_job", None) or current_job()
-    where = f" in thread {thread_name!r}" if thread_name else ""
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stderr.write(f"{_prefix(job)} uncaught {kind}{where}; aborting the job.\n{text}")
-    abort_after_flush(1)
-
-
-#: Seconds between printing a fatal message and ``MPI_Abort``: launchers forward each
-#: rank's output asynchronously and may kill the job before a message that was already
-#: written reaches the terminal (seen with MPICH's hydra when a rank fails at start-up).
-ABORT_GRACE_S = 0.5
-
-
-def abort_after_flush(code: int = 1) -> None:
-    """Flush stdout/stderr, give the launcher a moment to forward them, then abort.
-
-    Never returns: ``MPI_Abort`` may hand the kill to the launcher and return before
-    this process is gone (seen with MPICH's hydra on a loaded machine), so the process
-    then leaves at once with ``code`` rather than run the caller's next statement.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream
-            stream.flush()
-    time.sleep(ABORT_GRACE_S)
-    MPI.COMM_WORLD.Abort(code)
-    os._exit(code)
-
-
-def install_abort_handler() -> None:
-    """Make an uncaught exception on this rank (any thread) abort the whole MPI job.
-
-    Without it, one rank dying while the others wait in a collective hangs the job
-    forever. The handler prints the traceback prefixed with the rank, then calls
-    ``MPI_Abort(MPI_COMM_WORLD, 1)``; ``mpiexec`` then ends every rank with a non-zero
-    status. It is not installed in an interactive single-process session, where an
-    exception at the prompt must not kill the interpreter. Idempotent.
-    """
-    global _abort_installed
-    with _abort_lock:
-        if _abort_installed:
-            return
-        interactive = hasattr(sys, "ps1") or bool(sys.flags.interactive)
-        if interactive and MPI.COMM_WORLD.Get_size() == 1:
-            return
-        previous = sys.excepthook
-
-        def excepthook(exc_type, exc, tb):
-            if issubclass(exc_type, KeyboardInterrupt) and MPI.COMM_WORLD.Get_size() == 1:
-                previous(exc_type, exc, tb)
-                return
-            _abort_with_traceback("exception", exc_type, exc, tb)
-
-        def thread_hook(args: threading.ExceptHookArgs) -> None:
-            if args.exc_type is SystemExit:
-                return
-            name = args.thread.name if args.thread is not None else None
-            _abort_with_traceback("exception", args.exc_type, args.exc_value,
-                                  args.exc_traceback, name)
-
-        sys.excepthook = excepthook
-        threading.excepthook = thread_hook
-        _abort_installed = True
-
-
 # ---------------------------------------------------------------------- logging
 def configure_logging(level: str | None = None) -> None:
     """Set the ``mpicomm`` logger's level from ``level`` or ``MPICOMM_LOG_LEVEL``.
@@ -658,17 +537,37 @@ def init(
     if abort_on_error:
         install_abort_handler()
     configure_logging()
-    from . import stall, trace
-
-    trace.start_from_env()  # MPICOMM_TIMELINE: record the whole run (no communication)
     if mpi_comm is None:
         comm = world()
-        # MPICOMM_STALL_S / checked mode: collective over the world, so only here
-        stall.start_from_env(comm.check if check is None else bool(check))
+        _run_init_hooks(comm, world=True, check=comm.check if check is None else bool(check))
         if check is not None:
             comm.check = bool(check)
         return comm
-    return Communicator(mpi_comm, check=check)
+    comm = Communicator(mpi_comm, check=check)
+    _run_init_hooks(comm, world=False, check=comm.check)
+    return comm
+
+
+#: Functions :func:`init` calls after making its communicator (see :func:`on_init`).
+_init_hooks: list[Callable[..., None]] = []
+
+
+def on_init(hook: Callable[..., None]) -> None:
+    """Have :func:`init` call ``hook(comm, world=..., check=...)`` (idempotent).
+
+    ``comm`` is the communicator ``init`` returns, ``world`` whether it is the world
+    communicator (hooks that communicate over the world run only then, when every rank
+    is known to call), ``check`` whether checked mode is requested. This is how layers
+    above the core start from the environment (:mod:`mpicomm.observe` starts
+    ``MPICOMM_TIMELINE`` and ``MPICOMM_STALL_S``) without the core importing them.
+    """
+    if hook not in _init_hooks:
+        _init_hooks.append(hook)
+
+
+def _run_init_hooks(comm: Communicator, *, world: bool, check: bool) -> None:
+    for hook in tuple(_init_hooks):
+        hook(comm, world=world, check=check)
 
 
 def resolve(comm: Communicator | MPI.Intracomm | None) -> Communicator:

@@ -24,12 +24,13 @@ variable                         meaning
                                  >= 1; :mod:`mpicomm.staging` has the tuning advice).
                                  Changes no message: ranks may differ.
 ``MPICOMM_METRICS``              path of a per-step metrics JSON-lines file
-                                 (:mod:`mpicomm.metrics`; ``{rank}``: one per rank).
+                                 (:mod:`mpicomm.observe.metrics`; ``{rank}``: one per
+                                 rank).
 ``MPICOMM_TIMELINE``             path of a merged Chrome trace of every collective, written
-                                 by rank 0 at exit (:mod:`mpicomm.trace`).
+                                 by rank 0 at exit (:mod:`mpicomm.observe.trace`).
 ``MPICOMM_STALL_S``              seconds a collective may wait before the stall inspector
-                                 reports who has not arrived (:mod:`mpicomm.stall`; ``0``:
-                                 off; checked mode defaults to 300).
+                                 reports who has not arrived (:mod:`mpicomm.observe.stall`;
+                                 ``0``: off; checked mode defaults to 300).
 ``MPICOMM_MPIEXEC``              the launcher ``python -m mpicomm run`` and the tests use
                                  (default: the ``mpiexec`` beside this Python, else PATH).
 ``MPICOMM_PS_SPLIT_BYTES``       parameter server: keys of at least this many bytes are
@@ -61,8 +62,8 @@ variable                         meaning
 ``MPICOMM_EMU_DELAY``            injected one-way delay in seconds between hosts;
 ``MPICOMM_EMU_DELAY_FILE``       file with the current delay, rewritten by ``--schedule``;
 ``MPICOMM_EMU_SCHEDULE``         the schedule file, for reports;
-``MPICOMM_EMU_STEP_FILE``        where ``mpicomm.linkdelay.report_step`` writes the step
-                                 (see ``mpicomm.linkdelay``).
+``MPICOMM_EMU_STEP_FILE``        where ``report_step`` writes the step (see
+                                 ``mpicomm.emulate.linkdelay``).
 ===============================  ==========================================================
 
 Every value is checked where it is read: an unreadable one raises ``ValueError`` naming

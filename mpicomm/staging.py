@@ -1,7 +1,7 @@
 """Chunked, asynchronous staging copies between a CUDA array and pinned host memory.
 
 Under an MPI that is not CUDA-aware a device buffer travels through a pinned host buffer
-(:class:`mpicomm.buffers.StagingPool`). Copying it whole and only then communicating
+(:class:`StagingPool`). Copying it whole and only then communicating
 costs ``t_copy_in + t_comm + t_copy_out``. This module cuts the copies into chunks of at
 most ``MPICOMM_STAGING_CHUNK_BYTES``, issues them *asynchronously on the buffer's own
 stream* (torch: ``copy_(non_blocking=True)`` on ``torch.cuda.current_stream(device)``;
@@ -57,9 +57,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from .trace import traced
+from .hooks import traced
 
-__all__ = ["DeviceIO", "TorchIO", "CupyIO", "Pipeline", "device_io"]
+__all__ = ["DeviceIO", "TorchIO", "CupyIO", "Pipeline", "device_io", "StagingPool",
+           "staging_pool"]
 
 
 class DeviceIO(Protocol):
@@ -259,3 +260,47 @@ class Pipeline:
             self._wait(self.io.event())
             self._queued = False
             self._done = self._issued
+
+
+# ---------------------------------------------------------------------- pinned buffers
+class StagingPool:
+    """Reusable pinned host buffers for CUDA data under an MPI that is not CUDA-aware.
+
+    One buffer per (framework, dtype, slot); a request larger than the buffer held
+    replaces it with one of twice the size (amortized growth), a smaller one gets a view.
+    Not thread-safe: like its communicator, a pool serves one collective at a time.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str, str], Any] = {}
+
+    def get(self, info: Any, numel: int, slot: str) -> Any:
+        key = (info.framework, info.dtype, slot)
+        held = self._buffers.get(key)
+        if held is None or held.shape[0] < numel:
+            capacity = max(numel, 2 * held.shape[0] if held is not None else 0, 1)
+            held = self._allocate(info, capacity)
+            self._buffers[key] = held
+        return held[:numel]
+
+    @staticmethod
+    def _allocate(info: Any, numel: int) -> Any:
+        if info.framework == "torch":
+            import torch
+
+            return torch.empty(numel, dtype=getattr(torch, info.dtype), pin_memory=True)
+        import cupyx
+
+        return cupyx.empty_pinned((numel,), dtype=info.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self._buffers.values())
+
+
+def staging_pool(resources: dict[str, Any]) -> StagingPool:
+    """The pool kept in a communicator's ``resources`` (created on first use)."""
+    pool = resources.get("staging")
+    if pool is None:
+        pool = resources["staging"] = StagingPool()
+    return pool

@@ -18,7 +18,6 @@ RANGES: dict[str, tuple[int, int]] = {
     "collectives": (10, 20),   # dense allreduce / allgather / broadcast / reduce_scatter
     "sparse": (20, 30),        # gTop-k rounds and fold
     "gossip": (30, 40),        # neighbour averaging
-    "emulate": (40, 50),       # emulated-cluster verification ping-pong
     "control": (50, 60),       # calibration ping-pongs of the selector (mpicomm.control)
     "stall": (60, 70),         # stall inspector queries and replies (own communicator)
     "ps": (100, 200),          # parameter server requests and replies
@@ -68,11 +67,9 @@ TAG_PS_REQUEST = tag("ps", 1)   # worker -> server: push, pull, close, checkpoin
 TAG_PS_REPLY = tag("ps", 2)     # server -> worker: pull replies
 TAG_PS_CONTROL = tag("ps", 3)   # worker 0 <-> server: init / restore and acks
 TAG_PS_STATE = tag("ps", 4)     # server -> worker 0: shard state for a checkpoint
-# Emulated cluster verification.
-TAG_PINGPONG = tag("emulate", 1)
 # Calibration ping-pong (mpicomm.collectives.calibrate.pingpong: bench collectives,
-# mpicomm.control.calibration, mpicomm.topology.measure_link).
+# mpicomm.control.calibration, mpicomm.jobinfo.measure_link).
 TAG_CALIBRATE = tag("control", 1)
-# Stall inspector (mpicomm.stall, on its own duplicate of the world).
+# Stall inspector (mpicomm.observe.stall, on its own duplicate of the world).
 TAG_STALL_QUERY = tag("stall", 1)
 TAG_STALL_REPLY = tag("stall", 2)

@@ -80,7 +80,7 @@ class _FailFast:
             f"\n[mpicomm.testing] rank {world.Get_rank()}/{world.Get_size()}: {what} failed;"
             f" aborting all ranks.\n{text}\n"
         )
-        from .comm import abort_after_flush
+        from .abort import abort_after_flush
 
         abort_after_flush(1)
 

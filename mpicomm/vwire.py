@@ -157,18 +157,20 @@ def probed(mpi_comm: MPI.Comm, status: MPI.Status) -> RecvToken:
     return irecv(mpi_comm, status.Get_source(), status.Get_tag())
 
 
-def next_source(mpi_comm: MPI.Comm, tags: Sequence[int], poll_s: float | None = None
-                ) -> tuple[int, int]:
+def next_source(mpi_comm: MPI.Comm, tags: Sequence[int],
+                sources: Sequence[int] | None = None) -> tuple[int, int]:
     """``(source, tag)`` of the message this thread receives next on ``mpi_comm`` with
     one of ``tags``, from any other rank: the one that arrives first in virtual time
     (ties: lower source, then tag), once no other can arrive earlier. The virtual
     clock's deterministic answer to a wildcard probe; the caller then probes that very
     message (``MPI_Mprobe(source, tag)``) and completes it with :func:`probed` and
-    :func:`finish`. Waits, as waiting for messages from every other rank."""
+    :func:`finish`. ``sources``: the ranks of ``mpi_comm`` it may come from (default:
+    every other rank). Waits, as waiting for messages from those ranks."""
     v, a = _state()
     info = _info(mpi_comm)
     me = v.rank
-    members = [r for r, w in enumerate(info.world) if w != me]
+    members = [r for r, w in enumerate(info.world) if w != me
+               and (sources is None or r in sources)]
     block([], sources=[info.world[r] for r in members])
 
     def decide() -> tuple[int, int] | None:

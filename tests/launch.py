@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpicomm.cli import find_mpiexec
+from mpicomm.emulate.mpienv import find_mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
 # Variables a parent MPI launcher sets; a child job must not inherit them.

@@ -11,7 +11,7 @@ rebuilds in the same direction. DGC's momentum correction with momentum factor m
 without momentum) removes the amplification. This job, which would have caught the
 collapse, checks that the corrected strategy beats plain error feedback on that seed by
 a wide margin. The full 3-seed, multi-strategy table is examples/compression_accuracy.py
-(see the README's "Accuracy at scale" section for the commands and numbers).
+(docs/compression.md, "Accuracy at many ranks", for the options; BENCHMARKS.md for the numbers).
 """
 
 from __future__ import annotations

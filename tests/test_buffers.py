@@ -15,19 +15,11 @@ import pytest
 import torch
 
 import mpicomm
-from mpicomm import buffers
-from mpicomm.buffers import (
-    Buffer,
-    BufferInfo,
-    StagingPool,
-    cuda_aware,
-    framework_of,
-    from_torch,
-    inspect,
-    ops_for,
-    staging_pool,
-    to_torch,
-)
+from mpicomm import cudampi
+from mpicomm.arrayops import ops_for
+from mpicomm.buffers import Buffer, BufferInfo, framework_of, from_torch, inspect, to_torch
+from mpicomm.cudampi import cuda_aware
+from mpicomm.staging import StagingPool, staging_pool
 
 HAVE_CUDA = torch.cuda.is_available()
 
@@ -59,12 +51,12 @@ def needs_cupy(test: Any) -> Any:
 @pytest.fixture
 def fresh_probe(monkeypatch):
     """Clear the cached CUDA-awareness decision before and after a test."""
-    buffers._probe_cuda_aware.cache_clear()
-    buffers._log_decision_once.cache_clear()
+    cudampi._probe_cuda_aware.cache_clear()
+    cudampi._log_decision_once.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
-    buffers._probe_cuda_aware.cache_clear()
-    buffers._log_decision_once.cache_clear()
+    cudampi._probe_cuda_aware.cache_clear()
+    cudampi._log_decision_once.cache_clear()
 
 
 # ---------------------------------------------------------------------- inspection
@@ -120,17 +112,17 @@ def test_inspect_cuda_tensor():
     ("0", (True, "says yes"), False), ("0", (False, "says no"), False),
     ("1", (None, "cannot be asked"), True), ("1", (True, "says yes"), True)])
 def test_cuda_aware_env_forces_the_decision(fresh_probe, setting, library, expected):
-    fresh_probe.setattr(buffers, "_query_library", lambda: library)
+    fresh_probe.setattr(cudampi, "_query_library", lambda: library)
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", setting)
     assert cuda_aware() is expected
-    aware, why = buffers._probe_cuda_aware()
+    aware, why = cudampi._probe_cuda_aware()
     assert aware is expected and f"MPICOMM_CUDA_AWARE={setting}" in why
 
 
 def test_forced_cuda_aware_is_refused_when_the_library_denies(fresh_probe):
     """The H100 run's segfault: MPICOMM_CUDA_AWARE=1 on an MPI whose
     MPIX_Query_cuda_support() returns 0 must never hand device pointers to it."""
-    fresh_probe.setattr(buffers, "_query_library",
+    fresh_probe.setattr(cudampi, "_query_library",
                         lambda: (False, "MPIX_Query_cuda_support() returned 0"))
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", "1")
     with pytest.raises(ValueError, match=r"MPICOMM_CUDA_AWARE=1.*returned 0.*pinned"):
@@ -145,7 +137,7 @@ def test_forced_cuda_aware_on_this_mpi(fresh_probe):
     """The real library of this machine: where it denies CUDA support, forcing is refused;
     host buffers never ask, so they keep working under the same setting."""
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", "1")
-    answer, _ = buffers._query_library()
+    answer, _ = cudampi._query_library()
     if answer is False:
         with pytest.raises(ValueError, match="denies CUDA support"):
             cuda_aware()
@@ -158,7 +150,7 @@ def test_forced_cuda_aware_on_this_mpi(fresh_probe):
 def test_cuda_aware_auto_on_this_mpi(fresh_probe):
     """Auto asks the library; the MPICH wheel without CUDA says no, with a reason."""
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", "auto")
-    aware, why = buffers._probe_cuda_aware()
+    aware, why = cudampi._probe_cuda_aware()
     assert why
     if "MPICH" in mpicomm.comm.MPI.Get_library_version() and not HAVE_CUDA:
         assert aware is False
@@ -168,10 +160,10 @@ def test_cuda_aware_auto_on_this_mpi(fresh_probe):
 
 def test_cuda_aware_unset_means_auto(fresh_probe):
     fresh_probe.delenv("MPICOMM_CUDA_AWARE", raising=False)
-    auto = buffers._probe_cuda_aware()
-    buffers._probe_cuda_aware.cache_clear()
+    auto = cudampi._probe_cuda_aware()
+    cudampi._probe_cuda_aware.cache_clear()
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", "AUTO")
-    assert buffers._probe_cuda_aware() == auto
+    assert cudampi._probe_cuda_aware() == auto
 
 
 @pytest.mark.parametrize("bad", ["yes", "2", "cuda"])
@@ -455,7 +447,7 @@ def test_staged_cuda_tensor_round_trip(fresh_probe):
 
 @needs_cuda
 def test_cuda_aware_buffer_is_not_staged(fresh_probe):
-    fresh_probe.setattr(buffers, "_query_library", lambda: (True, "stub: says yes"))
+    fresh_probe.setattr(cudampi, "_query_library", lambda: (True, "stub: says yes"))
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", "1")
     x = torch.ones(4, device="cuda")
     b = Buffer(x)
@@ -464,7 +456,7 @@ def test_cuda_aware_buffer_is_not_staged(fresh_probe):
 
 @needs_cuda
 def test_cuda_buffer_under_a_refused_forced_setting(fresh_probe):
-    fresh_probe.setattr(buffers, "_query_library", lambda: (False, "stub: says no"))
+    fresh_probe.setattr(cudampi, "_query_library", lambda: (False, "stub: says no"))
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", "1")
     with pytest.raises(ValueError, match="denies CUDA support"):
         Buffer(torch.ones(4, device="cuda"))
@@ -505,7 +497,7 @@ def test_cuda_collectives_staged_and_direct(own_comm, fresh_probe, aware):
     fresh_probe.setenv("MPICOMM_CUDA_AWARE", aware)
     x = torch.full((1000,), float(comm.rank), device="cuda")
     total = float(sum(range(comm.size)))
-    if aware == "1" and buffers._query_library()[0] is False:
+    if aware == "1" and cudampi._query_library()[0] is False:
         before = comm.traffic.snapshot()
         with pytest.raises(ValueError, match="denies CUDA support"):
             mpicomm.allreduce(x, comm=comm)

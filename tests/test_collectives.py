@@ -29,8 +29,8 @@ import pytest
 import mpicomm
 from mpicomm.buffers import inspect
 from mpicomm.collectives import ALGORITHMS
-from mpicomm.collectives._common import block_bounds, fold_layout
 from mpicomm.comm import Traffic
+from mpicomm.p2p import block_bounds, fold_layout
 
 from .arrays import FLOATS, INTS, Backend, cases, tolerance
 

@@ -495,17 +495,25 @@ def test_auto_redecides_a_kept_choice_that_measures_slower_than_another():
     assert auto.choices.outrun() == set()                  # 0.5 < 1.1 * 0.47
 
 
-def test_link_delay_is_the_alpha_beta_time_of_the_traffic_sent():
-    from mpicomm.comm import Traffic
-    from mpicomm.strategies.base import link_delay
+def test_injected_link_is_the_alpha_beta_time_of_the_traffic_sent(monkeypatch):
+    import types
 
-    class Fake:
-        resources: dict = {}
+    from mpicomm.emulate import linkdelay
 
-    fake = Fake()
-    assert link_delay(fake, Traffic(1000, 0, 3)) == 0.0
-    fake.resources = {"emulated_link": (1e-4, 1e-8)}
-    assert link_delay(fake, Traffic(1000, 500, 3)) == pytest.approx(3e-4 + 1e-5)
+    slept: list[float] = []
+    monkeypatch.setattr(linkdelay.time, "sleep", slept.append)
+    monkeypatch.delenv(linkdelay.ENV_RANKS_PER_HOST, raising=False)
+    fake = types.SimpleNamespace(resources={}, rank=0, size=3)
+    assert linkdelay.link_delay(fake) is None  # no link set: nothing to wait
+    ld = linkdelay.set_link(fake, 1e-4, 1e-8)
+    assert linkdelay.link_delay(fake) is ld
+    for dest, nbytes in ((1, 200), (2, 300), (1, 500)):  # 3 messages, 1000 bytes
+        ld.before_send(dest, nbytes)
+    ld.before_send(0, 10_000)  # to itself: free
+    assert sum(slept) == pytest.approx(3e-4 + 1e-5) == ld.cost(3, 1000)
+    assert len(slept) == 3
+    linkdelay.set_link(fake, None)
+    assert linkdelay.link_delay(fake) is None
 
 
 def test_calibrated_reads_the_communicators_calibration_keys():
@@ -792,7 +800,7 @@ def test_cr_controller_windows_with_gains_one_step_late():
 
 
 def test_topk_masses_are_prefix_sums_of_the_sorted_squares():
-    from mpicomm.selection import topk_masses
+    from mpicomm.compress.topk_select import topk_masses
 
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.float64, torch.float16):

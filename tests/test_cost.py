@@ -14,8 +14,8 @@ import pytest
 
 import mpicomm
 from mpicomm.collectives import ALGORITHMS, calibrate, cost
-from mpicomm.collectives._common import fold_layout
 from mpicomm.collectives.cost import FORMULAS, CostParams, choose, paper_predict, predict
+from mpicomm.p2p import fold_layout
 
 ALPHA = CostParams(alpha=1.0, beta=0.0, gamma=0.0)  # counts messages on the critical path
 BETA = CostParams(alpha=0.0, beta=1.0, gamma=0.0)  # counts bytes on the critical path

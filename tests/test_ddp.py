@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import mpicomm
-from mpicomm import trace
-from mpicomm.metrics import Metrics
+from mpicomm.observe import trace
+from mpicomm.observe.metrics import Metrics
 from mpicomm.torch import MpicommHookState, ddp_comm_hook, mpicomm_hook, process_group
 
 from .launch import run_job

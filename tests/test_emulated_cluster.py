@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mpicomm import linkdelay
-from mpicomm.emulate import netns, run, schedule
+from mpicomm.emulate import linkdelay, netns, run, schedule
 
 from .launch import ROOT, clean_env
 

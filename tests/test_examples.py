@@ -18,8 +18,6 @@ from typing import Any
 
 import pytest
 
-from mpicomm import cli
-
 from .launch import ROOT, clean_env, run_job
 
 TRAIN = ["--epochs", "2", "--threads", "1"]
@@ -170,17 +168,19 @@ def test_cli_run_and_exit_status() -> None:
 
 
 def test_launcher_env_for_open_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cli.mpi_flavor("Open MPI v5.0.8, package: Open MPI") == "openmpi"
-    assert cli.mpi_flavor("MPICH Version: 5.0.2") == "mpich"
-    assert cli.launcher_env("mpich", 64, {"A": "1"}) == {"A": "1"}
-    monkeypatch.setattr(cli, "usable_cores", lambda: 2)
-    monkeypatch.setattr(cli.os, "geteuid", lambda: 0)
-    env = cli.launcher_env("openmpi", 4, {"OMPI_MCA_btl": "tcp,self"})
+    from mpicomm.emulate import mpienv
+
+    assert mpienv.mpi_flavor("Open MPI v5.0.8, package: Open MPI") == "openmpi"
+    assert mpienv.mpi_flavor("MPICH Version: 5.0.2") == "mpich"
+    assert mpienv.launcher_env("mpich", 64, {"A": "1"}) == {"A": "1"}
+    monkeypatch.setattr(mpienv, "usable_cores", lambda: 2)
+    monkeypatch.setattr(mpienv.os, "geteuid", lambda: 0)
+    env = mpienv.launcher_env("openmpi", 4, {"OMPI_MCA_btl": "tcp,self"})
     assert env["OMPI_MCA_btl"] == "tcp,self"  # the user's setting wins
     assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
     assert env["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe"
-    monkeypatch.setattr(cli.os, "geteuid", lambda: 1000)
-    env = cli.launcher_env("openmpi", 2, {})
+    monkeypatch.setattr(mpienv.os, "geteuid", lambda: 1000)
+    env = mpienv.launcher_env("openmpi", 2, {})
     assert env == {"OMPI_MCA_btl": "^ofi"}  # not root, not oversubscribed
 
 

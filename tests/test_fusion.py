@@ -186,7 +186,7 @@ def test_cuda_gradient_sync_reuses_its_buffers(comm):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device on this machine")
     import mpicomm
-    from mpicomm.buffers import staging_pool
+    from mpicomm.staging import staging_pool
     from mpicomm.torch import GradientSync
 
     device = torch.device("cuda", comm.local_rank % torch.cuda.device_count())

@@ -19,9 +19,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from mpicomm import buffers
-from mpicomm.buffers import ArrayOps, BufferInfo, TorchOps
-from mpicomm.sparse import _common
+from mpicomm import cudampi, p2p
+from mpicomm.arrayops import ArrayOps, TorchOps
+from mpicomm.buffers import BufferInfo
 from mpicomm.torch import GradientSync, comm_thread
 from mpicomm.torch.buckets import Bucket
 
@@ -89,8 +89,8 @@ def test_staged_synchronize_uses_the_tensors_device(monkeypatch):
     log = Log()
     monkeypatch.setattr(torch.cuda, "current_stream", log.stream)
     x = types.SimpleNamespace(device=CUDA1)
-    buffers.synchronize(x, BufferInfo("torch", "float32", (1,), "cuda:1", 4))
-    buffers.synchronize(x, BufferInfo("torch", "float32", (1,), "cpu", 4))  # host: no-op
+    cudampi.synchronize(x, BufferInfo("torch", "float32", (1,), "cuda:1", 4))
+    cudampi.synchronize(x, BufferInfo("torch", "float32", (1,), "cpu", 4))  # host: no-op
     assert log.events == [("sync", CUDA1)]
 
 
@@ -154,7 +154,7 @@ def test_cupy_ops_wait_on_the_arrays_device():
 def test_cupy_synchronize_uses_the_arrays_device(monkeypatch):
     cp = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
-    buffers.synchronize(cp.array(1), BufferInfo("cupy", "float32", (1,), "cuda:1", 4))
+    cudampi.synchronize(cp.array(1), BufferInfo("cupy", "float32", (1,), "cuda:1", 4))
     assert cp.events == [("sync", 1)]
 
 
@@ -164,7 +164,7 @@ def test_direct_wire_receive_synchronizes_before_mpi_writes(monkeypatch):
     queued earlier on the stream (caching allocator); MPI must not write before it is
     done."""
     log = Log()
-    monkeypatch.setattr(_common, "cuda_aware", lambda: True)
+    monkeypatch.setattr(p2p, "cuda_aware", lambda: True)
 
     class Message:
         def Recv(self, spec: Any) -> None:
@@ -177,7 +177,7 @@ def test_direct_wire_receive_synchronizes_before_mpi_writes(monkeypatch):
 
     comm = types.SimpleNamespace(p2p=P2P(), traffic=types.SimpleNamespace(recv_bytes=0),
                                  resources={}, wait_poll_s=None)
-    wire = _common.Wire(comm, CUDA1)
+    wire = p2p.Wire(comm, CUDA1)
     assert wire.direct and not wire.staged
     wire._ops.torch = fake_torch(log)
     got = wire.recv(0, 7)

@@ -1,4 +1,4 @@
-"""``python -m mpicomm info`` under MPI (mpicomm.topology): placement, links, backends.
+"""``python -m mpicomm info`` under MPI (mpicomm.jobinfo): placement, links, backends.
 
 Multi-rank: every rank agrees on the placement (nodes partition the ranks, local ranks
 count from 0 on each node), the intra-node link is measured whenever two ranks share a
@@ -12,7 +12,7 @@ import pytest
 
 import mpicomm
 from mpicomm import cli
-from mpicomm.topology import describe_job, format_job
+from mpicomm.jobinfo import describe_job, format_job
 
 
 @pytest.mark.mpi

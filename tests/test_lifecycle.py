@@ -171,7 +171,7 @@ def test_exit_after_an_exception_with_an_idle_thread_ends_normally():
 # ---------------------------------------------------------------------- job names
 _ABORT_JOB = textwrap.dedent("""
     import sys, mpicomm
-    from mpicomm.comm import job_scope
+    from mpicomm.abort import job_scope
     comm = mpicomm.init()
     mode = sys.argv[1]
     # dup() inherits the job name of the communicator it duplicates

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import mpicomm
 from mpicomm import collectives as coll
-from mpicomm import linkdelay
+from mpicomm.emulate import linkdelay
 
 
 @pytest.fixture
@@ -92,6 +91,32 @@ def test_sparse_wire_is_delayed(comm, emulated):
         c.free()
 
 
+@pytest.mark.mpi
+def test_injected_link_delays_every_message_of_a_collective(comm, monkeypatch):
+    """set_link: alpha + beta·bytes before each message mpicomm's own ring sends (the
+    traffic counters count the same messages); MPI's own allreduce bypasses it."""
+    slept: list[float] = []
+    monkeypatch.setattr(linkdelay.time, "sleep", slept.append)
+    c = comm.dup()
+    try:
+        linkdelay.set_link(c, 1e-4, 1e-8)
+        x = np.ones(64, dtype=np.float32)
+        with c.traffic.measure() as moved:
+            coll.allreduce(x, algorithm="ring", comm=c)
+        assert len(slept) == moved.messages == 2 * (c.size - 1)
+        assert sum(slept) == pytest.approx(1e-4 * moved.messages + 1e-8 * moved.sent_bytes)
+        slept.clear()
+        coll.allreduce(x, algorithm="mpi", comm=c)
+        assert slept == []
+        linkdelay.set_link(c, None)
+        coll.allreduce(x, algorithm="ring", comm=c)
+        assert slept == []
+    finally:
+        c.free()
+
+
 def test_no_environment_no_injector(monkeypatch):
+    import types
+
     monkeypatch.delenv(linkdelay.ENV_RANKS_PER_HOST, raising=False)
-    assert linkdelay.link_delay(mpicomm.Communicator.__new__(mpicomm.Communicator)) is None
+    assert linkdelay.link_delay(types.SimpleNamespace(resources={})) is None

@@ -18,7 +18,7 @@ import torch
 import mpicomm
 from mpicomm.control import AdaComm
 from mpicomm.control.adacomm import adacomm_period
-from mpicomm.roles.gossip import (
+from mpicomm.gossip import (
     Topology,
     consensus_distance,
     make_topology,

@@ -1,4 +1,5 @@
-"""Per-step metrics (mpicomm.metrics) and their plots (mpicomm.plot, python -m mpicomm plot).
+"""Per-step metrics (mpicomm.observe.metrics) and their plots (mpicomm.observe.plot,
+python -m mpicomm plot).
 
 Serial: records, notes, the JSON-lines file and its rank rule, ``MPICOMM_METRICS``,
 observing GradientSync / LocalSGD / a Strategy (counters become per-step deltas), the
@@ -17,7 +18,7 @@ import torch
 
 import mpicomm
 from mpicomm import cli
-from mpicomm.metrics import Metrics, metrics_from, predict_step_comm
+from mpicomm.observe.metrics import Metrics, metrics_from, predict_step_comm
 from mpicomm.strategies import make
 from mpicomm.torch import GradientSync, LocalSGD
 

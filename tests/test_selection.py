@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from mpicomm.selection import PREFILTER_MIN_K, _sample_plan, index_dtype_for, topk_indices
+from mpicomm.compress.topk_select import (
+    PREFILTER_MIN_K,
+    _sample_plan,
+    index_dtype_for,
+    topk_indices,
+)
 
 
 def brute_force(x: np.ndarray, k: int) -> np.ndarray:
@@ -76,7 +81,7 @@ def test_index_dtype():
 
 
 # ---------------------------------------------------------------------- threshold + compaction
-from mpicomm.selection import topk_indices_approx, topk_threshold  # noqa: E402
+from mpicomm.compress.topk_select import topk_indices_approx, topk_threshold  # noqa: E402
 
 HAVE_CUDA = torch.cuda.is_available()
 DEVICES = [pytest.param("cpu", id="cpu"),
@@ -113,7 +118,7 @@ def test_threshold_compaction_edges_and_dtypes(device):
 def test_threshold_retries_then_falls_back(monkeypatch):
     """An estimate that is always too high: the widened retry, then the full selection,
     still give the exact answer."""
-    from mpicomm import selection
+    from mpicomm.compress import topk_select as selection
 
     calls = []
 

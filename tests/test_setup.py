@@ -1,5 +1,6 @@
 """The set-up the project documents is the set-up it has: Makefile knobs and targets,
-declared dependency floors, and a README Layout that names every part of the package."""
+declared dependency floors, and an architecture guide that names every part of the
+package (docs/architecture.md) and a README that names every example."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from .launch import ROOT
 
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 
 
 def make_dry_run(*args: str) -> str:
@@ -37,8 +39,8 @@ def test_torch_index_knob_default_unchanged():
 
 
 def test_make_bench_runs_every_benchmark():
-    """Every suite of ``python -m mpicomm.bench`` and every benchmark script the README's
-    Benchmarks section lists (before: ``examples/overlap_bench.py`` was left out)."""
+    """Every suite of ``python -m mpicomm.bench`` and every benchmark script the benchmark
+    guide lists (docs/benchmarks.md; ``examples/overlap_bench.py`` included)."""
     from mpicomm.bench.__main__ import SUITES
 
     recipe = make_dry_run("bench")
@@ -51,8 +53,10 @@ def test_make_bench_runs_every_benchmark():
             assert f'*bench, "{suite}"' in gpu_plan, suite
         else:
             assert f"-m mpicomm.bench {suite}" in recipe, suite
-    section = README.split("## Benchmarks", 1)[1].split("\n## ", 1)[0]
-    scripts = set(re.findall(r"examples/\w+\.py", section))
+    guide = (DOCS / "benchmarks.md").read_text()
+    for suite in SUITES:
+        assert f"`{suite}`" in guide, suite
+    scripts = set(re.findall(r"examples/\w+\.py", guide))
     assert "examples/overlap_bench.py" in scripts
     for script in scripts:
         assert script in recipe, script
@@ -78,20 +82,23 @@ def test_numpy_floor_covers_the_features_the_tests_use():
     assert f"numpy>={'.'.join(map(str, _floor('install_requires', 'numpy')))}" in README
 
 
-def test_readme_layout_names_every_part_of_the_package():
-    layout = README.split("## Layout", 1)[1]
+def test_architecture_names_every_part_of_the_package():
+    """The layer table of docs/architecture.md names every subpackage and every public
+    top-level module (as ``mpicomm.name`` or, after the first of a row, ``name``); the
+    README names every example."""
+    layers = (DOCS / "architecture.md").read_text().split("## The layers", 1)[1]
+    layers = layers.split("\n## ", 1)[0]
     package = ROOT / "mpicomm"
-    parts = [f"mpicomm/{p.name}/" for p in package.iterdir()
-             if p.is_dir() and (p / "__init__.py").exists()]
-    parts += [f"mpicomm/{p.name}" for p in package.glob("*.py")
-              if not p.name.startswith("_")]
-    missing = [p for p in parts if p not in layout]
-    assert not missing, f"README Layout omits {missing}"
-    examples = [p.name for p in (ROOT / "examples").glob("*.py")]
-    assert not [e for e in examples if e not in layout], examples
+    parts = [p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    parts += [p.stem for p in package.glob("*.py") if not p.name.startswith("_")]
+    missing = [p for p in parts if f"`mpicomm.{p}`" not in layers and f"`{p}`" not in layers]
+    assert not missing, f"docs/architecture.md's layers omit {missing}"
+    examples = [f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py")]
+    assert not [e for e in examples if e not in README], examples
 
 
-def test_readme_is_exact_about_auto():
-    assert "`auto` (always `ring`)" in README  # allgatherv has no cost model
-    assert "calibration is not automatic" in README
-    assert "calibrate.measure(comm, store=True)" in README
+def test_collectives_guide_is_exact_about_auto():
+    guide = (DOCS / "collectives.md").read_text()
+    assert "`auto` (always `ring`)" in guide  # allgatherv has no cost model
+    assert "calibration is not automatic" in guide
+    assert "calibrate.measure(comm, store=True)" in guide

@@ -24,7 +24,7 @@ from mpi4py import MPI
 import mpicomm
 from mpicomm.buffers import inspect
 from mpicomm.collectives import cost
-from mpicomm.selection import topk_indices
+from mpicomm.compress.topk_select import topk_indices
 from mpicomm.sparse import ARTopKState, artopk, exact_topk, gtopk, topk_allgather
 from mpicomm.sparse import reference as ref
 

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import mpicomm
-from mpicomm import buffers
-from mpicomm.buffers import StagingPool, staging_pool
-from mpicomm.collectives._common import Ctx
-from mpicomm.staging import Pipeline
+from mpicomm import buffers, cudampi
+from mpicomm.p2p import Ctx
+from mpicomm.staging import Pipeline, StagingPool, staging_pool
 
 from .test_buffers import needs_cuda, needs_cupy
 
@@ -112,12 +111,12 @@ def fake_gpu(monkeypatch) -> FakeGPU:
 def real_staging(monkeypatch):
     """Real device buffers staged through host memory (CUDA-aware MPI off) in the test's
     small chunks and ring segments; the cached CUDA-aware probe is cleared around it."""
-    buffers._probe_cuda_aware.cache_clear()
+    cudampi._probe_cuda_aware.cache_clear()
     monkeypatch.setenv("MPICOMM_CUDA_AWARE", "0")
     monkeypatch.setenv("MPICOMM_STAGING_CHUNK_BYTES", str(CHUNK_BYTES))
     monkeypatch.setenv("MPICOMM_RING_SEGMENT_BYTES", str(SEGMENT_BYTES))
     yield
-    buffers._probe_cuda_aware.cache_clear()
+    cudampi._probe_cuda_aware.cache_clear()
 
 
 @pytest.fixture
@@ -322,7 +321,7 @@ def test_real_cupy_streamed_staging_is_bitwise_the_host_result(own_comm, real_st
 
 @pytest.mark.mpi
 def test_staging_waits_appear_on_the_timeline(own_comm, fake_gpu):
-    from mpicomm import trace
+    from mpicomm.observe import trace
 
     with trace.recording(None, own_comm) as tl:
         mpicomm.allreduce(mark(torch.randn(500)), algorithm="ring", comm=own_comm)

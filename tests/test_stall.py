@@ -1,4 +1,4 @@
-"""The stall inspector (mpicomm.stall), in 3-rank child jobs (serial tests).
+"""The stall inspector (mpicomm.observe.stall), in 3-rank child jobs (serial tests).
 
 Rank 0 enters a world allreduce while rank 1 sleeps outside any collective and rank 2
 waits for rank 1 in an allreduce over ranks [1, 2]: with ``MPICOMM_STALL_S=1`` rank 0
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mpicomm.stall import StallInspector, start_from_env
+from mpicomm.observe.stall import StallInspector, start_from_env
 
 from .launch import run_job
 
@@ -27,7 +27,7 @@ if comm.rank == 1:
 if pair is not None:
     mpicomm.allreduce(np.ones(4), comm=pair)  # rank 2 waits here for rank 1
 mpicomm.allreduce(np.ones(4), comm=comm)      # rank 0 waits here for both
-from mpicomm import stall
+from mpicomm.observe import stall
 reports = stall._env_inspector.reports if stall._env_inspector else []
 print(f"rank {comm.rank} reports {len(reports)}", flush=True)
 if pair is not None:

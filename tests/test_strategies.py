@@ -24,7 +24,7 @@ from mpi4py import MPI
 import mpicomm
 from mpicomm.collectives import cost
 from mpicomm.compress import QSGD, RandomK
-from mpicomm.selection import topk_indices
+from mpicomm.compress.topk_select import topk_indices
 from mpicomm.sparse import reference as ref
 from mpicomm.strategies import (
     ARTopK,
@@ -437,7 +437,7 @@ def simulate(which: str, p: int, steps: list[list[np.ndarray]], k: int, name: st
     """Replay a sparsifying EF strategy for all ranks: (updates per step, final residuals).
 
     ``steps[t][r]`` is rank r's flat gradient at step t. Independent of the strategies'
-    code: top-k by :func:`mpicomm.selection.topk_indices`, gTop-k by the numpy reference
+    code: top-k by :func:`mpicomm.compress.topk_select.topk_indices`, gTop-k by the numpy reference
     simulator, random indices by the compressor :class:`mpicomm.compress.RandomK`.
     """
     d = steps[0][0].shape[0]

@@ -11,8 +11,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
+from mpicomm.observe.timeline import Timeline
 from mpicomm.strategies import Dense, Strategy, available, make
-from mpicomm.timeline import Timeline
 from mpicomm.torch import DistributedOptimizer, GradientSync, broadcast_module
 from mpicomm.torch.buckets import make_buckets
 from mpicomm.torch.replicas import describe_module_mismatch

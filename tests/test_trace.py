@@ -1,4 +1,5 @@
-"""The timeline of everything (mpicomm.trace): traced front-ends, merged Chrome trace.
+"""The timeline of everything (mpicomm.observe.trace over mpicomm.hooks): traced
+front-ends, merged Chrome trace.
 
 Multi-rank: inside ``trace.recording`` every collective, sparse collective, strategy
 aggregation, GradientSync bucket/wait event and AdaComm decision is recorded; rank 0's
@@ -12,6 +13,7 @@ trace.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -23,9 +25,10 @@ import pytest
 import torch
 
 import mpicomm
-from mpicomm import trace
+from mpicomm import hooks
 from mpicomm.control import AdaComm
-from mpicomm.plot import span_depths
+from mpicomm.observe import trace
+from mpicomm.observe.plot import span_depths
 from mpicomm.strategies import make
 from mpicomm.torch import GradientSync
 
@@ -113,8 +116,57 @@ def test_untraced_call_is_plain() -> None:
     out = mpicomm.allreduce(np.arange(4.0), op="sum")
     np.testing.assert_array_equal(out, np.arange(4.0) * mpicomm.world().size)
     assert mpicomm.allreduce.__wrapped__ is not None  # the decorator is there
-    with trace.block("x") as args:
+    with hooks.block("x") as args:
         assert args is None  # nothing records
+
+
+def test_observers_register_and_unregister_with_hooks() -> None:
+    """Any object with the recorder / watch methods can observe the core; after it
+    unregisters, traced calls are plain calls again."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.spans: list[tuple[str, str, dict]] = []
+
+        def now(self) -> float:
+            return 0.0
+
+        def complete(self, name: str, start_us: float, end_us: float, cat: str = "",
+                     **args: object) -> None:
+            self.spans.append((name, cat, args))
+
+        def span(self, name: str, cat: str = "", **args: object):
+            return contextlib.nullcontext()
+
+        def instant(self, name: str, cat: str = "", **args: object) -> None:
+            self.spans.append((name, "instant", args))
+
+    class Watch:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def enter(self, name: str, comm: mpicomm.Communicator) -> str:
+            self.calls.append(name)
+            return name
+
+        def leave(self, token: str) -> None:
+            self.calls.append(f"/{token}")
+
+    rec, watch = Recorder(), Watch()
+    assert hooks.set_recorder(rec) is None and hooks.set_watch(watch) is None
+    try:
+        assert hooks.recording() and trace.active() is None  # not a Timeline
+        mpicomm.allreduce(np.ones(8, dtype=np.float32))
+        hooks.instant("mark", "user", step=1)
+    finally:
+        assert hooks.set_recorder(None) is rec and hooks.set_watch(None) is watch
+    name, cat, args = rec.spans[0]
+    assert (name, cat) == ("allreduce", "collective")
+    assert args["bytes"] == 32 and args["ranks"] == mpicomm.world().size
+    assert rec.spans[1] == ("mark", "instant", {"step": 1})
+    assert watch.calls == ["allreduce", "/allreduce"]
+    mpicomm.allreduce(np.ones(8, dtype=np.float32))  # unregistered: nothing more
+    assert len(rec.spans) == 2 and len(watch.calls) == 2
 
 
 def test_env_timeline_child_job(tmp_path: Path) -> None:
@@ -129,7 +181,7 @@ def test_env_timeline_child_job(tmp_path: Path) -> None:
         mine = [e["name"] for e in spans if e["pid"] == rank]
         assert mine.count("allreduce") == 3 and mine.count("broadcast") == 1, mine
     pytest.importorskip("matplotlib", reason="plots need the 'plot' extra (matplotlib)")
-    from mpicomm.plot import plot_trace
+    from mpicomm.observe.plot import plot_trace
 
     png = plot_trace(out, tmp_path / "trace.png")
     assert png.read_bytes()[:4] == b"\x89PNG"

@@ -17,10 +17,10 @@ from mpicomm import strategies
 from mpicomm.collectives import ALGORITHMS
 from mpicomm.comm import Traffic
 from mpicomm.compress import QSGD, PowerSGD, RandomK, SampledTopK, TopK
+from mpicomm.compress.topk_select import topk_indices_approx
 from mpicomm.control import AdaComm
-from mpicomm.roles.gossip import make_topology
+from mpicomm.gossip import make_topology
 from mpicomm.sched.job import check_steps
-from mpicomm.selection import topk_indices_approx
 from mpicomm.sparse.reference import simulate_gtopk
 from mpicomm.validate import NotAnIntegerError, check_algorithm, check_choice, check_int
 

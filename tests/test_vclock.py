@@ -19,11 +19,11 @@ import torch
 
 import mpicomm
 from mpicomm import clock, costtable
-from mpicomm.buffers import ops_for
-from mpicomm.collectives._common import Ctx
+from mpicomm.arrayops import ops_for
 from mpicomm.costtable import CostTable, OpCost
 from mpicomm.emulate import vengine
 from mpicomm.emulate.vnet import FifoLink, GapLink, Platform, host_layout, platform_from_env
+from mpicomm.p2p import Ctx
 
 from .launch import run_job
 

@@ -22,7 +22,7 @@ SUITES = {
     "sparse": "mpicomm.bench.sparse",
     "localsgd": "mpicomm.bench.localsgd",
     "ps": "mpicomm.bench.ps",
-    "selection": "mpicomm.bench.selection",
+    "selection": "mpicomm.bench.topk_select",
     "fusion": "mpicomm.bench.fusion",
     "staging": "mpicomm.bench.staging",
     "crossover": "mpicomm.bench.crossover",

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpi4py import MPI
-
 from .. import clock
 from ..comm import Communicator
+from ..emulate.mpienv import machine  # noqa: F401  (the suites' JSON header)
 
 
 class UsageError(ValueError):
@@ -50,34 +48,6 @@ def median_seconds(fn: Callable[[], Any], comm: Communicator, repeats: int = 10,
         fn()
         times.append(comm.allreduce_value(clock.now() - start, "max"))
     return statistics.median(times)
-
-
-def machine() -> dict[str, Any]:
-    import os
-
-    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-            "ranks": MPI.COMM_WORLD.Get_size(), "loadavg": list(os.getloadavg()),
-            "network": network()}
-
-
-def network() -> dict[str, Any]:
-    """The network the ranks ran on: the emulated cluster's conditions (from the
-    ``MPICOMM_EMU_*`` variables ``launchers/emulated-cluster`` sets) or one host's
-    shared memory."""
-    import os
-
-    hosts = os.environ.get("MPICOMM_EMU_HOSTS")
-    if not hosts:
-        return {"kind": "shared memory", "hosts": 1}
-    return {"kind": "emulated cluster", "hosts": int(hosts),
-            "ranks_per_host": int(os.environ.get("MPICOMM_EMU_RANKS_PER_HOST", "1")),
-            "rate": os.environ.get("MPICOMM_EMU_RATE", "unshaped"),
-            "delay_s": float(os.environ.get("MPICOMM_EMU_DELAY", "0") or 0),
-            "schedule": os.environ.get("MPICOMM_EMU_SCHEDULE") or None,
-            "rate_by": "kernel (tc tbf on both ends of each host link)",
-            "delay_by": "injected in mpicomm's point-to-point layer (Ctx/Wire); "
-                        "MPI's own collectives bypass it"}
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:

@@ -7,18 +7,17 @@ Run under MPI with 4+ ranks, e.g.
   sharded over ranks), an MLP 64-``hidden``-``hidden``-10, SGD with momentum, ``--epochs``.
 * Network, ``--link``:
 
-  - ``injected`` (default): after each aggregation every rank sleeps
-    ``alpha·messages + beta·bytes`` of the traffic it really sent
-    (``comm.resources["emulated_link"]``, :func:`mpicomm.strategies.base.link_delay`),
+  - ``injected`` (default): before each message of mpicomm's own point-to-point layer
+    the sender sleeps ``alpha + beta·bytes`` (:func:`mpicomm.emulate.linkdelay.set_link`),
     the alpha-beta time of a slower link on top of shared memory. ``--schedule``
     changes it during the run (``"EPOCH:GBPS:ALPHA_US,..."``, default 0.1 Gbit/s and
     100 us, from epoch 6 on 0.05 Gbit/s and 500 us). Works anywhere, no root.
   - ``emulated``: the emulated cluster of issue 9 (``launchers/emulated-cluster``, root):
-    tc-shaped rate and the latency :mod:`mpicomm.linkdelay` injects in mpicomm's own
+    tc-shaped rate and the latency :mod:`mpicomm.emulate.linkdelay` injects in mpicomm's own
     point-to-point layer; the bench adds no delay of its own, ``--schedule`` is ignored
     and the emulator's ``--schedule`` file (``step N RATE DELAY`` lines) changes the
     network: rank 0 reports every step of the method in training
-    (:func:`mpicomm.linkdelay.report_step`), counting from 1 for each method, and the
+    (:func:`mpicomm.emulate.linkdelay.report_step`), counting from 1 for each method, and the
     emulator re-arms its step entries when the count starts again, so every method
     (and every L-GreCo run) meets the same network at the same steps. The bench refuses
     to start in this mode outside the emulator. Measured run (issue 8)::
@@ -72,7 +71,7 @@ import numpy as np
 import torch
 
 from ..comm import Communicator, init
-from ..linkdelay import ENV_RANKS_PER_HOST, report_step
+from ..emulate.linkdelay import ENV_RANKS_PER_HOST, report_step, set_link
 from ..strategies import AutoStrategy, Dense, Strategy
 from ..strategies.auto_schemes import build
 from ..strategies.lgreco_buckets import FAMILY_SCHEMES
@@ -97,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", choices=("injected", "emulated"), default="injected",
                         help="injected: the bench's own alpha-beta sleep (--schedule); "
                         "emulated: run under launchers/emulated-cluster (tc rate + "
-                        "mpicomm.linkdelay latency, the emulator's --schedule)")
+                        "mpicomm.emulate.linkdelay latency, the emulator's --schedule)")
     parser.add_argument("--static", default=",".join(DEFAULT_STATIC),
                         help="comma-separated scheme@ratio static baselines")
     parser.add_argument("--window", type=int, default=1,
@@ -201,7 +200,7 @@ def train(method: str, data: tuple[torch.Tensor, ...], comm: Communicator,
         before = tcomm.traffic.snapshot()
         for epoch in range(args.epochs):
             if args.link == "injected":
-                tcomm.resources["emulated_link"] = link_at(schedule, epoch)
+                set_link(tcomm, *link_at(schedule, epoch))
             order = torch.randperm(xtr.shape[0], generator=gen)
             comm.barrier()
             start = time.perf_counter()
@@ -329,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
               f"batch {args.batch}/rank, {args.epochs} epochs, target acc {args.target}, "
               + (f"injected link schedule {args.schedule} (EPOCH:Gbit/s:alpha_us)"
                  if args.link == "injected" else "emulated cluster (launchers/"
-                 "emulated-cluster: tc rate + mpicomm.linkdelay latency)"))
+                 "emulated-cluster: tc rate + mpicomm.emulate.linkdelay latency)"))
         print_table(rows, COLUMNS)
         print("\n# L-GreCo vs per-layer uniform settings (topk: allgather_topk at ratio "
               f"{args.lgreco_ratio}; qsgd 4 bits; powersgd rank 4); DP error <= budget = "

@@ -505,7 +505,7 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         "mpicomm's collectives, the MPI library's own collectives, everything.\n"
         "* **Injected**: the *latency*. This kernel has no `netem`, so mpicomm's own "
         "point-to-point layer (the collectives' `Ctx`, the sparse layer's `Wire`; "
-        "`mpicomm/linkdelay.py`) sleeps the configured one-way delay before a message "
+        "`mpicomm/emulate/linkdelay.py`) sleeps the configured one-way delay before a message "
         "leaves for another host (one delay per burst of back-to-back sends).\n"
         "* **Bypasses the injected delay**: the MPI library's own collectives "
         "(`algorithm=\"mpi\"`, `dense/mpi` rows), the communicator's control helpers "

@@ -9,7 +9,7 @@ max(1, ceil(density·d))) each rank draws a heavy-tailed "gradient"
 across workers) and the suite times, in one run (median over ``--repeats`` of the slowest
 rank, :func:`mpicomm.bench._util.median_seconds`):
 
-* ``compress``: the local top-k selection (:func:`mpicomm.selection.topk_indices`) and
+* ``compress``: the local top-k selection (:func:`mpicomm.compress.topk_select.topk_indices`) and
   the gather of its values; no communication;
 * ``dense/ring``, ``dense/rabenseifner`` (mpicomm's own) and ``dense/mpi``
   (``MPI_Allreduce``) of the whole vector (timed once per d, repeated in each density's
@@ -47,7 +47,7 @@ from .. import clock
 from .. import collectives as coll
 from ..collectives import cost
 from ..comm import Communicator, init
-from ..selection import topk_indices
+from ..compress.topk_select import topk_indices
 from ..sparse import artopk, exact_topk, gtopk, topk_allgather
 from . import _clock
 from ._util import machine, median_seconds, positive_floats, print_table, write_json

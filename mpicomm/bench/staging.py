@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..buffers import cuda_aware
 from ..collectives import allgather, allreduce, broadcast
 from ..comm import init
+from ..cudampi import cuda_aware
 from ._util import machine, median_seconds, positive_floats, print_table, write_json
 
 COLUMNS = ("collective", "elems", "MB", "method", "time_ms", "x_host")

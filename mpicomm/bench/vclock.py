@@ -40,11 +40,11 @@ import numpy as np
 import torch
 
 from .. import clock, costtable
-from ..buffers import ops_for
+from ..arrayops import ops_for
 from ..collectives import allgather, allreduce, cost
-from ..collectives._common import Ctx
 from ..comm import Communicator, init
 from ..emulate.vnet import Platform, platform_from_env
+from ..p2p import Ctx
 from ..sparse import gtopk
 from ._util import UsageError, machine, median_seconds, print_table, write_json
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import TAG_FOLD, Ctx, real_rank
+from ..p2p import Ctx, real_rank
+from ..tags import TAG_FOLD
 
 
 def fold_in(work: Any, op: str, ctx: Ctx, rem: int, scratch: Any) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ._common import Ctx
+from ..p2p import Ctx
 
 
 def _segments(bounds: list[int], block: int, seg: int) -> list[tuple[int, int]]:

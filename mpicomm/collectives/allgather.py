@@ -40,18 +40,10 @@ from typing import Any
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
-from ..trace import describe_dense, traced
+from ..hooks import traced
+from ..p2p import Ctx, first_real_block, fold_layout, real_rank, virtual_rank
 from . import cost, native
-from ._common import (
-    TAG_ALLGATHER,
-    TAG_FOLD,
-    Ctx,
-    check_algorithm,
-    first_real_block,
-    fold_layout,
-    real_rank,
-    virtual_rank,
-)
+from ._common import TAG_ALLGATHER, TAG_FOLD, check_algorithm, describe_dense
 from ._ring import allgather_pass
 
 __all__ = ["allgather", "allgatherv", "ALGORITHMS"]

@@ -35,19 +35,10 @@ from typing import Any
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
-from ..trace import describe_dense, traced
+from ..hooks import traced
+from ..p2p import Ctx, block_bounds, fold_layout, real_rank, virtual_rank
 from . import cost, native
-from ._common import (
-    TAG_ALLREDUCE,
-    Ctx,
-    block_bounds,
-    check_algorithm,
-    check_op,
-    check_op_dtype,
-    fold_layout,
-    real_rank,
-    virtual_rank,
-)
+from ._common import TAG_ALLREDUCE, check_algorithm, check_op, check_op_dtype, describe_dense
 from ._halving import double, fold_in, fold_out, halve
 from ._ring import allgather_pass, reduce_scatter_pass
 

@@ -22,9 +22,10 @@ from typing import Any
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
-from ..trace import describe_dense, traced
+from ..hooks import traced
+from ..p2p import Ctx, block_bounds
 from . import cost, native
-from ._common import TAG_BCAST, Ctx, block_bounds, check_algorithm, check_root
+from ._common import TAG_BCAST, check_algorithm, check_root, describe_dense
 from ._ring import allgather_pass
 
 __all__ = ["broadcast", "ALGORITHMS"]

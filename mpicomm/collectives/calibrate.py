@@ -2,7 +2,7 @@
 
 The one ping-pong helper of the project (:func:`pingpong`; ``bench collectives``,
 :func:`mpicomm.strategies.kernel_timing.calibrate` and
-:func:`mpicomm.topology.measure_link` all use it): two ranks exchange messages over the
+:func:`mpicomm.jobinfo.measure_link` all use it): two ranks exchange messages over the
 communicator's private point-to-point duplicate (the path mpicomm's own algorithms use,
 Python overhead and the emulated cluster's injected latency included) with the
 registered tag :data:`mpicomm.tags.TAG_CALIBRATE`, and ``t(n) = alpha + n*beta`` is
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import clock
-from ..buffers import ops_for
+from ..arrayops import ops_for
 from ..comm import Communicator, Traffic, resolve
+from ..p2p import Ctx
 from ..tags import TAG_CALIBRATE
 from ..validate import check_int
-from ._common import Ctx
 from .cost import CostParams
 
 #: Longest sleep between tests while ranks wait at a calibration barrier (leaves the CPU
@@ -83,10 +83,13 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
             rank not in (origin, peer):
         raise ValueError(f"pingpong: origin {origin} and peer {peer} (of {comm.size}) call "
                          f"it; rank {rank} did")
-    # the one point-to-point path (the emulated cluster's injected latency and the
-    # virtual clock included), its bytes kept out of the communicator's traffic count
+    # messages of the point-to-point layer (blocking on the wall clock; the emulated
+    # link's delay counts in alpha; the virtual clock times them), outside the
+    # communicator's traffic counters
     ctx = Ctx.of(comm, ops_for("numpy", False))
     ctx.traffic = Traffic()
+    if not ctx.virtual:
+        ctx.poll_s = None
     buf = np.zeros(nbytes, dtype=np.uint8)
     echo = reply_bytes is None
     reply = buf if echo else np.zeros(int(reply_bytes), dtype=np.uint8)

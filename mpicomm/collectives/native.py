@@ -23,8 +23,8 @@ from mpi4py import MPI
 
 from .. import clock, vwire
 from ..comm import wait_all
+from ..p2p import Ctx
 from . import cost
-from ._common import Ctx
 
 _MPI_TYPES = {
     "float32": MPI.FLOAT,

@@ -28,18 +28,16 @@ from typing import Any
 from ..buffers import Buffer
 from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
-from ..trace import describe_dense, traced
+from ..hooks import traced
+from ..p2p import Ctx, first_real_block, fold_layout, virtual_rank
 from . import cost, native
 from ._common import (
     TAG_FOLD,
     TAG_REDUCE_SCATTER,
-    Ctx,
     check_algorithm,
     check_op,
     check_op_dtype,
-    first_real_block,
-    fold_layout,
-    virtual_rank,
+    describe_dense,
 )
 from ._halving import fold_in, halve
 from ._ring import reduce_scatter_copy_pass

@@ -18,8 +18,7 @@ import torch
 
 from ..buffers import FLOAT_DTYPES, from_torch, inspect, to_torch
 
-__all__ = ["TensorMeta", "flatten", "to_native", "restore", "check_finite", "FiniteCheck",
-           "torch_dtype"]
+__all__ = ["TensorMeta", "flatten", "to_native", "restore", "FiniteCheck", "torch_dtype"]
 
 
 @dataclass(frozen=True)
@@ -80,11 +79,6 @@ def restore(flat: torch.Tensor, meta: TensorMeta) -> Any:
     """A dense flat result turned back into the caller's shape, dtype and framework."""
     out = flat.to(device=meta.device, dtype=meta.dtype).reshape(meta.shape)
     return to_native(out, meta.framework)
-
-
-def check_finite(t: torch.Tensor, name: str, what: str) -> None:
-    """``ValueError`` naming the tensor when ``t`` holds NaN or infinity."""
-    FiniteCheck(t, name, what).verify()
 
 
 class FiniteCheck:

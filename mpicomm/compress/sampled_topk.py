@@ -8,12 +8,12 @@ from typing import Any
 import torch
 
 from ..buffers import to_torch
-from ..selection import index_dtype_for, topk_among, topk_indices
 from ..validate import check_int
 from ._rng import generator
 from ._tensor import FiniteCheck, flatten, to_native, torch_dtype
 from .base import Compressor, Payload
 from .topk import SparseCtx, check_density, index_itemsize, k_for, resolve_k, sparse_decompress
+from .topk_select import index_dtype_for, topk_among, topk_indices
 
 __all__ = ["SampledTopK", "recall"]
 

@@ -9,10 +9,10 @@ from typing import Any, Optional
 import torch
 
 from ..buffers import to_torch
-from ..selection import index_dtype_for, topk_indices
 from ..validate import check_int
 from ._tensor import FiniteCheck, TensorMeta, flatten, restore, to_native, torch_dtype
 from .base import Compressor, Payload
+from .topk_select import index_dtype_for, topk_indices
 
 __all__ = ["TopK", "SparseCtx", "k_for", "resolve_k", "check_density", "check_k",
            "sparse_decompress", "index_itemsize"]
@@ -79,7 +79,7 @@ class TopK(Compressor):
     """Keep the ``k`` entries of largest magnitude, ties broken by the smaller index.
 
     Formula: ``C(x) = x * 1[i in S]`` where ``S`` is the top-k of ``|x|`` under the total
-    order (``|x|`` desc, index asc) of :func:`mpicomm.selection.topk_indices`, so every
+    order (``|x|`` desc, index asc) of :func:`mpicomm.compress.topk_select.topk_indices`, so every
     rank and every framework picks the same set. Give exactly one of ``density``
     (``k = k_for(numel, density) = max(1, ceil(density * numel))``) or ``k``.
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Optional
 
-from ..trace import traced
+from ..hooks import traced
 from ..validate import check_int
 
 __all__ = ["AdaComm", "AdaCommDecision", "adacomm_period"]

@@ -17,7 +17,7 @@ Shaping: a ``tbf`` qdisc on both ends of each host's link (upload and download),
 ``RATE``, bucket :func:`burst_bytes` (1 ms at the rate, at least 128 KiB so that
 offloaded 64 KiB segments pass), queue allowance 50 ms. ``tc qdisc change`` updates the
 rate while a job runs. This kernel has no ``netem``, so latency is not added here (see
-:mod:`mpicomm.linkdelay`).
+:mod:`mpicomm.emulate.linkdelay`).
 """
 
 from __future__ import annotations

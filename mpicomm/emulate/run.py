@@ -25,7 +25,7 @@ The steps of a wall-clock run:
    ``--no-shm``, ``MPIR_CVAR_NOLOCAL=1``: TCP between ranks of one host too (over the
    host's loopback, which is not shaped, as on a real machine).
 4. Latency: this kernel has no ``netem``; ``DELAY`` is injected by mpicomm's own
-   point-to-point layer (:mod:`mpicomm.linkdelay`) which the wrapper's environment
+   point-to-point layer (:mod:`mpicomm.emulate.linkdelay`) which the wrapper's environment
    switches on. The MPI library's own collectives bypass it.
 5. ``--schedule`` entries are applied while the job runs
    (:mod:`mpicomm.emulate.schedule`).
@@ -55,7 +55,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from .. import linkdelay
+from . import linkdelay
 from .netns import Cluster, NetnsUnavailable, parse_rate, probe, remove_stale
 from .schedule import Applier, parse_delay, read_schedule, write_atomic
 
@@ -200,7 +200,7 @@ def _run_virtual(args: argparse.Namespace, cmd: list[str]) -> int:
 
 
 def _mpich_mpiexec() -> str:
-    from ..cli import find_mpiexec, library_version, mpi_flavor
+    from .mpienv import find_mpiexec, library_version, mpi_flavor
 
     if mpi_flavor(library_version()) != "mpich":
         raise ValueError("the emulated cluster supports MPICH (the project's default MPI: "

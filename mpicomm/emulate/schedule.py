@@ -9,12 +9,12 @@ One entry per line, ``#`` starts a comment::
 
 ``when`` is seconds (``12``, ``12s``, ``500ms``) after the command started, or
 ``step N``/``step=N``: applied once the job has reported step ``N`` through
-:func:`mpicomm.linkdelay.report_step` (``examples/train.py`` reports every step on rank 0).
-``rate`` is a ``tc`` rate (``100mbit``, ``1gbit``); ``delay`` a one-way latency
-(``0``, ``250us``, ``1ms``, ``32ms``). The rate is applied to every link with
+:func:`mpicomm.emulate.linkdelay.report_step` (``examples/train.py`` reports every step
+on rank 0). ``rate`` is a ``tc`` rate (``100mbit``, ``1gbit``); ``delay`` a one-way
+latency (``0``, ``250us``, ``1ms``, ``32ms``). The rate is applied to every link with
 ``tc qdisc change``; the delay is written to the file that the ranks' injected-latency
-layer follows (:mod:`mpicomm.linkdelay`). Seed 000's experiment, 25 Gbit/s and 1 ms
-stepping to 1 Gbit/s and 32 ms and back, is the example above.
+layer follows (:mod:`mpicomm.emulate.linkdelay`). The example above steps from 25 Gbit/s
+and 1 ms to 1 Gbit/s and 32 ms and back.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ class Applier(threading.Thread):
     """Applies the entries while the job runs: ``set_rate(bits)`` and the delay file.
 
     Time entries fire at ``start + at``; step entries once the step file (rewritten by
-    :func:`mpicomm.linkdelay.report_step`) shows a step ``>= at``. Polls every 20 ms.
+    :func:`mpicomm.emulate.linkdelay.report_step`) shows a step ``>= at``. Polls every
+    20 ms.
     ``log`` receives one line per change. ``errors`` keeps a failure to apply (the run
     ends with it reported, never silently unshaped).
 

@@ -6,10 +6,11 @@ import os
 from collections.abc import Hashable
 from typing import Any
 
-from ..comm import Communicator, install_abort_handler, resolve
+from ..abort import install_abort_handler
+from ..comm import Communicator, resolve
 from ..compress import Compressor, make
 from ..config import env_flag
-from ..linkdelay import link_delay
+from ..emulate.linkdelay import link_delay
 from ..validate import check_choice, check_int
 from .optim import OPTIMIZERS, ShardOptimizer
 from .server import Server

@@ -47,7 +47,8 @@ from mpi4py import MPI
 
 from ..comm import Communicator
 from ..compress import Compressor
-from ..linkdelay import link_delay
+from ..emulate.linkdelay import link_delay
+from ..p2p import isend_bytes, isend_object, recv_bytes, recv_object
 from . import wire
 from .checkpoint import to_numpy
 from .codec import Codec, PieceView, pull_name
@@ -131,10 +132,10 @@ class Server:
             backoff.busy()
             source, tag = status.Get_source(), status.Get_tag()
             if tag == wire.TAG_REQUEST:
-                buf = wire.recv_bytes(msg, status, self.delay)
+                buf = recv_bytes(msg, status, self.delay)
                 self._handle(source, wire.unpack(buf), buf.nbytes)
             elif tag == wire.TAG_CONTROL:
-                self._control(source, msg.recv())
+                self._control(source, recv_object(msg, self.delay))
             else:
                 raise RuntimeError(f"unexpected message with tag {tag} from rank {source}")
             self._reap_sends()
@@ -250,7 +251,7 @@ class Server:
         buf = wire.pack(wire.REPLY, st.key_id, st.index, stale, int(st.last_seq.sum()),
                         st.version, number, arrays=arrays)
         self.stats["bytes_pulled"] += buf.nbytes
-        self.sends.append((wire.isend_bytes(self.mpi, buf, w, wire.TAG_REPLY, self.delay), buf))
+        self.sends.append((isend_bytes(self.mpi, buf, w, wire.TAG_REPLY, self.delay), buf))
 
     def _pull_payload(self, w: int, st: PieceState) -> tuple[list[torch.Tensor], int]:
         """What a pull reply to ``w`` carries and its number ``d`` (module docstring):
@@ -294,7 +295,8 @@ class Server:
                 st.version = int(p["version"])
                 st.last_seq = np.array(p["last_seq"], dtype=np.int64).copy()
             self.pieces[key] = st
-        self.sends.append((self.mpi.isend({"op": "ack"}, source, wire.TAG_CONTROL), None))
+        self.sends.append((isend_object(self.mpi, {"op": "ack"}, source, wire.TAG_CONTROL,
+                                        self.delay), None))
 
     def _send_state(self, dest: int) -> None:
         """All workers asked for a checkpoint: everything they pushed before is in."""
@@ -307,7 +309,8 @@ class Server:
                            "last_seq": st.last_seq.copy(),
                            "opt": {k: (to_numpy(v) if isinstance(v, torch.Tensor) else int(v))
                                    for k, v in st.opt.items()}}
-        self.sends.append((self.mpi.isend({"pieces": pieces}, dest, wire.TAG_STATE), None))
+        self.sends.append((isend_object(self.mpi, {"pieces": pieces}, dest, wire.TAG_STATE,
+                                        self.delay), None))
 
 
 def _from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..collectives._common import block_bounds
 from ..config import env_int
+from ..p2p import block_bounds
 
 __all__ = ["Piece", "ShardPlan", "DEFAULT_SPLIT_BYTES"]
 

@@ -35,12 +35,11 @@ import torch
 from mpi4py import MPI
 
 from ..config import env_int
-from ..linkdelay import LinkDelay
 from ..tags import TAG_PS_CONTROL, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
 
 __all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "TAG_REQUEST", "TAG_REPLY", "TAG_CONTROL",
            "TAG_STATE", "Message", "pack", "unpack", "reply_nbytes", "Backoff",
-           "wait_requests", "probe_wait", "recv_bytes", "isend_bytes"]
+           "wait_requests", "probe_wait"]
 
 # operations
 PUSH, PULL, CLOSE, CKPT, REPLY = 1, 2, 3, 4, 5
@@ -176,22 +175,3 @@ def probe_wait(comm: MPI.Intracomm, source: int, tag: int) -> tuple[MPI.Message,
         if msg is not None:
             return msg, status
         backoff.idle()
-
-
-def recv_bytes(msg: MPI.Message, status: MPI.Status, delay: LinkDelay | None = None
-               ) -> np.ndarray:
-    """Receive the matched binary message into a fresh uint8 buffer."""
-    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-    msg.Recv([buf, MPI.BYTE])
-    if delay is not None:
-        delay.after_receive()
-    return buf
-
-
-def isend_bytes(mpi: MPI.Intracomm, buf: np.ndarray, dest: int, tag: int,
-                delay: LinkDelay | None = None) -> MPI.Request:
-    """``MPI_Isend`` of a packed message; under the emulated cluster the injected latency
-    (:mod:`mpicomm.linkdelay`) is waited first, as the collectives' sends do."""
-    if delay is not None:
-        delay.before_send(dest)
-    return mpi.Isend([buf, MPI.BYTE], dest, tag)

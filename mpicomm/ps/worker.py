@@ -34,7 +34,8 @@ from mpi4py import MPI
 from ..buffers import FLOAT_DTYPES, from_torch, inspect, to_torch
 from ..comm import Communicator
 from ..compress import Compressor, ErrorFeedback
-from ..linkdelay import LinkDelay
+from ..emulate.linkdelay import LinkDelay
+from ..p2p import isend_bytes, isend_object, recv_bytes, recv_object
 from . import checkpoint as ckpt
 from . import wire
 from .codec import Codec, PieceView, pull_name
@@ -174,11 +175,12 @@ class Worker:
         """Worker 0 sends each server its new pieces and waits for the acks; then every
         worker waits for worker 0, so no push can reach a server before its piece."""
         if self.rank == 0 and messages:
-            reqs = [self.mpi.isend({"op": "init", "pieces": pieces}, self.server_rank(s),
-                                   wire.TAG_CONTROL) for s, pieces in messages.items()]
+            reqs = [isend_object(self.mpi, {"op": "init", "pieces": pieces},
+                                 self.server_rank(s), wire.TAG_CONTROL, self.delay)
+                    for s, pieces in messages.items()]
             for s in messages:
                 msg, _ = wire.probe_wait(self.mpi, self.server_rank(s), wire.TAG_CONTROL)
-                msg.recv()
+                recv_object(msg, self.delay)
             wire.wait_requests(reqs)
         self.group.barrier()
 
@@ -224,7 +226,7 @@ class Worker:
             buf = wire.pack(wire.PUSH, info.key_id, p.index, seq, self.rank, seq,
                             arrays=arrays)
             self.stats["bytes_pushed"] += buf.nbytes
-            self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(p.server),
+            self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(p.server),
                                               wire.TAG_REQUEST, self.delay), buf))
         self.stats["pushes"] += 1
 
@@ -259,7 +261,7 @@ class Worker:
             for p in info.pieces:
                 where[(info.key_id, p.index)] = (slot, p)
                 buf = wire.pack(wire.PULL, info.key_id, p.index, self.rank)
-                self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(p.server),
+                self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(p.server),
                                                   wire.TAG_REQUEST, self.delay), buf))
         seen_pushes = None
         stalest = 0
@@ -272,7 +274,7 @@ class Worker:
                 backoff.idle(urgent=bool(self.sends))
                 continue
             backoff.busy()
-            buf = wire.recv_bytes(msg, status, self.delay)
+            buf = recv_bytes(msg, status, self.delay)
             m = wire.unpack(buf)
             slot, p = where.pop((m.key_id, m.piece))
             results[slot][p.start:p.stop] = self._received(infos[slot], p, m)
@@ -321,7 +323,7 @@ class Worker:
     def _to_all_servers(self, op: int) -> None:
         for s in range(self.servers):
             buf = wire.pack(op, 0, 0, self.rank)
-            self.sends.append((wire.isend_bytes(self.mpi, buf, self.server_rank(s),
+            self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(s),
                                               wire.TAG_REQUEST, self.delay), buf))
 
     def close(self) -> None:
@@ -345,7 +347,7 @@ class Worker:
                 states = {}
                 for s in range(self.servers):
                     msg, _ = wire.probe_wait(self.mpi, self.server_rank(s), wire.TAG_STATE)
-                    states[s] = msg.recv()["pieces"]
+                    states[s] = recv_object(msg, self.delay)["pieces"]
                 data = ckpt.assemble(list(self.keys.values()), states, gathered,
                                      workers=self.workers, mode=self.mode,
                                      optimizer=self.optimizer)

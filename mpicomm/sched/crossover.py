@@ -75,9 +75,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import clock
-from ..comm import Communicator, abort_after_flush, describe_mismatch, resolve
+from ..abort import abort_after_flush
+from ..comm import Communicator, describe_mismatch, resolve
 from ..config import env_flag
-from ..timeline import Timeline
+from ..observe.timeline import Timeline
 from ..validate import check_poll_s
 from .job import Job
 from .token import Token
@@ -262,7 +263,7 @@ class CrossoverScheduler:
         The :class:`~mpicomm.Communicator` over the ranks every job spans (default:
         world). Never used for a job's traffic: each job gets ``comm.dup()``.
     timeline:
-        A :class:`~mpicomm.timeline.Timeline` (``True``: a new one) that receives, per
+        A :class:`~mpicomm.observe.timeline.Timeline` (``True``: a new one) that receives, per
         rank, a ``compute``/``finish`` and a ``sync`` span per iteration on the row
         ``"job <name>"`` and, on the row ``"token"``, a ``wait <name>`` span whenever
         the token had to wait for a job's sync.

@@ -15,17 +15,19 @@ function               what every rank gets
 Inputs are numpy arrays, torch tensors (CPU/CUDA) or cupy arrays; results come back in the
 same framework and device, sorted by index ascending and identical on every rank. Every
 selection uses the library's total order (``|v|`` desc, then index asc).
-:mod:`mpicomm.sparse.reference` holds single-process numpy references (the spec).
+:mod:`mpicomm.sparse.reference` holds single-process numpy references (the spec),
+:mod:`mpicomm.sparse.sets` the kernels on sparse sets (union, truncation, merge).
 Costs are in :mod:`mpicomm.collectives.cost` (``topk_allgather``, ``gtopk``,
 ``artopk_ring``, ``artopk_tree``).
 """
 
-from . import reference
+from . import reference, sets
 from .allgather import exact_topk, topk_allgather
 from .artopk import ARTopKState, artopk
 from .gtopk import gtopk
 
-__all__ = ["topk_allgather", "gtopk", "artopk", "ARTopKState", "exact_topk", "reference"]
+__all__ = ["topk_allgather", "gtopk", "artopk", "ARTopKState", "exact_topk", "reference",
+           "sets"]
 
 
 def _cost_kernels() -> None:
@@ -37,7 +39,7 @@ def _cost_kernels() -> None:
     import torch
 
     from ..costtable import register_kernel
-    from ._common import truncate, union
+    from .sets import truncate, union
 
     def select(n: int):  # type: ignore[no-untyped-def]
         gen = torch.Generator().manual_seed(0)

@@ -35,19 +35,19 @@ import torch
 from .. import clock
 from ..collectives.allgather import allgatherv
 from ..comm import Communicator, resolve
-from ..trace import describe_sparse, traced
+from ..hooks import traced
+from ..p2p import pack as pack_pairs
+from ..p2p import unpack
 from ._common import (
-    Pairs,
     SparseInput,
     check_int,
+    describe_sparse,
     read_pairs,
     read_topk_args,
     to_caller,
-    truncate,
-    unpack,
     wire_index_dtype,
 )
-from ._common import pack as pack_pairs
+from .sets import Pairs, truncate
 
 __all__ = ["topk_allgather", "exact_topk"]
 

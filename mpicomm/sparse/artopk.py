@@ -51,24 +51,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import clock
 from ..buffers import framework_of, to_torch
 from ..collectives.allgather import allgather
 from ..collectives.allreduce import allreduce
 from ..collectives.broadcast import broadcast
 from ..comm import Communicator, resolve
-from ..selection import topk_indices
-from ..trace import describe_sparse, traced
+from ..compress.topk_select import topk_indices
+from ..hooks import traced
 from ..validate import check_algorithm
 from ._common import (
     FLOAT_TORCH,
     all_finite,
     check_int,
     check_k,
-    selection_key,
+    describe_sparse,
     to_caller,
     wire_index_dtype,
 )
+from .sets import selection_key
 
 __all__ = ["artopk", "ARTopKState", "SOURCES", "ALGORITHMS"]
 
@@ -210,7 +210,6 @@ def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator |
 
 
 def _local_topk(xf: torch.Tensor, k: int, allow_nonfinite: bool) -> torch.Tensor:
-    clock.charge("select", xf.shape[0])
     if allow_nonfinite:
         return topk_indices(selection_key(xf), k)
     return topk_indices(xf, k)

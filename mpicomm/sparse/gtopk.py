@@ -57,22 +57,18 @@ from typing import Any
 
 import torch
 
-from ..collectives._common import fold_layout, real_rank, virtual_rank
 from ..comm import Communicator, resolve
-from ..trace import describe_sparse, traced
+from ..hooks import traced
+from ..p2p import Wire, fold_layout, pack, real_rank, unpack, virtual_rank
 from ._common import (
     TAG_GTOPK_FOLD,
     TAG_GTOPK_ROUND,
-    Pairs,
-    Wire,
-    merge_truncate,
-    pack,
+    describe_sparse,
     read_topk_args,
     to_caller,
-    truncate,
-    unpack,
     wire_index_dtype,
 )
+from .sets import Pairs, merge_truncate, truncate
 
 __all__ = ["gtopk"]
 
@@ -121,7 +117,7 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
     entries: fewer than k when the ranks' supports together have fewer than k indices.
 
     Raises ``ValueError``/``TypeError`` before communicating on bad arguments (see
-    :func:`mpicomm.sparse._common.read_pairs`); in checked mode on every rank.
+    ``read_pairs`` of the private ``_common``); in checked mode on every rank.
     """
     comm = resolve(comm)
     sp, k, size = read_topk_args(comm, "gtopk", indices, values, k, size, allow_nonfinite)

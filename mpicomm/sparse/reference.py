@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ..collectives._common import fold_layout, real_rank, virtual_rank
-from ..selection import topk_indices
+from ..compress.topk_select import topk_indices
+from ..p2p import fold_layout, real_rank, virtual_rank
 from ..validate import check_int
 
 __all__ = ["simulate_gtopk", "exact_topk", "scatter_add", "merge_truncate", "truncate",

@@ -27,7 +27,7 @@ from ..buffers import FLOAT_DTYPES, inspect
 from ..collectives import cost
 from ..compress import ErrorFeedback
 from ..compress.topk import check_density, check_k, k_for
-from ..sparse._common import pack_bytes, unpack_bytes
+from ..p2p import pack_bytes, unpack_bytes
 from ..validate import check_algorithm
 from .base import DEFAULT_FUSION_BYTES, Strategy
 

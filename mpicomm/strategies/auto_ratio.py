@@ -12,7 +12,7 @@ the step's own gradients, beside the exchange at the ratio in force.
 
 Cost: one extra top-k selection per bucket and step where the scheme that ran does not
 keep exact Top-k itself (1-3 ms for 1.1e6 floats on one core); a probe step takes the
-masses at every candidate from one sort (:func:`~mpicomm.selection.topk_masses`).
+masses at every candidate from one sort (:func:`~mpicomm.compress.topk_select.topk_masses`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 
 from ..compress.topk import k_for
+from ..compress.topk_select import topk_masses
 from ..control.cr import CRController
-from ..selection import topk_masses
 
 __all__ = ["RatioControl"]
 

@@ -49,7 +49,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from .. import clock, trace
+from .. import clock, hooks
 from ..buffers import from_torch, inspect, to_torch
 from ..collectives.cost import ComputeParams, CostParams, calibrated
 from ..comm import Communicator, Traffic, resolve
@@ -57,7 +57,7 @@ from ..fusion import Layout, LayoutCache, group, kind_of
 from ..validate import check_int
 
 __all__ = ["Strategy", "StrategyStats", "FusedBuffer", "fuse", "buffer_name", "measure",
-           "DEFAULT_FUSION_BYTES", "fused_sizes", "fused_groups", "link_delay", "Shapes"]
+           "DEFAULT_FUSION_BYTES", "fused_sizes", "fused_groups", "describe_strategy", "Shapes"]
 
 #: What :meth:`Strategy.predict` takes: one flat buffer's element count, or tensor shapes.
 Shapes = Union[int, Sequence[Union[int, tuple[int, ...]]]]
@@ -173,35 +173,22 @@ def fused_sizes(shapes: Sequence[tuple[int, ...]], itemsize: int, fusion_bytes: 
             for g in fused_groups(shapes, itemsize, fusion_bytes)]
 
 
-def link_delay(comm: Communicator, moved: Traffic) -> float:
-    """Seconds of an *emulated* slower network for traffic ``moved`` on ``comm``.
-
-    ``comm.resources["emulated_link"] = (alpha, beta)`` (seconds, seconds per byte) makes
-    every strategy sleep ``alpha·messages + beta·bytes sent`` by this rank after each
-    aggregation (:func:`measure`), i.e. the one-port alpha-beta time of the traffic it
-    really sent, on top of the real transfer. For benchmarks of slow links on one host
-    (``python -m mpicomm.bench adaptive``); 0 when unset.
-    """
-    link = comm.resources.get("emulated_link")
-    if not link:
-        return 0.0
-    alpha, beta = link
-    return alpha * moved.messages + beta * moved.sent_bytes
+def describe_strategy(strategy: Strategy, tensors: Sequence[Any]) -> dict[str, Any]:
+    """Span args of a strategy's aggregation: its scalar settings and the tensor count."""
+    return {**{k: v for k, v in strategy.describe().items()
+               if isinstance(v, (int, float, str))}, "tensors": len(tensors)}
 
 
 @contextlib.contextmanager
 def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
     """Count the traffic, time and dense-equivalent bytes of one aggregation (on success);
-    sleeps the :func:`link_delay` of an emulated link when one is set."""
+    the time on :func:`mpicomm.clock.now`."""
     start = clock.now()
     comm = strategy.comm
-    with comm.traffic.measure() as moved, trace.block(
+    with comm.traffic.measure() as moved, hooks.block(
             f"{strategy.name}.aggregate", "strategy", comm,
-            **(trace.describe_strategy(strategy, tensors) if trace.active() else {})):
+            **(describe_strategy(strategy, tensors) if hooks.recording() else {})):
         yield
-    delay = link_delay(comm, moved)
-    if delay > 0:
-        clock.sleep(delay)
     strategy.stats.add_call(moved, tensors, clock.now() - start)
 
 
@@ -382,7 +369,5 @@ def _as_shapes(shapes: Shapes) -> list[tuple[int, ...]]:
     out = []
     for s in shapes:
         shape = (s,) if isinstance(s, int) and not isinstance(s, bool) else tuple(s)
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
-            raise ValueError(f"bad shape {s!r}: dimensions must be ints >= 0")
-        out.append(shape)
+        out.append(tuple(check_int(f"dimension of shape {s!r}", n, 0) for n in shape))
     return out

@@ -57,7 +57,7 @@ def measure_compute(numel: int = 1 << 20, density: float = 0.01,
                     repeats: int = 3) -> ComputeParams:
     """Time the strategies' local kernels on this machine (no communication).
 
-    ``select``: :func:`mpicomm.selection.topk_indices` of ``density·numel`` out of
+    ``select``: :func:`mpicomm.compress.topk_select.topk_indices` of ``density·numel`` out of
     ``numel`` float32; ``merge``: one gTop-k merge-and-truncate of two k-pair sets, per
     pair; ``scatter``: zero fill + scatter of k values into ``numel``; ``flop``: a
     float32 matmul; ``copy``: an add of two vectors, per byte. Cost: ``repeats + 1`` runs
@@ -75,8 +75,8 @@ def measure_compute(numel: int = 1 << 20, density: float = 0.01,
 
         return ComputeParams(select=rate("select"), merge=rate("merge") + rate("select"),
                              scatter=rate("scatter"), flop=rate("flop"), copy=rate("copy"))
-    from ..selection import topk_indices
-    from ..sparse._common import merge_truncate
+    from ..compress.topk_select import topk_indices
+    from ..sparse.sets import merge_truncate
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=gen)

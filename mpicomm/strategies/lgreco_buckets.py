@@ -63,9 +63,9 @@ from ..collectives import allgather, allreduce, cost
 from ..compress import QSGD, PowerSGD
 from ..compress.base import Payload
 from ..compress.powersgd import matrix_shape
-from ..selection import topk_indices
+from ..compress.topk_select import topk_indices
+from ..p2p import pack_bytes, unpack_bytes
 from ..sparse import artopk, topk_allgather
-from ..sparse._common import pack_bytes, unpack_bytes
 
 __all__ = ["Segment", "qsgd_bucket", "powersgd_bucket", "predict_bucket", "FAMILY_SCHEMES",
            "segment_topk_indices", "topk_bucket"]

@@ -36,15 +36,15 @@ import torch
 from ..compress.powersgd import PowerSGD
 from ..compress.qsgd import QSGD
 from ..compress.topk import TopK
+from ..compress.topk_select import topk_masses
 from ..control.lgreco import LGreco
-from ..selection import topk_masses
 
 __all__ = ["LayerErrors", "topk_tail_errors", "layer_shape", "family_compressor"]
 
 
 def topk_tail_errors(a: torch.Tensor, ks: Sequence[int]) -> list[float]:
     """``||a - topk_k(a)||`` for each k: the norm of all but the k largest magnitudes
-    (:func:`~mpicomm.selection.topk_masses` of ``a``'s entries, taken from its total)."""
+    (:func:`~mpicomm.compress.topk_select.topk_masses` of ``a``'s entries, taken from its total)."""
     flat = a.detach().reshape(-1)
     total = float(flat.double().pow(2).sum())
     return [math.sqrt(max(total - kept, 0.0)) for kept in topk_masses(flat, ks)]

@@ -32,8 +32,8 @@ from typing import Any
 
 from .. import clock
 from ..comm import Communicator
+from ..observe.timeline import Timeline
 from ..strategies import Strategy
-from ..timeline import Timeline
 from . import comm_thread
 from .buckets import Bucket, aggregate_bucket
 

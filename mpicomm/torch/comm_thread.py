@@ -72,7 +72,7 @@ def abort_at_exit_if_alive(thread: threading.Thread) -> None:
         thread.join(timeout=1.0)
         if not thread.is_alive():
             return
-        from ..comm import abort_job
+        from ..abort import abort_job
 
         abort_job("GradientSync's communication thread is still inside an MPI collective "
                   "that the other ranks left (its with block ended with an exception); "

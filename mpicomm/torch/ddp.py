@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import trace
+from .. import hooks
 from ..comm import Communicator, resolve
 from ..strategies import Strategy
 from .strategy_options import build_strategy
@@ -207,7 +207,7 @@ class MpicommHookState:
         try:
             if ready is not None:
                 ready.synchronize()
-            with trace.block(f"ddp bucket {index}", "bucket", None, bucket=index,
+            with hooks.block(f"ddp bucket {index}", "bucket", None, bucket=index,
                              bytes=grad.numel() * grad.element_size()):
                 (out,) = self.strategy.aggregate([grad], [f"ddp/b{index}/{grad.numel()}"])
             if out.is_cuda:  # finished on this thread's stream before DDP reads it

@@ -1,4 +1,4 @@
-"""Decentralized gossip averaging of a model's parameters (see ``mpicomm.roles.gossip``).
+"""Decentralized gossip averaging of a model's parameters (see ``mpicomm.gossip``).
 
 Use it for decentralized SGD (D-PSGD): each rank takes a local optimizer step, then
 mixes its parameters with its neighbours' instead of an allreduce::
@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..comm import Communicator, Traffic, resolve
-from ..roles.gossip import Topology, consensus_distance, make_topology, neighbor_average
+from ..gossip import Topology, consensus_distance, make_topology, neighbor_average
 from .localsgd import FusedTensors
 from .replicas import broadcast_module, check_model
 
@@ -38,7 +38,7 @@ class GossipAveraging:
         The ``torch.nn.Module`` replica. Only parameters are mixed (floating-point ones);
         buffers stay local.
     topology:
-        ``"ring"``, ``"exponential"`` or a ``mpicomm.roles.gossip.Topology`` for
+        ``"ring"``, ``"exponential"`` or a ``mpicomm.gossip.Topology`` for
         ``comm.size`` ranks.
     comm:
         ``mpicomm.Communicator`` (default: the world).

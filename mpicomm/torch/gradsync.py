@@ -42,10 +42,10 @@ import torch
 
 from .. import clock
 from ..comm import Communicator, resolve
-from ..metrics import metrics_from
+from ..observe.metrics import metrics_from
+from ..observe.timeline import Timeline
+from ..observe.trace import active as active_timeline
 from ..strategies import Strategy, StrategyStats
-from ..timeline import Timeline
-from ..trace import active as active_timeline
 from . import comm_thread
 from .bucket_pipeline import BucketPipeline, Step
 from .buckets import make_buckets
@@ -153,13 +153,13 @@ class GradientSync:
         reduction also tells which parameters got a gradient on some rank (below); its
         cost is one latency per bucket, negligible next to the bucket's own collective.
     timeline:
-        A ``mpicomm.timeline.Timeline`` to record into (``True`` makes a new one):
+        A ``mpicomm.observe.timeline.Timeline`` to record into (``True`` makes a new one):
         ``bucket ready`` instants on the autograd thread, one ``aggregate`` span per bucket
         on the communication thread (with bytes and parameter count), and ``wait`` spans
-        on the caller's thread. ``None``: the recording of ``mpicomm.trace`` active at
+        on the caller's thread. ``None``: the recording of ``mpicomm.observe.trace`` active at
         construction (``MPICOMM_TIMELINE``), else a disabled timeline (no cost).
     metrics:
-        A ``mpicomm.metrics.Metrics`` (or a path for a new one) that gets one record
+        A ``mpicomm.observe.metrics.Metrics`` (or a path for a new one) that gets one record
         per step from ``wait`` (bytes, compression, strategy and collective, predicted
         and measured communication time, wait time; ``skipped`` for a skipped step).
         ``None``: one from ``MPICOMM_METRICS`` when that is set, else none (no cost).

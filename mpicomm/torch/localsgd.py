@@ -39,11 +39,11 @@ import torch
 
 from ..clock import now as clock_now
 from ..clock import sleep as clock_sleep
-from ..collectives import ALGORITHMS, allreduce
+from ..collectives import ALGORITHMS, allreduce, cost
 from ..comm import Communicator, Traffic, resolve
 from ..control.adacomm import AdaComm
 from ..fusion import Layout, LayoutCache, group, kind_of
-from ..validate import check_algorithm
+from ..validate import check_algorithm, check_int
 from .replicas import broadcast_module, check_model
 
 __all__ = ["LocalSGD"]
@@ -184,13 +184,9 @@ class LocalSGD:
         if isinstance(period, AdaComm):
             self.adacomm: AdaComm | None = period
             self._fixed = period.tau
-        elif isinstance(period, bool) or not isinstance(period, int):
-            raise TypeError(f"period must be an int or an AdaComm, got {type(period).__name__}")
-        elif period < 1:
-            raise ValueError(f"period must be >= 1, got {period}")
         else:
             self.adacomm = None
-            self._fixed = period
+            self._fixed = check_int("period (an int or an AdaComm)", period, 1)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -290,6 +286,13 @@ class LocalSGD:
                     if buf is not None:
                         out.append(buf)
         return out
+
+    def predict_round_s(self) -> float:
+        """The cost model's seconds for one averaging round: an allreduce of the bytes of
+        ``tensors()`` with the algorithm it picks, on this communicator's calibration."""
+        n = sum(t.numel() * t.element_size() for t in self.tensors())
+        p, params = self.comm.size, self.comm.resources.get("cost_params")
+        return cost.predict("allreduce", cost.choose("allreduce", n, p, params), n, p, params)
 
     def average(self) -> None:
         """Average now (collective), without changing the schedule or AdaComm's state.

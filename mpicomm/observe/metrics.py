@@ -67,7 +67,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import clock
+from .. import clock
+from ..validate import check_int
 
 __all__ = ["Metrics", "metrics_from", "predict_step_comm"]
 
@@ -116,8 +117,7 @@ class Metrics:
             fresh = path is not None
         if path is None:
             path = os.environ.get("MPICOMM_METRICS") or None
-        if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be a positive int, got {keep!r}")
+        keep = check_int("keep", keep, 1)
         self.rank = _world_rank() if rank is None else int(rank)
         raw = None if path is None else str(path)
         self.path: Path | None = None
@@ -217,13 +217,20 @@ def metrics_from(metrics: Metrics | str | os.PathLike | None) -> Metrics | None:
 
 
 # ---------------------------------------------------------------------- sources
-def _strategy_of(source: Any) -> Any:
-    from .strategies import Strategy
+def _is_strategy(obj: Any) -> bool:
+    """Whether ``obj`` looks like a :class:`~mpicomm.strategies.Strategy`: it aggregates,
+    describes itself and keeps traffic stats (duck typing: this layer sits below the
+    strategies and does not import them)."""
+    return (callable(getattr(obj, "aggregate", None))
+            and callable(getattr(obj, "describe", None))
+            and hasattr(getattr(obj, "stats", None), "dense_bytes"))
 
-    if isinstance(source, Strategy):
+
+def _strategy_of(source: Any) -> Any:
+    if _is_strategy(source):
         return source
     strategy = getattr(source, "strategy", None)
-    return strategy if isinstance(strategy, Strategy) else None
+    return strategy if _is_strategy(strategy) else None
 
 
 def _counters(source: Any) -> dict[str, Any]:
@@ -269,18 +276,16 @@ def predict_step_comm(source: Any) -> float | None:
 
     GradientSync: the ``"comm"`` part of the strategy's
     :meth:`~mpicomm.strategies.Strategy.predict_parts` summed over the buckets (with the
-    communicator's calibration); LocalSGD: one allreduce of the averaged bytes with the
-    algorithm the cost model picks. Other sources (a bare strategy, the DDP hook) do
+    communicator's calibration); LocalSGD: its
+    :meth:`~mpicomm.torch.LocalSGD.predict_round_s` (one allreduce of the averaged bytes
+    with the algorithm the cost model picks). Other sources (a bare strategy, the DDP hook) do
     not know their buffers ahead of time: ``None``.
     """
-    from .collectives import cost
-
-    comm = getattr(source, "comm", None)
-    params = comm.resources.get("cost_params") if comm is not None else None
-    p = comm.size if comm is not None else 1
     if hasattr(source, "rounds") and hasattr(source, "period"):  # LocalSGD
-        n = sum(t.numel() * t.element_size() for t in source.tensors())
-        return cost.predict("allreduce", cost.choose("allreduce", n, p, params), n, p, params)
+        predict = getattr(source, "predict_round_s", None)
+        return predict() if callable(predict) else None
+    comm = getattr(source, "comm", None)
+    p = comm.size if comm is not None else 1
     strategy = _strategy_of(source)
     model = getattr(source, "model", None)
     if strategy is None or model is None or not hasattr(strategy, "predict_parts"):

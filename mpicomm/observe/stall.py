@@ -14,9 +14,10 @@ The job is not stopped: the report is diagnostic, the collective goes on waiting
 stalled call is reported once, and only the innermost one of a thread (a strategy's
 aggregation waiting in its gTop-k exchange is reported as the exchange).
 
-How it works: every traced front-end call (see :mod:`mpicomm.trace`) registers itself
-while it runs (name, the world ranks of its communicator, a per-group call count, start
-time, thread): a dict insert and delete under a lock per call. Each rank runs one
+How it works: the inspector is the registered watch of :mod:`mpicomm.hooks`, so every
+traced front-end call registers itself while it runs (name, the world ranks of its
+communicator, a per-group call count, start time, thread): a dict insert and delete
+under a lock per call. Each rank runs one
 daemon thread that every ``poll_s`` answers queries from other ranks and checks its own
 running calls against the threshold. Answers come from that thread, so a rank that is
 computing, sleeping or blocked inside MPI still answers (the GIL is released in MPI and
@@ -56,8 +57,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import trace
-from .tags import TAG_STALL_QUERY, TAG_STALL_REPLY
+from .. import hooks
+from ..tags import TAG_STALL_QUERY, TAG_STALL_REPLY
 
 __all__ = ["StallInspector", "StallReport", "start_from_env", "CHECKED_DEFAULT_S"]
 
@@ -155,8 +156,8 @@ class StallInspector:
             log.warning("rank %d: the stall inspector needs MPI_THREAD_MULTIPLE; it is off",
                         self.rank)
             return
-        if trace.set_watch(self) is not None:
-            trace.set_watch(None)
+        if hooks.set_watch(self) is not None:
+            hooks.set_watch(None)
             self._mpi.Free()
             raise RuntimeError("a stall inspector is already running in this process")
         self._thread = threading.Thread(target=self._run, name="mpicomm-stall", daemon=True)
@@ -168,7 +169,7 @@ class StallInspector:
 
     # ------------------------------------------------------------------ registration
     def enter(self, name: str, comm: Any) -> int:
-        """A traced call starts (called by :mod:`mpicomm.trace`); returns its token."""
+        """A traced call starts (called by :mod:`mpicomm.hooks`); returns its token."""
         group = _world_ranks(comm)
         token = next(self._tokens)
         now = time.monotonic()
@@ -280,7 +281,7 @@ class StallInspector:
         self.reports.append(StallReport(self.rank, call.name, call.group, call.count,
                                         waited, answers, missing, message))
         log.warning("%s", message)
-        trace.instant("stall", cat="stall", call=call.name, missing=missing)
+        hooks.instant("stall", cat="stall", call=call.name, missing=missing)
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
@@ -291,8 +292,8 @@ class StallInspector:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-            if trace._watch is self:
-                trace.set_watch(None)
+            if hooks.watch() is self:
+                hooks.set_watch(None)
         if not MPI.Is_finalized():
             self._mpi.Free()
 
@@ -326,7 +327,7 @@ def start_from_env(check: bool = False) -> StallInspector | None:
             raise ValueError(f"MPICOMM_STALL_S={raw!r}: expected seconds (0 = off)")
     else:
         threshold = CHECKED_DEFAULT_S if check else 0.0
-    if threshold == 0 or trace._watch is not None:
+    if threshold == 0 or hooks.watch() is not None:
         return None
     _env_inspector = StallInspector(threshold)
     atexit.register(_env_inspector.close)

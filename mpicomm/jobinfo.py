@@ -1,7 +1,8 @@
-"""What a running job looks like: nodes, local ranks, measured links, usable buffers.
+"""The job description of ``python -m mpicomm info``: nodes, local ranks, measured
+links, usable buffers.
 
-:func:`describe_job` is what ``mpiexec -n N python -m mpicomm info`` adds to the
-single-process report. Collective over the communicator:
+:func:`describe_job` (printed by :func:`format_job`) is what ``mpiexec -n N python -m
+mpicomm info`` adds to the single-process report. Collective over the communicator:
 
 * **placement**: every rank's host, node index and local rank (ranks sharing memory);
 * **links**: alpha (latency, s) and beta (s/byte) fitted by
@@ -57,7 +58,7 @@ def measure_link(comm: Communicator, partner: int | None, repeats: int = 10
 def usable_backends(comm: Communicator) -> dict[str, str]:
     """Backend name -> ``"yes (...)"`` / ``"no (why)"``, agreed over all ranks."""
     from . import allreduce
-    from .buffers import cuda_aware
+    from .cudampi import cuda_aware
 
     candidates: list[tuple[str, Any]] = [("numpy", lambda: np.ones(4, dtype=np.float32))]
     try:

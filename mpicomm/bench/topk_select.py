@@ -10,12 +10,14 @@ median of ``--repeats`` runs (CUDA events on a GPU, ``perf_counter`` on the CPU)
 
 * ``torch.topk``: ``torch.topk(|x|, k, sorted=False)`` (ties broken arbitrarily: not
   mpicomm's order; the baseline of issue 14);
-* ``topk_indices``: :func:`mpicomm.selection.topk_indices` (what the compressors call:
-  threshold + compaction on CUDA, sample prefilter + partial selection on the CPU);
+* ``topk_indices``: :func:`mpicomm.compress.topk_select.topk_indices` (what the
+  compressors call: threshold + compaction on CUDA, sample prefilter + partial selection
+  on the CPU);
 * ``prefilter``: the sample prefilter + ``torch.topk`` over the candidates (the CPU
   path, also timed on the GPU for comparison);
-* ``threshold``: :func:`mpicomm.selection.topk_threshold` (exact, threshold + compaction);
-* ``approx``: :func:`mpicomm.selection.topk_indices_approx` (recall reported);
+* ``threshold``: :func:`mpicomm.compress.topk_select.topk_threshold` (exact, threshold +
+  compaction);
+* ``approx``: :func:`mpicomm.compress.topk_select.topk_indices_approx` (recall reported);
 * ``TopK.compress``: the whole compressor (selection + gather of the values).
 
 ``x_topk`` is torch.topk's time divided by the row's (above 1: faster than torch.topk).
@@ -35,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ..compress import TopK
-from ..selection import _topk_torch, topk_indices, topk_indices_approx, topk_threshold
+from ..compress.topk_select import _topk_torch, topk_indices, topk_indices_approx, topk_threshold
 from ._util import UsageError, positive_floats, print_table, write_json
 
 COLUMNS = ("device", "d", "density", "k", "method", "time_ms", "x_topk", "exact", "recall")

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..comm import resolve
+
 __all__ = ["Timeline"]
 
 _NULL = contextlib.nullcontext()
@@ -137,8 +139,6 @@ class Timeline:
         Collective over ``comm`` (an :class:`mpicomm.Communicator`, default the world).
         Timestamps are shifted onto ``root``'s time origin using each rank's wall clock.
         """
-        from .comm import resolve
-
         comm = resolve(comm)
         mine = (self._origin_wall_us, self.events())
         everyone = comm.ctl.gather(mine, root=root)

@@ -1,6 +1,6 @@
 """PNG plots of a metrics file (``python -m mpicomm plot metrics.jsonl [-o out.png]``).
 
-Six panels from the records of :class:`mpicomm.metrics.Metrics`: loss and accuracy
+Six panels from the records of :class:`mpicomm.observe.metrics.Metrics`: loss and accuracy
 against time, loss against cumulative bytes sent, the local-SGD period ``tau`` over
 steps, the collective chosen at each step, bytes sent per step with the compression
 ratio, and predicted against measured communication time. A panel without data says so.

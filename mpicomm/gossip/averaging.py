@@ -44,8 +44,8 @@ import numpy as np
 
 from ..buffers import Buffer
 from ..collectives import allreduce
-from ..collectives._common import Ctx
 from ..comm import Communicator, resolve
+from ..p2p import Ctx
 from ..tags import TAG_GOSSIP
 from ..validate import check_int
 

@@ -1,0 +1,121 @@
+"""The MPI installation and the machine a job runs on (standard library and mpi4py only).
+
+* :func:`library_version` / :func:`mpi_flavor`: which MPI mpi4py uses (asked without
+  initializing MPI);
+* :func:`find_mpiexec`: ``$MPICOMM_MPIEXEC``, else the ``mpiexec`` beside this Python (an
+  MPI wheel in a virtual environment puts it there), else the first on ``PATH``;
+* :func:`launcher_env`: for Open MPI, unless already set: ``OMPI_ALLOW_RUN_AS_ROOT=1``
+  and ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` when running as root (containers),
+  ``PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe`` when the rank count exceeds
+  the usable cores, and ``OMPI_MCA_btl=^ofi`` (skips the slow OFI probe on machines
+  without such a network). MPICH needs none of these;
+* :func:`machine` / :func:`network`: the conditions a benchmark records (the emulated
+  cluster's ``MPICOMM_EMU_*`` variables, or one host's shared memory).
+
+Used by ``python -m mpicomm run``, the emulated cluster's launcher and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["library_version", "mpi_flavor", "find_mpiexec", "usable_cores", "launcher_env",
+           "machine", "network"]
+
+
+def library_version() -> str:
+    """``MPI_Get_library_version()`` of the MPI that mpi4py uses, without initializing MPI."""
+    import mpi4py
+
+    if not _mpi_imported():
+        mpi4py.rc.initialize = False  # the query is legal before MPI_Init
+    from mpi4py import MPI
+
+    return MPI.Get_library_version()
+
+
+def _mpi_imported() -> bool:
+    return "mpi4py.MPI" in sys.modules
+
+
+def mpi_flavor(version: str) -> str:
+    """``"openmpi"``, ``"mpich"`` (MPICH and its derivatives) or ``"other"``."""
+    if "Open MPI" in version:
+        return "openmpi"
+    if "MPICH" in version or "Intel(R) MPI" in version or "MVAPICH" in version:
+        return "mpich"
+    return "other"
+
+
+def find_mpiexec(python: str | None = None) -> str:
+    """``$MPICOMM_MPIEXEC``, else the ``mpiexec`` beside ``python`` (default: this one),
+    else the one on ``PATH``; ``FileNotFoundError`` when there is none."""
+    explicit = os.environ.get("MPICOMM_MPIEXEC")
+    if explicit:
+        return explicit
+    beside = Path(python or sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("no mpiexec beside this Python nor on PATH; install an MPI "
+                                "(pip install mpich) or set MPICOMM_MPIEXEC")
+    return found
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def launcher_env(flavor: str, ranks: int, base: dict[str, str] | None = None
+                 ) -> dict[str, str]:
+    """The environment for ``mpiexec``: ``base`` (default ``os.environ``) plus, for Open
+    MPI, the settings of the module docstring; variables already set are kept (``ranks``
+    decides oversubscription)."""
+    env = dict(os.environ if base is None else base)
+    if flavor != "openmpi":
+        return env
+    wanted = {"OMPI_MCA_btl": "^ofi"}
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        wanted.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if ranks > usable_cores():
+        wanted["PRTE_MCA_rmaps_default_mapping_policy"] = ":oversubscribe"
+    for key, value in wanted.items():
+        env.setdefault(key, value)
+    return env
+
+
+def machine() -> dict[str, Any]:
+    """The machine a measurement ran on (host, cores, Python, MPI library, ranks, load
+    average) and its :func:`network`, as recorded in every benchmark's JSON."""
+    from mpi4py import MPI
+
+    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "ranks": MPI.COMM_WORLD.Get_size(), "loadavg": list(os.getloadavg()),
+            "network": network()}
+
+
+def network() -> dict[str, Any]:
+    """The network the ranks ran on: the emulated cluster's conditions (from the
+    ``MPICOMM_EMU_*`` variables ``launchers/emulated-cluster`` sets) or one host's
+    shared memory."""
+    hosts = os.environ.get("MPICOMM_EMU_HOSTS")
+    if not hosts:
+        return {"kind": "shared memory", "hosts": 1}
+    return {"kind": "emulated cluster", "hosts": int(hosts),
+            "ranks_per_host": int(os.environ.get("MPICOMM_EMU_RANKS_PER_HOST", "1")),
+            "rate": os.environ.get("MPICOMM_EMU_RATE", "unshaped"),
+            "delay_s": float(os.environ.get("MPICOMM_EMU_DELAY", "0") or 0),
+            "schedule": os.environ.get("MPICOMM_EMU_SCHEDULE") or None,
+            "rate_by": "kernel (tc tbf on both ends of each host link)",
+            "delay_by": "injected in mpicomm's point-to-point layer (Ctx/Wire); "
+                        "MPI's own collectives bypass it"}

@@ -1,2 +1,0 @@
-"""How ranks cooperate: peers (synchronous, local SGD, gossip) and, later, parameter
-servers + workers."""
