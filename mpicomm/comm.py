@@ -327,6 +327,18 @@ class Communicator:
         return self._timed("allgather", lambda: self.ctl.allgather(obj),
                            lambda got: max(_pickled(o) for o in got))
 
+    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """Gather one small picklable object from every rank on ``root`` (the list in rank
+        order there, ``None`` elsewhere)."""
+        return self._timed("allgather", lambda: self.ctl.gather(obj, root=root),
+                           lambda got: max((_pickled(o) for o in got), default=8)
+                           if got is not None else _pickled(obj))
+
+    def scatter_object(self, objs: Sequence[Any] | None, root: int = 0) -> Any:
+        """Send ``objs[r]`` from ``root`` to every rank ``r`` (``objs`` used on ``root``
+        only); returns this rank's object."""
+        return self._timed("allgather", lambda: self.ctl.scatter(objs, root=root), _pickled)
+
     def bcast_object(self, obj: Any, root: int = 0) -> Any:
         """Broadcast one small picklable object from ``root``."""
         return self._timed("bcast", lambda: self.ctl.bcast(obj, root=root), _pickled)

@@ -511,3 +511,34 @@ def test_crossover_overlaps_one_jobs_sync_with_the_others_compute(comm):
     assert total >= compute - 1e-12
     if comm.size > 1:     # a job's averaging hides behind the other job's compute
         assert sync > 0 and total < compute + sync
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_parameter_server_is_repeatable_on_the_virtual_clock(comm, mode):
+    from mpicomm.ps import KVStore
+
+    if comm.size < 2:
+        pytest.skip("a parameter server needs a server and a worker")
+
+    def run() -> tuple[list[float], float]:
+        with virtual(comm) as vc:
+            kv = KVStore(vc, servers=1, mode=mode, lr=0.1)
+            if kv.is_server:
+                kv.serve()
+                values = []
+            else:
+                kv.init("w", np.zeros(50_000, dtype=np.float32))
+                rng = random.Random()
+                for step in range(4):
+                    time.sleep(rng.random() * 0.01)       # real timing varies run to run
+                    clock.compute(1e-3 * (1 + kv.worker_rank))   # a 2x, 3x straggler
+                    kv.push("w", np.full(50_000, float(kv.worker_rank + step),
+                                         dtype=np.float32))
+                    values = kv.pull("w")[:3].tolist()
+                kv.close()
+            return values, vc.allreduce_value(clock.now(), "max")
+
+    first, again = run(), run()
+    assert first == again                 # values and virtual time, bit for bit
+    assert first[1] > 0
