@@ -13,7 +13,9 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    allreduce of the same ``n`` bytes over the W workers (measured and predicted).
 2. **Straggler** (``straggler``): digits, MLP 64-64-10, plain SGD on 1 server; each step
    a worker computes a real minibatch gradient and then sleeps ``--compute-ms`` (worker
-   0: ``--slow-factor`` times as long). Sync runs ``--steps`` steps per worker; async and
+   0: ``--slow-factor`` times as long; under ``--clock virtual`` that time is charged
+   instead, and the servers take the workers' messages in virtual-time order, so async
+   and SSP are repeatable). Sync runs ``--steps`` steps per worker; async and
    SSP (``--staleness``) run until the server has applied as many pushes in total
    (``W * steps``). Throughput = pushes applied / W / wall time (sync steps per second);
    final loss = training-set cross-entropy of the final model. Target: async >= 1.5x
@@ -36,7 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import clock
 from ..comm import Communicator, init
+from . import _clock
 from ._util import UsageError, machine, median_seconds, print_table, write_json
 
 SECTIONS = ("comm", "straggler", "accuracy")
@@ -56,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="straggler: worker 0 computes this many times longer")
     parser.add_argument("--staleness", type=int, default=2, help="straggler: SSP bound")
     parser.add_argument("--epochs", type=int, default=30, help="accuracy: epochs")
+    _clock.add_arguments(parser)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -179,20 +184,20 @@ def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[s
             target = kv.workers * args.steps
             pause = args.compute_ms / 1e3 * (args.slow_factor if wc.rank == 0 else 1.0)
             wc.barrier()
-            start, steps = time.perf_counter(), 0
+            start, steps = clock.now(), 0
             while True:
                 idx = torch.from_numpy(rng.integers(0, len(data["y"]), 32))
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(data["x"][idx]),
                                                   data["y"][idx]).backward()
-                time.sleep(pause)
+                clock.sleep(pause)          # virtual clock: charged, not slept
                 opt.step()
                 steps += 1
                 done = (steps >= args.steps if mode == "sync"
                         else kv.stats()["server_pushes"] >= target)
                 if done:
                     break
-            wall = wc.allreduce_value(time.perf_counter() - start, "max")
+            wall = wc.allreduce_value(clock.now() - start, "max")
             stats = kv.stats()
             wc.barrier()
             opt.pull()
@@ -245,7 +250,7 @@ def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[st
             opt = PSOptimizer(model, kv)
             n = len(data["y"])
             per = n // wc.size
-            start = time.perf_counter()
+            start = clock.now()
             for epoch in range(args.epochs):
                 perm = np.random.default_rng([0, epoch]).permutation(n)
                 mine = torch.from_numpy(perm[wc.rank * per:(wc.rank + 1) * per])
@@ -255,7 +260,7 @@ def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[st
                     torch.nn.functional.cross_entropy(model(data["x"][idx]),
                                                       data["y"][idx]).backward()
                     opt.step()
-            wall = wc.allreduce_value(time.perf_counter() - start, "max")
+            wall = wc.allreduce_value(clock.now() - start, "max")
             stats = kv.stats()
             _, acc = _loss_acc(model, data["x_test"], data["y_test"], wc)
             rows.append({"push": name, "workers": kv.workers, "epochs": args.epochs,
@@ -276,7 +281,9 @@ def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[st
 
 
 def run(args: argparse.Namespace) -> int:
+    _clock.apply(args)
     comm = init()
+    _clock.measure_costs(comm)
     if comm.size < 2:
         if comm.rank == 0:
             print("bench ps needs >= 2 ranks (servers + workers); run under mpiexec -n 5")
@@ -285,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise UsageError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
-    out: dict[str, Any] = {"machine": machine(), "args": vars(args)}
+    out: dict[str, Any] = {"machine": machine(), "args": vars(args),
+                           "clock": _clock.describe()}
     t0 = time.perf_counter()
     if "comm" in sections:
         out["comm"] = bench_comm(args, comm)
