@@ -168,8 +168,8 @@ def virtual_env(hosts: int, per_host: int, rate: str, delay: str, schedule: str 
 
 def _run_virtual(args: argparse.Namespace, cmd: list[str]) -> int:
     """``--clock virtual``: plain mpiexec with the platform in the environment."""
-    from ..cli import find_mpiexec
     from . import vnet
+    from .mpienv import find_mpiexec
 
     if args.rate is None:
         _log("--clock virtual needs --rate (the virtual links' rate, e.g. 1gbit)")
