@@ -25,9 +25,11 @@ __all__ = ["add_arguments", "apply", "measure_costs", "describe"]
 
 
 def add_arguments(ap: argparse.ArgumentParser, extra: tuple[str, ...] = (),
-                  help_extra: str = "") -> None:
+                  help_extra: str = "", schedule_flag: str = "--schedule") -> None:
     """The options; ``extra`` are further ``--clock`` choices of the suite's own (they
-    count as the wall clock here)."""
+    count as the wall clock here); ``schedule_flag``: the schedule file's option name
+    (for a suite whose ``--schedule`` means something else); its value is
+    ``args.virtual_schedule`` either way."""
     g = ap.add_argument_group("clock")
     g.add_argument("--clock", choices=("wall", "virtual", *extra), default=None,
                    help="wall, or virtual: the times of a simulated cluster (default: "
@@ -35,7 +37,8 @@ def add_arguments(ap: argparse.ArgumentParser, extra: tuple[str, ...] = (),
     g.add_argument("--rate", default=None, help="virtual: link rate per host (1gbit)")
     g.add_argument("--delay", default=None, help="virtual: one-way latency (100us)")
     g.add_argument("--ranks-per-host", default=None, help="virtual: ranks per host")
-    g.add_argument("--schedule", default=None, help="virtual: a schedule file")
+    g.add_argument(schedule_flag, default=None, dest="virtual_schedule",
+                   help="virtual: a schedule file")
     g.add_argument("--costs", default=None,
                    help="virtual: the compute cost table (default: measured first)")
 
@@ -47,7 +50,8 @@ def apply(args: argparse.Namespace) -> None:
     if args.clock is None:
         args.clock = want
     given = {vnet.ENV_RATE: args.rate, vnet.ENV_DELAY: args.delay,
-             vnet.ENV_RANKS_PER_HOST: args.ranks_per_host, vnet.ENV_SCHEDULE: args.schedule,
+             vnet.ENV_RANKS_PER_HOST: args.ranks_per_host,
+             vnet.ENV_SCHEDULE: args.virtual_schedule,
              costtable.ENV_COSTS: args.costs}
     if want != "virtual":
         if any(v is not None for v in given.values()):
