@@ -31,6 +31,8 @@ SUITES = {
     "crossover": "mpicomm.bench.crossover",
     "adaptive": "mpicomm.bench.adaptive",
     "train": "mpicomm.bench.train",
+    "vclock": "mpicomm.bench.vclock",
+    "costs": "mpicomm.bench.costs",
 }
 
 
