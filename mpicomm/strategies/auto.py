@@ -140,7 +140,7 @@ class AutoStrategy(Strategy):
         self.drift_patience = cfg.drift_patience
         self.controller: Optional[CRController] = None
         if cfg.ratio is None and self.family is None:
-            self.controller = CRController(self.sync_time, cfg.ratios, **cfg.cr_options())
+            self.controller = CRController(self.step_time, cfg.ratios, **cfg.cr_options())
         # the per-layer families compress by their bits/ranks: no ratio
         fixed = None if self.controller is not None else \
             1.0 if self.family else float(cfg.ratio)  # type: ignore[arg-type]
@@ -185,6 +185,7 @@ class AutoStrategy(Strategy):
         self._action: Optional[str] = None
         self._scales_used: dict[str, float] = {}
         self._moved_streak = 0  # consecutive agreed steps with a compute factor moved
+        self._other_solved: Optional[float] = None  # step_other at the last CR solve
 
     # ------------------------------------------------------------------ state
     @property
@@ -271,6 +272,12 @@ class AutoStrategy(Strategy):
         params, compute = calibrated(self.comm)
         return self.predictor.sync_time(self._layouts, ratio, self.comm.size, params,
                                         compute)
+
+    def step_time(self, ratio: float) -> float:
+        """Predicted seconds of a whole step at ``ratio``: :meth:`sync_time` plus the
+        measured rest of the step (:attr:`step_other`: forward, backward, optimizer).
+        The CR controller's time objective (the paper's Eq. 6 counts computation too)."""
+        return self.sync_time(ratio) + (self.choices.step_other or 0.0)
 
     # ------------------------------------------------------------------ aggregation
     def aggregate(self, tensors: Sequence[Any], names: Optional[Sequence[str]] = None
@@ -496,12 +503,30 @@ class AutoStrategy(Strategy):
         before = self.ratio
         action = self.ratio_control.observe(pending[0]["key_ratio"] if pending else None,
                                             drift, total, ref, probe)
+        self._resolve_on_compute()
         if self.ratio != before:  # choices kept for another ratio are dropped
             self.choices.keep_ratio(self.ratio)
+            if self.lgreco is not None and self.family is None and self.ratio < 1.0:
+                # L-GreCo re-solves around the controller's ratio (its uniform default)
+                self.lgreco.rebase(self.ratio)
+                self._adjust_due = True
         lg = self.lgreco
         if lg is not None and lg.due(self.steps):
             self._adjust_due = True  # at the next aggregation, inside the collectives
         return action
+
+    def _resolve_on_compute(self) -> None:
+        """The CR controller solves again when the measured rest of the step
+        (:attr:`step_other`, part of its time objective) first becomes known or has
+        moved by the drift fraction since its last solve (agreed numbers: the same on
+        every rank)."""
+        other, controller = self.choices.step_other, self.controller
+        if controller is None or other is None or not controller.history:
+            return
+        last = self._other_solved
+        if last is None or abs(other - last) > self.config.drift * last:
+            self._other_solved = other
+            controller.resolve("compute")
 
     def _observe(self, r: dict[str, Any], seconds: float, params: CostParams) -> None:
         """One bucket's agreed time: the online refinement, the trials' measured times
