@@ -77,8 +77,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..validate import check_int
-from .pareto import (GRID_POINTS, NORMALIZATIONS, asf_choice, interpolate_gains, knee_choice,
-                     pareto_front, ratio_grid)
+from .pareto import (
+    GRID_POINTS,
+    NORMALIZATIONS,
+    asf_choice,
+    interpolate_gains,
+    knee_choice,
+    pareto_front,
+    ratio_grid,
+)
 
 __all__ = ["CRController", "pareto_front", "asf_choice", "knee_choice", "DEFAULT_RATIOS",
            "CRDecision"]
