@@ -705,6 +705,7 @@ def test_auto_probes_every_ratio_on_the_first_step_without_a_window(comm):
     assert gains[0] > 0 and all(a <= b for a, b in zip(gains, gains[1:])) \
         and gains[-1] <= 1, gains
     assert auto._saved is None
+    assert auto.overheads["windows"] == 0 and auto.overheads["exploration_s"] == 0.0
     step0 = [(s, c) for t, _, s, c in auto.decisions if t == 0]
     assert step0 and all(c == 0.1 and s not in ("dense", "powersgd") for s, c in step0)
     mine = (history, sorted(auto.controller.gains.items()), auto.decisions, seen)
@@ -847,6 +848,9 @@ def test_auto_exploration_restores_the_saved_model(comm):
     assert [d[0] for d in auto.decisions if d[3] == 0.2][:3] == [3, 4, 5]
     # 4 observed, 1 ignored (then re-solved once the rest of the step is measured)
     assert [h.step for h in auto.controller.history if h.reason != "compute"] == [5]
+    # the thrown-away window's steps are counted as exploration, nothing as calibration
+    assert auto.overheads["windows"] == 1 and auto.overheads["exploration_s"] > 0
+    assert auto.overheads["calibration_s"] == 0.0 and auto.overheads["probes"] == 0
     kept, auto = run(False)   # the first window keeps its steps: no save, no restore
     assert all(kept[i] != kept[i - 1] for i in range(1, 7))
     assert auto._saved is None
@@ -854,7 +858,7 @@ def test_auto_exploration_restores_the_saved_model(comm):
     assert [d[3] for d in auto.decisions if d[0] < 6] == [0.2] * 3 + [0.5] * 3
     assert all(d[2] not in ("dense", "powersgd") for d in auto.decisions if d[0] < 4)
     reasons = [h.reason for h in auto.controller.history]  # + re-solves on timing drift
-    assert reasons[0] == "solve" and set(reasons[1:]) <= {"network"}
+    assert reasons[0] == "solve" and set(reasons[1:]) <= {"network", "compute"}
 
 
 def copy_state(model):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from .auto_schemes import SCHEMES
 from .base import DEFAULT_FUSION_BYTES
 from .lgreco_buckets import FAMILY_SCHEMES
 
-__all__ = ["AutoConfig"]
+__all__ = ["AutoConfig", "strategy_signature"]
 
 
 @dataclass(frozen=True)
@@ -334,3 +335,17 @@ def _number(name: str, value: Any, low: Optional[float] = None) -> float:
     if low is not None and value < low:
         raise ValueError(f"{name} must be a number >= {low:g}, got {value!r}")
     return float(value)
+
+
+def strategy_signature() -> inspect.Signature:
+    """``(self, comm=None, *, config=None, <every AutoConfig field with its default>)``:
+    the auto strategy's constructor as ``help()`` shows it and as wrappers that list a
+    strategy's options read it."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("comm", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                default=None),
+              inspect.Parameter("config", keyword, default=None)]
+    params += [inspect.Parameter(f.name, keyword, default=f.default)
+               for f in dataclasses.fields(AutoConfig)]
+    return inspect.Signature(params)
