@@ -211,8 +211,7 @@ def train(method: str, comm: Communicator, args: argparse.Namespace,
         row["pred_rel_err_median"] = float(np.median(errors)) if errors else None
         # the controllers' own time (calibration, probes, exploration, L-GreCo): the
         # slowest rank's, against the run's training time
-        own = {k: float(comm.allreduce_value(float(v), "max"))
-               for k, v in strategy.overheads.items()}
+        own = {k: comm.allreduce_value(v, "max") for k, v in strategy.overheads.items()}
         row["overheads"] = own
         row["overhead_pct"] = (100 * sum(own[k] for k in own if k.endswith("_s"))
                                / r.seconds if r.seconds else None)
