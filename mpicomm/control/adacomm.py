@@ -122,11 +122,12 @@ class AdaComm:
     * ``noise``: ``"constant"`` (the paper's rule, above) or ``"drift"``. The bound
       behind the rule is ``tau* ~ sqrt((F - F_inf) / (eta^3 sigma^2))`` with the
       gradient noise ``sigma^2`` taken as a constant. On models that can fit their
-      training data (most deep networks) the noise falls with the loss, roughly
-      ``sigma^2 ~ F``: then the two cancel and the best period stays nearly constant,
+      training data (most deep networks) the noise falls with the loss late in
+      training; if ``sigma^2 ~ F`` the two cancel and the best period stays constant,
       while the constant-noise rule keeps shrinking ``tau`` with ``sqrt(F)`` and ends
-      almost synchronous (a 200x fall of the loss gives a 14x smaller period), slower
-      than a fixed period at no gain in loss. ``"drift"`` measures the noise instead:
+      almost synchronous (a 200x fall of the loss gives a 14x smaller period). The
+      noise need not fall in proportion (on MNIST-1D it rose early, then fell more
+      slowly than the loss), so ``"drift"`` measures it instead:
       the caller passes ``drift``, the replicas' mean squared distance from their
       average per local step (``mean_i ||x_i - xbar||^2 / tau`` at an averaging round,
       averaged over the interval's rounds), and
