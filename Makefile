@@ -10,6 +10,12 @@
 #                             the emulated cluster (2 and 4 hosts), then report
 #   make bench-workloads      baselines of the training workloads: dense at 8 ranks x 3 seeds,
 #                             time per step at 1, 2, 4, 8 ranks (quiet machine), then report
+#   make bench-controllers    AdaComm against every fixed period (mnist1d-cnn, model clock:
+#                             declared step time, cost-model averaging round) at 1 Gbit/s
+#                             and 100 Mbit/s, constant lr and lr decay, 3 seeds, then report
+#   make bench-controllers-selector  auto vs dense and 12 fixed (scheme, ratio) on
+#                             mnist1d-cnn, 8 ranks, a network flipping twice and a
+#                             constant one (injected link, quiet 8-core machine)
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
 #   make lint                 ruff, and the import-linter contract of .importlinter (layers)
 #   make docs                 API reference from the docstrings (pdoc, the `docs` extra,
@@ -72,7 +78,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
-	bench-workloads report lint docs clean gpu-check
+	bench-workloads bench-controllers bench-controllers-selector report lint docs clean gpu-check
 
 install: $(STAMP)
 
@@ -206,6 +212,46 @@ bench-workloads: $(STAMP)
 	      --eval-every 0 --json $(BENCH_OUT)/workloads/step-$$w-$$n.json || exit 1; \
 	  done; \
 	done
+	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
+
+# AdaComm (the paper's rule and the measured-noise rule) against sync and every fixed
+# period on mnist1d-cnn (8 000 training signals), on the local SGD bench's model clock:
+# t = steps x Y + rounds x D, Y declared (CTL_STEP_MS), D the cost model's allreduce of
+# the parameters at CTL_NP ranks on the link: load-independent, no sleeping. One
+# command per network; JSON under $(BENCH_OUT)/controllers, then the report.
+CTL_NP ?= 2
+CTL_SEEDS ?= 3
+CTL_STEP_MS ?= 10
+CTL_BUDGET_S ?= 60
+CTL_LOCALSGD = $(PY) -m mpicomm.bench localsgd --workload mnist1d-cnn \
+	  --option train_examples=8000 --clock model --step-ms $(CTL_STEP_MS) \
+	  --budget-s $(CTL_BUDGET_S) --taus 1,2,4,8,16,32 --schedules fixed,decay \
+	  --adacomm-noise both --seeds $(CTL_SEEDS) --eval-every 100
+bench-controllers: $(STAMP)
+	@mkdir -p $(BENCH_OUT)/controllers
+	$(MPIEXEC) -n $(CTL_NP) $(CTL_LOCALSGD) --rate-gbit 1 --latency-us 100 \
+	  --json $(BENCH_OUT)/controllers/localsgd-mnist1d-1gbit-$(CTL_NP).json
+	$(MPIEXEC) -n $(CTL_NP) $(CTL_LOCALSGD) --rate-gbit 0.1 --latency-us 1000 \
+	  --json $(BENCH_OUT)/controllers/localsgd-mnist1d-100mbit-$(CTL_NP).json
+	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
+
+# auto against dense and a grid of 12 fixed (scheme, ratio) on mnist1d-cnn at 8 ranks,
+# 13 epochs (2 028 steps), 3 seeds: a network that flips twice (10 Gbit/s 50 us, then
+# 100 Mbit/s 5 ms from epoch 4, then 1 Gbit/s 1 ms from epoch 9) and a constant 1 Gbit/s
+# 1 ms. The injected link of bench adaptive (wall clock): needs a quiet machine with 8
+# cores; JSON under $(BENCH_OUT)/controllers.
+CTL_GRID = allgather_topk@0.1,allgather_topk@0.01,allgather_topk@0.001,gtopk@0.1,gtopk@0.01,$\
+	gtopk@0.001,artopk_ring@0.1,artopk_ring@0.01,artopk_ring@0.001,artopk_tree@0.1,$\
+	artopk_tree@0.01,artopk_tree@0.001
+CTL_ADAPTIVE = $(PY) -m mpicomm.bench adaptive --workload mnist1d-cnn --epochs 13 \
+	  --lr 0.05 --target 0.95 --eval-every 20 --seeds 3 --static $(CTL_GRID) \
+	  --lgreco-families topk
+bench-controllers-selector: $(STAMP)
+	@mkdir -p $(BENCH_OUT)/controllers
+	$(MPIEXEC) -n 8 $(CTL_ADAPTIVE) --schedule 0:10:50,4:0.1:5000,9:1:1000 \
+	  --json $(BENCH_OUT)/controllers/adaptive-mnist1d-flips-8.json
+	$(MPIEXEC) -n 8 $(CTL_ADAPTIVE) --schedule 0:1:1000 \
+	  --json $(BENCH_OUT)/controllers/adaptive-mnist1d-constant-8.json
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 
 report: $(STAMP)

@@ -55,6 +55,14 @@ def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(tmp_path)
         assert row["time_to_target_s"] == pytest.approx(float(np.median(times)))
         assert all(r["time_to_target_s"] <= r["seconds"] + 1e-9 for r in runs)
     assert data["summary"]["auto_speedup_vs_dense"] is not None
+    # the controllers' own time, per run: calibration happened, nothing is negative
+    for run in data["rows"][-1]["runs"]:
+        own = run["overheads"]
+        assert set(own) == {"calibration_s", "probe_s", "exploration_s", "lgreco_s",
+                            "probes", "windows"}
+        assert own["calibration_s"] > 0 and min(own.values()) >= 0
+        assert 0 < run["overhead_pct"] < 100
+    assert data["rows"][0]["overhead_pct"] is None   # dense has no controllers
     assert data["options"]["seeds"] == 2 and data["options"]["eval_every"] == 1
 
 

@@ -225,3 +225,49 @@ def test_report_draws_training_curves_and_step_times(tmp_path: Path) -> None:
         assert (tmp_path / "benchmarks" / f"train-train-{ranks}.png").read_bytes()[:4] == \
             b"\x89PNG"
         assert f"(benchmarks/train-train-{ranks}.png)" in text
+
+
+def test_localsgd_targets_against_every_fixed_period_and_adacomm_periods_plotted(tmp_path):
+    """bench localsgd's targets: AdaComm >= 2x sooner than sync, and its final loss at most
+    the best fixed period's or sooner than every fixed period; the report shows them and
+    draws AdaComm's period over time."""
+    from mpicomm.bench.localsgd import targets
+    from mpicomm.bench.report_control import has_adacomm
+
+    def row(method, speed, loss):
+        return {"schedule": "fixed", "method": method, "median_speedup": speed,
+                "median_final_loss": loss}
+
+    summary = [row("sync", 1.0, 0.5), row("tau=4", 2.5, 0.1), row("tau=16", 4.0, 0.2),
+               row("adacomm", 3.0, 0.09), row("adacomm-drift", 4.5, 0.3)]
+    paper, drift = targets(summary, ["fixed"], ["adacomm", "adacomm-drift"])
+    assert paper["speedup_target_met"] and paper["final_loss_target_met"]
+    assert not paper["sooner_than_every_fixed"] and paper["fixed_target_met"]
+    assert paper["best_fixed_final_loss"] == 0.1 and paper["best_fixed_speedup"] == 4.0
+    assert drift["sooner_than_every_fixed"] and not drift["final_loss_target_met"]
+    assert drift["fixed_target_met"]
+    slow = targets([row("sync", 1.0, 0.5), row("tau=4", 2.5, 0.1), row("adacomm", 1.5, 0.2)],
+                   ["fixed"], ["adacomm"])[0]
+    assert not slow["speedup_target_met"] and not slow["fixed_target_met"]
+
+    decisions = [{"round": 0, "elapsed": 0.0, "loss": 2.3, "lr": 0.05, "raw": 32.0,
+                  "tau": 32, "noise": None},
+                 {"round": 9, "elapsed": 1.0, "loss": 1.0, "lr": 0.05, "raw": 20.1,
+                  "tau": 21, "noise": 3.5}]
+    curves = [{"method": m, "schedule": "fixed", "seed": 0, "curve": [[0.0, 2.3], [2.0, 0.4]],
+               "adacomm": decisions if m.startswith("adacomm") else []}
+              for m in ("sync", "adacomm")]
+    assert has_adacomm(curves) and not has_adacomm(curves[:1])
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "localsgd-2.json").write_text(json.dumps({
+        "suite": "localsgd", "machine": machine(None, 2), "curves": curves,
+        "summary": summary, "targets": [paper, drift],
+        "model_clock": "model clock: Y 1 ms, D 3.57 ms (0.1 Gbit/s, 1000 us)"}))
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main(["--results", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| fixed | adacomm-drift | 4.5 | True |" in text   # the targets table
+    assert "model clock: Y 1 ms" in text
+    if (tmp_path / "benchmarks").exists():   # matplotlib installed: two rows of panels
+        assert (tmp_path / "benchmarks" / "localsgd-2.png").stat().st_size > 0

@@ -163,6 +163,41 @@ def test_adacomm_bad_arguments(kwargs, exc):
         AdaComm(**kwargs)
 
 
+def test_adacomm_drift_noise_cancels_a_noise_that_falls_with_the_loss():
+    """noise="drift": when the measured noise sigma^2 = drift / lr^2 falls in proportion
+    to the loss, the period stays at the first decision's; with the noise constant it is
+    the paper's rule; the first decision is the paper's either way."""
+    paper, drift, still = (AdaComm(32, interval_rounds=1, noise=n)
+                           for n in ("constant", "drift", "drift"))
+    for a in (paper, drift, still):
+        a.start(2.0, 0.1)
+    lr = 0.1
+    for loss in (1.0, 0.5, 0.1, 0.02):
+        p = paper.observe(loss, lr)
+        d = drift.observe(loss, lr, drift=3e-4 * loss * lr ** 2)   # sigma^2 = 3e-4 F
+        c = still.observe(loss, lr, drift=1e-5 * lr ** 2)           # sigma^2 constant
+        assert p == math.ceil(32 * math.sqrt(loss / 2.0)) == c
+        assert d == math.ceil(32 * math.sqrt(1.0 / 2.0))
+        assert drift.history[-1].noise == pytest.approx(3e-4 * loss)
+    assert [h.tau for h in paper.history][-1] == 4 and drift.tau == 23
+    assert paper.history[-1].noise is None and drift.noise_ref == pytest.approx(3e-4)
+    # drift 0 (the replicas never moved) keeps the paper's ratio at that decision
+    assert drift.observe(0.02, lr, drift=0.0) == 4
+
+
+def test_adacomm_drift_bad_input():
+    with pytest.raises(ValueError, match="noise must be one of"):
+        AdaComm(4, interval_rounds=1, noise="smooth")
+    ada = AdaComm(4, interval_rounds=1, noise="drift")
+    ada.start(1.0, 0.1)
+    with pytest.raises(ValueError, match="needs drift"):
+        ada.observe(0.5, 0.1)
+    with pytest.raises(ValueError, match="drift must be >= 0"):
+        ada.observe(0.5, 0.1, drift=-1.0)
+    with pytest.raises(TypeError, match="drift must be a real number"):
+        ada.observe(0.5, 0.1, drift="x")
+
+
 def test_adacomm_bad_observations():
     ada = AdaComm(4, interval_rounds=1, f_inf=0.5)
     with pytest.raises(ValueError, match="F0"):
@@ -431,6 +466,42 @@ def test_adacomm_in_localsgd_rounds(comm):
     after_drop = [d for d in hist if d.lr < 0.05]
     before_drop = [d for d in hist if d.lr > 0.05]
     assert after_drop and after_drop[0].tau > before_drop[-1].tau  # lr drop: tau jumps up
+
+
+@pytest.mark.mpi
+def test_adacomm_drift_is_the_replicas_spread_per_step(comm):
+    """LocalSGD with AdaComm(noise="drift") feeds the rule mean_i ||x_i - xbar||^2 / tau
+    (here computed directly from every rank's replica before the averaging), the same on
+    every rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    local = LocalSGD(model, AdaComm(3, interval_rounds=1, noise="drift"), opt, comm=comm)
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    want = []
+    for _ in range(30):
+        opt.zero_grad()
+        x = torch.randn(8, 4, generator=gen)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        tau = local.period
+        if local.steps_since_average + 1 == tau:   # this step averages: read x_i first
+            mine = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+            every = torch.stack(comm.allgather_object(mine))
+            spread = float((every - every.mean(0)).pow(2).sum(1).mean()) / tau
+            want.append(spread / 0.05 ** 2)
+        local.step(loss)
+    hist = local.history
+    assert comm.allgather_object(hist) == [hist] * comm.size
+    got = [h.noise for h in hist[1:]]
+    assert len(got) == len(want) >= 3, got
+    if comm.size == 1:   # one replica: no spread, the paper's rule
+        assert got == [None] * len(want)
+    else:
+        # float32 averaging: ||xbar||^2 is off by ~eps32 ||x||^2 against the float64 mean
+        assert got == pytest.approx(want, rel=1e-3)
+        assert all(g > 0 for g in got)
 
 
 @pytest.mark.mpi

@@ -92,10 +92,14 @@ GBPS = 1.25e8  # bytes per second per Gbit/s
 DEFAULT_STATIC = ("allgather_topk@0.01", "gtopk@0.01", "artopk_ring@0.01", "artopk_tree@0.01",
                   "allgather_topk@0.1")
 COLUMNS = ("method", "time_to_target_s", "final_acc", "step_ms", "sent_kB_step", "x_dense",
-           "choices")
+           "overhead_pct", "choices")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="digits-mlp",
+                        help="a workload of mpicomm.workloads (digits-mlp: --hidden)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a workload option (repeatable), e.g. train_examples=8000")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch")
     parser.add_argument("--hidden", type=int, default=1024)
@@ -155,9 +159,14 @@ def make_strategy(method: str) -> Strategy:
 
 
 def spec(args: argparse.Namespace, seed: int, label: str, epochs: int | None = None) -> Spec:
-    """The harness's run: ``digits-mlp`` 64-hidden-hidden-10, SGD with momentum 0.9."""
-    return Spec(workload="digits-mlp", seed=seed, batch=args.batch,
-                options={"hidden": args.hidden, "layers": 2},
+    """The harness's run: ``--workload`` (``digits-mlp`` 64-hidden-hidden-10 unless
+    ``--option`` says otherwise), SGD with momentum 0.9."""
+    from .train import parse_options
+
+    options = parse_options(args.option)
+    if args.workload == "digits-mlp":
+        options = {"hidden": args.hidden, "layers": 2, **options}
+    return Spec(workload=args.workload, seed=seed, batch=args.batch, options=options,
                 epochs=args.epochs if epochs is None else epochs, lr=args.lr, momentum=0.9,
                 weight_decay=0.0, clip_norm=0.0, eval_every=max(1, args.eval_every),
                 target=args.target, label=label)
@@ -209,6 +218,12 @@ def train(method: str, comm: Communicator, args: argparse.Namespace,
         errors = [abs(rec.measured - rec.predicted) / rec.measured for rec in strategy.records
                   if rec.measured > 0]
         row["pred_rel_err_median"] = float(np.median(errors)) if errors else None
+        # the controllers' own time (calibration, probes, exploration, L-GreCo): the
+        # slowest rank's, against the run's training time
+        own = {k: comm.allreduce_value(v, "max") for k, v in strategy.overheads.items()}
+        row["overheads"] = own
+        row["overhead_pct"] = (100 * sum(own[k] for k in own if k.endswith("_s"))
+                               / r.seconds if r.seconds else None)
     return row
 
 
@@ -247,7 +262,8 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return dict(runs[0], runs=runs)
     row: dict[str, Any] = dict(runs[0], runs=runs)
     row.pop("seed", None)
-    for key in ("final_acc", "seconds", "step_ms", "sent_kB_step", "pred_rel_err_median"):
+    for key in ("final_acc", "seconds", "step_ms", "sent_kB_step", "pred_rel_err_median",
+                "overhead_pct"):
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             row[key] = float(np.median(values))
@@ -287,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
         r["x_dense"] = (dense["time_to_target_s"] / r["time_to_target_s"]
                         if r["time_to_target_s"] and dense["time_to_target_s"] else None)
         r.setdefault("choices", "")
+        r.setdefault("overhead_pct", None)
     static = [r for r in rows[1:-1] if r["time_to_target_s"]]
     best = min(static, key=lambda r: r["time_to_target_s"]) if static else None
     auto = rows[-1]

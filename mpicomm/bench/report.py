@@ -38,6 +38,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .report_control import adacomm_panel, has_adacomm
 from .report_training import plot_name, plot_runs, step_time_table, training_section
 
 SPARSE_METHODS = ("dense", "allgather_topk", "gtopk", "artopk_star")
@@ -73,6 +74,8 @@ def net(r: dict[str, Any]) -> dict[str, Any]:
 
 def net_label(r: dict[str, Any]) -> str:
     n = net(r)
+    if r.get("model_clock"):   # localsgd --clock model: a declared platform
+        return r["model_clock"]
     if n.get("kind") != "emulated cluster":
         return "shared memory"
     delay = n.get("delay_s", 0.0)
@@ -285,8 +288,11 @@ def plot_localsgd(r: dict[str, Any], path: str) -> None:
     plt = _plt()
     curves = r.get("curves", [])
     schedules = list(dict.fromkeys(c["schedule"] for c in curves))
-    fig, axes = plt.subplots(1, max(1, len(schedules)), figsize=(5 * max(1, len(schedules)),
-                                                                  3.8), squeeze=False)
+    rows = 2 if has_adacomm(curves) else 1   # second row: AdaComm's period
+    fig, axes = plt.subplots(rows, max(1, len(schedules)), squeeze=False,
+                             figsize=(5 * max(1, len(schedules)), 3.8 * rows))
+    for ax, schedule in zip(axes[-1] if rows == 2 else (), schedules):
+        adacomm_panel(ax, curves, schedule)
     for ax, schedule in zip(axes[0], schedules):
         seeds = sorted({c["seed"] for c in curves if c["schedule"] == schedule})
         methods = list(dict.fromkeys(c["method"] for c in curves))
@@ -353,7 +359,7 @@ def section(r: dict[str, Any]) -> str:
         return head + adaptive(r) + training(r)
     if suite == "crossover":
         return head + crossover_section(r)
-    body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
+    body = [generic(r[key]) for key in ("summary", "targets", "rows") if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n") \
         + training(r)
 

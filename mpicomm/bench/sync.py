@@ -110,9 +110,13 @@ class GradientMethod:
 
     def summary(self) -> dict[str, Any]:
         s = self.gs.stats
-        return {"describe": self.strategy.describe(),
-                "sync": {"steps": s.steps, "comm_s": s.comm_seconds,
-                         "wait_s": s.wait_seconds}}
+        out = {"describe": self.strategy.describe(),
+               "sync": {"steps": s.steps, "comm_s": s.comm_seconds,
+                        "wait_s": s.wait_seconds}}
+        overheads = getattr(self.strategy, "overheads", None)
+        if overheads is not None:  # the auto strategy's controllers (this rank)
+            out["overheads"] = dict(overheads)
+        return out
 
     def describe_setup(self) -> dict[str, Any]:
         return {"method": "gradient", "strategy": self.label,

@@ -58,7 +58,8 @@ class AdaCommDecision:
     ``round`` is the number of averaging rounds observed when the decision was made
     (0 for the start), ``elapsed`` the agreed clock value passed in (``None`` for
     round-based intervals), ``loss``/``lr`` the inputs, ``raw`` the value before the
-    ceiling and the clamp, ``tau`` the period in force from then on.
+    ceiling and the clamp, ``tau`` the period in force from then on, ``noise`` the
+    gradient-noise estimate ``sigma^2`` used (``noise="drift"``; ``None`` otherwise).
     """
 
     round: int
@@ -67,6 +68,7 @@ class AdaCommDecision:
     lr: float
     raw: float
     tau: int
+    noise: Optional[float] = None
 
 
 class AdaComm:
@@ -117,6 +119,29 @@ class AdaComm:
     * ``tau_min``/``tau_max``: clamps (PaddlePaddle clamps to ``[1, 16]``). ``tau >= 1``
       always holds.
     * ``f_inf``: a lower bound of the loss (0 for cross-entropy and squared losses).
+    * ``noise``: ``"constant"`` (the paper's rule, above) or ``"drift"``. The bound
+      behind the rule is ``tau* ~ sqrt((F - F_inf) / (eta^3 sigma^2))`` with the
+      gradient noise ``sigma^2`` taken as a constant. On models that can fit their
+      training data (most deep networks) the noise falls with the loss late in
+      training; if ``sigma^2 ~ F`` the two cancel and the best period stays constant,
+      while the constant-noise rule keeps shrinking ``tau`` with ``sqrt(F)`` and ends
+      almost synchronous (a 200x fall of the loss gives a 14x smaller period). The
+      noise need not fall in proportion (on MNIST-1D it rose early, then fell more
+      slowly than the loss), so ``"drift"`` measures it instead:
+      the caller passes ``drift``, the replicas' mean squared distance from their
+      average per local step (``mean_i ||x_i - xbar||^2 / tau`` at an averaging round,
+      averaged over the interval's rounds), and
+
+      .. math::
+          \sigma^2_l = \mathrm{drift}_l / \eta_l^2, \qquad
+          \tau_l = \Big\lceil \tau_0 \sqrt{(\eta_0/\eta_l)^{p}\,
+                   \frac{F_l - F_{inf}}{F_0 - F_{inf}}\,
+                   \frac{\sigma^2_1}{\sigma^2_l}} \Big\rceil,
+
+      ``sigma^2_1`` the first interval's estimate (so the first decision is the
+      paper's). Cost: the caller's two squared-norm passes over the parameters per
+      averaging round (before and after it) and one more float in the interval's
+      agreement; :class:`mpicomm.torch.LocalSGD` does both.
 
     Use
     ---
@@ -138,12 +163,22 @@ class AdaComm:
         Bounds on the period (``tau_max=None``: unbounded).
     f_inf:
         Lower bound of the loss used in the ratio; ``F_0`` must exceed it.
+    noise:
+        ``"constant"`` (default: the paper's rule) or ``"drift"`` (the measured
+        gradient noise scales the rule; :meth:`observe` then needs ``drift``).
     """
+
+    NOISE_MODES = ("constant", "drift")
 
     def __init__(self, tau0: int, interval_s: Optional[float] = None,
                  interval_rounds: Optional[int] = None, lr_exponent: float = 1.0,
-                 tau_min: int = 1, tau_max: Optional[int] = None, f_inf: float = 0.0):
+                 tau_min: int = 1, tau_max: Optional[int] = None, f_inf: float = 0.0,
+                 noise: str = "constant"):
         self.tau0 = check_int("tau0", tau0, 1)
+        if noise not in self.NOISE_MODES:
+            raise ValueError(f"noise must be one of {self.NOISE_MODES}, got {noise!r}")
+        self.noise = noise
+        self.noise_ref: Optional[float] = None  # sigma^2 of the first measured interval
         if (interval_s is None) == (interval_rounds is None):
             raise ValueError("give exactly one of interval_s (seconds) and interval_rounds "
                              f"(averaging rounds); got interval_s={interval_s!r}, "
@@ -182,7 +217,7 @@ class AdaComm:
                     else f"interval_rounds={self.interval_rounds}")
         return (f"AdaComm(tau0={self.tau0}, {interval}, lr_exponent={self.lr_exponent}, "
                 f"tau_min={self.tau_min}, tau_max={self.tau_max}, f_inf={self.f_inf}, "
-                f"tau={self.tau})")
+                f"noise={self.noise!r}, tau={self.tau})")
 
     @property
     def started(self) -> bool:
@@ -196,15 +231,21 @@ class AdaComm:
             raise ValueError(f"lr must be > 0, got {lr}")
         return loss, lr
 
-    def period_for(self, loss: float, lr: float) -> int:
-        """The period the rule gives for ``loss`` and ``lr`` (no state change)."""
+    def period_for(self, loss: float, lr: float, noise: Optional[float] = None) -> int:
+        """The period the rule gives for ``loss``, ``lr`` and (``noise="drift"``) the
+        noise estimate ``noise`` = ``sigma^2`` (no state change)."""
         if self.loss0 is None or self.lr0 is None:
             raise RuntimeError("AdaComm.start() must be called before period_for()")
         loss, lr = self._check_loss_lr(loss, lr)
-        return self._rule(loss, lr)[0]
+        return self._rule(loss, lr, noise)[0]
 
-    def _rule(self, loss: float, lr: float) -> tuple[int, float]:
+    def _rule(self, loss: float, lr: float,
+              noise: Optional[float] = None) -> tuple[int, float]:
+        """The paper's rule; with a noise estimate and a reference, the loss ratio is
+        scaled by ``noise_ref / noise`` (folded into the loss handed to the formula)."""
         assert self.loss0 is not None and self.lr0 is not None
+        if noise is not None and self.noise_ref is not None and noise > 0:
+            loss = self.f_inf + (loss - self.f_inf) * self.noise_ref / noise
         return adacomm_period(self.tau0, loss, self.loss0, lr, self.lr0,
                               lr_exponent=self.lr_exponent, f_inf=self.f_inf,
                               tau_min=self.tau_min, tau_max=self.tau_max)
@@ -247,12 +288,14 @@ class AdaComm:
 
     @traced("adacomm.observe", cat="control", outcome=lambda tau: {"tau": tau})
     def observe(self, loss: Optional[float] = None, lr: Optional[float] = None,
-                elapsed: Optional[float] = None) -> int:
+                elapsed: Optional[float] = None, drift: Optional[float] = None) -> int:
         """Count one averaging round; at an interval boundary, re-decide ``tau``.
 
         ``loss`` (averaged over ranks) and ``lr`` are needed only at a boundary (see
         :meth:`due`); with ``interval_s``, ``elapsed`` (agreed over ranks) is needed
-        every time. Returns the period to use from now on.
+        every time; with ``noise="drift"``, ``drift`` (agreed over ranks: the replicas'
+        mean squared distance from their average per local step, over the interval) at
+        a boundary. Returns the period to use from now on.
         """
         boundary = self.due(elapsed)
         self.rounds += 1
@@ -262,9 +305,20 @@ class AdaComm:
         if loss is None or lr is None:
             raise ValueError("this round ends an interval: pass the averaged loss and lr")
         loss, lr = self._check_loss_lr(loss, lr)
-        self.tau, raw = self._rule(loss, lr)
+        noise = None
+        if self.noise == "drift":
+            if drift is None:
+                raise ValueError("AdaComm(noise='drift') needs drift at an interval's end")
+            drift = _check_real("drift", drift)
+            if drift < 0:
+                raise ValueError(f"drift must be >= 0, got {drift}")
+            noise = drift / lr ** 2 if drift > 0 else None  # 0: replicas never moved
+            if noise is not None and self.noise_ref is None:
+                self.noise_ref = noise
+        self.tau, raw = self._rule(loss, lr, noise)
         agreed = None if elapsed is None else float(elapsed)
-        self.history.append(AdaCommDecision(self.rounds, agreed, loss, lr, raw, self.tau))
+        self.history.append(AdaCommDecision(self.rounds, agreed, loss, lr, raw, self.tau,
+                                            noise))
         self._interval_rounds = 0
         self._interval_start = agreed
         return self.tau

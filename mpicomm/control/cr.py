@@ -47,12 +47,22 @@ form) is measured during *exploration*:
    code smooths the step-to-step relative change instead; that reacts to noise, not to
    a sustained change, at the few hundred steps of a small job); a network change (drift of the
    calibration, :meth:`CRController.network_changed`) re-solves with the known gains.
-4. **Solve** (deviation from the code, which fits t_sync and gain with curve_fit and runs
-   NSGA-II over the continuous interval): the candidates are discrete, so we take the
-   Pareto front of the candidate points directly, normalize it by its ideal and nadir
-   points, and pick by ASF with weights ``(0.6 time, 0.4 gain)`` (the code's), i.e. the
-   point minimizing ``max(w_t·t^, w_g·g^)``, or the knee (the front point farthest from
-   the line through the two extreme points), ``choice="knee"``. No pymoo needed.
+4. **Solve** over the continuous range ``[min(ratios), max(ratios)]``: both objectives
+   are evaluated exactly at ``grid_points`` (64) log-spaced ratios
+   (:func:`~mpicomm.control.pareto.ratio_grid`), the Pareto front of those points is
+   taken and one is picked by pymoo's ASF with the code's weights ``(0.6 time, 0.4
+   gain)`` (:func:`~mpicomm.control.pareto.asf_choice`), or the knee
+   (``choice="knee"``). A probe measures the gain at every grid ratio (one sort); a
+   window measures it at the candidates and the grid is interpolated in ``log c``
+   (:func:`~mpicomm.control.pareto.interpolate_gains`). The code fits both curves and
+   runs NSGA-II over the interval instead; the grid is exact where the fit is not, and
+   deterministic. ``normalize="ideal"`` (default) normalizes each objective by its best
+   value on the front, ``"nadir"`` by ideal and nadir as the code does, which makes the
+   pick blind to the network (:mod:`mpicomm.control.pareto`). The time objective is
+   whatever ``sync_time(c)`` returns: :class:`mpicomm.strategies.AutoStrategy` passes
+   the predicted synchronization plus the measured rest of the step (the paper's
+   Eq. 6 counts the computation as well). ``grid_points=0`` solves over the candidates
+   only.
 
 Every input (gains, times) must already be identical on every rank (allreduced); then
 every rank takes the same decisions. Tuning: ``window`` 10 in the paper (shorter on a
@@ -67,6 +77,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..validate import check_int
+from .pareto import (
+    GRID_POINTS,
+    NORMALIZATIONS,
+    asf_choice,
+    interpolate_gains,
+    knee_choice,
+    pareto_front,
+    ratio_grid,
+)
 
 __all__ = ["CRController", "pareto_front", "asf_choice", "knee_choice", "DEFAULT_RATIOS",
            "CRDecision"]
@@ -75,58 +94,14 @@ __all__ = ["CRController", "pareto_front", "asf_choice", "knee_choice", "DEFAULT
 DEFAULT_RATIOS: tuple[float, ...] = (0.1, 0.033, 0.011, 0.004, 0.001)
 
 
-def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the non-dominated points (both objectives minimized), by first value."""
-    front = []
-    for i, (a, b) in enumerate(points):
-        dominated = any((c <= a and d <= b) and (c < a or d < b)
-                        for j, (c, d) in enumerate(points) if j != i)
-        if not dominated:
-            front.append(i)
-    return sorted(front, key=lambda i: (points[i][0], points[i][1], i))
-
-
-def _normalized(points: Sequence[tuple[float, float]], front: list[int]
-                ) -> dict[int, tuple[float, float]]:
-    lo = [min(points[i][d] for i in front) for d in (0, 1)]
-    hi = [max(points[i][d] for i in front) for d in (0, 1)]
-    return {i: tuple((points[i][d] - lo[d]) / (hi[d] - lo[d]) if hi[d] > lo[d] else 0.0
-                     for d in (0, 1)) for i in front}  # type: ignore[misc]
-
-
-def asf_choice(points: Sequence[tuple[float, float]], weights: tuple[float, float] = (0.6, 0.4)
-               ) -> int:
-    """The front point minimizing ``max_i w_i·f^_i`` (f^ normalized by ideal and nadir;
-    a larger weight makes that objective count more). Ties: the lower index."""
-    front = pareto_front(points)
-    norm = _normalized(points, front)
-    return min(front, key=lambda i: (max(weights[0] * norm[i][0], weights[1] * norm[i][1]), i))
-
-
-def knee_choice(points: Sequence[tuple[float, float]]) -> int:
-    """The front point farthest from the line through the front's two extremes."""
-    front = pareto_front(points)
-    if len(front) <= 2:
-        return asf_choice(points)
-    norm = _normalized(points, front)
-    (x0, y0), (x1, y1) = norm[front[0]], norm[front[-1]]
-    length = math.hypot(x1 - x0, y1 - y0) or 1.0
-
-    def distance(i: int) -> float:
-        x, y = norm[i]
-        return abs((y1 - y0) * x - (x1 - x0) * y + x1 * y0 - y1 * x0) / length
-
-    return max(front, key=lambda i: (distance(i), -i))
-
-
 @dataclass(frozen=True)
 class CRDecision:
     """One entry of :attr:`CRController.history`."""
 
     step: int
-    reason: str           # "warmup", "probe", "solve", "network"
+    reason: str           # "warmup", "probe", "solve", "network", "compute"
     ratio: float
-    points: tuple[tuple[float, float, float], ...] = ()   # (c, t_sync, 1/gain)
+    points: tuple[tuple[float, float, float], ...] = ()   # the front: (c, time, 1/gain)
 
 
 class CRController:
@@ -135,7 +110,10 @@ class CRController:
     Call :meth:`observe` once per step with the agreed gain of that step; it returns
     ``None``, ``"save"`` (snapshot the training state now, before the next step) or
     ``"restore"`` (restore the snapshot now). :attr:`ratio` is the CR for the next step.
-    ``sync_time(c)`` gives the predicted synchronization seconds at ``c``.
+    ``sync_time(c)`` gives the predicted seconds at ``c`` that the time objective
+    minimizes (a step's synchronization, or the whole step). ``grid_points``: points of
+    the continuous range the solve evaluates (:attr:`grid`; 0: the candidates only);
+    ``normalize``: ``"ideal"`` or ``"nadir"`` (:mod:`mpicomm.control.pareto`).
     ``restore_first``: whether the first exploration also saves and restores (the
     paper's loop, the default; ``False`` keeps its steps, see the module docstring).
     ``total_steps``: the training's length when known; no triggered exploration starts
@@ -152,12 +130,18 @@ class CRController:
                  gain_smoothing: float = 0.2,
                  warmup_steps: int = 0, explore: bool = True, cooldown: int = 50,
                  restore_first: bool = True, total_steps: Optional[int] = None,
-                 probe_first: bool = False, probe_triggered: bool = False):
+                 probe_first: bool = False, probe_triggered: bool = False,
+                 grid_points: int = GRID_POINTS, normalize: str = "ideal"):
         ratios = sorted({float(c) for c in ratios}, reverse=True)
         if not ratios or any(not 0 < c <= 1 for c in ratios):
             raise ValueError(f"ratios must be in (0, 1], got {ratios}")
         if choice not in ("asf", "knee"):
             raise ValueError(f"choice must be 'asf' or 'knee', got {choice!r}")
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+        grid_points = check_int("grid_points", grid_points, 0)
+        if grid_points == 1:
+            raise ValueError("grid_points must be 0 (the candidates only) or >= 2")
         if len(weights) != 2 or any(w <= 0 for w in weights):
             raise ValueError(f"weights must be two positive numbers, got {weights!r}")
         self.total_steps = None if total_steps is None else \
@@ -170,6 +154,10 @@ class CRController:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
         self.sync_time = sync_time
         self.ratios = tuple(ratios)
+        #: The ratios the solve evaluates (descending): the continuous range on a grid.
+        self.grid: tuple[float, ...] = ratio_grid(ratios[-1], ratios[0], grid_points) \
+            if grid_points else self.ratios
+        self.normalize = normalize
         self.weights = (float(weights[0]), float(weights[1]))
         self.choice, self.window, self.trigger = choice, window, float(trigger)
         self.gain_smoothing = gain_smoothing
@@ -198,6 +186,11 @@ class CRController:
     def exploring(self) -> bool:
         """An exploration is under way: a window, or the first step's probe."""
         return self._exploring is not None or self._probing
+
+    @property
+    def probe_ratios(self) -> tuple[float, ...]:
+        """The ratios a probe measures the gain at: every point of :attr:`grid`."""
+        return self.grid
 
     @property
     def probing(self) -> bool:
@@ -233,12 +226,12 @@ class CRController:
                              "observe: probe= given but no probe step ran")
         self.step += 1
         if probe is not None:
-            missing = [c for c in self.ratios if c not in probe]
+            missing = [c for c in self.grid if c not in probe]
             if missing or not all(math.isfinite(g) and g >= 0 for g in probe.values()):
                 raise ValueError(f"probe must give a finite gain >= 0 for every ratio "
-                                 f"{self.ratios}, got {probe!r}")
+                                 f"of the grid {self.grid}, got {probe!r}")
             self._probing = False
-            self.gains = {c: float(probe[c]) for c in self.ratios}
+            self.gains = {c: float(probe[c]) for c in self.grid}
             self._solved_at = self.step
             self.gain, self.change = None, 0.0
             self._solve("probe")
@@ -299,8 +292,14 @@ class CRController:
 
     def network_changed(self) -> None:
         """The network moved (calibration drift): re-solve with the known gains."""
+        self.resolve("network")
+
+    def resolve(self, reason: str) -> None:
+        """Solve again with the known gains, because the time objective moved
+        (``reason`` names why in :attr:`history`: ``"network"``, ``"compute"``); nothing
+        while exploring, warming up or before any gain is known."""
         if self.gains and not self.exploring and self.step >= self.warmup_steps:
-            self._solve("network")
+            self._solve(reason)
 
     def _begin(self) -> Optional[str]:
         first = self._windows == 0
@@ -320,15 +319,24 @@ class CRController:
         self._windows += 1
         return "save" if self._rollback else None
 
+    def gains_on_grid(self) -> dict[float, float]:
+        """The known gains at every :attr:`grid` ratio (measured there by a probe, else
+        interpolated from a window's candidates)."""
+        if all(c in self.gains for c in self.grid):
+            return {c: self.gains[c] for c in self.grid}
+        return interpolate_gains(self.gains, self.grid)
+
     def _solve(self, reason: str) -> None:
-        cands = [c for c in self.ratios if self.gains.get(c, 0.0) > 0]
+        gains = self.gains_on_grid()
+        cands = [c for c in self.grid if gains.get(c, 0.0) > 0]
         if not cands:
             self.ratio = self.ratios[0]
             self.history.append(CRDecision(self.step, reason, self.ratio))
             return
-        points = [(self.sync_time(c), 1.0 / self.gains[c]) for c in cands]
-        pick = (asf_choice(points, self.weights) if self.choice == "asf"
-                else knee_choice(points))
+        points = [(self.sync_time(c), 1.0 / gains[c]) for c in cands]
+        pick = (asf_choice(points, self.weights, self.normalize) if self.choice == "asf"
+                else knee_choice(points, self.normalize))
         self.ratio = cands[pick]
+        front = pareto_front(points)
         self.history.append(CRDecision(self.step, reason, self.ratio,
-                                       tuple((c, t, g) for c, (t, g) in zip(cands, points))))
+                                       tuple((cands[i], *points[i]) for i in sorted(front))))

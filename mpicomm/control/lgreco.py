@@ -184,6 +184,20 @@ class LGreco:
 
     density = value
 
+    def rebase(self, default: float) -> None:
+        """Move the uniform default (the top-k family: to the ratio a compression-ratio
+        controller chose). The per-layer settings in force are scaled by the same factor
+        (clipped to (0, 1]) until the next :meth:`decide` re-solves around the new
+        default, so the total size follows the controller at once."""
+        if self.family != "topk":
+            raise ValueError("rebase: only the top-k family follows a ratio")
+        if not (isinstance(default, (int, float)) and not isinstance(default, bool)
+                and 0 < default <= 1):
+            raise ValueError(f"default density must be in (0, 1], got {default!r}")
+        scale = float(default) / self.default
+        self.values = {k: min(1.0, v * scale) for k, v in self.values.items()}
+        self.default = float(default)
+
     def candidates(self) -> list[float]:
         """The candidate settings, ascending (the default among them)."""
         if self.family == "topk":

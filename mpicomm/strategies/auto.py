@@ -68,8 +68,6 @@ the strategy keeps its first choices: no records, no refinement, no CR changes.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import inspect
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -87,7 +85,7 @@ from ..control.lgreco import LGreco
 from ._compressed import CompressedStrategy, check_floating
 from .auto_agree import StepAgreement
 from .auto_choice import SchemeChoices
-from .auto_config import AutoConfig
+from .auto_config import AutoConfig, strategy_signature
 from .auto_exchange import error_fed, exchange
 from .auto_predict import SchemePredictor
 from .auto_ratio import RatioControl
@@ -140,7 +138,7 @@ class AutoStrategy(Strategy):
         self.drift_patience = cfg.drift_patience
         self.controller: Optional[CRController] = None
         if cfg.ratio is None and self.family is None:
-            self.controller = CRController(self.sync_time, cfg.ratios, **cfg.cr_options())
+            self.controller = CRController(self.step_time, cfg.ratios, **cfg.cr_options())
         # the per-layer families compress by their bits/ranks: no ratio
         fixed = None if self.controller is not None else \
             1.0 if self.family else float(cfg.ratio)  # type: ignore[arg-type]
@@ -185,6 +183,16 @@ class AutoStrategy(Strategy):
         self._action: Optional[str] = None
         self._scales_used: dict[str, float] = {}
         self._moved_streak = 0  # consecutive agreed steps with a compute factor moved
+        self._other_solved: Optional[float] = None  # step_other at the last CR solve
+        #: Seconds this rank spent on the controllers' own work (not training):
+        #: ``calibration_s`` (start-up ping-pongs and kernels), ``probe_s`` (the gains at
+        #: every grid ratio on probe steps), ``exploration_s`` (the steps of exploration
+        #: windows, thrown away by their restore), ``lgreco_s`` (L-GreCo's measurement,
+        #: solve and broadcast); ``probes`` and ``windows`` count them.
+        self.overheads: dict[str, float] = {"calibration_s": 0.0, "probe_s": 0.0,
+                                            "exploration_s": 0.0, "lgreco_s": 0.0,
+                                            "probes": 0, "windows": 0}
+        self._saved_at: Optional[float] = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -272,6 +280,12 @@ class AutoStrategy(Strategy):
         return self.predictor.sync_time(self._layouts, ratio, self.comm.size, params,
                                         compute)
 
+    def step_time(self, ratio: float) -> float:
+        """Predicted seconds of a whole step at ``ratio``: :meth:`sync_time` plus the
+        measured rest of the step (:attr:`step_other`: forward, backward, optimizer).
+        The CR controller's time objective (the paper's Eq. 6 counts computation too)."""
+        return self.sync_time(ratio) + (self.choices.step_other or 0.0)
+
     # ------------------------------------------------------------------ aggregation
     def aggregate(self, tensors: Sequence[Any], names: Optional[Sequence[str]] = None
                   ) -> list[Any]:
@@ -283,7 +297,9 @@ class AutoStrategy(Strategy):
             self._action = self.controller.start()
         if self._adjust_due:  # L-GreCo's solve (a broadcast): inside the collectives
             self._adjust_due = False
+            begin = time.perf_counter()
             self._adjust_lgreco()
+            self.overheads["lgreco_s"] += time.perf_counter() - begin
         if self.agreement.done:  # the first aggregation of a step: agree on the last ones
             self.agreement.post(self.comm)
         as_torch = [to_torch(t) for t in tensors]
@@ -315,9 +331,11 @@ class AutoStrategy(Strategy):
         comm, cfg = self.comm, self.config
         if self.calibrate_links and "compute_params" not in comm.resources:
             # short (AutoConfig: calibrate_links): the online refinement fixes beta
+            begin = time.perf_counter()
             calibrate(comm, links=self.calibrate_links, compute_numel=1 << 19,
                       sizes=CALIBRATION_SIZES, repeats=3,
                       oneway_bytes=CALIBRATION_ONEWAY_BYTES)
+            self.overheads["calibration_s"] += time.perf_counter() - begin
         self.online = OnlineCalibration(calibrated(comm)[0], decay=cfg.decay,
                                         drift=cfg.drift, patience=self.drift_patience)
 
@@ -413,9 +431,14 @@ class AutoStrategy(Strategy):
         """``||top-k(g_e)||²`` of this rank's error-fed bucket at ``ratio``
         (:meth:`RatioControl.reference`; ``None`` where the step keeps exact Top-k
         itself: Allgather Top-k, the L-GreCo paths)."""
-        return self.ratio_control.reference(
+        probing = self.ratio_control.probing
+        begin = time.perf_counter()
+        ref = self.ratio_control.reference(
             ratio, lambda: error_fed(scheme, buf, names, tensors, sub, self.memory),
             kept_is_reference=scheme == "allgather_topk" or self.lgreco is not None)
+        if probing:  # the masses at every grid ratio (an ordinary step takes one)
+            self.overheads["probe_s"] += time.perf_counter() - begin
+        return ref
 
     def _accumulate(self, bucket: str, c: torch.Tensor) -> None:
         """Rank 0 feeds L-GreCo's accumulator on the steps before a solve."""
@@ -441,6 +464,7 @@ class AutoStrategy(Strategy):
         now = clock.now()
         wall = 0.0 if self._last_done is None else now - self._last_done
         probe = self.ratio_control.take_probe()
+        self.overheads["probes"] += bool(probe)
         self.agreement.finish(self._pending, self._gain_sq + [wall] + probe)
         self._pending, self._gain_sq = [], [0.0, 0.0, 0.0]
         actions = [self._action]
@@ -496,12 +520,30 @@ class AutoStrategy(Strategy):
         before = self.ratio
         action = self.ratio_control.observe(pending[0]["key_ratio"] if pending else None,
                                             drift, total, ref, probe)
+        self._resolve_on_compute()
         if self.ratio != before:  # choices kept for another ratio are dropped
             self.choices.keep_ratio(self.ratio)
+            if self.lgreco is not None and self.family is None and self.ratio < 1.0:
+                # L-GreCo re-solves around the controller's ratio (its uniform default)
+                self.lgreco.rebase(self.ratio)
+                self._adjust_due = True
         lg = self.lgreco
         if lg is not None and lg.due(self.steps):
             self._adjust_due = True  # at the next aggregation, inside the collectives
         return action
+
+    def _resolve_on_compute(self) -> None:
+        """The CR controller solves again when the measured rest of the step
+        (:attr:`step_other`, part of its time objective) first becomes known or has
+        moved by the drift fraction since its last solve (agreed numbers: the same on
+        every rank)."""
+        other, controller = self.choices.step_other, self.controller
+        if controller is None or other is None or not controller.history:
+            return
+        last = self._other_solved
+        if last is None or abs(other - last) > self.config.drift * last:
+            self._other_solved = other
+            controller.resolve("compute")
 
     def _observe(self, r: dict[str, Any], seconds: float, params: CostParams) -> None:
         """One bucket's agreed time: the online refinement, the trials' measured times
@@ -530,6 +572,8 @@ class AutoStrategy(Strategy):
         """Carry out the CR controller's ``"save"``/``"restore"`` of model, optimizer
         and strategy state (error-feedback memory, warm starts)."""
         if action == "save":
+            self._saved_at = time.perf_counter()
+            self.overheads["windows"] += 1
             self._saved = {
                 "model": None if model is None else copy.deepcopy(model.state_dict()),
                 "optimizer": None if optimizer is None
@@ -537,6 +581,8 @@ class AutoStrategy(Strategy):
                 "strategy": self.state_dict()}
         elif action == "restore" and self._saved is not None:
             saved, self._saved = self._saved, None
+            if self._saved_at is not None:  # the window's steps are thrown away
+                self.overheads["exploration_s"] += time.perf_counter() - self._saved_at
             if model is not None and saved["model"] is not None:
                 model.load_state_dict(saved["model"])
             if optimizer is not None and saved["optimizer"] is not None:
@@ -544,17 +590,4 @@ class AutoStrategy(Strategy):
             self.load_state_dict(saved["strategy"])
 
 
-def _signature() -> inspect.Signature:
-    """``(self, comm=None, *, config=None, <every AutoConfig field with its default>)``:
-    what ``help()`` shows and what wrappers that list a strategy's options read."""
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("comm", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                default=None),
-              inspect.Parameter("config", keyword, default=None)]
-    params += [inspect.Parameter(f.name, keyword, default=f.default)
-               for f in dataclasses.fields(AutoConfig)]
-    return inspect.Signature(params)
-
-
-AutoStrategy.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
+AutoStrategy.__init__.__signature__ = strategy_signature()  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,12 +21,13 @@ from typing import Any, Optional
 
 from ..control.cr import DEFAULT_RATIOS
 from ..control.lgreco import DEFAULT_FACTORS, FAMILIES
+from ..control.pareto import GRID_POINTS, NORMALIZATIONS
 from ..validate import check_int
 from .auto_schemes import SCHEMES
 from .base import DEFAULT_FUSION_BYTES
 from .lgreco_buckets import FAMILY_SCHEMES
 
-__all__ = ["AutoConfig"]
+__all__ = ["AutoConfig", "strategy_signature"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,16 @@ class AutoConfig:
         ``min_gain`` — the buckets are re-decided as soon as a running scheme's gain falls
         below it. Not applied to the per-layer QSGD/PowerSGD families.
     weights, choice, window, trigger, warmup_steps, explore, cooldown, restore_first,
-    total_steps, probe_first, probe_triggered:
-        The CR controller's (:class:`mpicomm.control.CRController`). The first exploration
+    total_steps, probe_first, probe_triggered, grid_points, normalize:
+        The CR controller's (:class:`mpicomm.control.CRController`). The ratio is solved
+        over the continuous range ``[min(ratios), max(ratios)]``, exactly on
+        ``grid_points`` log-spaced ratios (64; 0: the candidates only), objectives the
+        predicted step time (synchronization at the cheapest scheme plus the measured
+        rest of the step) and the inverse Top-k gain, picked by pymoo's ASF on the
+        Pareto front with ``weights`` (time, gain) after ``normalize`` (``"ideal"``:
+        relative to each objective's best value, so the pick follows the network;
+        ``"nadir"``: the reference code's, blind to it; :mod:`mpicomm.control.pareto`).
+        A probe measures the gain at every grid ratio on one step. The first exploration
         starts with the first step, a one-step probe by default (``probe_first``: Top-k's
         gain at every candidate ratio on step 0's error-fed gradients, measured locally
         beside the step's own exchange at the middle ratio; ours, see
@@ -177,6 +187,8 @@ class AutoConfig:
     total_steps: Optional[int] = None
     probe_first: bool = True
     probe_triggered: bool = True
+    grid_points: int = GRID_POINTS
+    normalize: str = "ideal"
     # calibration
     calibrate_links: int = 2
     drift: float = 0.3
@@ -243,6 +255,12 @@ class AutoConfig:
             raise ValueError(f"weights must be two positive numbers, got {self.weights!r}")
         if self.choice not in ("asf", "knee"):
             raise ValueError(f"choice must be 'asf' or 'knee', got {self.choice!r}")
+        if self.normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {NORMALIZATIONS}, "
+                             f"got {self.normalize!r}")
+        check_int("grid_points", self.grid_points, 0)
+        if self.grid_points == 1:
+            raise ValueError("grid_points must be 0 (the candidates only) or >= 2")
         check_int("window", self.window, 1)
         check_int("warmup_steps", self.warmup_steps, 0)
         check_int("cooldown", self.cooldown, 0)
@@ -307,7 +325,8 @@ class AutoConfig:
                 "trigger": self.trigger, "warmup_steps": self.warmup_steps,
                 "explore": self.explore, "cooldown": self.cooldown,
                 "restore_first": self.restore_first, "total_steps": self.total_steps,
-                "probe_first": self.probe_first, "probe_triggered": self.probe_triggered}
+                "probe_first": self.probe_first, "probe_triggered": self.probe_triggered,
+                "grid_points": self.grid_points, "normalize": self.normalize}
 
 
 def _number(name: str, value: Any, low: Optional[float] = None) -> float:
@@ -316,3 +335,17 @@ def _number(name: str, value: Any, low: Optional[float] = None) -> float:
     if low is not None and value < low:
         raise ValueError(f"{name} must be a number >= {low:g}, got {value!r}")
     return float(value)
+
+
+def strategy_signature() -> inspect.Signature:
+    """``(self, comm=None, *, config=None, <every AutoConfig field with its default>)``:
+    the auto strategy's constructor as ``help()`` shows it and as wrappers that list a
+    strategy's options read it."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("comm", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                default=None),
+              inspect.Parameter("config", keyword, default=None)]
+    params += [inspect.Parameter(f.name, keyword, default=f.default)
+               for f in dataclasses.fields(AutoConfig)]
+    return inspect.Signature(params)

@@ -79,13 +79,13 @@ class RatioControl:
         if not probing:
             return topk_masses(vector, [k_for(n, ratio)])[0]
         assert self.controller is not None  # a probe step runs at one of its ratios
-        ratios = self.controller.ratios
-        masses = topk_masses(vector, [k_for(n, c) for c in ratios])
+        ratios = self.controller.probe_ratios
+        masses = topk_masses(vector, [k_for(n, c) for c in ratios] + [k_for(n, ratio)])
         if not self.probe_sq:
             self.probe_sq = [0.0] * len(ratios)
-        for i, m in enumerate(masses):
+        for i, m in enumerate(masses[:-1]):
             self.probe_sq[i] += m
-        return None if kept_is_reference else masses[ratios.index(ratio)]
+        return None if kept_is_reference else masses[-1]
 
     def take_probe(self) -> list[float]:
         """The step's probe masses (empty when it did not probe), and reset them."""
@@ -108,7 +108,7 @@ class RatioControl:
         # while its result was being agreed, and measured them too)
         gains = None if not (probe and controller.probing) else {
             c: min(math.sqrt(m / total), 1.0) if total > 0 else 1.0
-            for c, m in zip(controller.ratios, probe)}
+            for c, m in zip(controller.probe_ratios, probe)}
         if gains is not None or not controller.probing:
             return controller.observe(gain, probe=gains, ratio=ran)
         return None

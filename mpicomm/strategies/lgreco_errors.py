@@ -22,7 +22,9 @@ fills the table on real gradients, with the project's own compressors
 :meth:`LayerErrors.adjust` measures on rank 0, decides there and broadcasts the
 decision, so every rank uses the same settings. Cost of a decision: one
 compress/decompress per layer and candidate on rank 0, then one broadcast of the
-settings.
+settings. Where a compression-ratio controller moves the default
+(:meth:`mpicomm.control.LGreco.rebase`), the decision is taken again at once on the last
+accumulated gradients.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class LayerErrors:
     def __init__(self, lgreco: LGreco):
         self.lgreco = lgreco
         self._acc: dict[str, torch.Tensor] = {}
+        self._last: dict[str, torch.Tensor] = {}  # the last decision's accumulated ones
 
     def compressor(self, layer: str, value: Any = None) -> Any:
         """The compressor of ``layer`` at its setting in force (or at ``value``)."""
@@ -97,7 +100,8 @@ class LayerErrors:
         view; an int means a vector)."""
         lg = self.lgreco
         cands = lg.candidates()
-        layers = [name for name in numels if name in self._acc]
+        acc = self._acc if self._acc else self._last
+        layers = [name for name in numels if name in acc]
         sizes, errors = [], []
         for name in layers:
             shape = layer_shape(numels[name])
@@ -105,9 +109,9 @@ class LayerErrors:
             if lg.family == "topk":
                 ks = [max(1, min(n, math.ceil(c * n))) for c in cands]
                 sizes.append([2.0 * k for k in ks])
-                errors.append(topk_tail_errors(self._acc[name], ks))
+                errors.append(topk_tail_errors(acc[name], ks))
                 continue
-            a = self._acc[name].float().reshape(shape)
+            a = acc[name].float().reshape(shape)
             row_s, row_e = [], []
             for c in cands:
                 comp = self.compressor(name, c)
@@ -125,12 +129,15 @@ class LayerErrors:
         return self.lgreco.decide(layers, sizes, errors)
 
     def adjust(self, comm: Any, numels: dict[str, Any]) -> dict[str, float]:
-        """Measure and decide on rank 0, broadcast, put in force (collective); the
-        accumulated gradients are cleared."""
+        """Measure and decide on rank 0, broadcast, put in force (collective). The
+        accumulated gradients are kept until the next accumulation starts, so that a
+        new default (:meth:`LGreco.rebase`, the ratio controller moved) is re-solved at
+        once on the latest gradients (rank 0 holds one model's worth of float64)."""
         decision = None
         if comm.rank == 0:
             decision = self.solve(numels)
         decision = comm.bcast_object(decision, root=0)
         values = self.lgreco.apply(decision)
-        self._acc.clear()
+        if self._acc:
+            self._last, self._acc = self._acc, {}
         return values

@@ -129,7 +129,11 @@ class LocalSGD:
     (unless ``period.start()`` was already called). At each averaging round the loss fed
     to the rule is the mean of this rank's losses since the last averaging, averaged
     over the ranks (an ``allgather`` of three floats, so identical on every rank; made
-    only when a decision needs it); the learning rate is
+    only when a decision needs it); with ``AdaComm(noise="drift")`` every averaging
+    round also measures the replicas' drift, ``(||x_i||^2 - ||xbar||^2) / tau`` on
+    this rank (two squared-norm passes over the parameters, before and after; its mean
+    over the ranks is ``mean_i ||x_i - xbar||^2 / tau`` exactly), and its mean over the
+    interval's rounds travels in the same allgather; the learning rate is
     ``optimizer.param_groups[0]["lr"]`` (so an optimizer is required), sent in the same
     allgather: if it differs between ranks (a scheduler stepped differently), every
     rank raises ``ValueError`` instead of taking different periods and deadlocking. With
@@ -224,6 +228,7 @@ class LocalSGD:
         self._fused = FusedTensors()
         self._loss_sum: Any = 0.0
         self._loss_count = 0
+        self._drift_sum, self._drift_rounds = 0.0, 0  # AdaComm(noise="drift")
         broadcast_module(self.model, 0, self.comm)
         self._start = clock()
 
@@ -267,7 +272,12 @@ class LocalSGD:
         self.steps_since_average += 1
         if self.steps_since_average < self.period:
             return False
+        drift = self.adacomm is not None and self.adacomm.noise == "drift"
+        before = self._squared_norm() if drift else 0.0
         self.average()
+        if drift:
+            self._drift_sum += (before - self._squared_norm()) / self.steps_since_average
+            self._drift_rounds += 1
         self.steps_since_average = 0
         if self.adacomm is not None:
             self._adapt()
@@ -329,19 +339,29 @@ class LocalSGD:
                     p, memory_format=torch.preserve_format)
 
     # ------------------------------------------------------------------ AdaComm
-    def _agree(self, lr: float) -> tuple[float, float]:
-        """(loss averaged over ranks, elapsed = max over ranks): identical everywhere.
+    @torch.no_grad()
+    def _squared_norm(self) -> float:
+        """``||x||^2`` of this replica's parameters, summed in float64."""
+        return float(sum(float(p.detach().double().pow(2).sum())
+                         for p in self.model.parameters()))
+
+    def _agree(self, lr: float) -> tuple[float, float, float]:
+        """(loss averaged over ranks, elapsed = max over ranks, drift per local step
+        averaged over ranks and the interval's rounds): identical everywhere.
 
         The learning rate travels with them; ``ValueError`` on every rank if it differs.
         """
         local = float(self._loss_sum) / max(self._loss_count, 1)
-        everyone = self.comm.allgather_object((local, self.clock() - self._start, lr))
+        drift = self._drift_sum / max(self._drift_rounds, 1)
+        everyone = self.comm.allgather_object((local, self.clock() - self._start, lr,
+                                               drift))
         if len({v[2] for v in everyone}) > 1:
             rates = ", ".join(f"rank {r}: {v[2]!r}" for r, v in enumerate(everyone))
             raise ValueError("LocalSGD with AdaComm: the learning rate differs across ranks "
                              f"({rates}); AdaComm's period depends on it, so every rank "
                              "must use the same learning rate schedule")
-        return (sum(v[0] for v in everyone) / len(everyone), max(v[1] for v in everyone))
+        return (sum(v[0] for v in everyone) / len(everyone), max(v[1] for v in everyone),
+                max(0.0, sum(v[3] for v in everyone) / len(everyone)))
 
     def _lr(self) -> float:
         assert self.optimizer is not None
@@ -353,18 +373,21 @@ class LocalSGD:
         P minibatches, as in the paper."""
         assert self.adacomm is not None
         lr = self._lr()
-        loss, elapsed = self._agree(lr)
+        loss, elapsed, _ = self._agree(lr)
         self.adacomm.start(loss, lr, elapsed)
 
     def _adapt(self) -> None:
         ada = self.adacomm
         assert ada is not None
         lr = self._lr()
+        decisions = len(ada.history)
         if ada.interval_s is not None:
-            loss, elapsed = self._agree(lr)
-            ada.observe(loss, lr, elapsed)
+            loss, elapsed, drift = self._agree(lr)
+            ada.observe(loss, lr, elapsed, drift=drift)
         elif ada.due():
-            loss, _ = self._agree(lr)
-            ada.observe(loss, lr)
+            loss, _, drift = self._agree(lr)
+            ada.observe(loss, lr, drift=drift)
         else:
             ada.observe()
+        if len(ada.history) > decisions:  # an interval ended: its drift is spent
+            self._drift_sum, self._drift_rounds = 0.0, 0

@@ -1,0 +1,289 @@
+"""The controllers' decisions: the ratio solve over the continuous range (ASF as pymoo
+defines it), the ratio following the network, the selector switching where the cost
+model's curves cross (the same on every rank), L-GreCo following the ratio."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mpicomm import strategies
+from mpicomm.collectives.cost import ComputeParams, CostParams
+from mpicomm.compress.topk import k_for
+from mpicomm.compress.topk_select import topk_masses
+from mpicomm.control import CRController, LGreco
+from mpicomm.control.pareto import asf, asf_choice, interpolate_gains, pareto_front, ratio_grid
+from mpicomm.strategies.auto_schemes import build, select
+
+GBPS = 1.25e8
+#: The issue's changing network: 10 Gbit/s 0.05 ms, 100 Mbit/s 5 ms, 1 Gbit/s 1 ms.
+NETWORKS = [("10gbit", 0.05e-3, 10.0), ("100mbit", 5e-3, 0.1), ("1gbit", 1e-3, 1.0),
+            ("10gbit", 0.05e-3, 10.0)]
+TEXT_LM = 2_237_440          # parameters of the text-lm workload
+
+
+# ---------------------------------------------------------------------- ASF / Pareto
+def test_asf_is_pymoos_definition():
+    """ASF(f; z, w) = max_i (f_i - z_i) / w_i: a larger weight counts *less*."""
+    assert asf([0.2, 0.5], [0.6, 0.4]) == pytest.approx(max(0.2 / 0.6, 0.5 / 0.4))
+    assert asf([3.0, 1.0], [1.0, 1.0], utopian=[1.0, 0.5]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="weights"):
+        asf([1.0, 2.0], [1.0, 0.0])
+    rng = np.random.default_rng(0)
+    F, w, z = rng.random((20, 2)), rng.random(2) + 0.1, rng.random(2) * 0.1
+    ours = [asf(f, w, z) for f in F]
+    assert ours == pytest.approx([float(np.max((f - z) / w)) for f in F])
+    pymoo = pytest.importorskip("pymoo.decomposition.asf")
+    theirs = pymoo.ASF().do(F, w, utopian_point=z)
+    np.testing.assert_allclose(np.ravel(theirs), ours, rtol=1e-12)
+
+
+def test_asf_choice_weights_as_the_reference_code_passes_them():
+    """The reference code calls pymoo's ASF with ``1 / weights`` for (0.6 time, 0.4
+    gain), so time counts more; ``asf_choice`` with ``normalize="nadir"`` (its
+    normalization) picks the same front point, and the opposite orientation (weights
+    passed as they are) picks another one on this front."""
+    points = [(1.0, 10.0), (2.0, 4.0), (3.0, 2.0), (4.0, 1.5), (6.0, 1.0)]
+    F = np.array(points)
+    nF = (F - F.min(axis=0)) / (F.max(axis=0) - F.min(axis=0))
+    weights = np.array([0.6, 0.4])
+    reference = int(np.argmin([np.max(f * weights) for f in nF]))   # ASF(nF; 0, 1/w)
+    inverted = int(np.argmin([np.max(f / weights) for f in nF]))    # ASF(nF; 0, w)
+    assert reference != inverted
+    assert asf_choice(points, (0.6, 0.4), normalize="nadir") == reference
+    pymoo = pytest.importorskip("pymoo.decomposition.asf")
+    assert int(pymoo.ASF().do(nF, 1 / weights).argmin()) == reference
+    # more weight on time picks a faster point, more weight on gain a better-gain one
+    fast, good = asf_choice(points, (0.9, 0.1)), asf_choice(points, (0.1, 0.9))
+    assert points[fast][0] < points[good][0] and points[fast][1] > points[good][1]
+
+
+def test_nadir_normalization_is_blind_to_the_network():
+    """Ideal-nadir normalization removes any affine change of the time objective: a
+    step time ``other + alpha·L + beta·c·M`` gives the same pick whatever alpha, beta
+    and ``other`` are. Normalizing by the ideal alone keeps the constant: a slow network
+    (time grows with c) moves the pick to small ratios, a fast one to large ones."""
+    grid = ratio_grid(0.001, 0.1)
+    gain = {c: min(1.0, 0.2 + 0.35 * math.log10(c / 0.001)) for c in grid}
+
+    def pick(normalize, other, alpha, beta):
+        points = [(other + 3 * alpha + beta * c * 4e7, 1 / gain[c]) for c in grid]
+        return grid[asf_choice(points, normalize=normalize)]
+
+    fast, slow = (0.05, 1e-5, 1e-10), (0.05, 5e-3, 8e-8)
+    assert pick("nadir", *fast) == pick("nadir", *slow)
+    assert pick("ideal", *fast) >= 4 * pick("ideal", *slow)
+
+
+def test_ratio_grid_and_interpolated_gains():
+    grid = ratio_grid(0.001, 0.1)
+    assert len(grid) == 64 and grid[0] == 0.1 and grid[-1] == 0.001
+    steps = [a / b for a, b in zip(grid, grid[1:])]
+    assert max(steps) / min(steps) < 1.01                      # log-spaced
+    gains = interpolate_gains({0.1: 0.9, 0.01: 0.5, 0.001: 0.2}, grid)
+    assert gains[0.1] == 0.9 and gains[0.001] == 0.2
+    values = [gains[c] for c in grid]
+    assert all(a >= b for a, b in zip(values, values[1:]))    # monotone like the data
+    mid = min(grid, key=lambda c: abs(math.log(c / 0.01)))
+    assert gains[mid] == pytest.approx(0.5, abs=0.02)
+    with pytest.raises(ValueError):
+        ratio_grid(0.0, 0.1)
+
+
+# ---------------------------------------------------------------------- the ratio moves
+def _gains(n: int, grid, seed: int = 0) -> dict[float, float]:
+    """Top-k's gain ``||top-k(x)|| / ||x||`` of a heavy-tailed vector at every ratio."""
+    x = torch.from_numpy(np.random.default_rng(seed).standard_t(2.0, n).astype(np.float32))
+    total = float((x.double() ** 2).sum())
+    masses = topk_masses(x, [k_for(n, c) for c in grid])
+    return {c: math.sqrt(m / total) for c, m in zip(grid, masses)}
+
+
+def _optimum(step_time, gains, grid) -> float:
+    """Brute force: the Pareto points of (T(c), 1/gain(c)) over the grid, each
+    objective as its relative excess over the best one, least max(0.6·t, 0.4·g)."""
+    pts = {c: (step_time(c), 1 / gains[c]) for c in grid}
+    front = [c for c in grid if not any(
+        q[0] <= pts[c][0] and q[1] <= pts[c][1] and q != pts[c] for q in pts.values())]
+    best = [min(pts[c][d] for c in front) for d in (0, 1)]
+    return min(front, key=lambda c: (max(0.6 * (pts[c][0] / best[0] - 1),
+                                         0.4 * (pts[c][1] / best[1] - 1)), -c))
+
+
+def test_ratio_follows_every_change_of_the_network():
+    """The issue's schedule (10 Gbit/s, 100 Mbit/s, 1 Gbit/s, 10 Gbit/s) for the language
+    model's 2.2 M-parameter gradient at 8 ranks: after the probe and after every change
+    the controller's ratio is the exact optimum over the 64-point grid of the range, and
+    the optimum (hence the ratio) moves by at least 2x at every change."""
+    net = {}
+
+    def step_time(c: float) -> float:   # 50 ms of compute + the cheapest scheme at c
+        return 0.05 + select([(TEXT_LM,)], c, 4, 8, net["params"], ComputeParams()).predicted
+
+    cr = CRController(step_time, probe_first=True)
+    grid = cr.probe_ratios
+    gains = _gains(TEXT_LM, grid)
+    chosen = []
+    for i, (_, delay, gbps) in enumerate(NETWORKS):
+        net["params"] = CostParams(alpha=delay, beta=1 / (gbps * GBPS))
+        if i == 0:
+            cr.start()
+            cr.observe(0.5, probe=gains)
+        else:
+            cr.network_changed()
+        assert cr.ratio == _optimum(step_time, gains, grid)
+        chosen.append(cr.ratio)
+    assert [h.reason for h in cr.history] == ["probe", "network", "network", "network"]
+    moves = [max(a, b) / min(a, b) for a, b in zip(chosen, chosen[1:])]
+    assert all(m >= 2 for m in moves), (chosen, moves)
+    assert chosen[1] < chosen[2] < chosen[0]   # slowest network: the smallest ratio
+    # the history keeps the Pareto front the pick came from
+    front = cr.history[-1].points
+    assert cr.ratio in [c for c, _, _ in front]
+
+
+def test_ratio_stays_when_the_model_says_so():
+    """A change that leaves the objectives as they were (the same network reported
+    again) leaves the ratio; a slower compute step moves it up (the network's share of
+    the step shrinks)."""
+    net = {"params": CostParams(alpha=1e-3, beta=1 / GBPS), "other": 0.01}
+
+    def step_time(c: float) -> float:
+        return net["other"] + select([(TEXT_LM,)], c, 4, 8, net["params"],
+                                     ComputeParams()).predicted
+
+    cr = CRController(step_time, probe_first=True)
+    cr.start()
+    cr.observe(0.5, probe=_gains(TEXT_LM, cr.probe_ratios))
+    before = cr.ratio
+    cr.network_changed()
+    assert cr.ratio == before
+    net["other"] = 2.0
+    cr.resolve("compute")
+    assert cr.ratio >= 2 * before and cr.history[-1].reason == "compute"
+
+
+def test_cr_controller_rejects_bad_grid_options():
+    with pytest.raises(ValueError, match="normalize"):
+        CRController(lambda c: c, normalize="max")
+    with pytest.raises(ValueError, match="grid_points"):
+        CRController(lambda c: c, grid_points=1)
+    cr = CRController(lambda c: c, probe_first=True)
+    cr.start()
+    with pytest.raises(ValueError, match="every ratio"):
+        cr.observe(0.5, probe={c: 0.5 for c in cr.ratios})   # the candidates only
+
+
+# ---------------------------------------------------------------------- scheme switch
+SPARSE = ("allgather_topk", "artopk_ring", "gtopk")
+
+
+def _curves(n: int, c: float, p: int, alpha: float, beta: float) -> dict[str, float]:
+    """The cost model's prediction of each scheme (its strategy's ``predict``)."""
+    params = CostParams(alpha=alpha, beta=beta)
+    return {s: build(s, c, [(n,)]).predict([(n,)], 4, p, params, ComputeParams())
+            for s in SPARSE}
+
+
+def _crossings(n: int, c: float, p: int, alpha: float, betas) -> list[tuple[float, str]]:
+    """Where the cheapest curve changes along ``betas`` (log grid), each crossing
+    refined by bisection on the two curves' difference to 1e-9 relative: (beta, new)."""
+    out = []
+    cheapest = [min(_curves(n, c, p, alpha, b).items(), key=lambda kv: kv[1])[0]
+                for b in betas]
+    for i in range(1, len(betas)):
+        old, new = cheapest[i - 1], cheapest[i]
+        if old == new:
+            continue
+        lo, hi = betas[i - 1], betas[i]
+        while hi / lo - 1 > 1e-9:
+            mid = math.sqrt(lo * hi)
+            t = _curves(n, c, p, alpha, mid)
+            lo, hi = (mid, hi) if t[old] <= t[new] else (lo, mid)
+        out.append((hi, new))
+    return out
+
+
+def _switches(n, c, p, alpha, betas, choose) -> list[tuple[float, str]]:
+    """Where ``choose(beta)`` changes along ``betas``, refined by bisection on it."""
+    out = []
+    picks = [choose(b) for b in betas]
+    for i in range(1, len(betas)):
+        if picks[i] == picks[i - 1]:
+            continue
+        lo, hi = betas[i - 1], betas[i]
+        while hi / lo - 1 > 1e-9:
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if choose(mid) == picks[i - 1] else (lo, mid)
+        out.append((hi, picks[i]))
+    return out
+
+
+@pytest.mark.parametrize(("p", "n", "c", "alpha"), [(8, 1_000_000, 0.01, 1e-3),
+                                                     (16, 10_000_000, 0.001, 1e-4),
+                                                     (5, 2_237_440, 0.004, 5e-3)])
+def test_selector_switches_exactly_where_the_curves_cross(p, n, c, alpha):
+    """Sweeping the bandwidth from 100 Gbit/s down to 10 Mbit/s at a fixed latency, the
+    selector moves between Allgather Top-k, AR-Top-k and gTop-k, and every switch is at
+    a crossing of the cost model's curves (to 1e-6 relative), and only there."""
+    betas = list(np.geomspace(1 / (100 * GBPS), 1 / (0.01 * GBPS), 120))
+
+    def choose(beta: float) -> str:
+        return select([(n,)], c, 4, p, CostParams(alpha=alpha, beta=beta), ComputeParams(),
+                      schemes=SPARSE).scheme
+
+    crossings = _crossings(n, c, p, alpha, betas)
+    switches = _switches(n, c, p, alpha, betas, choose)
+    assert len(crossings) >= 1
+    assert [s for _, s in switches] == [s for _, s in crossings]
+    for (b1, _), (b2, _) in zip(switches, crossings):
+        assert b1 == pytest.approx(b2, rel=1e-6)
+
+
+# ---------------------------------------------------------------------- L-GreCo
+def test_lgreco_rebase_scales_the_settings_with_the_default():
+    lg = LGreco(0.01, every=10, acc_steps=2)
+    lg.apply({"densities": {"a": 0.04, "b": 0.0025}})
+    lg.rebase(0.002)
+    assert lg.default == 0.002
+    assert lg.values == pytest.approx({"a": 0.008, "b": 0.0005})
+    assert lg.candidates() == pytest.approx([0.0005, 0.001, 0.002, 0.004, 0.008])
+    lg.rebase(0.5)
+    assert lg.values["a"] == 1.0                     # clipped
+    with pytest.raises(ValueError):
+        lg.rebase(0.0)
+    with pytest.raises(ValueError, match="top-k"):
+        LGreco(4, family="qsgd").rebase(0.1)
+
+
+def test_pareto_front_reexported_by_the_controller_module():
+    from mpicomm.control import cr
+
+    assert cr.pareto_front is pareto_front and cr.asf_choice is asf_choice
+
+
+@pytest.mark.mpi
+def test_auto_selector_follows_a_scripted_network_identically_on_every_rank(comm):
+    """The auto strategy's own choice path (prediction only, no hysteresis) on a
+    scripted network, the bandwidth stepping from 100 Gbit/s to 10 Mbit/s: at every step
+    each rank picks the cheapest curve of the cost model, and all ranks pick alike."""
+    n, c = 2_237_440, 0.004
+    auto = strategies.make("auto", comm=comm, ratio=c, schemes=SPARSE, trial_steps=0,
+                           switch_margin=0.0, gain_weighted=False, calibrate_links=0)
+    shapes, segments = [(n,)], [("w", n, (n,))]
+    picks = []
+    for beta in np.geomspace(1 / (100 * GBPS), 1 / (0.01 * GBPS), 60):
+        params = CostParams(alpha=1e-3, beta=float(beta))
+        auto.choices.forget()                           # what a network drift does
+        choice, _ = auto._choose(("bucket", c), shapes, segments, 4, params,
+                                 ComputeParams(), {})
+        curves = _curves(n, c, comm.size, 1e-3, float(beta))
+        best = min(curves.values())
+        assert curves[choice.scheme] == best, (beta, choice.scheme, curves)
+        picks.append(choice.scheme)
+    assert comm.allgather_object(picks) == [picks] * comm.size
+    if comm.size >= 3:
+        assert len(set(picks)) >= 2, picks              # it did move
