@@ -297,9 +297,9 @@ class AutoStrategy(Strategy):
             self._action = self.controller.start()
         if self._adjust_due:  # L-GreCo's solve (a broadcast): inside the collectives
             self._adjust_due = False
-            begin = time.perf_counter()
+            begin = clock.now()
             self._adjust_lgreco()
-            self.overheads["lgreco_s"] += time.perf_counter() - begin
+            self.overheads["lgreco_s"] += clock.now() - begin
         if self.agreement.done:  # the first aggregation of a step: agree on the last ones
             self.agreement.post(self.comm)
         as_torch = [to_torch(t) for t in tensors]
@@ -331,11 +331,11 @@ class AutoStrategy(Strategy):
         comm, cfg = self.comm, self.config
         if self.calibrate_links and "compute_params" not in comm.resources:
             # short (AutoConfig: calibrate_links): the online refinement fixes beta
-            begin = time.perf_counter()
+            begin = clock.now()
             calibrate(comm, links=self.calibrate_links, compute_numel=1 << 19,
                       sizes=CALIBRATION_SIZES, repeats=3,
                       oneway_bytes=CALIBRATION_ONEWAY_BYTES)
-            self.overheads["calibration_s"] += time.perf_counter() - begin
+            self.overheads["calibration_s"] += clock.now() - begin
         self.online = OnlineCalibration(calibrated(comm)[0], decay=cfg.decay,
                                         drift=cfg.drift, patience=self.drift_patience)
 
@@ -432,12 +432,12 @@ class AutoStrategy(Strategy):
         (:meth:`RatioControl.reference`; ``None`` where the step keeps exact Top-k
         itself: Allgather Top-k, the L-GreCo paths)."""
         probing = self.ratio_control.probing
-        begin = time.perf_counter()
+        begin = clock.now()
         ref = self.ratio_control.reference(
             ratio, lambda: error_fed(scheme, buf, names, tensors, sub, self.memory),
             kept_is_reference=scheme == "allgather_topk" or self.lgreco is not None)
         if probing:  # the masses at every grid ratio (an ordinary step takes one)
-            self.overheads["probe_s"] += time.perf_counter() - begin
+            self.overheads["probe_s"] += clock.now() - begin
         return ref
 
     def _accumulate(self, bucket: str, c: torch.Tensor) -> None:
@@ -572,7 +572,7 @@ class AutoStrategy(Strategy):
         """Carry out the CR controller's ``"save"``/``"restore"`` of model, optimizer
         and strategy state (error-feedback memory, warm starts)."""
         if action == "save":
-            self._saved_at = time.perf_counter()
+            self._saved_at = clock.now()
             self.overheads["windows"] += 1
             self._saved = {
                 "model": None if model is None else copy.deepcopy(model.state_dict()),
@@ -582,7 +582,7 @@ class AutoStrategy(Strategy):
         elif action == "restore" and self._saved is not None:
             saved, self._saved = self._saved, None
             if self._saved_at is not None:  # the window's steps are thrown away
-                self.overheads["exploration_s"] += time.perf_counter() - self._saved_at
+                self.overheads["exploration_s"] += clock.now() - self._saved_at
             if model is not None and saved["model"] is not None:
                 model.load_state_dict(saved["model"])
             if optimizer is not None and saved["optimizer"] is not None:
