@@ -13,7 +13,8 @@
 
 ``python -m mpicomm run -n N [--servers S] [--] command ...``
     Runs ``mpiexec -n N command ...`` with the ``mpiexec`` of the MPI library that mpi4py
-    is linked against and exits with its status. ``--servers S`` (parameter-server mode,
+    is linked against and exits with its status; a bare ``python`` command runs this
+    interpreter (:func:`mpicomm.emulate.mpienv.own_python`). ``--servers S`` (parameter-server mode,
     ``1 <= S < N``) puts ``MPICOMM_PS_SERVERS=S`` in every rank's environment; a script
     reads it with :func:`ps_servers` and passes it on, e.g.
     ``mpicomm.ps.KVStore(comm, servers=ps_servers(), ...)``. Same logic as
@@ -26,13 +27,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .emulate.mpienv import find_mpiexec, launcher_env, library_version, mpi_flavor
+from .emulate.mpienv import find_mpiexec, launcher_env, library_version, mpi_flavor, own_python
 
 __all__ = ["main", "info", "ps_servers", "ENV_PS_SERVERS"]
 
@@ -67,14 +69,31 @@ def run(ranks: int, command: Sequence[str], servers: int | None = None) -> int:
     if not command:
         raise ValueError("no command to run")
     flavor = mpi_flavor(library_version())
-    argv = [find_mpiexec(), "-n", str(ranks), *command]
+    argv = [find_mpiexec(), "-n", str(ranks), *own_python(list(command))]
     env = launcher_env(flavor, ranks)
     if servers is not None:
         env[ENV_PS_SERVERS] = str(servers)
-    try:
-        return subprocess.call(argv, env=env)
-    except KeyboardInterrupt:
-        return 130
+    return wait_for_launcher(subprocess.Popen(argv, env=env))
+
+
+def wait_for_launcher(proc: subprocess.Popen, grace_s: float = 5.0) -> int:
+    """``proc``'s exit status. On Ctrl-C the launcher got the same signal from the
+    terminal and is ending the ranks (they print "interrupted" once): wait for it
+    rather than kill it, which would leave the ranks behind. If it is still running
+    after ``grace_s`` (the signal reached this process alone), pass it on; after twice
+    that, kill the launcher."""
+    stage = 0
+    while True:
+        try:
+            return proc.wait(timeout=None if stage == 0 else grace_s)
+        except KeyboardInterrupt:
+            stage = max(stage, 1)
+        except subprocess.TimeoutExpired:
+            if stage == 1:
+                proc.send_signal(signal.SIGINT)
+            elif stage >= 2:
+                proc.kill()
+            stage += 1
 
 
 # ---------------------------------------------------------------------- info
