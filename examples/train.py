@@ -63,7 +63,6 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
@@ -251,14 +250,36 @@ def dense_bytes_per_step(model: torch.nn.Module, comm: mpicomm.Communicator) -> 
     return probe.stats.sent_bytes
 
 
+class _NoBar:
+    """What a progress bar is asked to do, doing nothing (``--no-progress``, ranks > 0)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **values: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, shown: bool) -> Any:
+    """A tqdm bar on stderr when ``shown`` (tqdm is imported only then), else a stand-in."""
+    if not shown:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", file=sys.stderr, mininterval=0.5)
+
+
 def run_harness(method: Any, w: Workload, args: argparse.Namespace,
                 comm: mpicomm.Communicator, metrics: Metrics | None = None) -> Run:
     """Train ``w`` with ``method`` (:mod:`mpicomm.bench.sync`) through the harness, with
     rank 0's progress bar and the per-epoch metrics records (also examples/train_ps.py)."""
     spec = spec_of(args)
     spec.metrics = metrics
-    bar = tqdm(total=args.epochs * w.info.steps_per_epoch, unit="step", file=sys.stderr,
-               disable=comm.rank != 0 or args.no_progress, mininterval=0.5)
+    bar = progress_bar(args.epochs * w.info.steps_per_epoch,
+                       comm.rank == 0 and not args.no_progress)
 
     def epoch_end(epoch: int, stats: dict[str, float], ctx: Any) -> None:
         if metrics is not None:
