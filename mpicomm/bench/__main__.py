@@ -10,7 +10,7 @@ workloads [--ranks N] [--json PATH]`` lists the training tasks of
 data the first time).
 
 Under ``mpiexec`` a bad option (one argparse rejects, or one a suite rejects with
-:class:`~mpicomm.bench._util.UsageError`) ends the job with one ``... error: ...`` line
+:class:`~mpicomm.abort.UsageError`) ends the job with one ``... error: ...`` line
 from rank 0 and exit status 2 on every rank.
 """
 
