@@ -7,6 +7,11 @@
     nodes and local ranks, alpha and beta measured per link kind (intra-/inter-node) and
     which buffer backends work (:mod:`mpicomm.jobinfo`).
 
+``python -m mpicomm strategies``
+    The strategy names that ``GradientSync``, ``DistributedOptimizer`` and
+    ``ddp_comm_hook`` take, their classes and their options with defaults
+    (:func:`strategies_table`). ``python -m mpicomm --version`` prints the version.
+
 ``python -m mpicomm plot metrics.jsonl [-o out.png]``
     PNG plots of a metrics file (:mod:`mpicomm.observe.metrics`) or of a Chrome trace
     (:mod:`mpicomm.observe.trace`); needs matplotlib (the ``plot`` extra).
@@ -183,6 +188,45 @@ def _mpiexec_or_none() -> str:
         return str(exc)
 
 
+# ---------------------------------------------------------------------- strategies
+def strategies_table(width: int = 100) -> str:
+    """``python -m mpicomm strategies``: every strategy name, its class and its options
+    with their defaults (from the constructors' signatures), as the wrappers take them:
+    ``GradientSync(model, strategy="gtopk", density=0.05)``."""
+    import inspect
+    import textwrap
+
+    from .strategies import available
+    from .torch.strategy_options import strategy_class, strategy_option_names
+
+    rows = []
+    for name in available():
+        cls = strategy_class(name)
+        options = strategy_option_names(name)
+        if cls is None or options is None:
+            rows.append((name, cls.__name__ if cls else "?", "(see its documentation)"))
+            continue
+        params = inspect.signature(cls.__init__).parameters
+        shown = [f"{o}={params[o].default!r}" if params[o].default is not inspect.Parameter.empty
+                 else o for o in options]
+        rows.append((name, cls.__name__, ", ".join(shown)))
+    w_name = max(len(r[0]) for r in rows + [("name", "", "")])
+    w_cls = max(len(r[1]) for r in rows + [("", "class", "")])
+    indent = " " * (w_name + w_cls + 4)
+    lines = [f"{'name':{w_name}}  {'class':{w_cls}}  options (default)"]
+    for name, cls_name, options in rows:
+        wrapped = textwrap.wrap(options, width=max(40, width - len(indent)),
+                                break_on_hyphens=False) or [""]
+        lines.append(f"{name:{w_name}}  {cls_name:{w_cls}}  {wrapped[0]}")
+        lines.extend(indent + rest for rest in wrapped[1:])
+    lines.append("")
+    lines += ["GradientSync, DistributedOptimizer, ddp_comm_hook and TorchJob take a name",
+              'and its options as keywords: GradientSync(model, strategy="gtopk", density=0.05).',
+              "auto's options are the fields of mpicomm.strategies.AutoConfig; the bytes each",
+              "strategy sends are in docs/compression.md."]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- plot
 def plot(path: str, output: str | None = None) -> int:
     """``python -m mpicomm plot``: a metrics file's panels, or a trace's spans, as PNG."""
@@ -207,7 +251,12 @@ def plot(path: str, output: str | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m mpicomm",
                                  description="mpicomm command-line tools.")
+    ap.add_argument("--version", action="version", version=f"mpicomm {_own_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("strategies", help="the gradient strategies' names, classes and options",
+                   description="Print every strategy name that GradientSync, "
+                               "DistributedOptimizer and ddp_comm_hook take, its class and "
+                               "its options with their defaults.")
     sub.add_parser("info", help="versions, MPI library, thread level, CUDA-awareness, "
                                 "cost-model defaults; under mpiexec also nodes, links "
                                 "(alpha/beta) and usable buffer backends")
@@ -232,8 +281,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _own_version() -> str:
+    from ._version import __version__
+
+    return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "strategies":
+        print(strategies_table())
+        return 0
     if args.command == "info":
         report = info()
         report.update(job_info())
