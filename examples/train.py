@@ -483,16 +483,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)
+            print(f"summary           {args.json}", flush=True)
         if args.metrics and "{rank}" not in args.metrics:
             plot_metrics_file(args.metrics)
+        elif args.metrics:
+            print(f"metrics           {args.metrics} (one file per rank)", flush=True)
     return summary
 
 
 def plot_metrics_file(path: str) -> None:
-    """``path``.png: the panels of ``python -m mpicomm plot`` (skipped without matplotlib)."""
+    """The panels of ``python -m mpicomm plot`` in ``path`` with ``.png`` in place of its
+    suffix, and where they went (skipped without matplotlib)."""
+    print(f"metrics           {path}", flush=True)
     try:
-        from mpicomm.observe.plot import plot_metrics
-        log.info("metrics plots: %s", plot_metrics(path, path + ".png"))
+        from mpicomm.observe.plot import plot_metrics, png_path
+        print(f"plots             {plot_metrics(path, png_path(path))}", flush=True)
     except ImportError as exc:
         log.warning("no plots of %s: %s", path, exc)
 

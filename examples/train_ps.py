@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(summary, f, indent=2)
+                print(f"summary           {args.json}", flush=True)
     if workers is not None:
         workers.free()
     return summary

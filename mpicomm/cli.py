@@ -36,7 +36,6 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from .emulate.mpienv import find_mpiexec, launcher_env, library_version, mpi_flavor, own_python
@@ -230,9 +229,9 @@ def strategies_table(width: int = 100) -> str:
 # ---------------------------------------------------------------------- plot
 def plot(path: str, output: str | None = None) -> int:
     """``python -m mpicomm plot``: a metrics file's panels, or a trace's spans, as PNG."""
-    from .observe.plot import plot_metrics, plot_trace
+    from .observe.plot import plot_metrics, plot_trace, png_path
 
-    out = output or str(Path(path).with_suffix(".png"))
+    out = output or str(png_path(path))
     try:
         with open(path) as f:
             head = f.read(64).lstrip()
@@ -243,7 +242,7 @@ def plot(path: str, output: str | None = None) -> int:
     except (OSError, ValueError, ImportError) as exc:
         print(f"python -m mpicomm plot: {exc}", file=sys.stderr)
         return 2
-    print(written)
+    print(f"plot written to {written}")
     return 0
 
 
@@ -266,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "traffic, predicted vs measured communication) or, for "
                                     "a Chrome-trace JSON, its spans. Needs matplotlib.")
     pp.add_argument("file", help="metrics.jsonl (or a trace .json)")
-    pp.add_argument("-o", "--output", default=None, help="PNG path (default: FILE.png)")
+    pp.add_argument("-o", "--output", default=None,
+                    help="PNG path (default: FILE with .png in place of its suffix: "
+                         "run.jsonl -> run.png)")
     rp = sub.add_parser("run", help="mpiexec for mpi4py's MPI (Open MPI settings included)",
                         description="Run `mpiexec -n N command...` with the mpiexec of the "
                                     "MPI library mpi4py uses; exits with its status.")

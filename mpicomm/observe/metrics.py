@@ -62,8 +62,10 @@ are per rank: ``sent_bytes`` is this rank's.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,7 @@ class Metrics:
                  keep: int = 100_000, fresh: bool | None = None):
         if fresh is None:  # an explicit path starts a new file; the variable appends
             fresh = path is not None
+        from_env = path is None
         if path is None:
             path = os.environ.get("MPICOMM_METRICS") or None
         keep = check_int("keep", keep, 1)
@@ -126,6 +129,8 @@ class Metrics:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if fresh:
                 self.path.write_text("")
+            if from_env:
+                _say_where_at_exit(self.path)
         self.keep = keep
         self.records: list[dict[str, Any]] = []
         self._pending: dict[str, Any] = {}
@@ -202,6 +207,23 @@ class Metrics:
             derived["predicted_comm_s"] = predicted
         derived.update(fields)
         return self.record(kind, **derived)
+
+
+_announced: set[str] = set()
+
+
+def _say_where_at_exit(path: Path) -> None:
+    """At a normal exit, one line on stderr: where ``MPICOMM_METRICS`` records went."""
+    if str(path) in _announced:
+        return
+    _announced.add(str(path))
+
+    def say() -> None:
+        if path.exists():
+            print(f"mpicomm: metrics written to {path} (MPICOMM_METRICS)", file=sys.stderr,
+                  flush=True)
+
+    atexit.register(say)
 
 
 def metrics_from(metrics: Metrics | str | os.PathLike | None) -> Metrics | None:

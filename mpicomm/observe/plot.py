@@ -14,7 +14,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_records", "plot_metrics", "plot_trace", "span_depths"]
+__all__ = ["load_records", "plot_metrics", "plot_trace", "span_depths", "png_path",
+           "METRIC_KEYS"]
+
+#: Keys that a record of :class:`mpicomm.observe.metrics.Metrics` carries (every record
+#: has ``kind``, ``step``, ``rank`` and ``time_s``): a file whose records have none of
+#: ``kind``/``step``/``time_s`` is not a metrics file.
+METRIC_KEYS = ("kind", "step", "time_s")
+
+
+def png_path(path: str | Path) -> Path:
+    """The one naming rule of plots: the input's name with its last suffix replaced by
+    ``.png`` (``run.jsonl`` -> ``run.png``, ``trace.json`` -> ``trace.png``)."""
+    return Path(path).with_suffix(".png")
 
 
 def load_records(path: str | Path) -> list[dict[str, Any]]:
@@ -63,9 +75,14 @@ def _empty(ax: Any, what: str) -> None:
 def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
                  title: str | None = None) -> Path:
     """Draw the six panels of the module docstring into the PNG ``out``; return its path."""
+    source = "the records"
     if not isinstance(records, list):
         title = title or str(records)
+        source = str(records)
         records = load_records(records)
+    if not any(all(k in rec for k in METRIC_KEYS) for rec in records):
+        raise ValueError(f"{source}: no metrics records (JSON objects with "
+                         f"{', '.join(METRIC_KEYS)}, as mpicomm.observe.metrics writes)")
     plt = _pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     (a_time, a_bytes, a_tau), (a_coll, a_sent, a_pred) = axes
