@@ -71,7 +71,7 @@ from mpicomm.bench.sync import GradientMethod, LocalSGDMethod  # noqa: E402
 from mpicomm.bench.train import parse_options  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
-from mpicomm.observe.metrics import Metrics  # noqa: E402
+from mpicomm.observe.metrics import Metrics, metrics_from  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.workloads import Workload  # noqa: E402
 
@@ -325,7 +325,7 @@ def train_gradient_sync(w: Workload, args: argparse.Namespace,
         kwargs["schedule"] = parse_schedule(kwargs["schedule"],
                                             steps_per_epoch=w.info.steps_per_epoch)
     strategy = strategies.make(args.strategy, **kwargs)
-    metrics = Metrics(args.metrics) if args.metrics else None
+    metrics = Metrics(args.metrics) if args.metrics else metrics_from(None)  # or MPICOMM_METRICS
     method = GradientMethod(strategy, label=args.strategy,
                             owns_momentum=bool(args.momentum_correction), metrics=metrics)
     run = run_harness(method, w, args, comm, metrics)
@@ -343,7 +343,7 @@ def train_local_sgd(w: Workload, args: argparse.Namespace,
         period: int | AdaComm = AdaComm(args.tau0, interval_rounds=interval)
     else:
         period = args.period
-    metrics = Metrics(args.metrics) if args.metrics else None
+    metrics = Metrics(args.metrics) if args.metrics else metrics_from(None)  # or MPICOMM_METRICS
     run = run_harness(LocalSGDMethod(period, metrics=metrics), w, args, comm, metrics)
     describe = {"mode": f"local-sgd {args.local_sgd}", "algorithm": run.extra["algorithm"],
                 "rounds": run.extra["rounds"], "final_period": run.extra["final_period"],

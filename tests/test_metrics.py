@@ -86,11 +86,15 @@ def test_gradient_sync_records_every_step(tmp_path: Path,
             opt.zero_grad()
             loss = model(torch.randn(4, 8)).pow(2).mean()
             loss.backward()
-            sync.metrics.note(loss=loss.item())
-            sync.step(opt)
+            if step < 2:
+                sync.metrics.note(loss=loss.item())
+                sync.step(opt)
+            else:   # the same through step's own keyword
+                sync.step(opt, loss=loss)
             assert sync.metrics.last["step"] == step
     records = _lines(tmp_path / "sync.jsonl")
     assert len(records) == 3
+    assert records[-1]["loss"] == pytest.approx(loss.item())
     r = records[-1]
     assert r["strategy"] == "gtopk" and r["collective"] == "gtopk(butterfly)"
     assert r["loss"] > 0 and r["dense_bytes"] == sum(
