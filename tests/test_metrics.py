@@ -101,6 +101,7 @@ def test_gradient_sync_records_every_step(tmp_path: Path,
         p.numel() * 4 for p in model.parameters())
     assert r["comm_s"] > 0 and r["wait_s"] >= 0 and r["skipped"] is False
     assert r["predicted_comm_s"] == pytest.approx(predict_step_comm(sync))
+    assert r["predicted_calibrated"] is False   # library defaults: the plot leaves it out
 
 
 def test_local_sgd_tau_and_rounds() -> None:

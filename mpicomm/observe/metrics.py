@@ -199,6 +199,8 @@ class Metrics:
         predicted = self._predicted.get(id(source), ...)
         if predicted is ...:
             predicted = self._predicted[id(source)] = predict_step_comm(source)
+        if predicted is not None:
+            derived["predicted_calibrated"] = cost_model_calibrated(source)
         if "rounds" in now:  # local SGD: communication only on averaging steps
             derived["averaged"] = now["rounds"] > before.get("rounds", 0)
             if predicted is not None:
@@ -291,6 +293,16 @@ def _counters(source: Any) -> dict[str, Any]:
         raise TypeError(f"cannot observe a {type(source).__name__}: expected a GradientSync, "
                         "LocalSGD, MpicommHookState, KVStore (or PSOptimizer) or Strategy")
     return out
+
+
+def cost_model_calibrated(source: Any) -> bool:
+    """Whether ``source``'s communicator carries measured cost parameters
+    (:func:`mpicomm.collectives.calibrate.measure`, or ``strategy="auto"``'s start-up
+    calibration): without them a prediction uses the library defaults, which may be far
+    from this machine, and the plot leaves it out."""
+    comm = getattr(source, "comm", None)
+    resources = getattr(comm, "resources", None) or {}
+    return resources.get("cost_params") is not None
 
 
 def predict_step_comm(source: Any) -> float | None:

@@ -3,7 +3,9 @@
 Six panels from the records of :class:`mpicomm.observe.metrics.Metrics`: loss and accuracy
 against time, loss against cumulative bytes sent, the local-SGD period ``tau`` over
 steps, the collective chosen at each step, bytes sent per step with the compression
-ratio, and predicted against measured communication time. A panel without data says so.
+ratio, and predicted against measured communication time (the prediction only where the
+cost model was calibrated on this machine: records with ``predicted_calibrated`` false
+are left out and the panel says "uncalibrated"). A panel without data says so.
 Needs matplotlib (``pip install "mpicomm[plot]"``); nothing else in mpicomm imports it.
 """
 
@@ -147,11 +149,17 @@ def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
 
     # predicted vs measured
     s, meas = _series(records, "step", "comm_s", "step")
-    s2, pred = _series(records, "step", "predicted_comm_s", "step")
+    calibrated = [r for r in records if r.get("predicted_calibrated", True)]
+    s2, pred = _series(calibrated, "step", "predicted_comm_s", "step")
+    uncalibrated = any(r.get("predicted_calibrated") is False for r in records)
     if meas:
         a_pred.plot(s, [v * 1e3 for v in meas], lw=0.8, label="measured")
     if pred:
         a_pred.plot(s2, [v * 1e3 for v in pred], lw=0.8, label="predicted (cost model)")
+    if uncalibrated and not pred:
+        a_pred.text(0.5, 0.9, "no prediction: cost model uncalibrated\n"
+                    "(mpicomm.collectives.calibrate.measure)", ha="center", va="top",
+                    transform=a_pred.transAxes, fontsize=8, color="gray")
     if meas or pred:
         a_pred.legend(loc="upper right")
     else:
