@@ -31,7 +31,7 @@ _SCRIPT = textwrap.dedent("""
         raise ValueError("--lr must be positive, got -0.1")
     if mode == "some":            # two ranks fail differently, the others wait forever
         if comm.rank in (1, 3):
-            time.sleep(0.5 * comm.rank)
+            time.sleep(0.2 + 0.1 * comm.rank)
             raise RuntimeError(f"boom on rank {comm.rank}")
         mpicomm.allreduce(np.ones(4), comm=comm)
     if mode == "sleep":           # until Ctrl-C
@@ -70,11 +70,13 @@ def test_an_unexpected_error_is_one_traceback_naming_the_ranks_that_failed():
     result = run_job(5, [sys.executable, "-c", _SCRIPT, "some"], timeout=120)
     assert result.returncode == 1, result.output
     out = lines(result.output)
-    assert out[0] == ("[mpicomm rank 1/5] uncaught exception; aborting the job (ranks that "
-                      "failed: 1, 3 of 5):"), result.output
+    # rank 3 fails 0.2 s after rank 1: within the report window (1 s) on an idle
+    # machine, possibly after it on a loaded one, when rank 1 reports alone
+    assert out[0] in (f"[mpicomm rank 1/5] uncaught exception; aborting the job (ranks that "
+                      f"failed: {ranks} of 5):" for ranks in ("1, 3", "1")), result.output
     assert result.output.count("Traceback") == 1 and out[-1] == "RuntimeError: boom on rank 1"
     assert "MPI_Abort" not in result.output and "boom on rank 3" not in result.output
-    assert result.seconds < 30, result
+    assert result.seconds < 60, result
 
 
 def _alive(marker: str) -> list[int]:
