@@ -157,14 +157,15 @@ def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
     if pred:
         a_pred.plot(s2, [v * 1e3 for v in pred], lw=0.8, label="predicted (cost model)")
     if uncalibrated and not pred:
-        a_pred.text(0.5, 0.9, "no prediction: cost model uncalibrated\n"
-                    "(mpicomm.collectives.calibrate.measure)", ha="center", va="top",
+        a_pred.text(0.5, 1.0, "no prediction: cost model uncalibrated "
+                    "(mpicomm.collectives.calibrate.measure)", ha="center", va="bottom",
                     transform=a_pred.transAxes, fontsize=8, color="gray")
     if meas or pred:
         a_pred.legend(loc="upper right")
     else:
         _empty(a_pred, "communication times")
-    a_pred.set(xlabel="step", ylabel="ms", title="communication time per step")
+    a_pred.set(xlabel="step", ylabel="ms",
+               title="communication time per step" + ("\n" if uncalibrated and not pred else ""))
 
     if title:
         fig.suptitle(title)
