@@ -63,7 +63,6 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
@@ -72,7 +71,7 @@ from mpicomm.bench.sync import GradientMethod, LocalSGDMethod  # noqa: E402
 from mpicomm.bench.train import parse_options  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
-from mpicomm.observe.metrics import Metrics  # noqa: E402
+from mpicomm.observe.metrics import Metrics, metrics_from  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.workloads import Workload  # noqa: E402
 
@@ -251,14 +250,36 @@ def dense_bytes_per_step(model: torch.nn.Module, comm: mpicomm.Communicator) -> 
     return probe.stats.sent_bytes
 
 
+class _NoBar:
+    """What a progress bar is asked to do, doing nothing (``--no-progress``, ranks > 0)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **values: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, shown: bool) -> Any:
+    """A tqdm bar on stderr when ``shown`` (tqdm is imported only then), else a stand-in."""
+    if not shown:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", file=sys.stderr, mininterval=0.5)
+
+
 def run_harness(method: Any, w: Workload, args: argparse.Namespace,
                 comm: mpicomm.Communicator, metrics: Metrics | None = None) -> Run:
     """Train ``w`` with ``method`` (:mod:`mpicomm.bench.sync`) through the harness, with
     rank 0's progress bar and the per-epoch metrics records (also examples/train_ps.py)."""
     spec = spec_of(args)
     spec.metrics = metrics
-    bar = tqdm(total=args.epochs * w.info.steps_per_epoch, unit="step", file=sys.stderr,
-               disable=comm.rank != 0 or args.no_progress, mininterval=0.5)
+    bar = progress_bar(args.epochs * w.info.steps_per_epoch,
+                       comm.rank == 0 and not args.no_progress)
 
     def epoch_end(epoch: int, stats: dict[str, float], ctx: Any) -> None:
         if metrics is not None:
@@ -304,7 +325,7 @@ def train_gradient_sync(w: Workload, args: argparse.Namespace,
         kwargs["schedule"] = parse_schedule(kwargs["schedule"],
                                             steps_per_epoch=w.info.steps_per_epoch)
     strategy = strategies.make(args.strategy, **kwargs)
-    metrics = Metrics(args.metrics) if args.metrics else None
+    metrics = Metrics(args.metrics) if args.metrics else metrics_from(None)  # or MPICOMM_METRICS
     method = GradientMethod(strategy, label=args.strategy,
                             owns_momentum=bool(args.momentum_correction), metrics=metrics)
     run = run_harness(method, w, args, comm, metrics)
@@ -322,7 +343,7 @@ def train_local_sgd(w: Workload, args: argparse.Namespace,
         period: int | AdaComm = AdaComm(args.tau0, interval_rounds=interval)
     else:
         period = args.period
-    metrics = Metrics(args.metrics) if args.metrics else None
+    metrics = Metrics(args.metrics) if args.metrics else metrics_from(None)  # or MPICOMM_METRICS
     run = run_harness(LocalSGDMethod(period, metrics=metrics), w, args, comm, metrics)
     describe = {"mode": f"local-sgd {args.local_sgd}", "algorithm": run.extra["algorithm"],
                 "rounds": run.extra["rounds"], "final_period": run.extra["final_period"],
@@ -370,7 +391,33 @@ def summarize(outcome: Outcome, dense_step: int, args: argparse.Namespace,
 
 
 def _mb(n: float) -> str:
-    return f"{n / 1e6:.3f} MB"
+    return f"{n / 1e6:.3g} MB"
+
+
+def plain(value: Any) -> str:
+    """``value`` for a person: floats to 3 significant digits, dicts as ``key=value``."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}={plain(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(plain(v) for v in value) + "]"
+    return str(value)
+
+
+def compare_bytes(ours: float, dense: float) -> str:
+    """``ours`` against ``dense``: "12.3x fewer bytes", "4.2% more bytes", ...: "fewer"
+    only when fewer, 3 significant digits."""
+    if not dense or not ours:
+        return "n/a"
+    if ours == dense:
+        return "as many bytes"
+    word, ratio = ("fewer", dense / ours) if ours < dense else ("more", ours / dense)
+    if ratio >= 1.1:
+        return f"{ratio:.3g}x {word} bytes"
+    return f"{(ratio - 1) * 100:.3g}% {word} bytes"
 
 
 def format_taus(taus: list[int], head: int = 12, tail: int = 4) -> str:
@@ -388,21 +435,28 @@ def format_taus(taus: list[int], head: int = 12, tail: int = 4) -> str:
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    ratio = f"{s['compression']:.1f}x less" if s["compression"] else "n/a"
+    """The run's summary: ``s["script"]`` (default examples/train.py) and
+    ``s["roles"]`` name the run; ``s["traffic"]`` (optional) replaces the line of bytes
+    sent per rank, e.g. a parameter server's pushed and pulled bytes."""
+    roles = f" ({s['roles']})" if s.get("roles") else ""
+    traffic = s.get("traffic") or [
+        f"sent per rank     {_mb(s['sent_bytes_per_rank'])} (max rank "
+        f"{_mb(s['sent_bytes_max_rank'])})",
+        f"dense allreduce   {_mb(s['dense_bytes_per_rank'])} per rank for the same steps "
+        f"({_mb(s['dense_bytes_per_step'])} per step): "
+        f"{compare_bytes(s['sent_bytes_per_rank'], s['dense_bytes_per_rank'])}",
+    ]
     lines = [
-        f"== mpicomm examples/train.py: {s['ranks']} ranks, {s['mode']}, "
-        f"{s['epochs']} epochs, {s['steps']} steps",
-        f"settings          {json.dumps(s['describe'])}",
+        f"== mpicomm {s.get('script', 'examples/train.py')}: {s['ranks']} ranks{roles}, "
+        f"{s['mode']}, {s['epochs']} epochs, {s['steps']} steps",
+        f"settings          {plain(s['describe'])}",
         f"test {s['metric']:<12} {s['test_metric']:.4f}   test loss {s['test_loss']:.4f}"
         if s["metric"] != "accuracy" else
         f"test accuracy     {s['test_accuracy']:.4f}   test loss {s['test_loss']:.4f}",
         f"train accuracy    {s['train_accuracy']:.4f}   train loss {s['train_loss']:.4f}",
         f"wall time         {s['wall_s']:.1f} s (training {s['train_s']:.1f} s; "
         "imports and set-up included)",
-        f"sent per rank     {_mb(s['sent_bytes_per_rank'])} (max rank "
-        f"{_mb(s['sent_bytes_max_rank'])})",
-        f"dense allreduce   {_mb(s['dense_bytes_per_rank'])} per rank for the same steps "
-        f"({_mb(s['dense_bytes_per_step'])} per step): {ratio}",
+        *traffic,
     ]
     if s["tau_history"] is not None:
         lines.append(f"AdaComm tau       {format_taus(s['tau_history'])}")
@@ -429,16 +483,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)
+            print(f"summary           {args.json}", flush=True)
         if args.metrics and "{rank}" not in args.metrics:
             plot_metrics_file(args.metrics)
+        elif args.metrics:
+            print(f"metrics           {args.metrics} (one file per rank)", flush=True)
     return summary
 
 
 def plot_metrics_file(path: str) -> None:
-    """``path``.png: the panels of ``python -m mpicomm plot`` (skipped without matplotlib)."""
+    """The panels of ``python -m mpicomm plot`` in ``path`` with ``.png`` in place of its
+    suffix, and where they went (skipped without matplotlib)."""
+    print(f"metrics           {path}", flush=True)
     try:
-        from mpicomm.observe.plot import plot_metrics
-        log.info("metrics plots: %s", plot_metrics(path, path + ".png"))
+        from mpicomm.observe.plot import plot_metrics, png_path
+        print(f"plots             {plot_metrics(path, png_path(path))}", flush=True)
     except ImportError as exc:
         log.warning("no plots of %s: %s", path, exc)
 

@@ -14,10 +14,10 @@ on disjoint shards of the data, push gradients and pull parameters through
 
 ``--slow-worker R --slow-factor F`` makes worker ``R`` a straggler: after each step's
 computation it sleeps ``F - 1`` times that computation's duration. Worker 0 prints the
-summary of examples/train.py (the data set is sharded over the workers only; "sent" is
-what each worker pushed, against a dense allreduce over the workers; the worker stats
-in "settings" also give the bytes pulled) plus the
-servers' counters (staleness, updates, idle time).
+summary of examples/train.py (the data set is sharded over the workers only), with each
+worker's pushed and pulled bytes against a dense ring allreduce over the workers (which
+sends and receives as many bytes as it reduces), plus the servers' counters (staleness,
+updates, idle time).
 """
 
 from __future__ import annotations
@@ -111,10 +111,41 @@ def make_compressor(name: str | None, args: argparse.Namespace) -> Any:
     return make(name)
 
 
+def traffic_summary(worker_stats: list[dict[str, Any]], summary: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """Every worker's pushed and pulled bytes against a dense ring allreduce over the
+    workers, which sends and receives ``2(W-1)/W·d·itemsize`` bytes each per step (what
+    ``summary["dense_bytes_per_rank"]`` holds for the whole run)."""
+    pushed = [s["bytes_pushed"] for s in worker_stats]
+    pulled = [s["bytes_pulled"] for s in worker_stats]
+    total = [a + b for a, b in zip(pushed, pulled)]
+    mean = sum(total) / len(total)
+    dense = summary["dense_bytes_per_rank"]
+    mb = peer._mb
+    return {
+        "pushed_bytes_per_worker": sum(pushed) / len(pushed),
+        "pulled_bytes_per_worker": sum(pulled) / len(pulled),
+        "sent_bytes_per_rank": mean,       # pushed + pulled, per worker
+        "sent_bytes_max_rank": max(total),
+        "compression": 2 * dense / mean if mean else None,
+        "traffic": [
+            f"per worker        pushed {mb(sum(pushed) / len(pushed))} + pulled "
+            f"{mb(sum(pulled) / len(pulled))} = {mb(mean)} (max worker {mb(max(total))})",
+            f"dense allreduce   sends {mb(dense)} and receives {mb(dense)} per worker for the "
+            f"same steps ({mb(2 * dense)}): {peer.compare_bytes(mean, 2 * dense)}",
+        ],
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     comm = mpicomm.init()
     peer.setup_logging(comm.rank)
+    if not 1 <= args.servers < comm.size:
+        peer.RankZeroParser(prog=os.path.basename(__file__)).error(
+            f"--servers {args.servers} needs at least {max(args.servers, 1) + 1} ranks "
+            f"(one worker at least), got {comm.size}; e.g. mpiexec -n 3 python "
+            "examples/train_ps.py")
     try:  # the workers' shards, checked on every rank before the servers start
         workloads.get(args.workload, rank=0, size=max(1, comm.size - args.servers),
                       seed=args.seed, batch=args.batch_size, **args.options)
@@ -146,9 +177,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                                  workers)
         summary["mode"] = f"parameter server ({args.mode})"
         summary["wall_s"] = time.perf_counter() - _START
+        summary.update(traffic_summary(workers.allgather_object(stats), summary))
     server_stats = comm.allgather_object(kv.stats() if kv.is_server else None)
     if summary is not None:
         summary["server_stats"] = [s for s in server_stats if s is not None]
+        summary["script"] = "examples/train_ps.py"
+        summary["ranks"] = comm.size
+        summary["roles"] = (f"{kv.workers} worker{'s' if kv.workers > 1 else ''}, "
+                            f"{args.servers} server{'s' if args.servers > 1 else ''}")
         if comm.rank == 0:
             peer.print_summary(summary)
             servers = summary["server_stats"]
@@ -159,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(summary, f, indent=2)
+                print(f"summary           {args.json}", flush=True)
     if workers is not None:
         workers.free()
     return summary

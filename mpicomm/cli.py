@@ -7,13 +7,19 @@
     nodes and local ranks, alpha and beta measured per link kind (intra-/inter-node) and
     which buffer backends work (:mod:`mpicomm.jobinfo`).
 
+``python -m mpicomm strategies``
+    The strategy names that ``GradientSync``, ``DistributedOptimizer`` and
+    ``ddp_comm_hook`` take, their classes and their options with defaults
+    (:func:`strategies_table`). ``python -m mpicomm --version`` prints the version.
+
 ``python -m mpicomm plot metrics.jsonl [-o out.png]``
     PNG plots of a metrics file (:mod:`mpicomm.observe.metrics`) or of a Chrome trace
     (:mod:`mpicomm.observe.trace`); needs matplotlib (the ``plot`` extra).
 
 ``python -m mpicomm run -n N [--servers S] [--] command ...``
     Runs ``mpiexec -n N command ...`` with the ``mpiexec`` of the MPI library that mpi4py
-    is linked against and exits with its status. ``--servers S`` (parameter-server mode,
+    is linked against and exits with its status; a bare ``python`` command runs this
+    interpreter (:func:`mpicomm.emulate.mpienv.own_python`). ``--servers S`` (parameter-server mode,
     ``1 <= S < N``) puts ``MPICOMM_PS_SERVERS=S`` in every rank's environment; a script
     reads it with :func:`ps_servers` and passes it on, e.g.
     ``mpicomm.ps.KVStore(comm, servers=ps_servers(), ...)``. Same logic as
@@ -26,13 +32,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from .emulate.mpienv import find_mpiexec, launcher_env, library_version, mpi_flavor
+from .emulate.mpienv import find_mpiexec, launcher_env, library_version, mpi_flavor, own_python
 
 __all__ = ["main", "info", "ps_servers", "ENV_PS_SERVERS"]
 
@@ -67,14 +73,31 @@ def run(ranks: int, command: Sequence[str], servers: int | None = None) -> int:
     if not command:
         raise ValueError("no command to run")
     flavor = mpi_flavor(library_version())
-    argv = [find_mpiexec(), "-n", str(ranks), *command]
+    argv = [find_mpiexec(), "-n", str(ranks), *own_python(list(command))]
     env = launcher_env(flavor, ranks)
     if servers is not None:
         env[ENV_PS_SERVERS] = str(servers)
-    try:
-        return subprocess.call(argv, env=env)
-    except KeyboardInterrupt:
-        return 130
+    return wait_for_launcher(subprocess.Popen(argv, env=env))
+
+
+def wait_for_launcher(proc: subprocess.Popen, grace_s: float = 5.0) -> int:
+    """``proc``'s exit status. On Ctrl-C the launcher got the same signal from the
+    terminal and is ending the ranks (they print "interrupted" once): wait for it
+    rather than kill it, which would leave the ranks behind. If it is still running
+    after ``grace_s`` (the signal reached this process alone), pass it on; after twice
+    that, kill the launcher."""
+    stage = 0
+    while True:
+        try:
+            return proc.wait(timeout=None if stage == 0 else grace_s)
+        except KeyboardInterrupt:
+            stage = max(stage, 1)
+        except subprocess.TimeoutExpired:
+            if stage == 1:
+                proc.send_signal(signal.SIGINT)
+            elif stage >= 2:
+                proc.kill()
+            stage += 1
 
 
 # ---------------------------------------------------------------------- info
@@ -164,12 +187,51 @@ def _mpiexec_or_none() -> str:
         return str(exc)
 
 
+# ---------------------------------------------------------------------- strategies
+def strategies_table(width: int = 100) -> str:
+    """``python -m mpicomm strategies``: every strategy name, its class and its options
+    with their defaults (from the constructors' signatures), as the wrappers take them:
+    ``GradientSync(model, strategy="gtopk", density=0.05)``."""
+    import inspect
+    import textwrap
+
+    from .strategies import available
+    from .torch.strategy_options import strategy_class, strategy_option_names
+
+    rows = []
+    for name in available():
+        cls = strategy_class(name)
+        options = strategy_option_names(name)
+        if cls is None or options is None:
+            rows.append((name, cls.__name__ if cls else "?", "(see its documentation)"))
+            continue
+        params = inspect.signature(cls.__init__).parameters
+        shown = [f"{o}={params[o].default!r}" if params[o].default is not inspect.Parameter.empty
+                 else o for o in options]
+        rows.append((name, cls.__name__, ", ".join(shown)))
+    w_name = max(len(r[0]) for r in rows + [("name", "", "")])
+    w_cls = max(len(r[1]) for r in rows + [("", "class", "")])
+    indent = " " * (w_name + w_cls + 4)
+    lines = [f"{'name':{w_name}}  {'class':{w_cls}}  options (default)"]
+    for name, cls_name, options in rows:
+        wrapped = textwrap.wrap(options, width=max(40, width - len(indent)),
+                                break_on_hyphens=False) or [""]
+        lines.append(f"{name:{w_name}}  {cls_name:{w_cls}}  {wrapped[0]}")
+        lines.extend(indent + rest for rest in wrapped[1:])
+    lines.append("")
+    lines += ["GradientSync, DistributedOptimizer, ddp_comm_hook and TorchJob take a name",
+              'and its options as keywords: GradientSync(model, strategy="gtopk", density=0.05).',
+              "auto's options are the fields of mpicomm.strategies.AutoConfig; the bytes each",
+              "strategy sends are in docs/compression.md."]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- plot
 def plot(path: str, output: str | None = None) -> int:
     """``python -m mpicomm plot``: a metrics file's panels, or a trace's spans, as PNG."""
-    from .observe.plot import plot_metrics, plot_trace
+    from .observe.plot import plot_metrics, plot_trace, png_path
 
-    out = output or str(Path(path).with_suffix(".png"))
+    out = output or str(png_path(path))
     try:
         with open(path) as f:
             head = f.read(64).lstrip()
@@ -180,7 +242,7 @@ def plot(path: str, output: str | None = None) -> int:
     except (OSError, ValueError, ImportError) as exc:
         print(f"python -m mpicomm plot: {exc}", file=sys.stderr)
         return 2
-    print(written)
+    print(f"plot written to {written}")
     return 0
 
 
@@ -188,7 +250,12 @@ def plot(path: str, output: str | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m mpicomm",
                                  description="mpicomm command-line tools.")
+    ap.add_argument("--version", action="version", version=f"mpicomm {_own_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("strategies", help="the gradient strategies' names, classes and options",
+                   description="Print every strategy name that GradientSync, "
+                               "DistributedOptimizer and ddp_comm_hook take, its class and "
+                               "its options with their defaults.")
     sub.add_parser("info", help="versions, MPI library, thread level, CUDA-awareness, "
                                 "cost-model defaults; under mpiexec also nodes, links "
                                 "(alpha/beta) and usable buffer backends")
@@ -198,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "traffic, predicted vs measured communication) or, for "
                                     "a Chrome-trace JSON, its spans. Needs matplotlib.")
     pp.add_argument("file", help="metrics.jsonl (or a trace .json)")
-    pp.add_argument("-o", "--output", default=None, help="PNG path (default: FILE.png)")
+    pp.add_argument("-o", "--output", default=None,
+                    help="PNG path (default: FILE with .png in place of its suffix: "
+                         "run.jsonl -> run.png)")
     rp = sub.add_parser("run", help="mpiexec for mpi4py's MPI (Open MPI settings included)",
                         description="Run `mpiexec -n N command...` with the mpiexec of the "
                                     "MPI library mpi4py uses; exits with its status.")
@@ -213,8 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _own_version() -> str:
+    from ._version import __version__
+
+    return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "strategies":
+        print(strategies_table())
+        return 0
     if args.command == "info":
         report = info()
         report.update(job_info())

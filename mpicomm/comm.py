@@ -39,7 +39,7 @@ from typing import Any
 from mpi4py import MPI
 
 from . import clock, vwire
-from .abort import abort_job, install_abort_handler
+from .abort import abort_job, install_from_env
 from .config import env_flag
 from .validate import NotAnIntegerError, check_int, check_poll_s
 
@@ -544,10 +544,7 @@ def init(
     ``abort_on_error`` (default ``MPICOMM_ABORT_ON_ERROR``, on) installs
     :func:`install_abort_handler`. Collective over the ranks of the communicator.
     """
-    if abort_on_error is None:
-        abort_on_error = env_flag("MPICOMM_ABORT_ON_ERROR", True)
-    if abort_on_error:
-        install_abort_handler()
+    install_from_env(abort_on_error)
     configure_logging()
     if mpi_comm is None:
         comm = world()

@@ -14,7 +14,10 @@ variable                         meaning
                                  is refused with ``ValueError`` when the MPI library's
                                  own query says it has no CUDA support).
 ``MPICOMM_ABORT_ON_ERROR``       ``1`` (default): an uncaught exception on any rank calls
-                                 ``MPI_Abort`` so that the job ends instead of hanging.
+                                 ``MPI_Abort`` so that the job ends instead of hanging,
+                                 with one message (:mod:`mpicomm.abort`).
+``MPICOMM_TRACEBACK``            ``1``: that message has the traceback even for an error
+                                 raised the same way on every rank (default: one line).
 ``MPICOMM_LOG_LEVEL``            level of the ``mpicomm`` logger (default ``WARNING``).
 ``MPICOMM_RING_SEGMENT_BYTES``   bytes per pipelined segment of the ring passes (default
                                  1 MiB, an integer >= 1). Must be the same on every rank:

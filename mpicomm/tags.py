@@ -20,6 +20,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "gossip": (30, 40),        # neighbour averaging
     "control": (50, 60),       # calibration ping-pongs of the selector (mpicomm.control)
     "stall": (60, 70),         # stall inspector queries and replies (own communicator)
+    "abort": (70, 80),         # failure reports of the error policy (MPI_COMM_WORLD)
     "ps": (100, 200),          # parameter server requests and replies
     "sched": (200, 300),       # Crossover scheduler tokens
     "user": (1000, 32768),     # free for applications on their own communicators
@@ -73,3 +74,6 @@ TAG_CALIBRATE = tag("control", 1)
 # Stall inspector (mpicomm.observe.stall, on its own duplicate of the world).
 TAG_STALL_QUERY = tag("stall", 1)
 TAG_STALL_REPLY = tag("stall", 2)
+# Error policy (mpicomm.abort): a failing rank's report to every rank, on MPI_COMM_WORLD
+# itself (the only communicator every rank is sure to have when a rank fails).
+TAG_FAILURE = tag("abort", 1)

@@ -71,7 +71,7 @@ def test_train_gtopk(tmp_path: Path) -> None:
     assert all(r["strategy"] == "gtopk" and r["compression"] > 5 and r["loss"] > 0
                and r["predicted_comm_s"] > 0 and r["comm_s"] > 0 for r in steps)
     assert epochs[-1]["accuracy"] == s["history"][-1]["train_acc"]
-    png = tmp_path / "metrics.jsonl.png"
+    png = tmp_path / "metrics.png"
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -54,6 +54,8 @@ def test_rank_rule_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("MPICOMM_METRICS", str(tmp_path / "env.jsonl"))
     m = metrics_from(None)
     assert isinstance(m, Metrics) and m.path == tmp_path / "env.jsonl"
+    from mpicomm.observe import metrics as metrics_module
+    assert str(m.path) in metrics_module._announced   # said on stderr at exit
     m.record(x=1)
     metrics_from(None).record(x=2)  # a second object of the run appends
     assert [r["x"] for r in _lines(tmp_path / "env.jsonl")] == [1, 2]
@@ -84,17 +86,22 @@ def test_gradient_sync_records_every_step(tmp_path: Path,
             opt.zero_grad()
             loss = model(torch.randn(4, 8)).pow(2).mean()
             loss.backward()
-            sync.metrics.note(loss=loss.item())
-            sync.step(opt)
+            if step < 2:
+                sync.metrics.note(loss=loss.item())
+                sync.step(opt)
+            else:   # the same through step's own keyword
+                sync.step(opt, loss=loss)
             assert sync.metrics.last["step"] == step
     records = _lines(tmp_path / "sync.jsonl")
     assert len(records) == 3
+    assert records[-1]["loss"] == pytest.approx(loss.item())
     r = records[-1]
     assert r["strategy"] == "gtopk" and r["collective"] == "gtopk(butterfly)"
     assert r["loss"] > 0 and r["dense_bytes"] == sum(
         p.numel() * 4 for p in model.parameters())
     assert r["comm_s"] > 0 and r["wait_s"] >= 0 and r["skipped"] is False
     assert r["predicted_comm_s"] == pytest.approx(predict_step_comm(sync))
+    assert r["predicted_calibrated"] is False   # library defaults: the plot leaves it out
 
 
 def test_local_sgd_tau_and_rounds() -> None:
@@ -141,7 +148,14 @@ def test_plot_panels_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert cli.main(["plot", str(path), "-o", str(tmp_path / "x" / "o.png")]) == 0
     out = tmp_path / "x" / "o.png"
     assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000
-    assert capsys.readouterr().out.strip() == str(out)
+    assert capsys.readouterr().out.strip() == f"plot written to {out}"
+    assert cli.main(["plot", str(path)]) == 0   # default: the suffix replaced by .png
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+    assert capsys.readouterr().out.strip() == f"plot written to {tmp_path / 'm.png'}"
+    (tmp_path / "other.jsonl").write_text('{"a": 1}\n{"b": [2]}\n')   # JSON, not metrics
+    assert cli.main(["plot", str(tmp_path / "other.jsonl")]) == 2
+    assert "no metrics records" in capsys.readouterr().err
+    assert not (tmp_path / "other.png").exists()
     (tmp_path / "bad.jsonl").write_text('{"a": 1}\nnot json\n')
     assert cli.main(["plot", str(tmp_path / "bad.jsonl")]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err

@@ -176,6 +176,7 @@ def test_env_timeline_child_job(tmp_path: Path) -> None:
             "mpicomm.broadcast(np.ones(8), root=1, comm=c)")
     res = run_job(3, [sys.executable, "-c", code], timeout=90, MPICOMM_TIMELINE=str(out))
     assert res.returncode == 0, res.output
+    assert res.output.count(f"mpicomm: trace written to {out}") == 1, res.output
     spans = check_trace(json.loads(out.read_text()), 3)
     for rank in range(3):
         mine = [e["name"] for e in spans if e["pid"] == rank]

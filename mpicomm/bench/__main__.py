@@ -10,14 +10,16 @@ workloads [--ranks N] [--json PATH]`` lists the training tasks of
 data the first time).
 
 Under ``mpiexec`` a bad option (one argparse rejects, or one a suite rejects with
-:class:`~mpicomm.bench._util.UsageError`) ends the job with one ``... error: ...`` line
+:class:`~mpicomm.abort.UsageError`) ends the job with one ``... error: ...`` line
 from rank 0 and exit status 2 on every rank.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
+import re
 import sys
 
 SUITES = {
@@ -49,6 +51,22 @@ def available() -> list[str]:
     return names
 
 
+def plain_text(doc: str) -> str:
+    """A docstring for a terminal: ``:role:`~a.b.C``` as ``C`` (``a.b.C`` without the
+    tilde), ````code```` as ``code``, ``x::`` as ``x:``."""
+    doc = re.sub(r":\w+:`~[\w.]*?(\w+)`", r"\1", doc)
+    doc = re.sub(r":\w+:`([^`]+)`", r"\1", doc)
+    doc = re.sub(r"``([^`]+)``", r"\1", doc)
+    return re.sub(r"::(\s*\n)", r":\1", doc)
+
+
+def summary_line(doc: str | None) -> str:
+    """The first paragraph of a docstring as one plain line (a suite's entry in
+    ``--help``)."""
+    first = (doc or "").strip().split("\n\n")[0]
+    return plain_text(" ".join(first.split()))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["report"]:
@@ -65,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..cli import RankZeroParser
     from ._util import UsageError
 
-    parser = RankZeroParser(prog="python -m mpicomm.bench", description=__doc__)
+    parser = RankZeroParser(prog="python -m mpicomm.bench", description=plain_text(__doc__),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="suite", required=True)
     modules, parsers = {}, {}
     for name, path in SUITES.items():
@@ -76,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             continue
         modules[name] = module
-        sp = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        sp = sub.add_parser(name, help=summary_line(module.__doc__),
+                            description=plain_text((module.__doc__ or "").strip()),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
         parsers[name] = sp
         sp.add_argument("--json", default=None, help="write the results to this JSON file")
         module.add_arguments(sp)

@@ -9,16 +9,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import clock
+from ..abort import UsageError  # noqa: F401  (the suites raise it; see mpicomm.abort)
 from ..comm import Communicator
 from ..emulate.mpienv import machine  # noqa: F401  (the suites' JSON header)
-
-
-class UsageError(ValueError):
-    """A bad command-line value that a suite finds in ``run(args)`` (a combination
-    argparse cannot check). ``python -m mpicomm.bench`` turns it into one
-    ``prog: error: ...`` line from rank 0 and exit status 2 on every rank, as argparse
-    does. Raise it only where every rank finds it: from the arguments (and the rank
-    count) alone, before the suite's first communication that not every rank reaches."""
 
 
 def positive_floats(text: str) -> list[float]:
@@ -29,6 +22,14 @@ def positive_floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"bad list {text!r}: {exc}") from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError("values must be positive")
+    return values
+
+
+def fractions(text: str) -> list[float]:
+    """An argparse type: a comma-separated list of fractions in (0, 1] (densities)."""
+    values = positive_floats(text)
+    if max(values) > 1:
+        raise argparse.ArgumentTypeError(f"values must be in (0, 1], got {max(values):g}")
     return values
 
 

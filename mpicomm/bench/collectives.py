@@ -93,21 +93,18 @@ def repeats_for(elems: int, base: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------- gloo
 class Gloo:
-    """A torch.distributed gloo group over the same ranks, rendezvous through a TCP store
-    on 127.0.0.1 whose free port rank 0 picks and broadcasts over MPI."""
+    """A torch.distributed gloo group over the same ranks, rendezvous through
+    :func:`mpicomm.torch.rendezvous.rendezvous_store` (a private file store on one node)."""
 
     def __init__(self, comm: Communicator):
         import torch.distributed as dist
 
+        from ..torch.rendezvous import loopback_devices, rendezvous_store
+
         self.dist = dist
-        store = None
-        if comm.rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, comm.size, is_master=True,
-                                  wait_for_workers=False)
-        port = comm.bcast_object(store.port if store is not None else None)
-        if store is None:
-            store = dist.TCPStore("127.0.0.1", port, comm.size, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size)
+        store = rendezvous_store(comm)
+        with loopback_devices(comm):
+            dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size)
         self._store = store
 
     def call(self, collective: str, t: Any, out: Any) -> Callable[[], Any]:
@@ -123,7 +120,11 @@ class Gloo:
         return lambda: scatter(out, t)
 
     def close(self) -> None:
+        from ..torch.rendezvous import release_store
+
         self.dist.destroy_process_group()
+        self._store = None
+        release_store()
 
 
 # ---------------------------------------------------------------------- one row

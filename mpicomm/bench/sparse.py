@@ -50,7 +50,7 @@ from ..comm import Communicator, init
 from ..compress.topk_select import topk_indices
 from ..sparse import artopk, exact_topk, gtopk, topk_allgather
 from . import _clock
-from ._util import machine, median_seconds, positive_floats, print_table, write_json
+from ._util import fractions, machine, median_seconds, positive_floats, print_table, write_json
 
 DEFAULT_SIZES = (1_000_000, 10_000_000, 25_000_000)
 DEFAULT_DENSITIES = (0.1, 0.01, 0.001)
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=lambda t: [int(v) for v in positive_floats(t)],
                         default=list(DEFAULT_SIZES),
                         help="comma-separated dense lengths d (default 1e6,1e7,2.5e7)")
-    parser.add_argument("--densities", type=positive_floats, default=list(DEFAULT_DENSITIES),
+    parser.add_argument("--densities", type=fractions, default=list(DEFAULT_DENSITIES),
                         help="comma-separated densities k/d (default 0.1,0.01,0.001)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per row")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per row")

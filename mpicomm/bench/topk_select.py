@@ -38,7 +38,7 @@ import torch
 
 from ..compress import TopK
 from ..compress.topk_select import _topk_torch, topk_indices, topk_indices_approx, topk_threshold
-from ._util import UsageError, positive_floats, print_table, write_json
+from ._util import UsageError, fractions, positive_floats, print_table, write_json
 
 COLUMNS = ("device", "d", "density", "k", "method", "time_ms", "x_topk", "exact", "recall")
 
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu or cuda[:N] (default: cuda when available)")
     parser.add_argument("--sizes", type=lambda t: [int(v) for v in positive_floats(t)],
                         default=[25_000_000], help="comma-separated lengths (default 2.5e7)")
-    parser.add_argument("--densities", type=positive_floats, default=[0.001, 0.01],
+    parser.add_argument("--densities", type=fractions, default=[0.001, 0.01],
                         help="comma-separated densities (default 0.001,0.01)")
     parser.add_argument("--repeats", type=int, default=30, help="timed runs per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per row")

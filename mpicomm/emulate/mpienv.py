@@ -4,6 +4,8 @@
   initializing MPI);
 * :func:`find_mpiexec`: ``$MPICOMM_MPIEXEC``, else the ``mpiexec`` beside this Python (an
   MPI wheel in a virtual environment puts it there), else the first on ``PATH``;
+* :func:`own_python`: a command whose program is a bare ``python``/``python3`` runs this
+  interpreter instead (the one that has mpicomm, not the first on ``PATH``);
 * :func:`launcher_env`: for Open MPI, unless already set: ``OMPI_ALLOW_RUN_AS_ROOT=1``
   and ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` when running as root (containers),
   ``PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe`` when the rank count exceeds
@@ -24,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["library_version", "mpi_flavor", "find_mpiexec", "usable_cores", "launcher_env",
-           "machine", "network"]
+__all__ = ["library_version", "mpi_flavor", "find_mpiexec", "own_python", "usable_cores",
+           "launcher_env", "machine", "network"]
 
 
 def library_version() -> str:
@@ -66,6 +68,21 @@ def find_mpiexec(python: str | None = None) -> str:
         raise FileNotFoundError("no mpiexec beside this Python nor on PATH; install an MPI "
                                 "(pip install mpich) or set MPICOMM_MPIEXEC")
     return found
+
+
+def own_python(command: list[str], python: str | None = None) -> list[str]:
+    """``command`` with its program replaced by ``python`` (default: this interpreter)
+    when it is a bare ``python``, ``python3`` or ``python3.X`` of this version: what a
+    user typing ``... run -n 4 python train.py`` means is the Python the launcher runs
+    under (a virtual environment's), not the first one on ``PATH``. A path
+    (``/usr/bin/python3``, ``.venv/bin/python``) or another version is kept."""
+    if not command:
+        return list(command)
+    ours = {"python", f"python{sys.version_info[0]}",
+            f"python{sys.version_info[0]}.{sys.version_info[1]}"}
+    if command[0] in ours:
+        return [python or sys.executable, *command[1:]]
+    return list(command)
 
 
 def usable_cores() -> int:

@@ -62,8 +62,10 @@ are per rank: ``sent_bytes`` is this rank's.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +117,7 @@ class Metrics:
                  keep: int = 100_000, fresh: bool | None = None):
         if fresh is None:  # an explicit path starts a new file; the variable appends
             fresh = path is not None
+        from_env = path is None
         if path is None:
             path = os.environ.get("MPICOMM_METRICS") or None
         keep = check_int("keep", keep, 1)
@@ -126,6 +129,8 @@ class Metrics:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if fresh:
                 self.path.write_text("")
+            if from_env:
+                _say_where_at_exit(self.path)
         self.keep = keep
         self.records: list[dict[str, Any]] = []
         self._pending: dict[str, Any] = {}
@@ -194,6 +199,8 @@ class Metrics:
         predicted = self._predicted.get(id(source), ...)
         if predicted is ...:
             predicted = self._predicted[id(source)] = predict_step_comm(source)
+        if predicted is not None:
+            derived["predicted_calibrated"] = cost_model_calibrated(source)
         if "rounds" in now:  # local SGD: communication only on averaging steps
             derived["averaged"] = now["rounds"] > before.get("rounds", 0)
             if predicted is not None:
@@ -202,6 +209,23 @@ class Metrics:
             derived["predicted_comm_s"] = predicted
         derived.update(fields)
         return self.record(kind, **derived)
+
+
+_announced: set[str] = set()
+
+
+def _say_where_at_exit(path: Path) -> None:
+    """At a normal exit, one line on stderr: where ``MPICOMM_METRICS`` records went."""
+    if str(path) in _announced:
+        return
+    _announced.add(str(path))
+
+    def say() -> None:
+        if path.exists():
+            print(f"mpicomm: metrics written to {path} (MPICOMM_METRICS)", file=sys.stderr,
+                  flush=True)
+
+    atexit.register(say)
 
 
 def metrics_from(metrics: Metrics | str | os.PathLike | None) -> Metrics | None:
@@ -269,6 +293,16 @@ def _counters(source: Any) -> dict[str, Any]:
         raise TypeError(f"cannot observe a {type(source).__name__}: expected a GradientSync, "
                         "LocalSGD, MpicommHookState, KVStore (or PSOptimizer) or Strategy")
     return out
+
+
+def cost_model_calibrated(source: Any) -> bool:
+    """Whether ``source``'s communicator carries measured cost parameters
+    (:func:`mpicomm.collectives.calibrate.measure`, or ``strategy="auto"``'s start-up
+    calibration): without them a prediction uses the library defaults, which may be far
+    from this machine, and the plot leaves it out."""
+    comm = getattr(source, "comm", None)
+    resources = getattr(comm, "resources", None) or {}
+    return resources.get("cost_params") is not None
 
 
 def predict_step_comm(source: Any) -> float | None:

@@ -3,7 +3,9 @@
 Six panels from the records of :class:`mpicomm.observe.metrics.Metrics`: loss and accuracy
 against time, loss against cumulative bytes sent, the local-SGD period ``tau`` over
 steps, the collective chosen at each step, bytes sent per step with the compression
-ratio, and predicted against measured communication time. A panel without data says so.
+ratio, and predicted against measured communication time (the prediction only where the
+cost model was calibrated on this machine: records with ``predicted_calibrated`` false
+are left out and the panel says "uncalibrated"). A panel without data says so.
 Needs matplotlib (``pip install "mpicomm[plot]"``); nothing else in mpicomm imports it.
 """
 
@@ -14,7 +16,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_records", "plot_metrics", "plot_trace", "span_depths"]
+__all__ = ["load_records", "plot_metrics", "plot_trace", "span_depths", "png_path",
+           "METRIC_KEYS"]
+
+#: Keys that a record of :class:`mpicomm.observe.metrics.Metrics` carries (every record
+#: has ``kind``, ``step``, ``rank`` and ``time_s``): a file whose records have none of
+#: ``kind``/``step``/``time_s`` is not a metrics file.
+METRIC_KEYS = ("kind", "step", "time_s")
+
+
+def png_path(path: str | Path) -> Path:
+    """The one naming rule of plots: the input's name with its last suffix replaced by
+    ``.png`` (``run.jsonl`` -> ``run.png``, ``trace.json`` -> ``trace.png``)."""
+    return Path(path).with_suffix(".png")
 
 
 def load_records(path: str | Path) -> list[dict[str, Any]]:
@@ -63,9 +77,14 @@ def _empty(ax: Any, what: str) -> None:
 def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
                  title: str | None = None) -> Path:
     """Draw the six panels of the module docstring into the PNG ``out``; return its path."""
+    source = "the records"
     if not isinstance(records, list):
         title = title or str(records)
+        source = str(records)
         records = load_records(records)
+    if not any(all(k in rec for k in METRIC_KEYS) for rec in records):
+        raise ValueError(f"{source}: no metrics records (JSON objects with "
+                         f"{', '.join(METRIC_KEYS)}, as mpicomm.observe.metrics writes)")
     plt = _pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     (a_time, a_bytes, a_tau), (a_coll, a_sent, a_pred) = axes
@@ -130,16 +149,23 @@ def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
 
     # predicted vs measured
     s, meas = _series(records, "step", "comm_s", "step")
-    s2, pred = _series(records, "step", "predicted_comm_s", "step")
+    calibrated = [r for r in records if r.get("predicted_calibrated", True)]
+    s2, pred = _series(calibrated, "step", "predicted_comm_s", "step")
+    uncalibrated = any(r.get("predicted_calibrated") is False for r in records)
     if meas:
         a_pred.plot(s, [v * 1e3 for v in meas], lw=0.8, label="measured")
     if pred:
         a_pred.plot(s2, [v * 1e3 for v in pred], lw=0.8, label="predicted (cost model)")
+    if uncalibrated and not pred:
+        a_pred.text(0.5, 1.0, "no prediction: cost model uncalibrated "
+                    "(mpicomm.collectives.calibrate.measure)", ha="center", va="bottom",
+                    transform=a_pred.transAxes, fontsize=8, color="gray")
     if meas or pred:
         a_pred.legend(loc="upper right")
     else:
         _empty(a_pred, "communication times")
-    a_pred.set(xlabel="step", ylabel="ms", title="communication time per step")
+    a_pred.set(xlabel="step", ylabel="ms",
+               title="communication time per step" + ("\n" if uncalibrated and not pred else ""))
 
     if title:
         fig.suptitle(title)

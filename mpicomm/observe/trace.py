@@ -43,6 +43,7 @@ import atexit
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,8 @@ def start_from_env(comm: Any = None) -> Timeline | None:
 
     Called by :func:`mpicomm.init` (idempotent). At interpreter exit the ranks gather
     their events on rank 0, which writes the merged trace there; every rank must reach
-    a normal exit (an error on one rank aborts the job, and no trace is written).
+    a normal exit (an error on one rank aborts the job, and no trace is written). Rank 0
+    says on stderr where the trace went.
     """
     global _env_started
     path = os.environ.get("MPICOMM_TIMELINE")
@@ -146,7 +148,8 @@ def start_from_env(comm: Any = None) -> Timeline | None:
         hooks.set_recorder(None)
         merged = tl.gather(comm)
         if merged is not None:
-            _write(path, merged)
+            print(f"mpicomm: trace written to {_write(path, merged)} (MPICOMM_TIMELINE)",
+                  file=sys.stderr, flush=True)
 
     atexit.register(finish)
     return tl

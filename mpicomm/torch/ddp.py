@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import queue
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -57,6 +56,7 @@ import torch.distributed as dist
 from .. import hooks
 from ..comm import Communicator, resolve
 from ..strategies import Strategy
+from .rendezvous import loopback_devices, release_store, rendezvous_store
 from .strategy_options import build_strategy
 
 __all__ = ["init_process_group", "process_group", "MpicommHookState", "mpicomm_hook",
@@ -64,21 +64,16 @@ __all__ = ["init_process_group", "process_group", "MpicommHookState", "mpicomm_h
 
 
 # ---------------------------------------------------------------------- process group
-def _store_host(comm: Communicator) -> str:
-    """Rank 0's address for the TCP store: loopback when every rank shares its node."""
-    if comm.nodes == 1:
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
-
-
 def init_process_group(comm: Communicator | None = None, backend: str = "gloo", *,
                        timeout_s: float = 300.0) -> None:
     """Start ``torch.distributed``'s default process group over the ranks of ``comm``.
 
     Rank ``r`` of ``comm`` (default: the world) becomes rank ``r`` of the process group.
-    Rank 0 starts torch's TCP store on a free port of its host (loopback when every rank
-    is on one node, else the address its hostname resolves to) and broadcasts the
-    address over MPI, so no
+    The rendezvous goes through :func:`mpicomm.torch.rendezvous.rendezvous_store`: on one
+    node a file store in a private temporary directory (no socket is opened), across
+    nodes a TCP store that listens only on the address rank 0 announces over MPI; on one
+    node gloo's own connections listen on loopback (unless ``GLOO_SOCKET_IFNAME`` is
+    set). So no
     ``MASTER_ADDR``/``MASTER_PORT``/``torchrun`` is needed. Collective. Raises
     ``RuntimeError`` on every rank when a default group already exists, and
     ``ValueError`` for an unknown backend. ``backend="nccl"`` works the same way on GPUs.
@@ -97,37 +92,24 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     if failed:
         raise error or RuntimeError("init_process_group failed on another rank")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store: Any = None
-    address: tuple[str, int] | str
-    if comm.rank == 0:  # the store picks its own free port: no race with other processes
-        try:
-            host = _store_host(comm)
-            store = dist.TCPStore(host, 0, comm.size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
-            address = (host, int(store.port))
-        except (OSError, RuntimeError) as exc:
-            address = f"rank 0 could not start the TCP store: {exc}"
-    else:
-        address = ""
-    address = comm.bcast_object(address)
-    if isinstance(address, str):
-        raise RuntimeError(address)
-    if store is None:
-        store = dist.TCPStore(address[0], address[1], comm.size, is_master=False,
-                              timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size,
-                            timeout=timeout)
+    store = rendezvous_store(comm, timeout)
+    with loopback_devices(comm):
+        dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size,
+                                timeout=timeout)
 
 
 @contextlib.contextmanager
 def process_group(comm: Communicator | None = None, backend: str = "gloo",
                   **kwargs: Any) -> Iterator[None]:
-    """``init_process_group`` for the body of a ``with`` block, destroyed on exit."""
+    """``init_process_group`` for the body of a ``with`` block, destroyed on exit (and its
+    store's directory removed)."""
+    comm = resolve(comm)
     init_process_group(comm, backend, **kwargs)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        release_store()
 
 
 # ---------------------------------------------------------------------- the hook

@@ -313,8 +313,12 @@ class GradientSync:
         """Counters and times of this rank (see ``SyncStats``); live, not a copy."""
         return self._stats
 
-    def wait(self) -> bool:
+    def wait(self, *, loss: Any = None) -> bool:
         """Block until every bucket of the current backward is averaged into ``.grad``.
+
+        ``loss`` (a number or a one-element tensor, this rank's): put into the step's
+        metrics record when metrics are on (``metrics=`` or ``MPICOMM_METRICS``), so
+        that the plots have a loss curve; ignored otherwise.
 
         Buckets still incomplete (parameters without a gradient on this rank) are launched
         now with zeros for the missing gradients. Re-raises an error of the
@@ -335,16 +339,17 @@ class GradientSync:
         self._stats.wait_seconds += clock.now() - start
         ok = self._conclude(step)
         if self.metrics is not None:
-            self.metrics.observe(self, skipped=not ok)
+            extra = {} if loss is None else {"loss": float(loss)}
+            self.metrics.observe(self, skipped=not ok, **extra)
         return ok
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """``wait``, then ``optimizer.step()`` unless the step was skipped.
+    def step(self, optimizer: torch.optim.Optimizer, *, loss: Any = None) -> bool:
+        """``wait(loss=loss)``, then ``optimizer.step()`` unless the step was skipped.
 
         Returns ``True`` when the optimizer stepped, ``False`` when a non-finite gradient
         made every rank skip the step (``on_nonfinite="skip"``).
         """
-        if not self.wait():
+        if not self.wait(loss=loss):
             return False
         optimizer.step()
         self.strategy.step_done(self.model, optimizer)  # adaptive strategies decide here

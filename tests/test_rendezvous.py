@@ -1,0 +1,123 @@
+"""The process group's rendezvous opens no socket that others can reach.
+
+Multi-rank (``-m mpi``): the TCP sockets in LISTEN state that this process owns (from
+``/proc/net/tcp{,6}`` and ``/proc/self/fd``) are listed before and after
+``mpicomm.torch.init_process_group``; on one node the rendezvous adds none, and whatever
+the process group adds listens on loopback only. A TCP store asked for explicitly on
+127.0.0.1 listens there, not on every interface. Linux only (``/proc``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import mpicomm
+from mpicomm.torch import process_group
+from mpicomm.torch.rendezvous import STORE_PREFIX, rendezvous_store
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+
+def _address(hex_address: str) -> str:
+    raw = bytes.fromhex(hex_address)
+    if len(raw) == 4:   # little-endian 32-bit word
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return str(ipaddress.IPv6Address(words))
+
+
+def own_listeners() -> set[tuple[str, int]]:
+    """``(address, port)`` of the TCP sockets in LISTEN state this process holds."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:   # 0A: LISTEN
+                host, port = local.split(":")
+                found.add((_address(host), int(port, 16)))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def test_own_listeners_sees_a_listening_socket():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert ("127.0.0.1", s.getsockname()[1]) in own_listeners()
+
+
+@pytest.mark.mpi
+def test_process_group_on_one_node_listens_on_loopback_only(comm: mpicomm.Communicator):
+    if comm.nodes != 1:
+        pytest.skip("the ranks are on several nodes")
+    before = own_listeners()
+    with process_group(comm):
+        added = own_listeners() - before
+        assert dist.get_world_size() == comm.size
+    outside = sorted(a for a in added if not _loopback(a[0]))
+    assert outside == [], f"rank {comm.rank} listens on {outside}"
+
+
+@pytest.mark.mpi
+def test_file_store_opens_no_socket_and_is_private(comm: mpicomm.Communicator):
+    before = own_listeners()
+    store = rendezvous_store(comm, kind="file")
+    store.set(f"rank{comm.rank}", str(comm.rank))
+    assert store.get(f"rank{(comm.rank + 1) % comm.size}") == \
+        str((comm.rank + 1) % comm.size).encode()
+    assert own_listeners() - before == set()
+    path = comm.bcast_object(getattr(store, "path", None))
+    if path is not None:
+        directory = os.path.dirname(path)
+        assert os.path.basename(directory).startswith(STORE_PREFIX)
+        assert os.stat(directory).st_mode & 0o077 == 0
+    comm.barrier()
+    del store
+
+
+@pytest.mark.mpi
+def test_tcp_store_listens_only_where_it_announces(comm: mpicomm.Communicator):
+    before = own_listeners()
+    store = rendezvous_store(comm, datetime.timedelta(seconds=60), kind="tcp",
+                             host="127.0.0.1")
+    store.add("count", 1)
+    store.wait(["count"])
+    added = own_listeners() - before
+    if comm.rank == 0:
+        assert added and all(host == "127.0.0.1" for host, _ in added), added
+    else:
+        assert added == set()
+    comm.barrier()
+    del store
+
+
+def test_unknown_kind_is_refused_before_communicating():
+    with pytest.raises(ValueError, match="kind must be"):
+        rendezvous_store(None, kind="udp")  # type: ignore[arg-type]
