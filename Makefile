@@ -130,8 +130,11 @@ bench: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench train --workload digits-mlp --seeds 3 \
 	  --strategy dense --strategy gtopk+ef --local-sgd adacomm --tau0 8 \
 	  --json $(BENCH_OUT)/train-digits-mlp-$(NP).json
+	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench costs --json $(BENCH_OUT)/costs-2.json
+	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench vclock --nets 1gbit:100us,10gbit:50us \
+	  --costs $(BENCH_OUT)/costs-2.json --json $(BENCH_OUT)/vclock-4.json
 	for s in $$($(PY) -m mpicomm.bench --list); do \
-	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train " in *" $$s "*) continue ;; esac; \
+	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train costs vclock " in *" $$s "*) continue ;; esac; \
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done
