@@ -14,7 +14,7 @@ returns the step's outcome. Without ``MPI_THREAD_MULTIPLE`` there is no thread a
 Cost on the autograd thread: a lock and a counter per parameter, plus an event record
 per CUDA device and bucket; all communication runs on the thread.
 
-Virtual clock (:mod:`mpicomm.clock`): each bucket is handed to the thread with the time
+Virtual clock (``mpicomm.clock``): each bucket is handed to the thread with the time
 its gradients are ready and the thread continues from the later of that and its own
 time; ``finish`` returns at the later of the end of backward and the last bucket's
 averaging. When the cost table has a ``backward`` entry (the model's backward, per

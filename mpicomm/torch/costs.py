@@ -1,8 +1,8 @@
 """A model's training step in the virtual clock's cost table.
 
-Under the virtual clock (:mod:`mpicomm.clock`) a training loop's own compute costs
-nothing unless it is charged. :func:`calibrate_model` measures one model's step with the
-ranks taking turns (:func:`mpicomm.clock.calibrate_calls`: thread CPU time, one torch
+Under the virtual clock (``mpicomm.clock``) a training loop's own compute costs
+nothing unless it is charged. ``calibrate_model`` measures one model's step with the
+ranks taking turns (``mpicomm.clock.calibrate_calls``: thread CPU time, one torch
 thread, medians) and enters three per-call costs in the table:
 
 ``forward``    ``loss_fn(model(inputs), target)`` with autograd recording;
@@ -20,7 +20,7 @@ The loop then charges them::
 
 ``GradientSync`` hands each bucket to its thread at the time backward has produced it
 (the bucket's share of ``backward`` after the step's first gradient,
-:mod:`mpicomm.torch.bucket_pipeline`), so the overlap of the averaging with backward is
+``mpicomm.torch.bucket_pipeline``), so the overlap of the averaging with backward is
 the model's; the loop's own ``charge("backward")`` after ``loss.backward()`` then ends
 backward at the same time (charge it after, not before). A GPU's step can be declared instead
 (``mpicomm.clock.declare("backward", seconds)``). The model's parameters, gradients and

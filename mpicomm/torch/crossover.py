@@ -20,9 +20,9 @@ With GradientSync the buckets start averaging during backward, on GradientSync's
 communication thread; the sync phase waits for the rest. The communicator is the
 scheduler's duplicate for this job, so no message of one job can match another's.
 
-Under the virtual clock (:mod:`mpicomm.clock`) a compute phase charges the cost table's
+Under the virtual clock (``mpicomm.clock``) a compute phase charges the cost table's
 ``forward``, ``backward`` and ``optimizer`` (measure them first with
-:func:`mpicomm.torch.costs.calibrate_model`; a missing entry is a ``KeyError`` that
+``mpicomm.torch.costs.calibrate_model``; a missing entry is a ``KeyError`` that
 says so), and ``delay_s`` advances the virtual time instead of sleeping.
 """
 

@@ -69,7 +69,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     """Start ``torch.distributed``'s default process group over the ranks of ``comm``.
 
     Rank ``r`` of ``comm`` (default: the world) becomes rank ``r`` of the process group.
-    The rendezvous goes through :func:`mpicomm.torch.rendezvous.rendezvous_store`: on one
+    The rendezvous goes through ``mpicomm.torch.rendezvous.rendezvous_store``: on one
     node a file store in a private temporary directory (no socket is opened), across
     nodes a TCP store that listens only on the address rank 0 announces over MPI; on one
     node gloo's own connections listen on loopback (unless ``GLOO_SOCKET_IFNAME`` is

@@ -169,7 +169,7 @@ class LocalSGD:
     delay_s:
         Injected delay per averaging round (see above).
     clock:
-        Seconds clock for ``interval_s`` (default :func:`mpicomm.clock.now`, the wall
+        Seconds clock for ``interval_s`` (default ``mpicomm.clock.now``, the wall
         or the virtual clock); tests and benchmarks that exclude evaluation time pass
         their own.
 

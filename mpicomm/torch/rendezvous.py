@@ -6,12 +6,12 @@ over MPI and exposed to no one else.
 * every rank on one node (``comm.nodes == 1``): a ``torch.distributed.FileStore`` in a
   private temporary directory (``mkdtemp``, mode 0700, owned by the user) that rank 0
   creates and broadcasts over MPI. No socket is opened. Rank 0 removes the directory
-  when the process exits normally (``atexit``), or at :func:`release_store` once the
+  when the process exits normally (``atexit``), or at ``release_store`` once the
   store has removed its file; a job ended by
   ``MPI_Abort`` leaves it behind under the temporary directory (a few bytes, readable by
   its owner only).
-* gloo's own connections (:func:`loopback_devices`, used by
-  :func:`mpicomm.torch.init_process_group`): on one node they listen on the loopback
+* gloo's own connections (``loopback_devices``, used by
+  ``mpicomm.torch.init_process_group``): on one node they listen on the loopback
   interface, unless ``GLOO_SOCKET_IFNAME`` says otherwise.
 * ranks on several nodes: a ``torch.distributed.TCPStore`` whose server, on rank 0,
   listens on one socket bound to the address rank 0 announces (what its host name
