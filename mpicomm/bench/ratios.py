@@ -171,6 +171,12 @@ def collect(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def is_rows(data: Any) -> bool:
+    """``data`` is a rows file's content: a non-empty list of dicts with :data:`ROW_KEYS`."""
+    return isinstance(data, list) and bool(data) and all(
+        isinstance(row, dict) and tuple(row) == ROW_KEYS for row in data)
+
+
 def write_rows(path: str, rows: Sequence[dict[str, Any]]) -> None:
     """The rows file: a JSON list of rows with exactly :data:`ROW_KEYS`."""
     for row in rows:
