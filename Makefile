@@ -10,6 +10,11 @@
 #                             the emulated cluster (2 and 4 hosts), then report
 #   make bench-workloads      baselines of the training workloads: dense at 8 ranks x 3 seeds,
 #                             time per step at 1, 2, 4, 8 ranks (quiet machine), then report
+#   make bench-ratios         compression ratios at no accuracy loss: dense and the default
+#                             compressing strategies on mnist1d-cnn and text-lm at 8 and 16
+#                             ranks x 3 seeds (benchmarks/results/ratios/, hours on a small
+#                             machine), one row per run in benchmarks/results/
+#                             compression-ratios.json, then BENCHMARKS.md
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
 #   make lint                 ruff, and the import-linter contract of .importlinter (layers)
 #   make docs                 API reference from the docstrings (pdoc, the `docs` extra,
@@ -72,7 +77,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
-	bench-workloads report lint docs clean gpu-check
+	bench-workloads bench-ratios report lint docs clean gpu-check
 
 install: $(STAMP)
 
@@ -193,6 +198,35 @@ bench-crossover: $(STAMP)
 # cores); JSON under $(BENCH_OUT)/workloads, then the report.
 WL_RANKS ?= 1 2 4 8
 WL_STEPS ?= 60
+# bench-ratios: every (workload, ranks, density) is one JSON file of runs (dense first).
+RATIOS_OUT ?= benchmarks/results
+RATIOS_RANKS ?= 8 16
+RATIOS_SEEDS ?= 3
+RATIOS_DENSITIES ?= 0.001 0.01
+RATIOS_SPARSE ?= --strategy topk --strategy gtopk --strategy artopk
+RATIOS_OTHERS ?= --strategy powersgd:rank=2 --strategy powersgd:rank=4 --strategy qsgd:bits=4
+# mnist1d-cnn: EPOCHS=5 with an evaluation every epoch at 8 ranks (156 steps);
+# text-lm: its one-epoch recipe
+RATIOS_CNN ?= --workload mnist1d-cnn --epochs 5 --eval-every 156
+RATIOS_LM ?= --workload text-lm --eval-every 500
+bench-ratios: $(STAMP)
+	@mkdir -p $(RATIOS_OUT)/ratios
+	for n in $(RATIOS_RANKS); do \
+	  for w in cnn lm; do \
+	    if [ $$w = cnn ]; then args="$(RATIOS_CNN)"; else args="$(RATIOS_LM)"; fi; \
+	    first=1; for d in $(RATIOS_DENSITIES); do \
+	      if [ $$first = 1 ]; then extra="--strategy dense $(RATIOS_OTHERS)"; else extra=""; fi; \
+	      $(MPIEXEC) -n $$n $(PY) -m mpicomm.bench ratios $$args --seeds $(RATIOS_SEEDS) \
+	        --density $$d $$extra $(RATIOS_SPARSE) \
+	        --json $(RATIOS_OUT)/ratios/$$w-$$n-d$$d.json || exit 1; \
+	      first=0; \
+	    done; \
+	  done; \
+	done
+	$(PY) -m mpicomm.bench ratios --collect $(RATIOS_OUT)/ratios \
+	  --rows $(RATIOS_OUT)/compression-ratios.json
+	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md
+
 bench-workloads: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/workloads
 	$(PY) -m mpicomm.bench workloads --json $(BENCH_OUT)/workloads/list.json

@@ -24,7 +24,8 @@ writes one row per run with exactly the keys of :data:`ROW_KEYS`:
 * ``metric_gap``: accuracy in percentage points (``100·(acc - acc_dense)``), or
   perplexity in percent of dense's (``100·(ppl_dense - ppl) / ppl_dense``); negative =
   worse than dense;
-* ``bytes_vs_dense``: dense's total bytes over this run's;
+* ``bytes_vs_dense``: dense's total bytes over this run's (``None`` when this run sent
+  nothing: one rank);
 * ``density``: the sparsifiers' final density, ``None`` for the other strategies.
 
 :data:`TARGETS` are the bounds the defaults are held to (medians over seeds);
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -165,7 +167,8 @@ def collect(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                      "density": r.get("density"), "ranks": r["ranks"], "seed": r["seed"],
                      "metric_gap": round(metric_gap(r, ref), 4),
                      "bytes_vs_dense": round(ref["sent_bytes_total"]
-                                             / r["sent_bytes_total"], 3)})
+                                             / r["sent_bytes_total"], 3)
+                     if r["sent_bytes_total"] else None})
     rows.sort(key=lambda row: (row["workload"], row["ranks"], row["strategy"],
                                row["density"] or 0.0, row["seed"]))
     return rows
@@ -201,7 +204,8 @@ def medians(rows: Sequence[dict[str, Any]], metrics: dict[str, str] | None = Non
         metric = (metrics or {}).get(workload) or (
             "perplexity" if "lm" in workload else "accuracy")
         gap = statistics.median(r["metric_gap"] for r in mine)
-        ratio = statistics.median(r["bytes_vs_dense"] for r in mine)
+        ratios = [r["bytes_vs_dense"] for r in mine if r["bytes_vs_dense"] is not None]
+        ratio = statistics.median(ratios) if ratios else math.nan
         target = BYTES_TARGET.get(density) if density is not None else None
         met = gap >= -GAP_BOUND[metric] and (target is None or ratio >= target)
         out.append({"workload": workload, "ranks": ranks, "strategy": strategy,
