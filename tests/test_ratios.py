@@ -136,5 +136,5 @@ def test_ratios_suite_rows_on_a_short_run(tmp_path):
             100 * (mine["curve"][-1]["accuracy"] - dense["curve"][-1]["accuracy"]), abs=1e-3)
         assert row["ranks"] == 2 and row["workload"] == "mnist1d-cnn"
         assert row["density"] == (0.01 if row["strategy"] == "gtopk" else None)
-        assert row["bytes_vs_dense"] > 5  # both compress a 2-rank CNN several times over
+        assert row["bytes_vs_dense"] > (10 if row["strategy"] == "gtopk" else 2)
     assert collect([r for r in runs if r["label"] != "dense"]) == []  # no reference

@@ -50,9 +50,11 @@ class Recipe:
 
 
 def _owned(strategy: Strategy) -> Recipe:
-    """A strategy built with its own defaults: it owns the momentum when those include
-    momentum correction."""
-    return Recipe(strategy, bool(getattr(strategy, "momentum_correction", 0.0)))
+    """A strategy built with its own defaults: it owns the momentum from the start when
+    those set a momentum correction factor (the sparsifiers' default, ``"optimizer"``,
+    takes it from the optimizer at the first step instead)."""
+    m = getattr(strategy, "momentum_correction", 0.0)
+    return Recipe(strategy, isinstance(m, float) and m > 0.0)
 
 
 def _is_schedule(spec: str, steps_per_epoch: int) -> bool:

@@ -12,7 +12,7 @@ from ..compress.topk import index_itemsize
 from ..sparse import ARTopKState, artopk
 from ..sparse.artopk import ALGORITHMS, SOURCES
 from ..validate import check_algorithm
-from ._compressed import BYTES, SparsifyingStrategy, k_of, sparsity
+from ._compressed import ADOPT, BYTES, SparsifyingStrategy, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["ARTopK"]
@@ -75,7 +75,8 @@ class ARTopK(SparsifyingStrategy):
                  source: str = "star", algorithm: str = "ring", error_feedback: bool = True,
                  smoothing: float = 0.1, comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
-                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 momentum_correction: float | str = ADOPT,
+                 momentum_masking: bool = True,
                  clip_norm: float | None = None, warmup_dense: bool = False):
         self.density, self.k = sparsity(density, k)
         if source not in SOURCES:

@@ -10,7 +10,7 @@ from ..collectives import cost
 from ..compress import TopK
 from ..compress.topk import index_itemsize
 from ..sparse import gtopk
-from ._compressed import BYTES, SparsifyingStrategy, check_flag, k_of, sparsity
+from ._compressed import ADOPT, BYTES, SparsifyingStrategy, check_flag, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["GTopK"]
@@ -70,7 +70,8 @@ class GTopK(SparsifyingStrategy):
                  error_feedback: bool = True, own_contribution: bool = False,
                  comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
-                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 momentum_correction: float | str = ADOPT,
+                 momentum_masking: bool = True,
                  clip_norm: float | None = None, warmup_dense: bool = False):
         self.density, self.k = sparsity(density, k)
         self.own_contribution = check_flag("own_contribution", own_contribution)

@@ -10,7 +10,7 @@ from ..collectives import cost
 from ..compress import SampledTopK, TopK
 from ..compress.topk import index_itemsize
 from ..sparse import topk_allgather
-from ._compressed import BYTES, SparsifyingStrategy, check_flag, k_of, sparsity
+from ._compressed import ADOPT, BYTES, SparsifyingStrategy, check_flag, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["TopKAllgather"]
@@ -62,7 +62,8 @@ class TopKAllgather(SparsifyingStrategy):
                  error_feedback: bool = True, sampled: bool = False,
                  sample_fraction: float = 0.01, seed: int = 0, comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
-                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 momentum_correction: float | str = ADOPT,
+                 momentum_masking: bool = True,
                  clip_norm: float | None = None, warmup_dense: bool = False):
         self.density, self.k = sparsity(density, k)
         self.sampled = check_flag("sampled", sampled)
