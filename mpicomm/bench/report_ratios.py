@@ -112,6 +112,35 @@ def plot_file(r: dict[str, Any], folder: str, stem: str, plt: Any) -> list[str]:
     return made
 
 
+def plot_tradeoff(rows: Sequence[dict[str, Any]], folder: str, plt: Any) -> list[str]:
+    """Per (workload, ranks): every strategy's median gap against its median bytes ratio
+    (``ratios-tradeoff-<workload>-<ranks>.png``): the trade-off reached."""
+    made = []
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["workload"], row["ranks"]), []).append(row)
+    for (workload, ranks), mine in sorted(groups.items()):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for row in mine:
+            x, y = row["bytes_vs_dense"], row["metric_gap"]
+            if x is None or x != x:  # no ratio (one rank)
+                continue
+            label = row["strategy"] + (f"@{row['density']:g}" if row["density"] else "")
+            ax.scatter([x], [y], s=18)
+            ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        unit = "% of perplexity" if "lm" in workload else "points of accuracy"
+        ax.axhline(-0.5 if unit.startswith("points") else -2.0, color="grey", linestyle=":")
+        for target in (20, 50):
+            ax.axvline(target, color="grey", linestyle=":", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("dense's bytes / the strategy's (whole run, all ranks)")
+        ax.set_ylabel(f"gap to dense, {unit} (median over seeds)")
+        ax.set_title(f"{workload}, {ranks} ranks: bytes saved against the metric lost",
+                     fontsize=9)
+        made.append(_save(fig, plt, folder, f"ratios-tradeoff-{workload}-{ranks}.png"))
+    return made
+
+
 def _save(fig: Any, plt: Any, folder: str, name: str) -> str:
     fig.tight_layout()
     fig.savefig(os.path.join(folder, name), dpi=90)
@@ -130,6 +159,7 @@ def section(results: Sequence[dict[str, Any]], folder: str, rel: str,
         plt = pyplot()
     except ImportError:
         plt = None
+    raw = medians(collect([x for r in files for x in r.get("training_runs", [])]))
     rows = summary_rows(results)
     out = ["## Compression ratios against dense, whole runs\n",
            "From `python -m mpicomm.bench ratios` (`make bench-ratios`). Per workload, "
@@ -145,6 +175,9 @@ def section(results: Sequence[dict[str, Any]], folder: str, rel: str,
     made: list[str] = []
     if plt is not None:
         os.makedirs(folder, exist_ok=True)
+        names = plot_tradeoff(raw, folder, plt)
+        made.extend(names)
+        out.extend(f"![{n}]({rel}/{n})\n" for n in names)
         for r in files:
             stem = "ratios-" + os.path.splitext(os.path.basename(r.get("_path", "run")))[0]
             names = plot_file(r, folder, stem, plt)
