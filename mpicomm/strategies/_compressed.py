@@ -138,7 +138,8 @@ class CompressedStrategy(Strategy):
     :class:`~mpicomm.compress.ErrorFeedback`; ``None`` without error feedback).
 
     Options for accuracy at scale (Lin, Han, Mao, Wang & Dally, "Deep Gradient
-    Compression", ICLR 2018, arXiv 1712.01887; each off by default):
+    Compression", ICLR 2018, arXiv 1712.01887; each off by default here; Top-k, gTop-k
+    and AR-Top-k default to ``momentum_correction="optimizer"``):
 
     * ``schedule``: a density warm-up (:class:`mpicomm.control.Schedule`, e.g.
       ``dgc_warmup(steps_per_epoch)``) evaluated at each buffer's step counter, so every

@@ -47,9 +47,16 @@ class GTopK(SparsifyingStrategy):
     the odd rank of a folded pair (ranks 1, 3, .., 2rem-1); ``k·s`` for the folded-out
     even ranks 0, 2, .., 2rem-2. Nothing at P = 1.
 
+    Default recipe: error feedback with DGC's momentum correction and masking taken over
+    from the optimizer (``momentum_correction="optimizer"``: at the first
+    ``GradientSync.step(optimizer)`` an SGD optimizer's momentum m moves into the
+    memory and the optimizer's is set to 0). Cost: no bytes; one velocity buffer of the
+    bucket's size and one multiply-add per element per step. ``momentum_correction=0.0``
+    keeps plain error feedback with the optimizer's momentum.
+
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
-    error-feedback memory: then use an optimizer without momentum), ``clip_norm``
+    error-feedback memory: with a number m, use an optimizer without momentum), ``clip_norm``
     (local clipping at ``clip_norm / sqrt(P)``) and ``warmup_dense`` (dense warm-up
     steps where they send fewer bytes than the sparse collective): see
     :class:`~mpicomm.strategies._compressed.CompressedStrategy`.

@@ -38,9 +38,16 @@ class TopKAllgather(SparsifyingStrategy):
     pairs; with ``sampled`` rank r sends ``Σ_{r' ≠ r+1} m_{r'}·s``. One small control
     allgather of the pair counts precedes it (not in the traffic counters).
 
+    Default recipe: error feedback with DGC's momentum correction and masking taken over
+    from the optimizer (``momentum_correction="optimizer"``: at the first
+    ``GradientSync.step(optimizer)`` an SGD optimizer's momentum m moves into the
+    memory and the optimizer's is set to 0). Cost: no bytes; one velocity buffer of the
+    bucket's size and one multiply-add per element per step. ``momentum_correction=0.0``
+    keeps plain error feedback with the optimizer's momentum.
+
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
-    error-feedback memory: then use an optimizer without momentum), ``clip_norm``
+    error-feedback memory: with a number m, use an optimizer without momentum), ``clip_norm``
     (local clipping at ``clip_norm / sqrt(P)``) and ``warmup_dense`` (dense warm-up
     steps where they send fewer bytes than the sparse collective): see
     :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
