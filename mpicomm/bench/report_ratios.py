@@ -4,7 +4,9 @@ Across every ``ratios`` result file: one table of the medians over seeds per wor
 rank count, strategy label and density (gap to dense of the same seed, worst seed, dense's
 whole-run bytes over the strategy's, and whether the bounds of
 :data:`~mpicomm.bench.ratios.GAP_BOUND` / :data:`~mpicomm.bench.ratios.BYTES_TARGET`
-hold). Per file, three plots of its first seed (``ratios-<file>-*.png``):
+hold), then ``ratios-notes.md`` from the plots folder when it exists, and per
+(workload, rank count) a trade-off plot (median gap against bytes ratio). Per file, three
+plots of its first seed (``ratios-<file>-*.png``):
 
 * ``curve``: the metric against the bytes each rank had sent (max over ranks) at every
   evaluation, one line per strategy: accuracy against bytes;
@@ -21,6 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .ratios import collect, medians
+
+#: Hand-written remarks on the ratios results, read from the plots folder when present.
+NOTES = "ratios-notes.md"
 
 
 def ratio_results(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -172,6 +177,10 @@ def section(results: Sequence[dict[str, Any]], folder: str, rel: str,
            "`benchmarks/results/compression-ratios.json`.\n",
            table(rows, ("workload", "ranks", "strategy", "density", "seeds", "unit",
                         "metric_gap", "worst_gap", "bytes_vs_dense", "met")) + "\n"]
+    notes = os.path.join(folder, NOTES)
+    if os.path.exists(notes):
+        with open(notes) as f:
+            out.append(f.read())
     made: list[str] = []
     if plt is not None:
         os.makedirs(folder, exist_ok=True)
