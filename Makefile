@@ -130,7 +130,7 @@ bench: $(STAMP)
 	  --strategy dense --strategy gtopk+ef --local-sgd adacomm --tau0 8 \
 	  --json $(BENCH_OUT)/train-digits-mlp-$(NP).json
 	for s in $$($(PY) -m mpicomm.bench --list); do \
-	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train " in *" $$s "*) continue ;; esac; \
+	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train ratios " in *" $$s "*) continue ;; esac; \
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done
