@@ -111,7 +111,7 @@ KNOWN_SUITES := collectives sparse localsgd
 # single-process suites: nothing to measure on the emulated network; crossover has its own
 # target (bench-crossover: a link rate at which its sync time matches its compute time);
 # staging needs a GPU
-CLUSTER_SKIP := selection crossover staging
+CLUSTER_SKIP := selection crossover staging ratios
 bench: $(STAMP)
 	@mkdir -p $(BENCH_OUT)
 	for n in 2 4; do \
