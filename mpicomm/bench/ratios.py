@@ -123,10 +123,10 @@ def train_all(args: argparse.Namespace) -> int:
                 print(f"# {r.label} seed {seed}: {r.steps} steps, {r.metric} "
                       f"{r.final_metric():.5g}, {r.sent_bytes_total / 1e6:.1f} MB sent",
                       flush=True)
-    if comm.rank == 0:
-        write_json(args.json, {"suite": "ratios", "machine": machine(), "ranks": comm.size,
-                               "workload": info.as_dict(), "args": vars(args),
-                               "training_runs": records})
+                # after every run: a long job cut short keeps what it finished
+                write_json(args.json, {"suite": "ratios", "machine": machine(),
+                                       "ranks": comm.size, "workload": info.as_dict(),
+                                       "args": vars(args), "training_runs": records})
     comm.barrier()
     return 0
 
