@@ -32,6 +32,8 @@ SUITES = {
     "adaptive": "mpicomm.bench.adaptive",
     "train": "mpicomm.bench.train",
     "ratios": "mpicomm.bench.ratios",
+    "vclock": "mpicomm.bench.vclock",
+    "costs": "mpicomm.bench.costs",
 }
 
 
