@@ -16,6 +16,11 @@
 #   make bench-controllers-selector  auto vs dense and 12 fixed (scheme, ratio) on
 #                             mnist1d-cnn, 8 ranks, a network flipping twice and a
 #                             constant one (injected link, quiet 8-core machine)
+#   make bench-ratios         compression ratios at no accuracy loss: dense and the default
+#                             compressing strategies on mnist1d-cnn and text-lm at 8 and 16
+#                             ranks x 3 seeds (benchmarks/results/ratios/, hours on a small
+#                             machine), one row per run in benchmarks/results/
+#                             compression-ratios.json, then BENCHMARKS.md
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
 #   make lint                 ruff, and the import-linter contract of .importlinter (layers)
 #   make docs                 API reference from the docstrings (pdoc, the `docs` extra,
@@ -78,7 +83,8 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
-	bench-workloads bench-controllers bench-controllers-selector report lint docs clean gpu-check
+	bench-workloads bench-controllers bench-controllers-selector bench-ratios report lint docs clean \
+	gpu-check
 
 install: $(STAMP)
 
@@ -112,7 +118,7 @@ KNOWN_SUITES := collectives sparse localsgd
 # single-process suites: nothing to measure on the emulated network; crossover has its own
 # target (bench-crossover: a link rate at which its sync time matches its compute time);
 # staging needs a GPU
-CLUSTER_SKIP := selection crossover staging
+CLUSTER_SKIP := selection crossover staging ratios
 bench: $(STAMP)
 	@mkdir -p $(BENCH_OUT)
 	for n in 2 4; do \
@@ -134,7 +140,7 @@ bench: $(STAMP)
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench vclock --nets 1gbit:100us,10gbit:50us \
 	  --costs $(BENCH_OUT)/costs-2.json --json $(BENCH_OUT)/vclock-4.json
 	for s in $$($(PY) -m mpicomm.bench --list); do \
-	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train costs vclock " in *" $$s "*) continue ;; esac; \
+	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train costs vclock ratios " in *" $$s "*) continue ;; esac; \
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done
@@ -202,6 +208,35 @@ bench-crossover: $(STAMP)
 # cores); JSON under $(BENCH_OUT)/workloads, then the report.
 WL_RANKS ?= 1 2 4 8
 WL_STEPS ?= 60
+# bench-ratios: every (workload, ranks, density) is one JSON file of runs (dense first).
+RATIOS_OUT ?= benchmarks/results
+RATIOS_RANKS ?= 8 16
+RATIOS_SEEDS ?= 3
+RATIOS_DENSITIES ?= 0.001 0.01
+RATIOS_SPARSE ?= --strategy topk --strategy gtopk --strategy artopk
+RATIOS_OTHERS ?= --strategy powersgd:rank=2 --strategy powersgd:rank=4 --strategy qsgd:bits=4
+# mnist1d-cnn: EPOCHS=5 with an evaluation every epoch at 8 ranks (156 steps);
+# text-lm: its one-epoch recipe
+RATIOS_CNN ?= --workload mnist1d-cnn --epochs 5 --eval-every 156
+RATIOS_LM ?= --workload text-lm --eval-every 500
+bench-ratios: $(STAMP)
+	@mkdir -p $(RATIOS_OUT)/ratios
+	for n in $(RATIOS_RANKS); do \
+	  for w in cnn lm; do \
+	    if [ $$w = cnn ]; then args="$(RATIOS_CNN)"; else args="$(RATIOS_LM)"; fi; \
+	    first=1; for d in $(RATIOS_DENSITIES); do \
+	      if [ $$first = 1 ]; then extra="--strategy dense $(RATIOS_OTHERS)"; else extra=""; fi; \
+	      $(MPIEXEC) -n $$n $(PY) -m mpicomm.bench ratios $$args --seeds $(RATIOS_SEEDS) \
+	        --density $$d $$extra $(RATIOS_SPARSE) \
+	        --json $(RATIOS_OUT)/ratios/$$w-$$n-d$$d.json || exit 1; \
+	      first=0; \
+	    done; \
+	  done; \
+	done
+	$(PY) -m mpicomm.bench ratios --collect $(RATIOS_OUT)/ratios \
+	  --rows $(RATIOS_OUT)/compression-ratios.json
+	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md
+
 bench-workloads: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/workloads
 	$(PY) -m mpicomm.bench workloads --json $(BENCH_OUT)/workloads/list.json

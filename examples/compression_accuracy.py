@@ -75,7 +75,7 @@ from mpicomm.strategies import Strategy
 #: The labels run by default (with and without error feedback). The accuracy-at-scale
 #: recipes are opt-in labels, e.g. ``topk+ef+dgc gtopk+ef+own+dgc artopk+ef+dgc
 #: artopk+mc`` (README, "Accuracy at scale").
-DEFAULT_LABELS = ["dense", "gtopk+ef", "artopk+ef", "gtopk-noef", "artopk-noef"]
+DEFAULT_LABELS = ["dense", "gtopk", "artopk", "gtopk+ef", "artopk+ef", "gtopk-noef", "artopk-noef"]
 #: The digits task of this example: a wider MLP and a 75/25 split.
 DIGITS_OPTIONS = {"hidden": 256, "test_fraction": 0.25}
 

@@ -769,7 +769,8 @@ def test_error_feedback_beats_no_error_feedback_in_training(tmp_path):
     initial weights, fixed reduction orders."""
     out = tmp_path / "acc.json"
     job = run_job(4, [sys.executable, "examples/compression_accuracy.py", "--epochs", "2",
-                      "--seeds", "0", "--json", str(out)], timeout=180)
+                      "--seeds", "0", "--strategies", "dense", "gtopk+ef", "artopk+ef",
+                      "gtopk-noef", "artopk-noef", "--json", str(out)], timeout=180)
     assert job.returncode == 0, job.output
     results = json.loads(out.read_text())["results"]
     loss = {res["strategy"]: res["train_loss"] for res in results}

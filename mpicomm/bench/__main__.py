@@ -33,6 +33,7 @@ SUITES = {
     "crossover": "mpicomm.bench.crossover",
     "adaptive": "mpicomm.bench.adaptive",
     "train": "mpicomm.bench.train",
+    "ratios": "mpicomm.bench.ratios",
     "vclock": "mpicomm.bench.vclock",
     "costs": "mpicomm.bench.costs",
 }

@@ -129,6 +129,7 @@ class Run:
     seconds: float = 0.0
     sent_bytes: int = 0
     sent_bytes_max_rank: int = 0
+    sent_bytes_total: int = 0          # summed over the ranks: the run's whole traffic
     time_to_target_s: float | None = None
     steps_to_target: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -345,6 +346,7 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     run.seconds = run.curve[-1]["time_s"]
     run.sent_bytes = int(sync.sent_bytes())
     run.sent_bytes_max_rank = int(comm.allreduce_value(run.sent_bytes, "max"))
+    run.sent_bytes_total = int(comm.allreduce_value(run.sent_bytes, "sum"))
     run.extra.update(sync.summary())
     return run
 

@@ -3,8 +3,11 @@
 ``label_strategy(label, ...)`` builds what a label names:
 
 * ``dense``: ring allreduce (the reference).
-* ``BASE[+MOD...]`` / ``BASE-noef`` with BASE ``topk`` (Allgather Top-k), ``gtopk``,
-  ``artopk`` (STAR, ring) at ``density`` and modifiers ``ef`` (error feedback, the
+* ``topk``, ``gtopk``, ``artopk`` alone: the strategy's default recipe at ``density``
+  (``strategies.make(BASE, density=density)``, what a user gets by name).
+* ``BASE+MOD[+MOD...]`` / ``BASE-noef`` with BASE ``topk`` (Allgather Top-k), ``gtopk``,
+  ``artopk`` (STAR, ring) at ``density``, every option off unless a modifier turns it
+  on (the experiments' grammar): modifiers ``ef`` (error feedback, the
   default) / ``noef``, ``mc`` (DGC's momentum correction with momentum factor masking: the
   strategy keeps the velocity, the optimizer runs without momentum), ``mcnomask``,
   ``clip`` (local clipping at ``clip_norm / sqrt(P)``), ``own`` (gTop-k's
@@ -15,7 +18,8 @@
 * ``SCHEME@RATIO``: one of the auto selector's schemes at a fixed ratio
   (``allgather_topk@0.01``, ``gtopk@0.01``, ``artopk_tree@0.01``, ...).
 * any other name of :func:`mpicomm.strategies.available` (``auto``, ``qsgd``,
-  ``powersgd``, ...) with its defaults.
+  ``powersgd``, ...) with its defaults, or with options as ``NAME:KEY=VALUE[,KEY=VALUE]``
+  (``powersgd:rank=2``, ``qsgd:bits=4,bucket_size=128``; numbers, ``true``/``false``).
 
 ``ValueError`` (naming the grammar) for anything else.
 """
@@ -45,11 +49,54 @@ class Recipe:
     owns_momentum: bool
 
 
+def _owned(strategy: Strategy) -> Recipe:
+    """A strategy built with its own defaults: it owns the momentum from the start when
+    those set a momentum correction factor (the sparsifiers' default, ``"optimizer"``,
+    takes it from the optimizer at the first step instead)."""
+    m = getattr(strategy, "momentum_correction", 0.0)
+    return Recipe(strategy, isinstance(m, float) and m > 0.0)
+
+
 def _is_schedule(spec: str, steps_per_epoch: int) -> bool:
     try:
         return parse_schedule(spec, steps_per_epoch) is not None
     except ValueError:
         return False
+
+
+def _option_value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def named_options(label: str) -> tuple[str, dict[str, Any]] | None:
+    """``("powersgd", {"rank": 2})`` for ``"powersgd:rank=2"``; ``None`` for a label
+    without options. ``ValueError`` for a malformed option."""
+    if "+" in label or ":" not in label:
+        return None
+    name, _, body = label.partition(":")
+    out: dict[str, Any] = {}
+    for item in body.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"strategy label {label!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
+        try:
+            out[key] = _option_value(value)
+        except ValueError:
+            raise ValueError(f"strategy label {label!r}: {key}={value!r} is not a number "
+                             "or true/false") from None
+    return name, out
+
+
+def label_density(label: str, density: float) -> float | None:
+    """The final density a label runs at: ``density`` for the sparsifiers' labels
+    (``topk``, ``gtopk``, ``artopk`` and their ``+MOD`` forms), ``None`` otherwise."""
+    base = label.replace("-noef", "+noef").split("+")[0]
+    return density if base in BASES else None
 
 
 def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
@@ -59,6 +106,14 @@ def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
 
     if label == "dense":
         return Recipe(Dense(algorithm="ring"), False)
+    if label in BASES:  # the default recipe
+        return _owned(strategies.make(label, density=density))
+    named = named_options(label)
+    if named is not None and named[0] in strategies.available():
+        try:
+            return _owned(strategies.make(named[0], **named[1]))
+        except TypeError as exc:
+            raise ValueError(f"strategy label {label!r}: {exc}") from None
     if "@" in label and "+" not in label:
         from ..strategies.auto_schemes import build
 

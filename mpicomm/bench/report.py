@@ -38,7 +38,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .ratios import is_rows
 from .report_control import adacomm_panel, has_adacomm
+from .report_ratios import section as ratios_section
 from .report_training import plot_name, plot_runs, step_time_table, training_section
 
 SPARSE_METHODS = ("dense", "allgather_topk", "gtopk", "artopk_star")
@@ -60,6 +62,8 @@ def load(folders: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
             except (OSError, ValueError) as exc:
                 notes.append(f"`{path}`: unreadable ({exc})")
                 continue
+            if isinstance(data, list) and is_rows(data):
+                continue  # a ratios rows file: the ratios section recomputes them
             if not isinstance(data, dict) or "suite" not in data:
                 notes.append(f"`{path}`: not a suite result (no `suite` field), skipped")
                 continue
@@ -487,8 +491,8 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
     """Write the Markdown report and the plots; returns the plot files written."""
     os.makedirs(plots, exist_ok=True)
     rel = os.path.relpath(plots, os.path.dirname(os.path.abspath(out)) or ".")
-    made: list[str] = []
     plot_note = ""
+    ratios_text, made = ratios_section(results, plots, rel, table, _plt)
     try:
         _plt()
         for r in results:
@@ -541,13 +545,14 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         "## Seed claims: gTop-k and AR-Top-k against dense and Allgather Top-k\n",
         claims(results),
         remarks,
+        ratios_text,
         "## Time per step of the workloads\n\nMedian time of rank 0's training steps "
         "(evaluation excluded) by rank count, from the `train` results "
         "(`python -m mpicomm.bench train`).\n\n" + table(step_time_table(results))
         if step_time_table(results) else "",
         "## Plots\n" + plot_note,
     ]
-    for name in made:
+    for name in (n for n in made if not n.startswith("ratios-")):
         parts.append(f"![{name}]({rel}/{name})\n")
     parts.append("## Results by file\n")
     parts.extend(section(r) for r in results if r["suite"] != "pingpong")

@@ -31,7 +31,8 @@ from ..p2p import pack_bytes, unpack_bytes
 from ..validate import check_algorithm
 from .base import DEFAULT_FUSION_BYTES, Strategy
 
-__all__ = ["CompressedStrategy", "SparsifyingStrategy", "DEFAULT_DENSITY", "sparsity", "k_of",
+__all__ = ["CompressedStrategy", "SparsifyingStrategy", "DEFAULT_DENSITY", "ADOPT",
+           "adopt_momentum", "sparsity", "k_of",
            "check_allreduce_algorithm", "check_flag", "check_schedule", "check_clip_norm",
            "pack_bytes", "unpack_bytes"]
 
@@ -40,6 +41,30 @@ BYTES = cost.CostParams(alpha=0.0, beta=1.0, gamma=0.0)
 
 #: Density used when neither ``density`` nor ``k`` is given.
 DEFAULT_DENSITY = 0.01
+
+#: ``momentum_correction`` value that takes over the optimizer's momentum at the first
+#: :meth:`CompressedStrategy.step_done` (the sparsifiers' default).
+ADOPT = "optimizer"
+
+
+def adopt_momentum(optimizer: Any) -> float:
+    """Move the momentum of an SGD-like optimizer out of it: when every parameter group
+    has the same ``momentum`` m with 0 < m < 1, no ``dampening`` and no ``nesterov``, set
+    it to 0 in every group, drop the momentum buffers and return m; otherwise change
+    nothing and return 0.0."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    ms = {g.get("momentum") for g in groups}
+    if len(ms) != 1 or any(g.get("dampening", 0) or g.get("nesterov", False)
+                           for g in groups):
+        return 0.0
+    m = ms.pop()
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 < m < 1.0:
+        return 0.0
+    for g in groups:
+        g["momentum"] = 0.0
+        for p in g["params"]:
+            getattr(optimizer, "state", {}).get(p, {}).pop("momentum_buffer", None)
+    return float(m)
 
 
 def sparsity(density: Any, k: Any) -> tuple[float | None, int | None]:
@@ -113,7 +138,8 @@ class CompressedStrategy(Strategy):
     :class:`~mpicomm.compress.ErrorFeedback`; ``None`` without error feedback).
 
     Options for accuracy at scale (Lin, Han, Mao, Wang & Dally, "Deep Gradient
-    Compression", ICLR 2018, arXiv 1712.01887; each off by default):
+    Compression", ICLR 2018, arXiv 1712.01887; each off by default here; Top-k, gTop-k
+    and AR-Top-k default to ``momentum_correction="optimizer"``):
 
     * ``schedule``: a density warm-up (:class:`mpicomm.control.Schedule`, e.g.
       ``dgc_warmup(steps_per_epoch)``) evaluated at each buffer's step counter, so every
@@ -135,6 +161,16 @@ class CompressedStrategy(Strategy):
       is accumulated *before* compression, and with ``momentum_masking`` cleared where
       values were sent). The optimizer must then run **without momentum** (plain SGD at
       the same lr; fold weight decay into the loss). Needs ``error_feedback=True``.
+      ``momentum_correction="optimizer"`` (the sparsifiers' default) does that move
+      itself: at the first :meth:`step_done` (which
+      :meth:`mpicomm.torch.GradientSync.step` calls after ``optimizer.step()``) it takes
+      the momentum m of an SGD-like optimizer (:func:`adopt_momentum`: one m in every
+      group, no dampening, no Nesterov), sets the optimizer's momentum to 0 and keeps
+      the velocity itself from then on (seeded with the residual, which after one step
+      with masking is what the velocity would hold: the same run as with
+      ``momentum_correction=m`` and an optimizer without momentum from the start); with
+      any other optimizer, or a loop that never calls ``step_done``, it stays plain
+      error feedback. Without error feedback it is ignored.
     * ``clip_norm=C``: local gradient clipping before error feedback, each rank scaling
       its buffer to L2 norm at most ``C / sqrt(P)`` (the sum of P independent gradients
       has about sqrt(P) times the norm of one, so C is the threshold one would use for
@@ -152,16 +188,23 @@ class CompressedStrategy(Strategy):
 
     def __init__(self, comm: Any = None, *, error_feedback: bool = True,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
-                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 momentum_correction: float | str = 0.0, momentum_masking: bool = True,
                  clip_norm: float | None = None, warmup_dense: bool = False):
         super().__init__(comm, fusion_bytes=fusion_bytes)
         self.error_feedback = check_flag("error_feedback", error_feedback)
+        if isinstance(momentum_correction, str) and momentum_correction != ADOPT:
+            raise ValueError(f"momentum_correction must be a number in [0, 1) or "
+                             f"{ADOPT!r}, got {momentum_correction!r}")
+        #: Take the optimizer's momentum at the next step_done (``"optimizer"``).
+        self.adopt_pending = momentum_correction == ADOPT and self.error_feedback
         self.warmup_dense = check_flag("warmup_dense", warmup_dense)
         self.schedule = check_schedule(schedule)
         self.clip_norm = check_clip_norm(clip_norm)
         self.momentum_masking = check_flag("momentum_masking", momentum_masking)
-        memory = ErrorFeedback(momentum_correction, momentum_masking)  # validates them
-        self.momentum_correction = memory.momentum
+        memory = ErrorFeedback(0.0 if momentum_correction == ADOPT else momentum_correction,
+                               momentum_masking)  # validates them
+        self.momentum_correction: float | str = ADOPT if self.adopt_pending \
+            else memory.momentum
         if self.momentum_correction and not self.error_feedback:
             raise ValueError("momentum_correction needs error_feedback=True (the velocity "
                              "lives in the error-feedback memory)")
@@ -225,6 +268,26 @@ class CompressedStrategy(Strategy):
                                          "velocities": state.get("velocities", {})})
         self._steps = {str(k): int(v) for k, v in state["steps"].items()}
         self._slots = {str(k): int(v) for k, v in state["slots"].items()}
+
+    def step_done(self, model: Any = None, optimizer: Any = None) -> None:
+        """With ``momentum_correction="optimizer"``, the first call with an optimizer
+        moves its momentum into the error-feedback memory (:func:`adopt_momentum`); every
+        rank calls it at the same step, so the ranks stay identical."""
+        if self.adopt_pending and optimizer is not None:
+            self.adopt_pending = False
+            m = adopt_momentum(optimizer)
+            if m and self.memory is not None:
+                # the velocity so far: with masking, after one step it equals the
+                # residual (both are the first gradient with the sent entries cleared),
+                # so the run continues exactly as if corrected from the start
+                state = self.memory.state_dict()
+                self.memory.momentum = m
+                self.memory.load_state_dict({"residuals": state["residuals"],
+                                             "velocities": state["residuals"]})
+                self.momentum_correction = m
+            else:
+                self.momentum_correction = 0.0
+        super().step_done(model, optimizer)
 
     # ------------------------------------------------------------------ helpers
     def _step(self, name: str) -> int:

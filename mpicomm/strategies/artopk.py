@@ -12,7 +12,7 @@ from ..compress.topk import index_itemsize
 from ..sparse import ARTopKState, artopk
 from ..sparse.artopk import ALGORITHMS, SOURCES
 from ..validate import check_algorithm
-from ._compressed import BYTES, SparsifyingStrategy, k_of, sparsity
+from ._compressed import ADOPT, BYTES, SparsifyingStrategy, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["ARTopK"]
@@ -47,9 +47,16 @@ class ARTopK(SparsifyingStrategy):
       power of two);
     * ``source="var"`` adds an allgather of one float64 per rank: ``(P-1)·8``.
 
+    Default recipe: error feedback with DGC's momentum correction and masking taken over
+    from the optimizer (``momentum_correction="optimizer"``: at the first
+    ``GradientSync.step(optimizer)`` an SGD optimizer's momentum m moves into the
+    memory and the optimizer's is set to 0). Cost: no bytes; one velocity buffer of the
+    bucket's size and one multiply-add per element per step. ``momentum_correction=0.0``
+    keeps plain error feedback with the optimizer's momentum.
+
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
-    error-feedback memory: then use an optimizer without momentum), ``clip_norm``
+    error-feedback memory: with a number m, use an optimizer without momentum), ``clip_norm``
     (local clipping at ``clip_norm / sqrt(P)``) and ``warmup_dense`` (dense warm-up
     steps where they send fewer bytes than the sparse collective): see
     :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
@@ -75,7 +82,8 @@ class ARTopK(SparsifyingStrategy):
                  source: str = "star", algorithm: str = "ring", error_feedback: bool = True,
                  smoothing: float = 0.1, comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
-                 momentum_correction: float = 0.0, momentum_masking: bool = True,
+                 momentum_correction: float | str = ADOPT,
+                 momentum_masking: bool = True,
                  clip_norm: float | None = None, warmup_dense: bool = False):
         self.density, self.k = sparsity(density, k)
         if source not in SOURCES:

@@ -99,6 +99,9 @@ def build(scheme: str, ratio: float, shapes: Sequence[tuple[int, ...]] = (), *,
         extra["fusion_bytes"] = fusion_bytes
     if scheme == "dense":
         return Dense(**extra)
+    if scheme in ("allgather_topk", "gtopk", "artopk_ring", "artopk_tree"):
+        # plain error feedback: the auto strategy keeps the optimizer as it is
+        extra["momentum_correction"] = 0.0
     if scheme == "allgather_topk":
         return TopKAllgather(density=ratio, **extra)
     if scheme == "gtopk":

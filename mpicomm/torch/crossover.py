@@ -214,6 +214,9 @@ class TorchJob(Job):
         if self._apply:
             clock.charge("optimizer")
             self.optimizer.step()
+            # as GradientSync.step does: adaptive strategies decide, and the sparsifiers'
+            # default takes over the optimizer's momentum, here
+            self.sync_object.strategy.step_done(self.model, self.optimizer)
             self._apply = False
         self._done = step
         if self.on_step is not None:

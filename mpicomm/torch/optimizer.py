@@ -103,7 +103,13 @@ class DistributedOptimizer:
         """
         self.last_step_ok = self.sync.wait()
         if closure is None:
-            return self.optimizer.step() if self.last_step_ok else None
+            if not self.last_step_ok:
+                return None
+            out = self.optimizer.step()
+            # as GradientSync.step: the strategy's end-of-step hook (adaptive decisions,
+            # the sparsifiers' default taking over the optimizer's momentum)
+            self.sync.strategy.step_done(self.sync.model, self.optimizer)
+            return out
 
         def synchronized_closure() -> Any:
             with torch.enable_grad():

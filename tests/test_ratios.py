@@ -1,0 +1,142 @@
+"""Compression ratios against dense (``python -m mpicomm.bench ratios``) on real inputs.
+
+Multi-rank (``@pytest.mark.mpi``, ``mpiexec -n 1..5``): the probe on a short MNIST-1D run
+sees what each strategy sends (Top-k's update touches at most P·k entries per step, dense
+all of them), the error-feedback residual, and the run's total bytes (summed over the
+ranks) against the formulas. Serial: strategy labels, and the suite as a 2-rank child job
+whose rows file has exactly the issue's keys and ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from mpicomm import strategies, workloads
+from mpicomm.bench.harness import Spec, train
+from mpicomm.bench.probe import CompressionProbe
+from mpicomm.bench.ratios import ROW_KEYS, collect, is_rows, metric_gap
+from mpicomm.bench.recipes import label_density, label_strategy, named_options
+from mpicomm.bench.sync import GradientMethod
+
+from .launch import run_job
+
+SMALL = {"train_examples": 400, "channels": 16}
+
+
+@pytest.mark.mpi
+def test_probe_and_bytes_of_topk_against_dense(comm):
+    p = comm.size
+    spec = Spec(workload="mnist1d-cnn", seed=3, batch=8, options=SMALL, max_steps=8,
+                eval_every=None)
+    runs, probes = {}, {}
+    for label in ("dense", "topk"):
+        w = workloads.get("mnist1d-cnn", rank=comm.rank, size=p, seed=3, batch=8, **SMALL)
+        recipe = label_strategy(label, density=0.01)
+        probe = CompressionProbe(comm, every=4)
+        runs[label] = train(spec, GradientMethod(recipe.strategy, label=label,
+                                                 owns_momentum=recipe.owns_momentum),
+                            comm, workload=w, on_step=probe.on_step)
+        probes[label] = probe.as_dict()
+    d = sum(probes["dense"]["sizes"])
+    k = math.ceil(0.01 * d)  # one fused buffer: the whole model
+    for label, probe in probes.items():
+        assert probe["steps"] == [4, 8] and len(probe["density"]) == 2
+        assert runs[label].sent_bytes_total == \
+            comm.allreduce_value(runs[label].sent_bytes, "sum")
+        for window in probe["density"]:
+            touched = sum(f * n for f, n in zip(window, probe["sizes"]))  # entries/step
+            if label == "topk":
+                assert 0 < touched <= min(p * k, d) + 1e-9, (window, p * k)
+            else:
+                assert touched > 0.5 * d, window
+    assert probes["dense"]["residual_norm"] == [0.0, 0.0]  # no memory
+    assert all(r > 0 for r in probes["topk"]["residual_norm"])
+    assert all(u > 0 for u in probes["topk"]["update_norm"])
+    # whole-run bytes: dense ring allreduce 2(P-1)/P·4d, Top-k's allgather (P-1)·k·8 per
+    # rank and step (the default recipe's dense warm-up steps aside)
+    steps = runs["dense"].steps
+    assert steps == runs["topk"].steps == 8
+    dense_total = runs["dense"].sent_bytes_total
+    if p == 1:
+        assert dense_total == runs["topk"].sent_bytes_total == 0
+        return
+    assert dense_total == pytest.approx(steps * p * 2 * (p - 1) / p * 4 * d, rel=0.01)
+    topk_floor = steps * p * (p - 1) * k * 8
+    assert runs["topk"].sent_bytes_total >= topk_floor * 0.99
+
+
+def test_bare_labels_are_the_strategies_defaults():
+    for name in ("topk", "gtopk", "artopk"):
+        for density in (0.001, 0.01):
+            recipe = label_strategy(name, density=density)
+            made = strategies.make(name, density=density)
+            assert recipe.strategy.describe() == made.describe()
+            # the default takes the momentum from the optimizer at the first step: the
+            # harness builds the optimizer with its momentum, as a user would
+            assert made.momentum_correction == "optimizer" and not recipe.owns_momentum
+            assert label_density(name, density) == density
+    assert label_density("gtopk+ef+mc", 0.001) == 0.001
+    assert label_density("topk-noef", 0.01) == 0.01
+    assert label_density("powersgd:rank=2", 0.01) is None
+    assert label_density("dense", 0.01) is None
+
+
+def test_named_options_labels():
+    assert named_options("powersgd:rank=2") == ("powersgd", {"rank": 2})
+    assert named_options("qsgd:bits=4,bucket_size=128") == \
+        ("qsgd", {"bits": 4, "bucket_size": 128})
+    assert named_options("topk+ef") is None and named_options("dense") is None
+    s = label_strategy("powersgd:rank=4").strategy
+    assert type(s).__name__ == "PowerSGDAllreduce" and s.describe()["rank"] == 4
+    assert label_strategy("qsgd:bits=2").strategy.describe()["bits"] == 2
+    with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
+        label_strategy("powersgd:rank")
+    with pytest.raises(ValueError, match="not a number"):
+        label_strategy("powersgd:rank=two")
+    with pytest.raises(ValueError, match="powersgd:ranks=2"):
+        label_strategy("powersgd:ranks=2")
+
+
+def test_metric_gap_signs():
+    acc = {"metric": "accuracy", "direction": "max"}
+    ppl = {"metric": "perplexity", "direction": "min"}
+    assert metric_gap({**acc, "curve": [{"accuracy": 0.97}]},
+                      {**acc, "curve": [{"accuracy": 0.98}]}) == pytest.approx(-1.0)
+    assert metric_gap({**ppl, "curve": [{"perplexity": 102.0}]},
+                      {**ppl, "curve": [{"perplexity": 100.0}]}) == pytest.approx(-2.0)
+
+
+def test_ratios_suite_rows_on_a_short_run(tmp_path):
+    out, rows_path = tmp_path / "ratios" / "r.json", tmp_path / "rows.json"
+    res = run_job(2, [sys.executable, "-m", "mpicomm.bench", "ratios",
+                      "--workload", "mnist1d-cnn", "--option", "train_examples=400",
+                      "--option", "channels=16", "--steps", "6", "--eval-every", "3",
+                      "--probe-every", "3", "--seeds", "2", "--density", "0.01",
+                      "--strategy", "dense", "--strategy", "gtopk",
+                      "--strategy", "powersgd:rank=2", "--json", str(out)], timeout=240)
+    assert res.returncode == 0, res.output
+    data = json.loads(out.read_text())
+    runs = data["training_runs"]
+    assert data["suite"] == "ratios" and len(runs) == 6
+    assert all(r["probe"]["steps"] == [3, 6] and r["sent_bytes_total"] > 0 for r in runs)
+    res = run_job(1, [sys.executable, "-m", "mpicomm.bench", "ratios", "--collect",
+                      str(tmp_path / "ratios"), "--rows", str(rows_path)], timeout=60)
+    assert res.returncode == 0, res.output
+    rows = json.loads(rows_path.read_text())
+    assert is_rows(rows) and len(rows) == 4
+    assert all(tuple(row) == ROW_KEYS for row in rows)
+    by = {(r["label"], r["seed"]): r for r in runs}
+    for row in rows:
+        mine, dense = by[(row["strategy"], row["seed"])], by[("dense", row["seed"])]
+        assert row["bytes_vs_dense"] == pytest.approx(
+            dense["sent_bytes_total"] / mine["sent_bytes_total"], rel=1e-3)
+        assert row["metric_gap"] == pytest.approx(
+            100 * (mine["curve"][-1]["accuracy"] - dense["curve"][-1]["accuracy"]), abs=1e-3)
+        assert row["ranks"] == 2 and row["workload"] == "mnist1d-cnn"
+        assert row["density"] == (0.01 if row["strategy"] == "gtopk" else None)
+        assert row["bytes_vs_dense"] > (10 if row["strategy"] == "gtopk" else 2)
+    assert collect([r for r in runs if r["label"] != "dense"]) == []  # no reference
