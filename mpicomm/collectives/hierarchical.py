@@ -54,9 +54,10 @@ from ..p2p import Ctx, block_bounds
 from ..tags import TAG_HOST, TAG_LANE
 from ..topology import Topology
 from . import cost
-from ._ring import allgather_pass, reduce_scatter_pass
+from ._ring import allgather_pass, reduce_scatter_copy_pass, reduce_scatter_pass
 
-__all__ = ["Hierarchy", "hierarchy", "allreduce", "allgather", "lane_bounds"]
+__all__ = ["Hierarchy", "hierarchy", "allreduce", "allgather", "lane_bounds",
+           "reduce_into_lanes"]
 
 #: Where a communicator keeps its :class:`Hierarchy` (``comm.resources``).
 _KEY = "hierarchy"
@@ -114,6 +115,26 @@ def lane_bounds(n: int, lanes: int, local_size: int) -> list[int]:
     """Ring blocks on a host of ``local_size`` ranks: block ``j`` is lane ``j``'s slice of
     ``n`` elements (near-equal, contiguous) for ``j < lanes``, empty after."""
     return block_bounds(n, lanes) + [n] * (local_size - lanes)
+
+
+def reduce_into_lanes(src: Any, comm: Communicator, lanes: int, ops: Any,
+                      segment_bytes: int) -> tuple[Any, int, int]:
+    """The host's sum of ``src`` over its ranks, cut into ``lanes`` slices
+    (:func:`lane_bounds`; ``lanes`` at most the smallest host's size): local rank
+    ``j < lanes`` gets ``(slice j of the sum, a, b)`` with ``[a, b)`` its range, the
+    ranks beyond an empty array and ``a == b``. ``src`` is left alone (a ring
+    reduce-scatter inside the host that reduces out of it; collective over ``comm``)."""
+    h = hierarchy(comm)
+    n, j, size = src.shape[0], comm.local_rank, comm.local_size
+    bounds = lane_bounds(n, lanes, size)
+    a, b = bounds[j], bounds[j + 1]
+    dst = ops.empty_like(src, b - a)
+    if size == 1:
+        ops.copy_(dst, src[a:b])
+    else:
+        reduce_scatter_copy_pass(src, dst, bounds, j, "sum",
+                                 Ctx.of(h.local, ops, segment_bytes), TAG_HOST)
+    return dst, a, b
 
 
 def allreduce(work: Any, op: str, comm: Communicator, ops: Any, segment_bytes: int,
