@@ -45,6 +45,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...config import RING_SEGMENT_BYTES
 from ...p2p import block_bounds, fold_layout, real_rank
 from ...topology import Topology
 from .params import CostParams
@@ -222,8 +223,14 @@ class HostCosts:
         the first ``lanes`` local ranks and empty blocks after (the reduce-scatter into
         the lanes, or the allgather out of them)."""
         members = self.topology.members
-        patterns = [_ring(len(m), list(lane_bytes) + [0.0] * (len(m) - len(lane_bytes)),
-                          reduce) for m in members]
+        if len(lane_bytes) == 1:  # one block: a chain, pipelined by ring segments
+            n = lane_bytes[0]
+            seg = min(n, RING_SEGMENT_BYTES)
+            patterns: list[Rounds] = [[([(0, 1, n)], 1), ([(0, 1, seg)], len(m) - 2)]
+                                      if len(m) > 1 else [] for m in members]
+        else:
+            patterns = [_ring(len(m), list(lane_bytes) + [0.0] * (len(m) - len(lane_bytes)),
+                              reduce) for m in members]
         return self.rounds(members, patterns)
 
     def lane_groups(self) -> list[list[int]]:
@@ -290,24 +297,34 @@ class HostCosts:
         reduced = max(d_bytes * (s - 1) / s if s == lanes else d_bytes for s in sizes)
         out = self._phase_local(slices, True) + self._gamma(reduced)
         kj = k / lanes
-        s = index_bytes + value_bytes
-        h = t.num_hosts
-        groups = self.lane_groups()[:lanes]
-        result = kj * s + kj * index_bytes  # pairs + this host's applied indices
-        if h > 1:
-            if inner == "allgather":
-                out = out + self.rounds(groups, [_ring(h, [kj * s] * h, False)] * lanes)
-                result = h * kj * s
-            elif inner == "gtopk":
-                out = out + self.rounds(groups, [_butterfly(h, kj * s)] * lanes)
-            elif inner == "artopk":
-                out = out + self.rounds(groups, [_binomial(h, kj * index_bytes)] * lanes)
-                pattern, red = _pattern("allreduce", inner_algorithm, kj * value_bytes, h)
-                out = out + self.rounds(groups, [pattern] * lanes) + self._gamma(red)
-                result = kj * (index_bytes + value_bytes)
-            else:
-                raise ValueError(f"inner must be one of {SPARSE_INNER}, got {inner!r}")
-        return out + self._phase_local([result] * lanes, False)
+        across, result = self._sparse(inner, self.lane_groups()[:lanes], kj, index_bytes,
+                                      value_bytes, inner_algorithm)
+        return out + across + self._phase_local([result + kj * index_bytes] * lanes, False)
+
+    def flat_sparse(self, inner: str, k: float, index_bytes: float, value_bytes: float,
+                    inner_algorithm: str = "ring") -> Seconds:
+        """A flat sparse collective over every rank on this layout, ``k`` pairs per rank:
+        ``"allgather"`` (Allgather Top-k's ring), ``"gtopk"`` (the butterfly),
+        ``"artopk"`` (binomial broadcast of the indices + ``inner_algorithm``)."""
+        return self._sparse(inner, [list(range(self.p))], k, index_bytes, value_bytes,
+                            inner_algorithm)[0]
+
+    def _sparse(self, inner: str, groups: Sequence[Sequence[int]], k: float,
+                index_bytes: float, value_bytes: float, inner_algorithm: str
+                ) -> tuple[Seconds, float]:
+        """``inner`` run by every group at once, ``k`` pairs per member; also the bytes
+        of the result it leaves on every member."""
+        g, s = len(groups[0]), index_bytes + value_bytes
+        times = len(groups)
+        if inner == "allgather":
+            return self.rounds(groups, [_ring(g, [k * s] * g, False)] * times), g * k * s
+        if inner == "gtopk":
+            return self.rounds(groups, [_butterfly(g, k * s)] * times), k * s
+        if inner == "artopk":
+            out = self.rounds(groups, [_binomial(g, k * index_bytes)] * times)
+            pattern, red = _pattern("allreduce", inner_algorithm, k * value_bytes, g)
+            return out + self.rounds(groups, [pattern] * times) + self._gamma(red), k * s
+        raise ValueError(f"inner must be one of {SPARSE_INNER}, got {inner!r}")
 
 
 def _pairs(bounds: Sequence[int]) -> list[tuple[int, int]]:
