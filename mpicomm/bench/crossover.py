@@ -102,18 +102,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------- jobs
+def load_shard(comm: Any) -> Any:
+    """This rank's examples of the ``digits-mlp`` workload (``x``, ``y``: its shard of
+    epoch 0); the jobs draw their minibatches from it."""
+    from types import SimpleNamespace
+
+    from .. import workloads
+
+    w = workloads.get("digits-mlp", rank=comm.rank, size=comm.size, batch=1)
+    idx = w.shard.indices(0)
+    return SimpleNamespace(x=w.shard.inputs[idx], y=w.shard.targets[idx])
+
+
 def make_job(name: str, seed: int, shard: Any, args: argparse.Namespace, delay_s: float,
              rank: int) -> Any:
     import torch
 
     from ..torch import TorchJob
+    from ..workloads.digits import mlp
 
-    torch.manual_seed(seed)
-    width = [64] + [args.hidden] * args.layers
-    layers: list[Any] = []
-    for a, b in zip(width, width[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(width[-1], 10))
+    model = mlp([64] + [args.hidden] * args.layers + [10], seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     rng = np.random.default_rng(1000 * seed + rank)
     data = []
@@ -285,8 +293,6 @@ def token_bound(n: int, c: float, s: float) -> float:
 # ---------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from .localsgd import load_shard
 
     if args.jobs < 2 or args.steps < 1 or args.repeats < 1:
         raise UsageError(f"needs --jobs >= 2, --steps >= 1 and --repeats >= 1 (got "

@@ -38,6 +38,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .report_training import plot_name, plot_runs, step_time_table, training_section
+
 SPARSE_METHODS = ("dense", "allgather_topk", "gtopk", "artopk_star")
 LABELS = {"dense": "dense allreduce (best own)", "allgather_topk": "Allgather Top-k",
           "gtopk": "gTop-k", "artopk_star": "AR-Top-k (STAR, ring)"}
@@ -345,14 +347,21 @@ def section(r: dict[str, Any]) -> str:
         return head + table(r.get("summary", []), ("collective", "elems", "best", "time_us",
                                                    "x_mpi", "x_gloo"))
     if suite == "accuracy":
-        return head + accuracy(r)
+        return head + accuracy(r) + training(r)
 
     if suite == "adaptive":
-        return head + adaptive(r)
+        return head + adaptive(r) + training(r)
     if suite == "crossover":
         return head + crossover_section(r)
     body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
-    return head + ("\n".join(body) if body else "(no rows or summary in this result)\n")
+    return head + ("\n".join(body) if body else "(no rows or summary in this result)\n") \
+        + training(r)
+
+
+def training(r: dict[str, Any]) -> str:
+    """Runs of the time-to-accuracy harness in ``r`` (:mod:`.report_training`)."""
+    text = training_section(r, table, r.get("_training_plot"))
+    return "\n" + text if text else ""
 
 
 def accuracy(r: dict[str, Any]) -> str:
@@ -367,7 +376,8 @@ def accuracy(r: dict[str, Any]) -> str:
              "worst pp": f"{row['worst_pp']:+.2f}", "kB/step": f"{row['kB_per_step']:.1f}",
              "vs dense": f"{row['x_dense']:.3g}x", "steps": row["steps"]}
             for row in r.get("summary", [])]
-    return (f"digits MLP, density {c.get('density')}, {c.get('epochs')} epochs, batch "
+    task = (r.get("workload") or {}).get("description", "digits MLP")
+    return (f"{task}, density {c.get('density')}, {c.get('epochs')} epochs, batch "
             f"{c.get('batch')}/rank, {lr}, seeds {r.get('seeds')}\n\n" + table(rows))
 
 
@@ -486,6 +496,10 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
                 made.append(name)
         if plot_sparse(results, os.path.join(plots, "sparse-scaling.png")):
             made.append("sparse-scaling.png")
+        for r in results:
+            if plot_runs(r, os.path.join(plots, plot_name(r)), _plt()):
+                r["_training_plot"] = f"{rel}/{plot_name(r)}"
+                made.append(plot_name(r))
     except ImportError:
         plot_note = ("\n**No plots**: matplotlib is not installed (`pip install -e "
                      "\".[bench]\"`).\n")
@@ -521,6 +535,10 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         "## Seed claims: gTop-k and AR-Top-k against dense and Allgather Top-k\n",
         claims(results),
         remarks,
+        "## Time per step of the workloads\n\nMedian time of rank 0's training steps "
+        "(evaluation excluded) by rank count, from the `train` results "
+        "(`python -m mpicomm.bench train`).\n\n" + table(step_time_table(results))
+        if step_time_table(results) else "",
         "## Plots\n" + plot_note,
     ]
     for name in made:
