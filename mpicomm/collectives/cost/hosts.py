@@ -354,8 +354,9 @@ def _pattern(collective: str, algorithm: str, n: float, p: int) -> tuple[Rounds,
                 out.append(([(r, (r - dist) % p, count * n / p) for r in range(p)], 1))
                 held, dist = held + count, dist << 1
             return out, 0.0
-        if algorithm == "recursive_doubling":
-            steps = [(1 << i, (1 << i) * n / p2) for i in range(lg2)]
+        if algorithm == "recursive_doubling":  # ranges double; (p-1)/p·n in all
+            unit = (p - 1) / p * n / max(p2 - 1, 1)
+            steps = [(1 << i, (1 << i) * unit) for i in range(lg2)]
             return _fold(p, n / p, False) + _xor(p, steps) + _fold(p, n, True), 0.0
     if collective == "broadcast" and algorithm == "binomial":
         return _binomial(p, n), 0.0
