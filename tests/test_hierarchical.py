@@ -4,7 +4,7 @@ and the auto choice, on host layouts given to the communicator.
 Multi-rank tests run at every rank count of the suite over every layout of
 :func:`tests.hier_checks.layouts` (one host, one rank per host, (2,2), uneven hosts,
 host counts that are not powers of two); a serial test runs the same checks in a child
-job at 6 ranks, where (1,2,3), (3,3) and (2,2,2) fit.
+job at 6 ranks on (1,2,3), (3,3) and (2,2,2).
 """
 
 from __future__ import annotations
