@@ -52,6 +52,9 @@ variable                         meaning
 ``MPICOMM_EMU_SCHEDULE``         the schedule file, for reports;
 ``MPICOMM_EMU_STEP_FILE``        where ``report_step`` writes the step (see
                                  ``mpicomm.emulate.linkdelay``).
+``MPICOMM_CACHE_DIR``            where :mod:`mpicomm.workloads` keeps generated data sets
+                                 and corpus indexes (default ``$XDG_CACHE_HOME/mpicomm``,
+                                 else ``~/.cache/mpicomm``).
 ===============================  ==========================================================
 
 Every value is checked where it is read: an unreadable one raises ``ValueError`` naming
