@@ -31,6 +31,7 @@ SUITES = {
     "crossover": "mpicomm.bench.crossover",
     "adaptive": "mpicomm.bench.adaptive",
     "train": "mpicomm.bench.train",
+    "hierarchy": "mpicomm.bench.hierarchy",
 }
 
 

@@ -19,7 +19,8 @@ bench-cluster`` write there), and writes
 ``adaptive`` gets its time-to-accuracy table, the L-GreCo comparison and the
 selector's targets marked met/missed. ``crossover`` results get a table of the three modes' median
 throughput (sequential, co-located, Crossover), the speedups, the measured ``C`` and
-``S`` and the bound ``(C+S)/max(C,S)``. ``accuracy`` files
+``S`` and the bound ``(C+S)/max(C,S)``. ``hierarchy`` results get their rows and the
+best hierarchical row's speed-up over the flat baseline against its target. ``accuracy`` files
 (``examples/compression_accuracy.py --json``) get a table of test accuracy and bytes per
 step per strategy label. Suites it does not know (``ps`` ...) get a generic table of
 their ``rows``/``summary``; a file without ``suite`` is skipped with a note. Needs
@@ -353,6 +354,8 @@ def section(r: dict[str, Any]) -> str:
         return head + adaptive(r) + training(r)
     if suite == "crossover":
         return head + crossover_section(r)
+    if suite == "hierarchy":
+        return head + hierarchy_section(r)
     body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n") \
         + training(r)
@@ -462,6 +465,22 @@ def crossover_section(r: dict[str, Any]) -> str:
                            "sequential_s", "colocated_s",
                            "crossover_s", "x_vs_sequential", "x_vs_colocated", "bound",
                            "hidden", "identical")))
+
+
+def hierarchy_section(r: dict[str, Any]) -> str:
+    """The hierarchy suite: its rows, then the best hierarchical row against its flat
+    baseline with the target marked met or missed."""
+    sizes = r.get("host_sizes") or []
+    layout = (f"{len(sizes)} hosts of {'+'.join(str(s) for s in sizes)} ranks; "
+              if sizes else "")
+    rows = table(r.get("rows", []), ("d", "density", "k", "method", "time_ms", "pred_ms",
+                                     "sent_B", "x_flat", "overlap", "energy"))
+    verdicts = [dict(t, verdict="-" if t.get("met") is None else
+                     ("met" if t["met"] else "missed")) for t in r.get("targets", [])]
+    return (f"{layout}x_flat: the flat baseline's time over the row's; pred_ms: the "
+            "two-link cost model (communication only).\n\n" + rows + "\n"
+            + table(verdicts, ("d", "density", "collective", "best", "speedup",
+                               "predicted", "target", "verdict")))
 
 
 def generic(value: Any) -> str:
