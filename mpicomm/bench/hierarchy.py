@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import time
 from dataclasses import asdict
 from typing import Any, Callable
 
@@ -44,17 +46,20 @@ import torch
 
 from .. import collectives as coll
 from ..collectives import cost
+from ..collectives.hierarchical import hierarchy
 from ..comm import Communicator, init
 from ..compress.topk_select import topk_indices
 from ..sparse import artopk, gtopk, hierarchical_topk, topk_allgather
 from ..topology import Topology
-from ._util import UsageError, machine, median_seconds, positive_floats, print_table, write_json
+from ._util import UsageError, machine, positive_floats, print_table, write_json
 
 DEFAULT_SIZES = (10_000_000,)
 DEFAULT_DENSITIES = (0.001, 0.01)
 INNER = ("gtopk", "artopk", "allgather")
 FLAT = {"gtopk": "gtopk", "artopk": "artopk_ring", "allgather": "allgather_topk"}
 TARGETS = {"dense": 1.5, "gtopk": 1.3}
+#: The suite's clock (seconds, monotonic).
+now: Callable[[], float] = time.perf_counter
 COLUMNS = ("d", "density", "k", "method", "time_ms", "pred_ms", "sent_B", "x_flat",
            "overlap", "energy")
 
@@ -76,20 +81,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="variance share of the component common to all ranks (0..1)")
 
 
-def gradient(d: int, rank: int, df: float, correlation: float, seed: int) -> torch.Tensor:
-    shared = np.random.default_rng(seed).standard_t(df, d)
-    own = np.random.default_rng(seed + 1 + rank).standard_t(df, d)
-    x = math.sqrt(correlation) * shared + math.sqrt(1 - correlation) * own
-    return torch.from_numpy(x.astype(np.float32))
+def gradient(d: int, rank: int, df: float, correlation: float, seed: int,
+             chunk: int = 1 << 20) -> torch.Tensor:
+    """This rank's float32 vector, drawn ``chunk`` elements at a time (a few MB of
+    float64 at once, so that many ranks on one machine fit in memory)."""
+    shared_rng = np.random.default_rng(seed)
+    own_rng = np.random.default_rng(seed + 1 + rank)
+    a, b = math.sqrt(correlation), math.sqrt(1 - correlation)
+    x = np.empty(d, dtype=np.float32)
+    for lo in range(0, d, chunk):
+        n = min(chunk, d - lo)
+        x[lo:lo + n] = a * shared_rng.standard_t(df, n) + b * own_rng.standard_t(df, n)
+    return torch.from_numpy(x)
 
 
 def measure(fn: Callable[[], Any], comm: Communicator, repeats: int,
-            warmup: int) -> tuple[float, int]:
-    """(median seconds of the slowest rank, max over ranks of the bytes one call sent)."""
-    with comm.traffic.measure() as moved:
+            warmup: int) -> tuple[float, int, Any]:
+    """(median seconds of the slowest rank, max over ranks of the bytes one call sent,
+    the last call's result)."""
+    for _ in range(warmup):
         fn()
-    sent = comm.allreduce_value(moved.sent_bytes, "max")
-    return median_seconds(fn, comm, repeats, max(0, warmup - 1)), int(sent)
+    times, sent, result = [], 0, None
+    for _ in range(repeats):
+        comm.barrier()
+        with comm.traffic.measure() as moved:
+            start = now()
+            result = fn()
+            seconds = now() - start
+        times.append(comm.allreduce_value(seconds, "max"))
+        sent = max(sent, moved.sent_bytes)
+    return statistics.median(times), int(comm.allreduce_value(sent, "max")), result
 
 
 def model(comm: Communicator) -> cost.HostCosts:
@@ -104,8 +125,9 @@ def bench_dense(x: torch.Tensor, comm: Communicator, args: argparse.Namespace,
     xn, d = x.numpy(), x.numel()
     rows = []
     for algorithm in ("ring", "hierarchical", *args.dense_algorithms):
-        seconds, sent = measure(lambda a=algorithm: coll.allreduce(xn, algorithm=a, comm=comm),
-                                comm, args.repeats, args.warmup)
+        seconds, sent, _ = measure(
+            lambda a=algorithm: coll.allreduce(xn, algorithm=a, comm=comm), comm,
+            args.repeats, args.warmup)
         pred = cost.predict("allreduce", algorithm, 4 * d, comm.size, hosts=hosts) \
             if comm.size > 1 else 0.0
         rows.append({"d": d, "density": 1.0, "k": d, "method": f"dense/{algorithm}",
@@ -169,7 +191,7 @@ def quality(idx: np.ndarray, total: np.ndarray, k: int) -> tuple[float, float]:
     return overlap, energy
 
 
-def bench_sparse(x: torch.Tensor, total: np.ndarray, density: float, comm: Communicator,
+def bench_sparse(x: torch.Tensor, total: np.ndarray | None, density: float, comm: Communicator,
                  args: argparse.Namespace, hosts: cost.HostCosts) -> list[dict[str, Any]]:
     d = x.numel()
     k = max(1, math.ceil(density * d))
@@ -182,8 +204,9 @@ def bench_sparse(x: torch.Tensor, total: np.ndarray, density: float, comm: Commu
             cases.append((name, sliced, _hier(inner, sliced, x, k, comm, [0])))
         base = None
         for name, sliced, fn in cases:
-            seconds, sent = measure(fn, comm, args.repeats, args.warmup)
-            overlap, energy = quality(returned_indices(fn()), total, k)
+            seconds, sent, result = measure(fn, comm, args.repeats, args.warmup)
+            overlap, energy = quality(returned_indices(result), total, k) \
+                if total is not None else (None, None)
             base = seconds if base is None else base
             rows.append({"d": d, "density": density, "k": k, "method": name, "inner": inner,
                          "seconds": seconds, "time_ms": seconds * 1e3, "sent_B": sent,
@@ -241,11 +264,15 @@ def run(args: argparse.Namespace) -> int:
     _options(args)
     comm = init()
     topo: Topology = comm.topology
+    if comm.size > 1:
+        hierarchy(comm)  # the sub-communicators, made once outside the timings
     hosts = model(comm)
     rows: list[dict[str, Any]] = []
     for d in args.sizes:
         x = gradient(d, comm.rank, args.df, args.correlation, seed=1234 + d)
         total = coll.allreduce(x.numpy(), algorithm="ring", comm=comm)
+        if comm.rank != 0:  # the accuracy columns are rank 0's
+            total = None
         rows.extend(bench_dense(x, comm, args, hosts))
         for density in args.densities:
             rows.extend(bench_sparse(x, total, density, comm, args, hosts))
