@@ -9,6 +9,7 @@ job at 6 ranks on (1,2,3), (3,3) and (2,2,2).
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -135,3 +136,24 @@ def test_a_topology_that_does_not_cover_the_ranks_fails_on_every_rank(comm):
     with pytest.raises(ValueError, match="places"):
         mpicomm.Communicator(comm.mpi, topology=Topology.from_sizes((comm.size + 1,)))
     assert comm.allreduce_value(1) == comm.size  # nobody is stuck
+
+
+def test_benchmark_suite_writes_its_rows_and_targets(tmp_path):
+    out = tmp_path / "hier.json"
+    result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "hierarchy", "--sizes",
+                         "3000", "--densities", "0.01", "--repeats", "1", "--warmup", "0",
+                         "--inner", "gtopk,allgather", "--json", str(out)],
+                     timeout=300, MPICOMM_HOST_SIZES="1,2")
+    assert result.returncode == 0, result.output[-3000:]
+    data = json.loads(out.read_text())
+    assert data["suite"] == "hierarchy" and data["host_sizes"] == [1, 2]
+    methods = {r["method"] for r in data["rows"]}
+    assert methods == {"dense/ring", "dense/hierarchical", "gtopk", "hier_gtopk",
+                       "hier_gtopk_sliced", "allgather_topk", "hier_allgather",
+                       "hier_allgather_sliced"}
+    for r in data["rows"]:
+        assert r["seconds"] > 0 and r["sent_B"] > 0 and r["x_flat"] > 0, r
+        if r["density"] < 1:
+            assert 0 < r["overlap"] <= 1 and r["energy"] > 0, r
+    assert {(t["collective"], t["target"]) for t in data["targets"]} == {
+        ("dense", 1.5), ("gtopk", 1.3), ("allgather", None)}
