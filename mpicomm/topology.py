@@ -14,7 +14,9 @@ Where the layout comes from, first match wins:
    for the virtual clock's platform and in the emulated cluster (whose
    ``--ranks-per-host`` sets it for the job). It must cover the world exactly; anything
    else raises one ``ValueError`` naming the variable on every rank, before any message.
-2. MPI's shared-memory split (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``): the ranks
+2. under the virtual clock (:mod:`mpicomm.clock`, ``MPICOMM_CLOCK=virtual``), the
+   virtual cluster's hosts (``MPICOMM_VIRTUAL_RANKS_PER_HOST``: rank r on host r // R);
+3. MPI's shared-memory split (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``): the ranks
    that can share memory form a host, wherever the launcher placed them.
 
 A :class:`Topology` is the host of every rank of one communicator: hosts are numbered
@@ -29,9 +31,9 @@ and let local rank ``j < lanes`` of every host carry slice ``j`` across the netw
 all lanes of a host run at once and share its port. Hosts of different sizes are
 allowed: their ranks beyond the smallest host's size help within the host only.
 
-Cost of detection: with ``MPICOMM_HOST_SIZES`` nothing is communicated (world ranks
-are translated locally); otherwise one shared-memory split and one allgather of an
-integer, once per communicator.
+Cost of detection: with ``MPICOMM_HOST_SIZES`` or the virtual clock nothing is
+communicated (world ranks are translated locally); otherwise one shared-memory split
+and one allgather of an integer, once per communicator.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from functools import cached_property
 
 from mpi4py import MPI
 
+from . import clock
 from .validate import check_int
 
 __all__ = ["Topology", "detect", "world_layout", "parse_host_sizes", "ENV_HOST_SIZES"]
@@ -201,15 +204,20 @@ def _world_ranks(mpi_comm: MPI.Comm) -> list[int]:
 
 
 def detect(mpi_comm: MPI.Intracomm) -> Topology:
-    """The host layout of ``mpi_comm`` (collective unless ``MPICOMM_HOST_SIZES`` is set).
+    """The host layout of ``mpi_comm`` (collective unless ``MPICOMM_HOST_SIZES`` is set
+    or the virtual clock runs).
 
     ``MPICOMM_HOST_SIZES`` gives the world's hosts, restricted to ``mpi_comm``'s ranks;
-    otherwise MPI's shared-memory split decides. ``ValueError`` on every rank, before
-    any communication, when the variable does not cover the world.
+    else the virtual clock's platform; otherwise MPI's shared-memory split decides.
+    ``ValueError`` on every rank, before any communication, when the variable does not
+    cover the world.
     """
     layout = world_layout()
     if layout is not None:
         return layout.restrict(_world_ranks(mpi_comm))
+    virtual = clock.platform()
+    if virtual is not None:  # the simulated cluster's hosts
+        return Topology.from_hosts([virtual.hosts[w] for w in _world_ranks(mpi_comm)])
     if mpi_comm.Get_size() == 1:
         return Topology((0,))
     rank = mpi_comm.Get_rank()

@@ -86,6 +86,70 @@ def test_harness_local_sgd_evaluates_after_averaging(comm):
     assert run.extra["rounds"] >= 7
 
 
+def _virtual_table():
+    from mpicomm.costtable import CostTable, OpCost
+
+    return CostTable({"reduce": OpCost(0.0, 1e-10, "byte"), "copy": OpCost(0.0, 0.0, "byte"),
+                      "select": OpCost(0.0, 0.0), "merge": OpCost(0.0, 0.0, "pair"),
+                      "scatter": OpCost(0.0, 0.0)})
+
+
+def _on_virtual_clock(comm, fn):
+    """``fn(vc)`` under a virtual 1 Gbit/s, 100 us cluster on a fresh communicator."""
+    from mpicomm import clock
+    from mpicomm.emulate.vnet import platform_from_env
+
+    plat = platform_from_env(comm.size, {"MPICOMM_VIRTUAL_RATE": "1gbit",
+                                         "MPICOMM_VIRTUAL_DELAY": "100us"})
+    with clock.session(plat, _virtual_table()):
+        vc = comm.dup()
+        vc.check = False
+        try:
+            return fn(vc)
+        finally:
+            vc.free()
+
+
+@pytest.mark.mpi
+def test_harness_charges_declared_step_costs_on_the_virtual_clock(comm):
+    from mpicomm import clock
+
+    spec = Spec(workload="digits-mlp", seed=0, batch=16, options={"hidden": 16},
+                max_steps=6, eval_every=None, epoch_stats=False, eval_split="train")
+
+    def go(vc):
+        for op, s in (("forward", 0.01), ("backward", 0.02), ("optimizer", 0.003)):
+            clock.declare(op, s)
+        return train(spec, LocalSGDMethod(10**9), vc)  # never averages while training
+
+    run = _on_virtual_clock(comm, go)
+    assert run.step_s == pytest.approx([0.033] * 6, rel=1e-9)
+    assert run.seconds == pytest.approx(6 * 0.033, rel=1e-9)  # the final averaging: paused
+
+
+@pytest.mark.mpi
+def test_harness_measures_the_step_once_and_repeats_bit_for_bit(comm):
+    from mpicomm import clock
+
+    spec = Spec(workload="digits-mlp", seed=1, batch=16, options={"hidden": 32},
+                max_steps=8, eval_every=4, epoch_stats=False)
+
+    def go(vc):
+        run = train(spec, GradientMethod(Dense()), vc)
+        table = clock.cost_table()
+        return run, {op: table.ops[op] for op in ("forward", "backward", "optimizer")}
+
+    first, costs = _on_virtual_clock(comm, go)
+    again, costs_again = _on_virtual_clock(comm, go)
+    assert costs == costs_again and all(c.source == "measured" for c in costs.values())
+    assert costs["forward"].per_call > 0 and costs["backward"].per_call > 0
+    assert first.curve == again.curve and first.step_s == again.step_s
+    step = sum(c.per_call for c in costs.values())
+    assert min(first.step_s) >= step * (1 - 1e-9)
+    if comm.size > 1:   # the allreduce of the gradients on the modelled network
+        assert min(first.step_s) > step + 100e-6
+
+
 def test_bench_train_on_small_slices_writes_the_curves(tmp_path):
     out_cnn, out_lm = tmp_path / "cnn.json", tmp_path / "lm.json"
     base = [sys.executable, "-m", "mpicomm.bench", "train"]

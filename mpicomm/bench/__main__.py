@@ -32,6 +32,8 @@ SUITES = {
     "adaptive": "mpicomm.bench.adaptive",
     "train": "mpicomm.bench.train",
     "hierarchy": "mpicomm.bench.hierarchy",
+    "vclock": "mpicomm.bench.vclock",
+    "costs": "mpicomm.bench.costs",
 }
 
 

@@ -14,6 +14,11 @@ Run under MPI with 4+ ranks, e.g.
     the alpha-beta time of a slower link on top of shared memory. ``--schedule``
     changes it during the run (``"EPOCH:GBPS:ALPHA_US,..."``, default 0.1 Gbit/s and
     100 us, from epoch 6 on 0.05 Gbit/s and 500 us). Works anywhere, no root.
+  - ``virtual``: the virtual clock's network (``--clock virtual --rate R --delay L``,
+    :mod:`mpicomm.clock`; a schedule file with ``--virtual-schedule``, keyed by step or
+    virtual time): the step charged from the cost table, every message timed by the
+    network model, so times do not depend on the machine's load. The default, and the
+    only choice, under the virtual clock.
   - ``emulated``: the emulated cluster (``launchers/emulated-cluster``, root):
     tc-shaped rate and the latency :mod:`mpicomm.emulate.linkdelay` injects in mpicomm's own
     point-to-point layer; the bench adds no delay of its own, ``--schedule`` is ignored
@@ -76,6 +81,7 @@ from ..emulate.linkdelay import ENV_RANKS_PER_HOST, report_step, set_link
 from ..strategies import AutoStrategy, Dense, Strategy
 from ..strategies.auto_schemes import build
 from ..strategies.lgreco_buckets import FAMILY_SCHEMES
+from . import _clock
 from ._util import UsageError, machine, print_table, write_json
 from .harness import Spec, default_threads
 from .harness import build as harness_build
@@ -97,8 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=float, default=0.96, help="test accuracy target")
     parser.add_argument("--schedule", default="0:0.1:100,6:0.05:500",
                         help="EPOCH:GBPS:ALPHA_US,... injected link from that epoch on")
-    parser.add_argument("--link", choices=("injected", "emulated"), default="injected",
-                        help="injected: the bench's own alpha-beta sleep (--schedule); "
+    parser.add_argument("--link", choices=("injected", "emulated", "virtual"), default=None,
+                        help="default injected (virtual under --clock virtual); "
+                        "injected: the bench's own alpha-beta sleep (--schedule); "
+                        "virtual: the virtual clock's network; "
                         "emulated: run under launchers/emulated-cluster (tc rate + "
                         "mpicomm.emulate.linkdelay latency, the emulator's --schedule)")
     parser.add_argument("--static", default=",".join(DEFAULT_STATIC),
@@ -113,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="test accuracy every so many steps (not timed)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per method (batch order seeds 0..N-1); medians reported")
+    _clock.add_arguments(parser, schedule_flag="--virtual-schedule")
 
 
 def parse_schedule(text: str) -> list[tuple[int, float, float]]:
@@ -256,7 +265,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--link emulated: run under launchers/emulated-cluster "
                          f"({ENV_RANKS_PER_HOST} is not set)")
     parse_schedule(args.schedule)
+    _clock.apply(args)
+    virtual = args.clock == "virtual"
+    if args.link is None:
+        args.link = "virtual" if virtual else "injected"
+    if virtual != (args.link == "virtual"):
+        raise UsageError("--link virtual goes with --clock virtual (and only with it): "
+                         "under the virtual clock the network is the platform's "
+                         "(--rate/--delay/--virtual-schedule)")
     comm = init()
+    _clock.measure_costs(comm)
     import torch
 
     torch.set_num_threads(default_threads(comm))  # ranks of a node share its cores
@@ -292,7 +310,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"# adaptive: {comm.size} ranks, digits MLP 64-{args.hidden}-{args.hidden}-10, "
               f"batch {args.batch}/rank, {args.epochs} epochs, target acc {args.target}, "
               + (f"injected link schedule {args.schedule} (EPOCH:Gbit/s:alpha_us)"
-                 if args.link == "injected" else "emulated cluster (launchers/"
+                 if args.link == "injected" else
+                 f"virtual clock {_clock.describe().get('platform')}"
+                 if args.link == "virtual" else "emulated cluster (launchers/"
                  "emulated-cluster: tc rate + mpicomm.emulate.linkdelay latency)"))
         print_table(rows, COLUMNS)
         print("\n# L-GreCo vs per-layer uniform settings (topk: allgather_topk at ratio "
@@ -304,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
         for k, v in summary.items():
             print(f"{k}: {v}")
         write_json(args.json, {"suite": "adaptive", "machine": machine(), "ranks": comm.size,
-                               "options": dict(vars(args)), "rows": rows, "lgreco": lg,
+                               "options": dict(vars(args)), "clock": _clock.describe(),
+                               "rows": rows, "lgreco": lg,
                                "summary": summary, "training_runs": records})
     comm.barrier()
     return 0

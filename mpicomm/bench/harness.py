@@ -14,7 +14,17 @@ rank stops its clock; the time so far and the bytes sent so far (``bytes``) are 
 maxima over the ranks (a synchronous step is done when its last rank is); the model is
 evaluated (every rank evaluates a slice, :meth:`Workload.evaluate`) and the clock
 restarts after a barrier. ``spec.clock`` replaces it (the local SGD benchmark's runtime
-model).
+model). :func:`now` is :func:`mpicomm.clock.now`: wall seconds, or under the virtual clock
+(``MPICOMM_CLOCK=virtual``, a suite's ``--clock virtual``) this rank's virtual time.
+
+Compute under the virtual clock: a run first enters its model's step in the cost table
+(:func:`step_costs`: ``forward``, ``backward`` and ``optimizer`` measured once per model
+and batch in this process by :func:`mpicomm.torch.costs.calibrate_model`, ranks taking
+turns, unless all three were declared by the caller with :func:`mpicomm.clock.declare`);
+every step then charges ``forward`` before the loss, ``backward`` after it and the method
+charges ``optimizer`` before a local optimizer step (a parameter server's workers run
+none). Communication is timed by the network model. So a run's times, and every ratio
+between runs charged from the same table, do not depend on the machine's load.
 
 Stopping: after ``epochs`` epochs, ``max_steps`` steps, or at the first evaluation at
 which the clock has passed ``budget_s``; an evaluation always closes the run. A target
@@ -30,20 +40,22 @@ times and bytes are this rank's, kept in memory: 16 bytes a step).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from .. import workloads
+from .. import clock, workloads
 from ..comm import Communicator
-from ..emulate.linkdelay import report_step
+from ..costtable import OpCost
 from .report_training import steady
 
-#: The one clock of the harness (seconds, monotonic).
-now: Callable[[], float] = time.perf_counter
+#: The one clock of the harness (seconds, monotonic): wall or virtual.
+now: Callable[[], float] = clock.now
+
+#: The compute of one training step, charged under the virtual clock.
+STEP_OPS = ("forward", "backward", "optimizer")
 
 
 class TrainClock:
@@ -220,6 +232,8 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     epochs = spec.epochs if spec.epochs is not None else (
         None if spec.budget_s is not None else int(d["epochs"]))
     model = w.model
+    if clock.started():
+        step_costs(spec, w, comm, lr, 0.0 if sync.owns_momentum else momentum, wd)
     opt = sync.optimizer(model, lr, momentum, 0.0 if spec.decay_in_loss else wd)
     config = {k: v for k, v in asdict(spec).items() if k not in ("clock", "metrics")}
     config.update(lr=lr, momentum=momentum, weight_decay=wd, clip_norm=clip, epochs=epochs,
@@ -229,24 +243,24 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     key = spec.target_key or w.info.metric
     ctx = _Context(opt=opt, model=model, workload=w, sync=sync, run=run)
     every = spec.eval_every  # None: at the end only
-    clock: Any = spec.clock
+    timer: Any = spec.clock
     sync.start(model, opt, comm, clip_norm=clip,
-               clock=lambda: clock.now() if clock is not None else 0.0)
-    if clock is None:  # started together, after the method's set-up
+               clock=lambda: timer.now() if timer is not None else 0.0)
+    if timer is None:  # started together, after the method's set-up
         comm.barrier()
-        clock = TrainClock()
-    if hasattr(clock, "attach"):
-        clock.attach(sync)
+        timer = TrainClock()
+    if hasattr(timer, "attach"):
+        timer.attach(sync)
     last_eval, steps, epoch = 0, 0, 0
     last_bytes = sync.sent_bytes()
 
     def evaluate() -> bool:
         """One curve point; True when the run must end (budget spent or stop set)."""
         nonlocal last_eval
-        clock.pause()
+        timer.pause()
         if not sync.can_evaluate():
             sync.make_consistent()
-        everyone = comm.allgather_object((clock.now(), int(sync.sent_bytes())))
+        everyone = comm.allgather_object((timer.now(), int(sync.sent_bytes())))
         elapsed = float(max(t for t, _ in everyone))
         point = {"step": steps, "epoch": epoch, "time_s": elapsed,
                  "bytes": max(b for _, b in everyone)}
@@ -259,7 +273,7 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
         if on_eval is not None:
             on_eval(point, ctx)
         comm.barrier()
-        clock.resume()
+        timer.resume()
         return ctx.stop or (spec.budget_s is not None and elapsed >= spec.budget_s)
 
     done = spec.eval_at_start and evaluate()
@@ -274,12 +288,14 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
             for batch in w.shard.batches(epoch):
                 t0 = now()
                 opt.zero_grad()
+                clock.charge("forward")      # virtual clock: the step's compute
                 loss, hits, count = w.loss(model, batch)
                 if spec.decay_in_loss and wd:
                     (loss + 0.5 * wd * sum(p.pow(2).sum() for p in model.parameters())
                      ).backward()
                 else:
                     loss.backward()
+                clock.charge("backward")     # after it: when backward ends
                 value = float(loss.detach())
                 if spec.metrics is not None:
                     spec.metrics.note(loss=value)
@@ -297,8 +313,8 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
                                  {k: v for k, v in run.decisions[-1].items() if k != "step"}
                                  != decision):
                     run.decisions.append({"step": steps, **decision})
-                if spec.report_steps and comm.rank == 0:
-                    report_step(steps)  # the emulated cluster's `step N` schedule entries
+                if spec.report_steps and (comm.rank == 0 or clock.started()):
+                    clock.report_step(steps)  # a schedule's `step N` entries
                 if on_step is not None:
                     on_step(steps, ctx)
                 if ctx.stop or (spec.max_steps is not None and steps >= spec.max_steps):
@@ -309,7 +325,7 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
                     done = True
                     break
             if spec.epoch_stats:
-                clock.pause()
+                timer.pause()
                 total = comm.allgather_object((loss_sum, hit_sum, count_sum))
                 n = sum(t[2] for t in total) or 1.0
                 stats = {"epoch": epoch + 1, "train_loss": sum(t[0] for t in total) / n,
@@ -317,7 +333,7 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
                 run.history.append(stats)
                 if on_epoch_end is not None:
                     on_epoch_end(epoch, stats, ctx)
-                clock.resume()
+                timer.resume()
             epoch += 1
             if every == 0 and not done:
                 done = evaluate()
@@ -331,6 +347,60 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     run.sent_bytes_max_rank = int(comm.allreduce_value(run.sent_bytes, "max"))
     run.extra.update(sync.summary())
     return run
+
+
+class _StepLoss(torch.nn.Module):
+    """A workload's training loss as a module (``calibrate_model`` measures
+    ``loss_fn(module(inputs), target)``): ``forward(batch)`` is the batch's loss."""
+
+    def __init__(self, w: workloads.Workload, decay: float) -> None:
+        super().__init__()
+        self.w, self.decay, self.net = w, decay, w.model
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        loss = self.w.loss(self.net, batch)[0]
+        if self.decay:
+            loss = loss + 0.5 * self.decay * sum(p.pow(2).sum() for p in self.net.parameters())
+        return loss
+
+
+#: Step costs measured in this process, by (workload, options, batch, optimizer).
+_MEASURED: dict[tuple[Any, ...], dict[str, OpCost]] = {}
+
+
+def step_costs(spec: Spec, w: workloads.Workload, comm: Communicator, lr: float,
+               momentum: float, weight_decay: float) -> float:
+    """Enter ``w``'s training step in the virtual clock's cost table and return its
+    compute seconds (``forward + backward + optimizer``); collective over ``comm``.
+    ``weight_decay`` is the recipe's (in the loss with ``spec.decay_in_loss``).
+
+    Measured once per (workload, options, batch, optimizer settings) in this process with
+    :func:`mpicomm.torch.costs.calibrate_model` (every rank of ``comm`` in turn, medians;
+    on the first batch of epoch 0, the model's state restored afterwards), then reused, so
+    every run of a benchmark on the same model is charged alike. Entries the caller
+    declared (``mpicomm.clock.declare("forward", ...)``, all three) are kept: that is how
+    a GPU's step from a published profile is modelled. Cost:
+    ``6 * comm.size`` forward+backward passes the first time, nothing after.
+    """
+    table = clock.cost_table()
+    if table is None:
+        raise RuntimeError("step_costs needs the virtual clock (mpicomm.clock.started())")
+    if all(op in table.ops and table.ops[op].source == "declared" for op in STEP_OPS):
+        return sum(table.cost(op) for op in STEP_OPS)
+    key = (w.name, repr(sorted(spec.options.items())), w.info.batch, spec.decay_in_loss,
+           lr, momentum, weight_decay)
+    if key not in _MEASURED:
+        from ..torch.costs import calibrate_model
+
+        batch = next(iter(w.shard.batches(0)))
+        step = _StepLoss(w, weight_decay if spec.decay_in_loss else 0.0)
+        opt = make_optimizer(step.parameters(), lr, momentum,
+                             0.0 if spec.decay_in_loss else weight_decay)
+        measured = calibrate_model(step, batch, None, lambda loss, _: loss, opt, comm,
+                                   turns=None)
+        _MEASURED[key] = {op: measured.ops[op] for op in STEP_OPS}
+    table.ops.update(_MEASURED[key])
+    return sum(table.cost(op) for op in STEP_OPS)
 
 
 @dataclass

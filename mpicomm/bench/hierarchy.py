@@ -37,13 +37,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from dataclasses import asdict
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from .. import clock
 from .. import collectives as coll
 from ..collectives import cost
 from ..collectives.hierarchical import hierarchy
@@ -51,6 +51,7 @@ from ..comm import Communicator, init
 from ..compress.topk_select import topk_indices
 from ..sparse import artopk, gtopk, hierarchical_topk, topk_allgather
 from ..topology import Topology
+from . import _clock
 from ._util import UsageError, machine, positive_floats, print_table, write_json
 
 DEFAULT_SIZES = (10_000_000,)
@@ -58,8 +59,8 @@ DEFAULT_DENSITIES = (0.001, 0.01)
 INNER = ("gtopk", "artopk", "allgather")
 FLAT = {"gtopk": "gtopk", "artopk": "artopk_ring", "allgather": "allgather_topk"}
 TARGETS = {"dense": 1.5, "gtopk": 1.3}
-#: The suite's clock (seconds, monotonic).
-now: Callable[[], float] = time.perf_counter
+#: The suite's clock (seconds): wall, or the virtual cluster's (``--clock virtual``).
+now: Callable[[], float] = clock.now
 COLUMNS = ("d", "density", "k", "method", "time_ms", "pred_ms", "sent_B", "x_flat",
            "overlap", "energy")
 
@@ -79,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--df", type=float, default=3.0, help="Student-t degrees of freedom")
     parser.add_argument("--correlation", type=float, default=0.5,
                         help="variance share of the component common to all ranks (0..1)")
+    _clock.add_arguments(parser)
 
 
 def gradient(d: int, rank: int, df: float, correlation: float, seed: int,
@@ -114,9 +116,20 @@ def measure(fn: Callable[[], Any], comm: Communicator, repeats: int,
 
 
 def model(comm: Communicator) -> cost.HostCosts:
-    """The two link classes of ``comm``'s layout: the calibrated (or default) ones,
-    see :func:`mpicomm.collectives.cost.host_costs`."""
-    return cost.host_costs(comm)
+    """The two link classes of ``comm``'s layout. On the virtual clock the platform's:
+    ``alpha = delay``, ``beta = 1/rate`` between hosts, the shared-memory link inside
+    them, ``gamma`` the cost table's reduction per byte; otherwise the calibrated (or
+    default) ones, see :func:`mpicomm.collectives.cost.host_costs`."""
+    virtual, table = clock.platform(), clock.cost_table()
+    if virtual is None:
+        return cost.host_costs(comm)
+    gamma = cost.CostParams().gamma
+    if table is not None and "reduce" in table.ops:
+        gamma = table.ops["reduce"].per_unit
+    network = cost.CostParams(alpha=virtual.delay, beta=1.0 / virtual.rate, gamma=gamma)
+    local = cost.CostParams(alpha=virtual.shm_delay, beta=1.0 / virtual.shm_rate,
+                            gamma=gamma)
+    return cost.host_costs(comm, network, local=local)
 
 
 # ---------------------------------------------------------------------- rows
@@ -262,7 +275,11 @@ def _options(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _options(args)
+    _clock.apply(args)
     comm = init()
+    _clock.measure_costs(comm)
+    if clock.started():  # deterministic: one timed run per row
+        args.repeats, args.warmup = 1, 0
     topo: Topology = comm.topology
     if comm.size > 1:
         hierarchy(comm)  # the sub-communicators, made once outside the timings
@@ -288,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
         options = {k: v for k, v in vars(args).items() if k != "func"}
         write_json(args.json, {"suite": "hierarchy", "machine": machine(),
                                "ranks": comm.size, "host_sizes": list(topo.host_sizes),
+                               "clock": _clock.describe(),
                                "cost_params": {"local": asdict(hosts.local),
                                                "network": asdict(hosts.network)},
                                "options": options, "rows": rows, "targets": summary})

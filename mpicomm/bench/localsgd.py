@@ -39,6 +39,12 @@ Setup (every choice is an option):
   counted) and does not sleep. On a shared machine wall-clock figures swing by several
   x with other jobs' load; the model clock gives load-independent ratios that depend
   only on ``D/Y`` and the step budget ``budget/Y`` (same seeds, same numbers).
+  ``--clock virtual --rate R --delay L`` (:mod:`mpicomm.bench._clock`) runs on a virtual
+  cluster (:mod:`mpicomm.clock`): the step's forward, backward and optimizer are measured
+  into the cost table once (ranks taking turns) and charged every step, ``Y`` is their
+  sum, every averaging round is timed by the network model, and ``--delay-ms auto`` is 0
+  (the modelled network is the slow one; a given ``--delay-ms`` is added as virtual
+  time). Load-independent too, and it counts the real rounds and control messages.
 * Measurement: the training loss is the cross-entropy of the averaged model on the whole
   training set (each rank evaluates its shard; summed over ranks), taken right after an
   averaging round once at least ``--eval-every`` local steps have passed. Evaluation
@@ -58,9 +64,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import clock
 from ..comm import Communicator, init
+from . import _clock
 from ._util import UsageError, machine, print_table, write_json
-from .harness import Spec, train
+from .harness import Spec, build, step_costs, train
 from .sync import LocalSGDMethod
 
 METHOD_SYNC = "sync"
@@ -93,9 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=16,
                         help="evaluate after an averaging once this many local steps passed")
     parser.add_argument("--algorithm", default="auto", help="allreduce algorithm")
-    parser.add_argument("--clock", choices=("wall", "model"), default="wall",
-                        help="wall: measured seconds (real delay slept); model: "
-                             "steps*Y + rounds*D, no sleeping")
+    _clock.add_arguments(parser, extra=("model",),
+                         help_extra="; wall: measured seconds (real delay slept); model: "
+                                    "steps*Y + rounds*D, no sleeping; virtual: the "
+                                    "step charged from the cost table, the averaging "
+                                    "timed by the network model (--delay-ms auto is 0)")
 
 
 # ---------------------------------------------------------------------- pieces
@@ -136,7 +146,12 @@ def spec(args: argparse.Namespace, seed: int, **kw: Any) -> Spec:
 
 def measure_step_time(args: argparse.Namespace, comm: Communicator) -> float:
     """Median time of one local SGD step (all ranks computing at once), max over ranks:
-    300 harness steps without averaging, the first 50 left out."""
+    300 harness steps without averaging, the first 50 left out. Under the virtual clock:
+    the calibrated cost of one step (:func:`mpicomm.bench.harness.step_costs`, the same
+    entries every training step is charged)."""
+    if clock.started():
+        s = spec(args, 0)
+        return step_costs(s, build(s, comm), comm, args.lr, args.momentum, args.weight_decay)
     r = train(spec(args, 0, max_steps=300, eval_every=None, report_steps=False),
               LocalSGDMethod(10**9, algorithm=args.algorithm), comm)
     return float(comm.allreduce_value(statistics.median(r.step_s[50:]), "max"))
@@ -278,7 +293,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
+    _clock.apply(args)
     comm = init()
+    _clock.measure_costs(comm)
     taus = [int(t) for t in args.taus.split(",") if t.strip()]
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for s in schedules:
@@ -286,8 +303,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"unknown schedule {s!r}; use fixed and/or decay")
     methods = [METHOD_SYNC] + [f"tau={t}" for t in taus] + ["adacomm"]
     step_s = measure_step_time(args, comm)
-    delay_s = (args.delay_factor * step_s if args.delay_ms == "auto"
-               else float(args.delay_ms) / 1e3)
+    if args.delay_ms == "auto":   # virtual: the network model is the slow network
+        delay_s = 0.0 if clock.started() else args.delay_factor * step_s
+    else:
+        delay_s = float(args.delay_ms) / 1e3
     real_s = measure_round_time(step_s, args, comm)
     if comm.rank == 0:
         print(f"# localsgd: {comm.size} ranks, digits MLP 64-{args.hidden}-10, batch "
@@ -299,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"# measured real averaging round (no delay, in a training loop) = "
               f"{real_s * 1e3:.3f} ms: effective (real + D)/Y = "
               f"{(real_s + delay_s) / step_s:.1f}", flush=True)
-    model_clock = None if args.clock == "wall" else (step_s, delay_s)
+    model_clock = (step_s, delay_s) if args.clock == "model" else None
     if comm.rank == 0 and model_clock is not None:
         print(f"# model clock: t = steps x Y + rounds x D = steps x {step_s * 1e3:.3f} ms + "
               f"rounds x {delay_s * 1e3:.3f} ms (no sleeping; real rounds not counted)",
@@ -328,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
                                            else f"{k}={v}" for k, v in m.items()))
         write_json(args.json, {
             "suite": "localsgd", "machine": machine(), "args": vars(args),
+            "clock": _clock.describe(),
             "step_s": step_s, "delay_s": delay_s, "real_round_s": real_s, "rows": rows,
             "summary": summary,
             "targets": met,

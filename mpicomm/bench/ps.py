@@ -14,7 +14,9 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
 2. **Straggler** (``straggler``): ``digits-mlp`` (MLP 64-64-10) through the
    time-to-accuracy harness, plain SGD on 1 server; each step a worker computes a real
    minibatch gradient and then sleeps ``--compute-ms`` (worker 0: ``--slow-factor`` times
-   as long). Sync runs ``--steps`` steps per worker; async and
+   as long; under ``--clock virtual`` the step and that time are charged instead, and
+   the servers take the workers' messages in virtual-time order, so async and SSP are
+   repeatable). Sync runs ``--steps`` steps per worker; async and
    SSP (``--staleness``) run until the server has applied as many pushes in total
    (``W * steps``). Throughput = pushes applied / W / wall time (sync steps per second);
    final loss = training-set cross-entropy of the final model. Target: async >= 1.5x
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import Communicator, init
+from . import _clock
 from ._util import UsageError, machine, median_seconds, print_table, write_json
 from .harness import default_threads
 
@@ -58,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="straggler: worker 0 computes this many times longer")
     parser.add_argument("--staleness", type=int, default=2, help="straggler: SSP bound")
     parser.add_argument("--epochs", type=int, default=30, help="accuracy: epochs")
+    _clock.add_arguments(parser)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -211,7 +215,9 @@ def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[st
 
 
 def run(args: argparse.Namespace) -> int:
+    _clock.apply(args)
     comm = init()
+    _clock.measure_costs(comm)
     import torch
 
     torch.set_num_threads(default_threads(comm))  # ranks of a node share its cores
@@ -223,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise UsageError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
-    out: dict[str, Any] = {"machine": machine(), "args": vars(args)}
+    out: dict[str, Any] = {"machine": machine(), "args": vars(args),
+                           "clock": _clock.describe()}
     t0 = time.perf_counter()
     if "comm" in sections:
         out["comm"] = bench_comm(args, comm)

@@ -22,12 +22,12 @@ Interface used by the harness: ``optimizer(model, lr, momentum, weight_decay)``,
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .. import clock
 from ..strategies import Strategy
 from . import harness
 from .harness import make_optimizer
@@ -77,6 +77,7 @@ class GradientMethod:
         if self.gs.wait():
             if self.clip_norm:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+            clock.charge("optimizer")  # virtual clock (harness.step_costs)
             self.opt.step()
             self.strategy.step_done(self.model, self.opt)  # adaptive strategies decide here
         self._steps += 1
@@ -149,6 +150,7 @@ class LocalSGDMethod:
     def update(self, loss: torch.Tensor) -> None:
         if self.clip_norm:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+        clock.charge("optimizer")  # virtual clock (harness.step_costs)
         self.opt.step()
         self.averaged = bool(self.local.step(loss))
         if self.metrics is not None:
@@ -189,7 +191,8 @@ class PSMethod:
     :class:`~mpicomm.ps.KVStore`); the servers own lr, momentum and weight decay.
     ``slow_factor`` > 1 makes this worker a straggler: after each step's computation it
     sleeps ``slow_factor - 1`` times that computation's duration; ``sleep_s`` adds a fixed
-    emulated compute time per step (before the push)."""
+    emulated compute time per step (before the push). Both go through
+    :func:`mpicomm.clock.sleep`: slept on the wall clock, charged on the virtual one."""
 
     owns_momentum = True
 
@@ -220,10 +223,10 @@ class PSMethod:
         self.model, self.comm = model, comm
 
     def update(self, loss: torch.Tensor) -> None:
-        if self.slow_factor > 1:
-            time.sleep((self.slow_factor - 1) * (harness.now() - self._t0))
+        if self.slow_factor > 1:   # virtual clock: charged, not slept
+            clock.sleep((self.slow_factor - 1) * (harness.now() - self._t0))
         if self.sleep_s:
-            time.sleep(self.sleep_s)
+            clock.sleep(self.sleep_s)
         self.opt.step()
 
     def sent_bytes(self) -> int:

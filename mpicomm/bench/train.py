@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..comm import init
+from . import _clock
 from ._util import UsageError, machine, print_table, write_json
 from .harness import Run, Spec, default_threads, train
 from .recipes import label_strategy
@@ -77,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads per rank (0: usable cores / ranks per node)")
     parser.add_argument("--no-step-times", action="store_true",
                         help="leave the per-step times and bytes out of the JSON")
+    _clock.add_arguments(parser)
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:
@@ -145,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
                             for t in args.local_sgd):
         raise UsageError("--local-sgd takes a period >= 1 or 'adacomm'; --tau0 >= 1")
     options = parse_options(args.option)
+    _clock.apply(args)
     comm = init()
+    _clock.measure_costs(comm)
     torch.set_num_threads(args.threads or default_threads(comm))
     try:
         probe = workloads.get(args.workload, rank=comm.rank, size=comm.size, seed=0,
@@ -179,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             for rec in records:
                 rec["step_s"], rec["step_bytes"] = [], []
         write_json(args.json, {"suite": "train", "machine": machine(), "ranks": comm.size,
+                               "clock": _clock.describe(),
                                "workload": info.as_dict(), "args": vars(args),
                                "summary": rows, "training_runs": records})
     comm.barrier()

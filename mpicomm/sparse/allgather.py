@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .. import clock
 from ..collectives.allgather import allgatherv
 from ..comm import Communicator, resolve
 from ..hooks import traced
@@ -95,6 +96,7 @@ def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
         agreed["dtype"] = str(sp.val.dtype)
 
     sets = gather_sets((sp.idx, sp.val), comm, wire_index_dtype(size))
+    clock.charge("scatter", size)
     dense = torch.zeros(size, dtype=sp.val.dtype, device=sp.device)
     for idx, val in sets:
         dense[idx] += val
@@ -117,6 +119,7 @@ def exact_topk(indices: Any, values: Any, k: int, comm: Communicator | None = No
     sp, k, size = read_topk_args(comm, "exact_topk", indices, values, k, size, allow_nonfinite)
 
     sets = gather_sets((sp.idx, sp.val), comm, wire_index_dtype(size))
+    clock.charge("merge", sum(s[0].shape[0] for s in sets))
     support = torch.unique(torch.cat([s[0] for s in sets]))  # sorted ascending
     acc = torch.zeros(support.shape[0], dtype=sp.val.dtype, device=sp.device)
     for idx, val in sets:
