@@ -73,6 +73,10 @@ def net(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def net_label(r: dict[str, Any]) -> str:
+    plat = (r.get("clock") or {}).get("platform")
+    if plat:  # a virtual-clock run: the simulated cluster
+        return (f"virtual clock, {plat['rate_bits'] / 1e9:g} Gbit/s, "
+                f"{plat['delay_s'] * 1e3:g} ms, {plat['hosts']} hosts")
     n = net(r)
     if n.get("kind") != "emulated cluster":
         return "shared memory"
@@ -146,6 +150,15 @@ def conditions(results: Sequence[dict[str, Any]]) -> str:
             "load avg (1/5/15 min)": fmt(m.get("loadavg")),
             "MPI": m.get("mpi"),
         })
+        plat = (r.get("clock") or {}).get("platform")
+        if plat:  # a virtual-clock run: the simulated cluster, not this machine's network
+            sizes = plat.get("host_sizes") or []
+            rows[-1].update({
+                "network": "virtual clock",
+                "hosts x ranks/host": " + ".join(str(x) for x in sizes) if
+                len(set(sizes)) > 1 else f"{len(sizes)} x {sizes[0] if sizes else '?'}",
+                "rate (tc tbf)": f"{plat['rate_bits'] / 1e9:g}gbit (model)",
+                "delay (injected)": f"{plat['delay_s'] * 1e3:g} ms (model)"})
     return table(rows)
 
 
