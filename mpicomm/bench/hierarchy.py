@@ -80,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--df", type=float, default=3.0, help="Student-t degrees of freedom")
     parser.add_argument("--correlation", type=float, default=0.5,
                         help="variance share of the component common to all ranks (0..1)")
+    parser.add_argument("--predict-layouts", default="8x4,16x2",
+                        help="HxR layouts for the cost-model-only table (default 8x4,16x2)")
     _clock.add_arguments(parser)
 
 
@@ -259,6 +261,47 @@ def _ratio_pred(group: list[dict[str, Any]], best: dict[str, Any]) -> float | No
     return flat[0]["pred_ms"] / best["pred_ms"]
 
 
+def _step(strategy: Any, d: int, p: int, topo: Topology, hosts: cost.HostCosts,
+          work: cost.ComputeParams) -> float:
+    parts = strategy.predict_parts(d, 4, p, hosts.network, work, topology=topo,
+                                   local=hosts.local)
+    return parts["comm"] + parts["compute"]
+
+
+def prediction(layouts: list[tuple[int, int]], sizes: list[int], densities: list[float],
+               hosts: cost.HostCosts) -> list[dict[str, Any]]:
+    """Cost-model-only rows (not measured) for ``H`` hosts of ``R``, with this run's
+    link classes: the dense ring against the hierarchical allreduce (communication), and
+    a whole step of the flat gTop-k against ``hier_gtopk`` and ``hier_gtopk_sliced``
+    (communication plus the modelled compute: selection, merges, densify, host sums,
+    from :func:`mpicomm.strategies.kernel_timing.measure_compute`, i.e. the cost table on
+    the virtual clock)."""
+    from ..strategies import GTopK, HierarchicalGTopK
+    from ..strategies.kernel_timing import measure_compute
+
+    work = measure_compute()
+    out = []
+    for h, r in layouts:
+        topo, p = Topology.from_sizes((r,) * h), h * r
+        model_ = cost.HostCosts(topo, hosts.local, hosts.network)
+        for d in sizes:
+            ring = cost.predict("allreduce", "ring", 4 * d, p, hosts=model_)
+            hier = cost.predict("allreduce", "hierarchical", 4 * d, p, hosts=model_)
+            out.append({"layout": f"{h}x{r}", "d": d, "density": 1.0, "flat_ms": ring * 1e3,
+                        "hier_ms": hier * 1e3, "hier_sliced_ms": None,
+                        "x_flat": ring / hier})
+            for density in densities:
+                flat, leader, sliced = (
+                    _step(s, d, p, topo, hosts, work)
+                    for s in (GTopK(density=density), HierarchicalGTopK(density=density),
+                              HierarchicalGTopK(density=density, sliced=True)))
+                out.append({"layout": f"{h}x{r}", "d": d, "density": density,
+                            "flat_ms": flat * 1e3, "hier_ms": leader * 1e3,
+                            "hier_sliced_ms": sliced * 1e3,
+                            "x_flat": flat / min(leader, sliced)})
+    return out
+
+
 # ---------------------------------------------------------------------- main
 def _options(args: argparse.Namespace) -> None:
     args.inner_list = [s.strip() for s in args.inner.split(",") if s.strip()]
@@ -269,6 +312,14 @@ def _options(args: argparse.Namespace) -> None:
     bad = [s for s in args.dense_algorithms if s not in coll.ALGORITHMS["allreduce"]]
     if bad:
         raise UsageError(f"--dense: unknown allreduce algorithm(s) {', '.join(bad)}")
+    try:
+        args.layouts = [tuple(int(v) for v in item.lower().split("x"))
+                        for item in args.predict_layouts.split(",") if item.strip()]
+    except ValueError:
+        args.layouts = []
+    if any(len(t) != 2 or min(t) < 1 for t in args.layouts):
+        raise UsageError(f"--predict-layouts: HxR items such as 8x4,16x2, got "
+                         f"{args.predict_layouts!r}")
     if args.repeats < 1 or args.warmup < 0:
         raise UsageError("--repeats must be >= 1 and --warmup >= 0")
 
@@ -296,18 +347,23 @@ def run(args: argparse.Namespace) -> int:
         del x, total
     summary = targets(rows)
     if comm.rank == 0:
+        predicted = prediction(args.layouts, args.sizes, args.densities, hosts)
         print(f"# {comm.size} ranks on {topo.describe()}; float32, median of "
               f"{args.repeats}; x_flat = flat baseline's time / the row's")
         print_table(rows, COLUMNS)
         print("\n# best hierarchical row against its flat baseline")
         print_table(summary, ("d", "density", "collective", "best", "speedup", "predicted",
                               "target", "met"))
-        options = {k: v for k, v in vars(args).items() if k != "func"}
+        print("\n# PREDICTED by the cost model (not measured); gTop-k rows: whole step")
+        print_table(predicted, ("layout", "d", "density", "flat_ms", "hier_ms",
+                                "hier_sliced_ms", "x_flat"))
+        options = {k: v for k, v in vars(args).items() if k not in ("func", "layouts")}
         write_json(args.json, {"suite": "hierarchy", "machine": machine(),
                                "ranks": comm.size, "host_sizes": list(topo.host_sizes),
                                "clock": _clock.describe(),
                                "cost_params": {"local": asdict(hosts.local),
                                                "network": asdict(hosts.network)},
-                               "options": options, "rows": rows, "targets": summary})
+                               "options": options, "rows": rows, "targets": summary,
+                               "predicted": predicted})
     comm.barrier()
     return 0
