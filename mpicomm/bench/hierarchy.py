@@ -82,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="variance share of the component common to all ranks (0..1)")
     parser.add_argument("--predict-layouts", default="8x4,16x2",
                         help="HxR layouts for the cost-model-only table (default 8x4,16x2)")
+    parser.add_argument("--predict-sizes", type=lambda t: [int(v) for v in positive_floats(t)],
+                        default=None, help="dense lengths of that table (default: --sizes)")
     _clock.add_arguments(parser)
 
 
@@ -279,7 +281,15 @@ def prediction(layouts: list[tuple[int, int]], sizes: list[int], densities: list
     from ..strategies import GTopK, HierarchicalGTopK
     from ..strategies.kernel_timing import measure_compute
 
-    work = measure_compute()
+    table = clock.cost_table()
+    if table is None:
+        work = measure_compute()
+    else:  # the rates the run is charged; gTop-k's steps use no matrix product (flop)
+        def rate(op: str) -> float:
+            return table.cost(op, 1) - table.cost(op, 0) if op in table.ops else 0.0
+
+        work = cost.ComputeParams(select=rate("select"), merge=rate("merge") + rate("select"),
+                                  scatter=rate("scatter"), flop=0.0, copy=rate("copy"))
     out = []
     for h, r in layouts:
         topo, p = Topology.from_sizes((r,) * h), h * r
@@ -347,7 +357,8 @@ def run(args: argparse.Namespace) -> int:
         del x, total
     summary = targets(rows)
     if comm.rank == 0:
-        predicted = prediction(args.layouts, args.sizes, args.densities, hosts)
+        predicted = prediction(args.layouts, args.predict_sizes or args.sizes,
+                               args.densities, hosts)
         print(f"# {comm.size} ranks on {topo.describe()}; float32, median of "
               f"{args.repeats}; x_flat = flat baseline's time / the row's")
         print_table(rows, COLUMNS)

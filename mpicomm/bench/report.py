@@ -493,7 +493,11 @@ def hierarchy_section(r: dict[str, Any]) -> str:
     return (f"{layout}x_flat: the flat baseline's time over the row's; pred_ms: the "
             "two-link cost model (communication only).\n\n" + rows + "\n"
             + table(verdicts, ("d", "density", "collective", "best", "speedup",
-                               "predicted", "target", "verdict")))
+                               "predicted", "target", "verdict"))
+            + ("\n**Predicted by the cost model, not measured** (same links and cost "
+               "table; gTop-k rows: whole steps):\n\n" + table(r["predicted"], (
+                   "layout", "d", "density", "flat_ms", "hier_ms", "hier_sliced_ms",
+                   "x_flat")) if r.get("predicted") else ""))
 
 
 def generic(value: Any) -> str:
