@@ -39,6 +39,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .report_hierarchy import hierarchy_section, virtual_conditions, virtual_label
 from .report_training import plot_name, plot_runs, step_time_table, training_section
 
 SPARSE_METHODS = ("dense", "allgather_topk", "gtopk", "artopk_star")
@@ -73,10 +74,8 @@ def net(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def net_label(r: dict[str, Any]) -> str:
-    plat = (r.get("clock") or {}).get("platform")
-    if plat:  # a virtual-clock run: the simulated cluster
-        return (f"virtual clock, {plat['rate_bits'] / 1e9:g} Gbit/s, "
-                f"{plat['delay_s'] * 1e3:g} ms, {plat['hosts']} hosts")
+    if virtual_label(r):
+        return virtual_label(r)
     n = net(r)
     if n.get("kind") != "emulated cluster":
         return "shared memory"
@@ -150,15 +149,7 @@ def conditions(results: Sequence[dict[str, Any]]) -> str:
             "load avg (1/5/15 min)": fmt(m.get("loadavg")),
             "MPI": m.get("mpi"),
         })
-        plat = (r.get("clock") or {}).get("platform")
-        if plat:  # a virtual-clock run: the simulated cluster, not this machine's network
-            sizes = plat.get("host_sizes") or []
-            rows[-1].update({
-                "network": "virtual clock",
-                "hosts x ranks/host": " + ".join(str(x) for x in sizes) if
-                len(set(sizes)) > 1 else f"{len(sizes)} x {sizes[0] if sizes else '?'}",
-                "rate (tc tbf)": f"{plat['rate_bits'] / 1e9:g}gbit (model)",
-                "delay (injected)": f"{plat['delay_s'] * 1e3:g} ms (model)"})
+        rows[-1].update(virtual_conditions(r))
     return table(rows)
 
 
@@ -368,7 +359,7 @@ def section(r: dict[str, Any]) -> str:
     if suite == "crossover":
         return head + crossover_section(r)
     if suite == "hierarchy":
-        return head + hierarchy_section(r)
+        return head + hierarchy_section(r, table)
     body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n") \
         + training(r)
@@ -478,26 +469,6 @@ def crossover_section(r: dict[str, Any]) -> str:
                            "sequential_s", "colocated_s",
                            "crossover_s", "x_vs_sequential", "x_vs_colocated", "bound",
                            "hidden", "identical")))
-
-
-def hierarchy_section(r: dict[str, Any]) -> str:
-    """The hierarchy suite: its rows, then the best hierarchical row against its flat
-    baseline with the target marked met or missed."""
-    sizes = r.get("host_sizes") or []
-    layout = (f"{len(sizes)} hosts of {'+'.join(str(s) for s in sizes)} ranks; "
-              if sizes else "")
-    rows = table(r.get("rows", []), ("d", "density", "k", "method", "time_ms", "pred_ms",
-                                     "sent_B", "x_flat", "overlap", "energy"))
-    verdicts = [dict(t, verdict="-" if t.get("met") is None else
-                     ("met" if t["met"] else "missed")) for t in r.get("targets", [])]
-    return (f"{layout}x_flat: the flat baseline's time over the row's; pred_ms: the "
-            "two-link cost model (communication only).\n\n" + rows + "\n"
-            + table(verdicts, ("d", "density", "collective", "best", "speedup",
-                               "predicted", "target", "verdict"))
-            + ("\n**Predicted by the cost model, not measured** (same links and cost "
-               "table; gTop-k rows: whole steps):\n\n" + table(r["predicted"], (
-                   "layout", "d", "density", "flat_ms", "hier_ms", "hier_sliced_ms",
-                   "x_flat")) if r.get("predicted") else ""))
 
 
 def generic(value: Any) -> str:
