@@ -3,8 +3,10 @@
 A ``Communicator`` wraps an mpi4py communicator and adds what the rest of the library
 needs:
 
-* topology: ``rank``/``size``, ``local_rank``/``local_size`` (ranks sharing memory with
-  this one, i.e. the same node), ``node`` (index of this node) and ``nodes``;
+* topology: ``rank``/``size``, the host layout (:attr:`Communicator.topology`, from
+  :mod:`mpicomm.topology`: ``MPICOMM_HOST_SIZES`` or MPI's shared-memory split),
+  ``local_rank``/``local_size`` (ranks on the same host as this one), ``node`` (index of
+  this host) and ``nodes``;
 * private duplicates of the wrapped communicator, so that the library's own
   point-to-point traffic never matches a user's message (``p2p``) and so that checked
   mode and small control reductions do not interleave with it (``ctl``);
@@ -41,6 +43,7 @@ from mpi4py import MPI
 from . import clock, vwire
 from .abort import abort_job, install_from_env
 from .config import env_flag
+from .topology import Topology, detect
 from .validate import NotAnIntegerError, check_int, check_poll_s
 
 __all__ = [
@@ -59,8 +62,10 @@ __all__ = [
 log = logging.getLogger("mpicomm")
 
 #: The :attr:`Communicator.resources` keys that hold a calibration of the cost model
-#: (:func:`mpicomm.collectives.cost.calibrated` reads them); ``dup``/``split`` copy them.
-CALIBRATION_KEYS = ("cost_params", "compute_params")
+#: (:func:`mpicomm.collectives.cost.calibrated` and ``host_costs`` read them: the slowest
+#: link, the compute rates, the link between ranks of one host); ``dup``/``split`` copy
+#: them.
+CALIBRATION_KEYS = ("cost_params", "compute_params", "host_cost_params")
 
 _SCALAR_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "avg": MPI.SUM}
 
@@ -168,14 +173,24 @@ class Communicator:
         requests and sleep that long between tests, leaving the core to other threads
         (e.g. another job's compute under the Crossover scheduler) while a slow network
         carries the data. Inherited by :meth:`dup`/:meth:`split`; settable afterwards.
+    topology:
+        The host layout (:class:`mpicomm.topology.Topology`, one host per rank entry);
+        ``None`` (default) detects it (:func:`mpicomm.topology.detect`:
+        ``MPICOMM_HOST_SIZES``, else MPI's shared-memory split). Give one to run the
+        hierarchical algorithms on a layout of your choosing (tests, what-if runs);
+        ``ValueError`` when it does not place exactly this communicator's ranks.
+        Inherited by :meth:`dup`; :meth:`split` detects its own.
     """
 
     def __init__(self, mpi_comm: MPI.Intracomm | None = None, *, check: bool | None = None,
                  owns: bool = False, job: str | None = None,
-                 wait_poll_s: float | None = None):
+                 wait_poll_s: float | None = None, topology: Topology | None = None):
         if job is not None and not isinstance(job, str):
             raise TypeError(f"job must be a str or None, got {type(job).__name__}")
         wait_poll_s = check_poll_s("wait_poll_s", wait_poll_s)
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a mpicomm.topology.Topology or None, got "
+                            f"{type(topology).__name__}")
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"expected an mpi4py Intracomm, got {type(base).__name__}")
@@ -190,19 +205,22 @@ class Communicator:
         self.rank: int = base.Get_rank()
         self.size: int = base.Get_size()
         self.check: bool = env_flag("MPICOMM_CHECK", False) if check is None else bool(check)
+        #: The host layout of these ranks (:mod:`mpicomm.topology`).
+        self.topology: Topology = detect(base) if topology is None \
+            else topology.checked(self.size)
+        self.node: int = self.topology.hosts[self.rank]
+        self.nodes: int = self.topology.num_hosts
+        self.local_rank: int = self.topology.local_rank(self.rank)
+        self.local_size: int = self.topology.host_sizes[self.node]
         self.p2p: MPI.Intracomm = base.Dup()
         self.ctl: MPI.Intracomm = base.Dup()
-        self.local_mpi: MPI.Intracomm = base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank: int = self.local_mpi.Get_rank()
-        self.local_size: int = self.local_mpi.Get_size()
-        leaders = base.Split(0 if self.local_rank == 0 else MPI.UNDEFINED, key=self.rank)
-        here = (leaders.Get_rank(), leaders.Get_size()) if leaders != MPI.COMM_NULL else None
-        if leaders != MPI.COMM_NULL:
-            leaders.Free()
-        self.node, self.nodes = self.local_mpi.bcast(here, root=0)
+        #: The ranks of this host (an MPI communicator, in rank order).
+        self.local_mpi: MPI.Intracomm = base.Split(self.node, key=self.rank)
         vwire.register(self.p2p)   # the virtual clock's ids (no-op on the wall clock)
         vwire.register(self.ctl)
-        #: Per-communicator caches owned by lower layers (e.g. pinned staging buffers).
+        #: Per-communicator caches owned by lower layers (e.g. pinned staging buffers, the
+        #: hierarchical collectives' sub-communicators); an entry with a ``free()`` method
+        #: holds MPI objects and is freed with this communicator.
         self.resources: dict[str, Any] = {}
         #: Bytes moved by mpicomm's own algorithms on this communicator.
         self.traffic = Traffic()
@@ -224,13 +242,15 @@ class Communicator:
     def dup(self) -> Communicator:
         """A new communicator over the same ranks (collective).
 
-        It inherits checked mode, the job name, ``wait_poll_s`` and the calibration (the
+        It inherits checked mode, the job name, ``wait_poll_s``, the topology and the
+        calibration (the
         cost-model
         parameters in :attr:`resources`, so ``algorithm="auto"`` and every strategy's
         ``predict`` see the same numbers as on this one).
         """
         return self._inherit(Communicator(self.mpi.Dup(), check=self.check, owns=True,
-                                          job=self.job, wait_poll_s=self.wait_poll_s))
+                                          job=self.job, wait_poll_s=self.wait_poll_s,
+                                          topology=self.topology))
 
     def _inherit(self, child: Communicator) -> Communicator:
         """Copy the calibrated cost-model parameters (immutable values) into ``child``."""
@@ -413,10 +433,15 @@ class Communicator:
         """Release the duplicates this object made (collective), and the wrapped
         communicator when this object owns it (made by :meth:`dup` or :meth:`split`).
         The per-communicator caches (:attr:`resources`, e.g. pinned staging buffers) are
-        dropped too."""
+        dropped too, after freeing those that hold MPI objects (a ``free()`` method)."""
+        held = list(self.resources.values())
         self.resources.clear()
         if self._freed or MPI.Is_finalized():
             return
+        for resource in held:
+            release = getattr(resource, "free", None)
+            if callable(release):
+                release()
         self._freed = True
         owned = [self.p2p, self.ctl, self.local_mpi] + ([self.mpi] if self._owns else [])
         for c in owned:

@@ -58,9 +58,12 @@ TAG_ALLGATHER = tag("collectives", 2)
 TAG_BCAST = tag("collectives", 3)
 TAG_REDUCE_SCATTER = tag("collectives", 4)
 TAG_FOLD = tag("collectives", 5)
+TAG_HOST = tag("collectives", 6)   # hierarchical: the phases inside a host
+TAG_LANE = tag("collectives", 7)   # hierarchical: the lanes across hosts
 # Sparse collectives.
 TAG_GTOPK_FOLD = tag("sparse", 1)
 TAG_GTOPK_ROUND = tag("sparse", 2)
+TAG_GTOPK_ALIVE = tag("sparse", 3)  # gTop-k: a folded-out rank's surviving picks
 # Gossip averaging.
 TAG_GOSSIP = tag("gossip", 1)
 # Parameter server (mpicomm.ps), on each store's own duplicated communicator.

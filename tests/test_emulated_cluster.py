@@ -121,6 +121,7 @@ def test_job_env_and_wrapper() -> None:
     assert "MPIR_CVAR_NOLOCAL" not in env
     assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "eth0"
     assert env[linkdelay.ENV_RANKS_PER_HOST] == "2" and float(env[linkdelay.ENV_DELAY]) == 0.001
+    assert env["MPICOMM_HOST_SIZES"] == "2,2,2,2"  # mpicomm.topology's layout
     env = run.job_env(4, 2, None, 0.0, True, "/r", None, base={})
     assert env["MPIR_CVAR_NOLOCAL"] == "1" and env["MPICOMM_EMU_RATE"] == "unshaped"
     # host-major placement in the per-rank wrapper: rank r -> host r // R

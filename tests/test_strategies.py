@@ -32,6 +32,9 @@ from mpicomm.strategies import (
     Dense,
     FP16Allreduce,
     GTopK,
+    HierarchicalARTopK,
+    HierarchicalGTopK,
+    HierarchicalTopK,
     PowerSGDAllreduce,
     QSGDAllgather,
     RandomKAllreduce,
@@ -65,6 +68,9 @@ FACTORIES: dict[str, Callable[[], Strategy]] = {
     "fp16": lambda: FP16Allreduce(),
     "bf16": lambda: BF16Allreduce(),
     "sign": lambda: SignAllgather(),
+    "hier_topk": lambda: HierarchicalTopK(density=0.1),
+    "hier_gtopk-sliced": lambda: HierarchicalGTopK(density=0.1, sliced=True),
+    "hier_artopk": lambda: HierarchicalARTopK(density=0.1),
 }
 SHAPES = [(16, 12), (12,), (3, 4, 5), (1,)]
 
@@ -155,7 +161,8 @@ def run(strategy: Strategy, comm, tensors: list[Any], names: list[str] | None = 
 # ====================================================================== serial
 def test_registry_lists_every_strategy():
     assert set(available()) == {"dense", "topk", "gtopk", "artopk", "randomk", "qsgd",
-                                "powersgd", "fp16", "bf16", "sign", "auto"}
+                                "powersgd", "fp16", "bf16", "sign", "auto", "hier_topk",
+                                "hier_gtopk", "hier_artopk"}
     tested = {f().name for f in FACTORIES.values()}
     assert tested == set(available()) - {"auto"}  # auto: tests/test_control_selector.py
     for name in available():
@@ -317,7 +324,8 @@ def test_results_keep_kind_and_agree_across_ranks(comm, which, backend, dtype):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("which", ["topk", "topk-sampled", "gtopk", "artopk",
-                                   "artopk-var-tree", "randomk", "randomk-auto"])
+                                   "artopk-var-tree", "randomk", "randomk-auto",
+                                   "hier_gtopk-sliced", "hier_artopk"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_density_one_is_the_exact_mean(comm, which, dtype):
     build = {
@@ -328,6 +336,8 @@ def test_density_one_is_the_exact_mean(comm, which, dtype):
         "artopk-var-tree": lambda: ARTopK(density=1.0, source="var", algorithm="tree"),
         "randomk": lambda: RandomKAllreduce(density=1.0),
         "randomk-auto": lambda: RandomKAllreduce(k=10**6, algorithm="auto"),  # k capped
+        "hier_gtopk-sliced": lambda: HierarchicalGTopK(density=1.0, sliced=True),
+        "hier_artopk": lambda: HierarchicalARTopK(density=1.0),
     }[which]
     strategy = build().bind(comm)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-12, atol=1e-12)
@@ -555,7 +565,7 @@ def test_gtopk_residual_put_back(comm):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("which", ["topk-sampled", "qsgd-ef", "powersgd", "sign",
-                                   "artopk-var-tree"])
+                                   "artopk-var-tree", "hier_topk", "hier_gtopk-sliced"])
 def test_error_feedback_conserves_mass(comm, which):
     """P·Σ_t u_t + Σ_r e_r == Σ_r Σ_t g_r for every strategy whose update is the mean of
     what the ranks sent (all error-fed ones but gTop-k)."""

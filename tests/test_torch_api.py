@@ -41,7 +41,7 @@ ROLE = re.compile(r":(?:class|meth|func|mod|attr|data|exc|obj|ref|py:\w+):`")
 OPTION_VALUES: dict[str, Any] = {
     "algorithm": "rabenseifner", "density": 0.1, "k": 4, "source": "var", "seed": 3,
     "bits": 4, "bucket_size": 64, "rank": 2, "start_iter": 1, "ratios": (0.05, 0.2),
-    "schemes": ("dense", "gtopk"),
+    "schemes": ("dense", "gtopk"), "sliced": True,
 }
 
 

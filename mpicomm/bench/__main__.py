@@ -34,6 +34,7 @@ SUITES = {
     "adaptive": "mpicomm.bench.adaptive",
     "train": "mpicomm.bench.train",
     "ratios": "mpicomm.bench.ratios",
+    "hierarchy": "mpicomm.bench.hierarchy",
     "vclock": "mpicomm.bench.vclock",
     "costs": "mpicomm.bench.costs",
 }

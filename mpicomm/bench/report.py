@@ -19,7 +19,8 @@ bench-cluster`` write there), and writes
 ``adaptive`` gets its time-to-accuracy table, the L-GreCo comparison and the
 selector's targets marked met/missed. ``crossover`` results get a table of the three modes' median
 throughput (sequential, co-located, Crossover), the speedups, the measured ``C`` and
-``S`` and the bound ``(C+S)/max(C,S)``. ``accuracy`` files
+``S`` and the bound ``(C+S)/max(C,S)``. ``hierarchy`` results get their rows and the
+best hierarchical row's speed-up over the flat baseline against its target. ``accuracy`` files
 (``examples/compression_accuracy.py --json``) get a table of test accuracy and bytes per
 step per strategy label. Suites it does not know (``ps`` ...) get a generic table of
 their ``rows``/``summary``; a file without ``suite`` is skipped with a note. Needs
@@ -40,7 +41,9 @@ from typing import Any
 
 from .ratios import is_rows
 from .report_control import adacomm_panel, has_adacomm
+from .report_hierarchy import hierarchy_section, virtual_conditions, virtual_label
 from .report_ratios import section as ratios_section
+from .report_suites import adaptive_section, crossover_section
 from .report_training import plot_name, plot_runs, step_time_table, training_section
 
 SPARSE_METHODS = ("dense", "allgather_topk", "gtopk", "artopk_star")
@@ -77,6 +80,8 @@ def net(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def net_label(r: dict[str, Any]) -> str:
+    if virtual_label(r):
+        return virtual_label(r)
     n = net(r)
     if r.get("model_clock"):   # localsgd --clock model: a declared platform
         return r["model_clock"]
@@ -152,6 +157,7 @@ def conditions(results: Sequence[dict[str, Any]]) -> str:
             "load avg (1/5/15 min)": fmt(m.get("loadavg")),
             "MPI": m.get("mpi"),
         })
+        rows[-1].update(virtual_conditions(r))
     return table(rows)
 
 
@@ -360,9 +366,11 @@ def section(r: dict[str, Any]) -> str:
         return head + accuracy(r) + training(r)
 
     if suite == "adaptive":
-        return head + adaptive(r) + training(r)
+        return head + adaptive_section(r, table) + training(r)
     if suite == "crossover":
-        return head + crossover_section(r)
+        return head + crossover_section(r, table)
+    if suite == "hierarchy":
+        return head + hierarchy_section(r, table)
     body = [generic(r[key]) for key in ("summary", "targets", "rows") if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n") \
         + training(r)
@@ -389,89 +397,6 @@ def accuracy(r: dict[str, Any]) -> str:
     task = (r.get("workload") or {}).get("description", "digits MLP")
     return (f"{task}, density {c.get('density')}, {c.get('epochs')} epochs, batch "
             f"{c.get('batch')}/rank, {lr}, seeds {r.get('seeds')}\n\n" + table(rows))
-
-
-#: Issue 8's targets for ``bench adaptive``: summary key -> (test, wording).
-ADAPTIVE_TARGETS: dict[str, tuple[Any, str]] = {
-    "auto_vs_best_static": (lambda v: v <= 1.1, "auto's time-to-accuracy <= 1.1x the best "
-                            "static (strategy, ratio)"),
-    "auto_speedup_vs_dense": (lambda v: v >= 2.0, "auto >= 2x faster than dense"),
-    "auto_acc_loss_points": (lambda v: v <= 1.0, "auto loses <= 1 point of final accuracy"),
-    "lgreco_bytes_ratio": (lambda v: v >= 1.5, "L-GreCo (top-k) >= 1.5x fewer bytes per "
-                           "step than uniform at the same total error"),
-}
-
-
-def adaptive(r: dict[str, Any]) -> str:
-    """``bench adaptive``: time-to-accuracy per method, L-GreCo against uniform, and the
-    issue's targets (met or missed) from the run's own ratios."""
-    opts = r.get("options", {})
-    out = [f"Digits MLP 64-{opts.get('hidden')}-{opts.get('hidden')}-10, "
-           f"{opts.get('epochs')} epochs, batch {opts.get('batch')}/rank, target accuracy "
-           f"{opts.get('target')}; network: "
-           + (f"injected schedule `{opts.get('schedule')}` (EPOCH:Gbit/s:alpha_us)"
-              if opts.get("link") != "emulated" else
-              f"emulated cluster, schedule `{os.path.basename(net(r).get('schedule') or '')}`"
-              ) + (f"; medians of {opts['seeds']} runs (batch orders), accuracy checked every "
-                   f"{opts.get('eval_every', 1)} step(s), choices of the first run"
-                   if opts.get("seeds", 1) > 1 else "") + ".\n",
-           table(r.get("rows", []), ("method", "time_to_target_s", "final_acc", "step_ms",
-                                     "sent_kB_step", "x_dense", "choices")),
-           "L-GreCo against every layer at the uniform setting (bytes per step measured; "
-           "DP size / uniform size at the same total error):\n",
-           table(r.get("lgreco", []), ("method", "sent_kB_step", "final_acc",
-                                       "dp_size_vs_uniform", "dp_error_vs_budget"))]
-    summary = r.get("summary", {})
-    rows = []
-    for key, value in summary.items():
-        test = ADAPTIVE_TARGETS.get(key)
-        verdict = ""
-        if test is not None:
-            verdict = "no result" if value is None else ("met" if test[0](value)
-                                                          else "MISSED")
-        rows.append({"measure": key, "value": value,
-                     "target": test[1] if test else "", "verdict": verdict})
-    out.append(table(rows, ("measure", "value", "target", "verdict")))
-    return "\n".join(out)
-
-
-def crossover_section(r: dict[str, Any]) -> str:
-    """Sequential / co-located / Crossover throughput next to the bound, then the repeats."""
-    rows, summary, args = r.get("rows", []), r.get("summary", {}), r.get("args", {})
-
-    def median(key: str) -> float | None:
-        values = sorted(row[key] for row in rows if isinstance(row.get(key), (int, float)))
-        if not values:
-            return None
-        mid = len(values) // 2
-        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-    poll = r.get("wait_poll_s")
-    line = {
-        "jobs x steps": f"{args.get('jobs')} x {args.get('steps')}",
-        "repeats": len(rows),
-        "C ms": summary.get("C_ms"), "S ms": summary.get("S_ms"),
-        "injected delay ms": 1e3 * r.get("delay_s", 0.0),
-        "wait poll ms": "off" if poll is None else 1e3 * poll,
-        "sequential it/s": median("sequential_it_s"),
-        "co-located it/s": median("colocated_it_s"),
-        "crossover it/s": median("crossover_it_s"),
-        "co-located x seq": summary.get("colocated_vs_sequential"),
-        "crossover x seq": summary.get("speedup_vs_sequential"),
-        "crossover x co-located": summary.get("speedup_vs_colocated"),
-        "crossover spinning x seq": summary.get("spin_vs_sequential"),
-        "bound (C+S)/max(C,S)": summary.get("bound"),
-        "hidden": summary.get("hidden_fraction"),
-        "target >= 1.3x": summary.get("target_met"),
-        "bit-identical": summary.get("identical_to_sequential"),
-    }
-    return ("Medians over the repeats (speedups are medians of per-repeat ratios); "
-            "C, S: compute and sync time per iteration of a job run alone.\n\n"
-            + table([line]) + "\n"
-            + table(rows, ("repeat", "C_ms", "S_ms", "Cx_ms", "Sx_ms", "wait_ms",
-                           "sequential_s", "colocated_s",
-                           "crossover_s", "x_vs_sequential", "x_vs_colocated", "bound",
-                           "hidden", "identical")))
 
 
 def generic(value: Any) -> str:

@@ -13,8 +13,8 @@ from .broadcast import broadcast
 from .reduce_scatter import reduce_scatter
 
 ALGORITHMS = {
-    "allreduce": ("ring", "recursive_doubling", "rabenseifner", "mpi"),
-    "allgather": ("ring", "bruck", "recursive_doubling", "direct", "mpi"),
+    "allreduce": ("ring", "recursive_doubling", "rabenseifner", "hierarchical", "mpi"),
+    "allgather": ("ring", "bruck", "recursive_doubling", "direct", "hierarchical", "mpi"),
     "allgatherv": ("ring", "direct", "mpi"),
     "broadcast": ("binomial", "scatter_allgather", "mpi"),
     "reduce_scatter": ("ring", "recursive_halving", "direct", "mpi"),

@@ -14,6 +14,8 @@ from ..tags import (  # noqa: F401  (the one tag registry; re-exported for the a
     TAG_ALLREDUCE,
     TAG_BCAST,
     TAG_FOLD,
+    TAG_HOST,
+    TAG_LANE,
     TAG_REDUCE_SCATTER,
 )
 from ..validate import check_algorithm, check_int  # noqa: F401  (the one validation kit)
@@ -37,6 +39,22 @@ def check_root(root: Any, size: int) -> int:
     return check_int("root", root, 0, size - 1)
 
 
+def layout_costs(comm: Any) -> cost.HostCosts | None:
+    """The two-link-class model of ``comm``'s hosts when its layout is hierarchical
+    (several hosts, one of them with several ranks), else ``None`` (the flat formulas)."""
+    if comm is None or not comm.topology.hierarchical:
+        return None
+    return cost.host_costs(comm)
+
+
+def choose_auto(collective: str, nbytes: float, comm: Any) -> str:
+    """What ``algorithm="auto"`` runs: the cheapest under ``comm``'s calibration and,
+    on a hierarchical layout, its two link classes (the hierarchical algorithm
+    included)."""
+    return cost.choose(collective, nbytes, comm.size, comm.resources.get("cost_params"),
+                       layout_costs(comm))
+
+
 def describe_dense(collective: str) -> Describe:
     """Span args of a dense collective for :func:`mpicomm.hooks.traced`: bytes, the
     algorithm ``auto`` resolves to and the cost model's prediction (``predicted_s``)."""
@@ -49,11 +67,14 @@ def describe_dense(collective: str) -> Describe:
         params = comm.resources.get("cost_params") if comm is not None else None
         model_bytes = nbytes * p if collective in ("allgather", "allgatherv") else nbytes
         out: dict[str, Any] = {"bytes": nbytes, "algorithm": algorithm}
+        hosts = layout_costs(comm)
         if algorithm == "auto":
-            algorithm = out["algorithm"] = cost.choose(collective, model_bytes, p, params)
+            algorithm = out["algorithm"] = cost.choose(collective, model_bytes, p, params,
+                                                       hosts)
             out["chosen_by"] = "cost model"
         if p > 1:
-            out["predicted_s"] = cost.predict(collective, algorithm, model_bytes, p, params)
+            out["predicted_s"] = cost.predict(collective, algorithm, model_bytes, p, params,
+                                              hosts)
         return out
 
     return describe

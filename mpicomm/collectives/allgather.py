@@ -21,6 +21,10 @@ Algorithms for :func:`allgather` (equal shapes on every rank):
     node, above all with more ranks than cores (a rank that gets the CPU can move all its
     data instead of waiting for its neighbour's previous step). Across a network, where
     ``p-1`` simultaneous flows share a link, prefer the ring.
+``hierarchical``
+    Allgather inside each host, each slice of the host's data gathered across hosts by
+    its lane, allgather of the lanes' results inside each host
+    (:mod:`mpicomm.collectives.hierarchical`; the communicator's host layout decides).
 ``mpi``
     ``MPI_Allgather``.
 
@@ -42,8 +46,8 @@ from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
 from ..hooks import traced
 from ..p2p import Ctx, first_real_block, fold_layout, real_rank, virtual_rank
-from . import cost, native
-from ._common import TAG_ALLGATHER, TAG_FOLD, check_algorithm, describe_dense
+from . import hierarchical, native
+from ._common import TAG_ALLGATHER, TAG_FOLD, check_algorithm, choose_auto, describe_dense
 from ._ring import allgather_pass
 
 __all__ = ["allgather", "allgatherv", "ALGORITHMS"]
@@ -155,16 +159,16 @@ def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = Non
     ``buf`` must have the same shape and dtype on every rank (checked mode verifies it;
     use :func:`allgatherv` for different lengths). Shape ``(n, *rest)`` gives
     ``(p*n, *rest)``. ``algorithm``: ``"auto"``, ``"ring"``, ``"bruck"``,
-    ``"recursive_doubling"``, ``"direct"`` or ``"mpi"``. ``out``: optional contiguous
-    destination.
+    ``"recursive_doubling"``, ``"direct"``, ``"hierarchical"`` or ``"mpi"``. ``out``:
+    optional contiguous destination.
     """
     comm = resolve(comm)
     with comm.validating("allgather") as agreed:
-        algorithm = check_algorithm("allgather", algorithm, (*ALGORITHMS, "mpi"))
+        algorithm = check_algorithm("allgather", algorithm,
+                                    (*ALGORITHMS, "hierarchical", "mpi"))
         b = Buffer(buf, comm.resources)
         if algorithm == "auto":  # resolved before the ranks compare their calls
-            algorithm = cost.choose("allgather", b.info.nbytes * comm.size, comm.size,
-                                    comm.resources.get("cost_params"))
+            algorithm = choose_auto("allgather", b.info.nbytes * comm.size, comm)
         seg = ring_segment_bytes()
         agreed.update(shape=b.info.shape, dtype=b.info.dtype, algorithm=algorithm,
                       segment_bytes=seg)
@@ -179,6 +183,9 @@ def allgather(buf: Any, algorithm: str = "auto", comm: Communicator | None = Non
     src = b.input_view()
     if p > 1 and m > 0 and algorithm == "direct":  # sends from src, copies meanwhile
         direct_pass(res, [i * m for i in range(p + 1)], Ctx.of(comm, b.ops, seg), src)
+        return b.deliver(res, out_shape, out)
+    if p > 1 and m > 0 and algorithm == "hierarchical":
+        hierarchical.allgather(res, src, m, comm, b.ops, seg)
         return b.deliver(res, out_shape, out)
     own = res[comm.rank * m:(comm.rank + 1) * m]
     if m and b.ops.data_ptr(own) != b.ops.data_ptr(src):

@@ -12,11 +12,17 @@ Algorithms (costs in :mod:`mpicomm.collectives.cost`):
 ``rabenseifner``
     Recursive-halving reduce-scatter then recursive-doubling allgather: ``2 lg p``
     messages and 2(p-1)/p·n bytes. Large messages on power-of-two rank counts.
+``hierarchical``
+    Reduce-scatter inside each host, allreduce of each slice across hosts (one lane
+    per local rank), allgather inside each host (:mod:`mpicomm.collectives.
+    hierarchical`): the communicator's host layout decides (:mod:`mpicomm.topology`).
 ``mpi``
     The MPI library's ``MPI_Allreduce`` (the baseline).
 ``auto``
     The algorithm with the smallest predicted time under the communicator's cost
-    parameters (``comm.resources["cost_params"]``, default
+    parameters (on a layout of several hosts with several ranks, the two link classes
+    of :func:`mpicomm.collectives.cost.host_costs`, the hierarchical algorithm
+    included; ``comm.resources["cost_params"]``, default
     :class:`~mpicomm.collectives.cost.CostParams`; measured ones only after
     :func:`mpicomm.collectives.calibrate.measure` with ``store=True``: calibration is
     never automatic). It is resolved during the argument checks, so checked mode
@@ -37,8 +43,15 @@ from ..comm import Communicator, resolve
 from ..config import ring_segment_bytes
 from ..hooks import traced
 from ..p2p import Ctx, block_bounds, fold_layout, real_rank, virtual_rank
-from . import cost, native
-from ._common import TAG_ALLREDUCE, check_algorithm, check_op, check_op_dtype, describe_dense
+from . import hierarchical, native
+from ._common import (
+    TAG_ALLREDUCE,
+    check_algorithm,
+    check_op,
+    check_op_dtype,
+    choose_auto,
+    describe_dense,
+)
 from ._halving import double, fold_in, fold_out, halve
 from ._ring import allgather_pass, reduce_scatter_pass
 
@@ -112,7 +125,8 @@ def allreduce(buf: Any, op: str = "sum", algorithm: str = "auto",
     op:
         ``"sum"``, ``"avg"`` (floating dtypes), ``"max"`` or ``"min"``.
     algorithm:
-        ``"auto"``, ``"ring"``, ``"recursive_doubling"``, ``"rabenseifner"`` or ``"mpi"``.
+        ``"auto"``, ``"ring"``, ``"recursive_doubling"``, ``"rabenseifner"``,
+        ``"hierarchical"`` or ``"mpi"``.
     comm:
         :class:`~mpicomm.Communicator` (default: the world).
     out:
@@ -125,12 +139,12 @@ def allreduce(buf: Any, op: str = "sum", algorithm: str = "auto",
     comm = resolve(comm)
     with comm.validating("allreduce") as agreed:
         op = check_op(op)
-        algorithm = check_algorithm("allreduce", algorithm, (*ALGORITHMS, "mpi"))
+        algorithm = check_algorithm("allreduce", algorithm,
+                                    (*ALGORITHMS, "hierarchical", "mpi"))
         b = Buffer(buf, comm.resources)
         check_op_dtype(op, b.info)
         if algorithm == "auto":  # resolved before the ranks compare their calls
-            algorithm = cost.choose("allreduce", b.info.nbytes, comm.size,
-                                    comm.resources.get("cost_params"))
+            algorithm = choose_auto("allreduce", b.info.nbytes, comm)
         seg = ring_segment_bytes()
         agreed.update(shape=b.info.shape, dtype=b.info.dtype, op=op, algorithm=algorithm,
                       segment_bytes=seg)
@@ -148,8 +162,11 @@ def allreduce(buf: Any, op: str = "sum", algorithm: str = "auto",
         ctx = Ctx.of(comm, b.ops, seg)
         if algorithm == "mpi":
             native.allreduce(work, op, ctx, b.info.dtype)
+        elif algorithm == "hierarchical":
+            hierarchical.allreduce(work, op, comm, b.ops, seg, ALGORITHMS)
         else:
             ALGORITHMS[algorithm](work, op, ctx)
-    if op == "avg" and p > 1 and algorithm != "ring":  # the ring divides its own blocks
+    if op == "avg" and p > 1 and algorithm not in ("ring", "hierarchical"):
+        # (the ring and the hierarchical algorithm divide their own blocks)
         b.ops.divide_(work, p)
     return b.deliver(work, b.info.shape, out)

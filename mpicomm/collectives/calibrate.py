@@ -17,7 +17,9 @@ fitted to the one-way times (:func:`fit_alpha_beta`).
 * :func:`measure` (collective): the *slowest* measured link's alpha and beta (a
   collective's critical path crosses it) and rank 0's gamma (numpy add), broadcast, so
   every rank gets the same :class:`~mpicomm.collectives.cost.CostParams` and
-  ``algorithm="auto"`` makes the same choice everywhere.
+  ``algorithm="auto"`` makes the same choice everywhere; on a layout of several hosts
+  with several ranks also the link inside a host (:func:`measure_host_link`), the
+  second link class of :class:`~mpicomm.collectives.cost.HostCosts`.
 
 With one rank there is no link to measure: alpha and beta keep their defaults.
 """
@@ -43,8 +45,9 @@ from .cost import CostParams
 #: to the ranks still measuring).
 QUIET_POLL_S = 1e-3
 
-__all__ = ["measure", "measure_links", "pingpong", "fit_alpha_beta", "measure_gamma",
-           "choose_peers", "link_rounds", "Link", "DEFAULT_SIZES", "slowest"]
+__all__ = ["measure", "measure_links", "measure_host_link", "pingpong", "fit_alpha_beta",
+           "measure_gamma", "choose_peers", "link_rounds", "local_pair", "host_params", "Link",
+           "DEFAULT_SIZES", "slowest"]
 
 #: Ping-pong message sizes in bytes: latency-bound to bandwidth-bound.
 DEFAULT_SIZES: tuple[int, ...] = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
@@ -213,6 +216,32 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
     _check(links, sizes)
     oneway_bytes = check_int("oneway_bytes", oneway_bytes, 0)
     rounds = link_rounds(comm.allgather_object(comm.node), links)
+    return _measure_rounds(comm, rounds, sizes, repeats, oneway_bytes)
+
+
+def local_pair(comm: Communicator) -> tuple[int, int] | None:
+    """The first two ranks of the first host with two, when the layout also has several
+    hosts (both link classes occur), else ``None``."""
+    t = comm.topology
+    if not t.hierarchical:
+        return None
+    return next((m[0], m[1]) for m in t.members if len(m) > 1)
+
+
+def measure_host_link(comm: Communicator | None = None, sizes: Sequence[int] = DEFAULT_SIZES,
+                      repeats: int = 20, oneway_bytes: int = 0) -> Link | None:
+    """Fit the link between two ranks of one host (:func:`local_pair`; collective, the
+    same answer on every rank; ``None`` without one): the ``local`` class of
+    :func:`mpicomm.collectives.cost.host_costs`."""
+    comm = resolve(comm)
+    pair = local_pair(comm)
+    if pair is None:
+        return None
+    return _measure_rounds(comm, [[pair]], sizes, repeats, oneway_bytes)[0]
+
+
+def _measure_rounds(comm: Communicator, rounds: list[list[tuple[int, int]]],
+                    sizes: Sequence[int], repeats: int, oneway_bytes: int) -> list[Link]:
     mine: list[Link] = []
     for pairs in rounds:
         for origin, peer in pairs:
@@ -237,6 +266,11 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
     return [fitted[pair] for pairs in rounds for pair in pairs]
 
 
+def host_params(link: Link | None, gamma: float) -> CostParams | None:
+    """The :class:`CostParams` of a link inside a host (``None`` without one)."""
+    return None if link is None else CostParams(link.alpha, link.beta, gamma)
+
+
 def slowest(found: Sequence[Link], gamma: float) -> CostParams:
     """The cost parameters of the slowest measured link (the defaults without one)."""
     defaults = CostParams()
@@ -251,15 +285,22 @@ def measure(comm: Communicator | None = None, sizes: Sequence[int] = DEFAULT_SIZ
 
     Collective over ``comm``; every rank returns the same :class:`CostParams`. With
     ``store=True`` they are also put in ``comm.resources["cost_params"]``, where
-    ``algorithm="auto"`` looks for them. Takes well under a second per link on shared
-    memory.
+    ``algorithm="auto"`` looks for them, and, on a layout of several hosts with several
+    ranks, the link inside a host (:func:`measure_host_link`) in
+    ``comm.resources["host_cost_params"]`` (the two link classes of
+    :func:`mpicomm.collectives.cost.host_costs`). Takes well under a second per link on
+    shared memory.
     """
     comm = resolve(comm)
     _check(links, sizes)
     found = measure_links(comm, links, sizes, repeats) if comm.size > 1 else []
+    local = measure_host_link(comm, sizes, repeats)
     gamma = measure_gamma() if comm.rank == 0 else None
     comm.barrier(poll_s=QUIET_POLL_S)
-    params = slowest(found, comm.bcast_object(gamma, root=0))
+    gamma = comm.bcast_object(gamma, root=0)
+    params = slowest(found, gamma)
     if store:
         comm.resources["cost_params"] = params
+        if local is not None:
+            comm.resources["host_cost_params"] = host_params(local, gamma)
     return params

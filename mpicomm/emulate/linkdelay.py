@@ -58,7 +58,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-__all__ = ["LinkDelay", "link_delay", "set_link", "from_env", "hosts_of", "report_step",
+__all__ = ["LinkDelay", "link_delay", "set_link", "share_link", "from_env", "hosts_of",
+           "report_step",
            "ENV_RANKS_PER_HOST", "ENV_DELAY", "ENV_DELAY_FILE", "ENV_STEP_FILE"]
 
 ENV_RANKS_PER_HOST = "MPICOMM_EMU_RANKS_PER_HOST"
@@ -185,6 +186,19 @@ def set_link(comm: Any, alpha: float | None, beta: float = 0.0) -> LinkDelay | N
     ld = LinkDelay(list(range(comm.size)), comm.rank, 0.0, alpha=alpha, beta=beta)
     comm.resources[_KEY] = ld
     return ld
+
+
+def share_link(parent: Any, child: Any, ranks: list[int]) -> None:
+    """Give ``child`` (a communicator made of ``ranks`` of ``parent``, in its rank order)
+    the link ``parent`` uses, restricted to those ranks: the one :func:`set_link` gave
+    it keeps applying inside the hierarchical collectives' sub-communicators. Nothing
+    when ``parent`` has no link yet (``child`` then builds the emulated cluster's from
+    the environment like any communicator)."""
+    ld = parent.resources.get(_KEY)
+    if ld is None:
+        return
+    child.resources[_KEY] = LinkDelay([ld.hosts[r] for r in ranks], child.rank, ld.delay,
+                                      ld.path, alpha=ld.alpha, beta=ld.beta)
 
 
 def report_step(step: int) -> None:

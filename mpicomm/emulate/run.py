@@ -36,7 +36,9 @@ The steps of a wall-clock run:
 
 The job sees ``MPICOMM_EMU_HOSTS``, ``MPICOMM_EMU_RANKS_PER_HOST``, ``MPICOMM_EMU_RATE``,
 ``MPICOMM_EMU_DELAY`` (seconds) and ``MPICOMM_EMU_SCHEDULE``, which the benchmark suites
-record as the conditions of their measurements.
+record as the conditions of their measurements, and ``MPICOMM_HOST_SIZES`` (``R,R,...``),
+the host layout of :mod:`mpicomm.topology` (hierarchical collectives, the cost model's
+two link classes).
 
 Open MPI is refused for now: its wheel places ranks by its own rules and needs
 ``btl_tcp_if_include`` instead of the UCX variables; the MPICH path is the one verified.
@@ -62,6 +64,8 @@ from .schedule import Applier, parse_delay, read_schedule, write_atomic
 __all__ = ["main", "build_parser", "job_env", "WRAPPER"]
 
 PROG = "emulated-cluster"
+#: The host layout of the job (read by :mod:`mpicomm.topology`): R ranks on each host.
+ENV_HOST_SIZES = "MPICOMM_HOST_SIZES"
 
 #: Per-rank wrapper: rank from the launcher's environment, host = rank // R.
 WRAPPER = """#!/bin/sh
@@ -131,6 +135,8 @@ def job_env(hosts: int, per_host: int, rate: str | None, delay: float, no_shm: b
         linkdelay.ENV_DELAY_FILE: os.path.join(rundir, "delay"),
         linkdelay.ENV_STEP_FILE: os.path.join(rundir, "step"),
         "MPICOMM_EMU_SCHEDULE": os.path.abspath(schedule) if schedule else "",
+        # the host layout mpicomm.topology reads (with --no-shm MPI sees no hosts at all)
+        ENV_HOST_SIZES: ",".join([str(per_host)] * hosts),
     })
     return env
 

@@ -10,6 +10,9 @@ function               what every rank gets
 :func:`artopk`         one source rank's top-k indices (STAR round-robin or VAR norm
                        EWMA) and the mean over ranks of the values there (bcast+allreduce)
 :func:`exact_topk`     exact top-k of the sum (allgather all pairs; the reference)
+:func:`hierarchical_   dense sum inside each host, then top-k and gTop-k / AR-Top-k /
+topk`                  Allgather across hosts only, the result back to the host's ranks
+                       (:mod:`mpicomm.sparse.hierarchical`)
 =====================  ================================================================
 
 Inputs are numpy arrays, torch tensors (CPU/CUDA) or cupy arrays; results come back in the
@@ -25,9 +28,10 @@ from . import reference, sets
 from .allgather import exact_topk, topk_allgather
 from .artopk import ARTopKState, artopk
 from .gtopk import gtopk
+from .hierarchical import hierarchical_topk
 
-__all__ = ["topk_allgather", "gtopk", "artopk", "ARTopKState", "exact_topk", "reference",
-           "sets"]
+__all__ = ["topk_allgather", "gtopk", "artopk", "ARTopKState", "exact_topk",
+           "hierarchical_topk", "reference", "sets"]
 
 
 def _cost_kernels() -> None:

@@ -34,7 +34,7 @@ from ..collectives import cost
 from ..comm import Communicator
 from ..compress.topk_select import index_dtype_for
 from ..hooks import Describe
-from ..tags import TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401  (re-exported)
+from ..tags import TAG_GTOPK_ALIVE, TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401
 from ..validate import check_int
 
 __all__ = [

@@ -39,7 +39,6 @@ from ..hooks import traced
 from ..p2p import pack as pack_pairs
 from ..p2p import unpack
 from ._common import (
-    SparseInput,
     check_int,
     describe_sparse,
     read_pairs,
@@ -52,13 +51,14 @@ from .sets import Pairs, truncate
 __all__ = ["topk_allgather", "exact_topk"]
 
 
-def gather_sets(sp: SparseInput, comm: Communicator, index_dtype: torch.dtype) -> list[Pairs]:
+def gather_sets(pairs: Pairs, comm: Communicator, index_dtype: torch.dtype) -> list[Pairs]:
     """Every rank's (idx, val) set, in rank order, via one ring allgatherv of bytes."""
-    packed = pack_pairs(sp.idx, sp.val, index_dtype)
+    idx, val = pairs
+    packed = pack_pairs(idx, val, index_dtype)
     gathered, rows = allgatherv(packed, comm=comm, algorithm="ring", return_counts=True)
     sets, start = [], 0
     for n in rows:
-        sets.append(unpack(gathered[start:start + n], index_dtype, sp.val.dtype))
+        sets.append(unpack(gathered[start:start + n], index_dtype, val.dtype))
         start += n
     return sets
 
@@ -95,7 +95,7 @@ def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
         sp = read_pairs(indices, values, size, allow_nonfinite)
         agreed["dtype"] = str(sp.val.dtype)
 
-    sets = gather_sets(sp, comm, wire_index_dtype(size))
+    sets = gather_sets((sp.idx, sp.val), comm, wire_index_dtype(size))
     clock.charge("scatter", size)
     dense = torch.zeros(size, dtype=sp.val.dtype, device=sp.device)
     for idx, val in sets:
@@ -118,7 +118,7 @@ def exact_topk(indices: Any, values: Any, k: int, comm: Communicator | None = No
     comm = resolve(comm)
     sp, k, size = read_topk_args(comm, "exact_topk", indices, values, k, size, allow_nonfinite)
 
-    sets = gather_sets(sp, comm, wire_index_dtype(size))
+    sets = gather_sets((sp.idx, sp.val), comm, wire_index_dtype(size))
     clock.charge("merge", sum(s[0].shape[0] for s in sets))
     support = torch.unique(torch.cat([s[0] for s in sets]))  # sorted ascending
     acc = torch.zeros(support.shape[0], dtype=sp.val.dtype, device=sp.device)

@@ -60,8 +60,18 @@ import torch
 
 from ..comm import Communicator, resolve
 from ..hooks import traced
-from ..p2p import Wire, fold_layout, pack, real_rank, unpack, virtual_rank
+from ..p2p import (
+    Wire,
+    fold_layout,
+    pack,
+    pack_bytes,
+    real_rank,
+    unpack,
+    unpack_bytes,
+    virtual_rank,
+)
 from ._common import (
+    TAG_GTOPK_ALIVE,
     TAG_GTOPK_FOLD,
     TAG_GTOPK_ROUND,
     describe_sparse,
@@ -136,18 +146,25 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
 
 
 def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype,
-               alive: list[torch.Tensor] | None = None) -> Pairs:
+               alive: list[torch.Tensor] | None = None, exact_fold: bool = False) -> Pairs:
     """Fold-in, lg p2 butterfly rounds, fold-out; returns the common final set.
 
     ``alive`` (a list to fill): gets the indices of this rank's pairs whose value is in
-    the final set (every merge on its path kept them); left empty on a folded-out rank.
+    the final set (every merge on its path kept them); left empty on a folded-out rank,
+    unless ``exact_fold``: then the odd rank of a folded pair tracks its partner's pairs
+    through its own merges too and returns their survivors after the result (one more
+    message of at most k indices, tag ``TAG_GTOPK_ALIVE``), so every rank learns
+    exactly which of its values reached the result.
     """
     p, r = comm.size, comm.rank
     own = mine[0]
+    partner_own: torch.Tensor | None = None
 
     def keep(current: Pairs) -> Pairs:
-        nonlocal own
+        nonlocal own, partner_own
         own = own[torch.isin(own, current[0])]
+        if partner_own is not None:
+            partner_own = partner_own[torch.isin(partner_own, current[0])]
         return current
 
     if p == 1:
@@ -160,8 +177,15 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
     if r < 2 * rem:
         if r % 2 == 0:  # folded out: hand over the set, wait for the answer
             wire.send(pack(*mine, index_dtype), r + 1, TAG_GTOPK_FOLD)
-            return unpack(wire.recv(r + 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
+            result = unpack(wire.recv(r + 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
+            if exact_fold and alive is not None:
+                got = wire.recv(r + 1, TAG_GTOPK_ALIVE)
+                count = got.shape[0] // index_dtype.itemsize
+                alive.append(unpack_bytes(got, [(index_dtype, count)])[0].to(torch.int64))
+            return result
         theirs = unpack(wire.recv(r - 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
+        if exact_fold:
+            partner_own = theirs[0]
         mine = keep(merge_truncate(theirs, mine, k))  # rank r-1 is the lower operand
     v = virtual_rank(r, rem)
     mask = 1
@@ -175,6 +199,8 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
         mask <<= 1
     if r < 2 * rem:  # odd rank of a folded pair: return the result
         wire.send(pack(*mine, index_dtype), r - 1, TAG_GTOPK_FOLD)
+        if partner_own is not None:
+            wire.send(pack_bytes([partner_own.to(index_dtype)]), r - 1, TAG_GTOPK_ALIVE)
     if alive is not None:
         alive.append(own)
     return mine

@@ -6,30 +6,37 @@ gets back their average over ranks (or the strategy's compressed estimate of it)
 shapes, dtypes, framework and devices, identical on every rank. :func:`make` builds one
 by name, for command lines and configuration files.
 
-==========  =========================  ==================================================
-name        class                      per fused buffer (d elements, k kept, s pair bytes)
-==========  =========================  ==================================================
-dense       :class:`Dense`             allreduce (avg); ≈ 2(P-1)/P·d·itemsize bytes
-topk        :class:`TopKAllgather`     EF + top-k + sparse allgather; (P-1)·k·s bytes
-gtopk       :class:`GTopK`             EF + top-k + butterfly gTop-k; lg p2·k·s (+fold)
-artopk      :class:`ARTopK`            EF + source's top-k indices (bcast) + allreduce
-                                       of k values; ≈ children·4k + 2(P-1)/P·k·itemsize
-randomk     :class:`RandomKAllreduce`  EF + shared random indices + allreduce of k
-                                       values; ≈ 2(P-1)/P·k·itemsize
-qsgd        :class:`QSGDAllgather`     QSGD (salt = rank) + allgather of packed
-                                       payloads; (P-1)·payload bytes
-powersgd    :class:`PowerSGDAllreduce` EF + rank-r factors per matrix: one allreduce of
-                                       all P, one of all Q, one dense for the rest
-fp16, bf16  :class:`FP16Allreduce`,    cast (after / P), allreduce, cast back;
-            :class:`BF16Allreduce`     ≈ 2(P-1)/P·2d bytes
-sign        :class:`SignAllgather`     EF + scaled sign per tensor + allgather;
-                                       (P-1)·Σ(ceil(d_t/8) + 4) bytes
-auto        :class:`AutoStrategy`      per bucket the cheapest of dense / Allgather
-                                       Top-k / gTop-k / AR-Top-k / PowerSGD at an
-                                       adaptive ratio, driving the controllers of
-                                       :mod:`mpicomm.control` (options:
-                                       :class:`AutoConfig`)
-==========  =========================  ==================================================
+===========  =========================  ==================================================
+name         class                      per fused buffer (d elements, k kept, s pair bytes)
+===========  =========================  ==================================================
+dense        :class:`Dense`             allreduce (avg); ≈ 2(P-1)/P·d·itemsize bytes
+topk         :class:`TopKAllgather`     EF + top-k + sparse allgather; (P-1)·k·s bytes
+gtopk        :class:`GTopK`             EF + top-k + butterfly gTop-k; lg p2·k·s (+fold)
+artopk       :class:`ARTopK`            EF + source's top-k indices (bcast) + allreduce
+                                        of k values; ≈ children·4k + 2(P-1)/P·k·itemsize
+randomk      :class:`RandomKAllreduce`  EF + shared random indices + allreduce of k
+                                        values; ≈ 2(P-1)/P·k·itemsize
+qsgd         :class:`QSGDAllgather`     QSGD (salt = rank) + allgather of packed
+                                        payloads; (P-1)·payload bytes
+powersgd     :class:`PowerSGDAllreduce` EF + rank-r factors per matrix: one allreduce of
+                                        all P, one of all Q, one dense for the rest
+fp16, bf16   :class:`FP16Allreduce`,    cast (after / P), allreduce, cast back;
+             :class:`BF16Allreduce`     ≈ 2(P-1)/P·2d bytes
+sign         :class:`SignAllgather`     EF + scaled sign per tensor + allgather;
+                                        (P-1)·Σ(ceil(d_t/8) + 4) bytes
+hier_topk    :class:`HierarchicalTopK`  EF + dense sum inside each host + top-k, then
+                                        Allgather Top-k across hosts only (``sliced``:
+                                        one lane per local rank); H sets on the network
+hier_gtopk   (its subclasses)           the same with gTop-k across hosts
+                                        (:class:`HierarchicalGTopK`)
+hier_artopk                             the same with AR-Top-k across hosts
+                                        (:class:`HierarchicalARTopK`)
+auto         :class:`AutoStrategy`      per bucket the cheapest of dense / Allgather
+                                        Top-k / gTop-k / AR-Top-k / PowerSGD at an
+                                        adaptive ratio, driving the controllers of
+                                        :mod:`mpicomm.control` (options:
+                                        :class:`AutoConfig`)
+===========  =========================  ==================================================
 
 Exact per-rank byte formulas, cost-model entries and tuning advice are in each class's
 docstring; ``strategy.stats`` reports the bytes actually moved (from the communicator's
@@ -58,6 +65,7 @@ from .base import Strategy, StrategyStats
 from .cast import BF16Allreduce, FP16Allreduce
 from .dense import Dense
 from .gtopk import GTopK
+from .hierarchical import HierarchicalARTopK, HierarchicalGTopK, HierarchicalTopK
 from .powersgd import PowerSGDAllreduce
 from .qsgd import QSGDAllgather
 from .randomk import RandomKAllreduce
@@ -77,6 +85,9 @@ __all__ = [
     "FP16Allreduce",
     "BF16Allreduce",
     "SignAllgather",
+    "HierarchicalTopK",
+    "HierarchicalGTopK",
+    "HierarchicalARTopK",
     "AutoStrategy",
     "AutoConfig",
     "make",
@@ -87,7 +98,7 @@ _BY_NAME: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (Dense, TopKAllgather, GTopK, ARTopK, RandomKAllreduce, QSGDAllgather,
                 PowerSGDAllreduce, FP16Allreduce, BF16Allreduce, SignAllgather,
-                AutoStrategy)
+                HierarchicalTopK, HierarchicalGTopK, HierarchicalARTopK, AutoStrategy)
 }
 
 

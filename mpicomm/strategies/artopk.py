@@ -152,6 +152,17 @@ class ARTopK(SparsifyingStrategy):
         selection (every rank waits for it), densify."""
         k = k_of(numel, self.density, self.k)
         fn = cost.artopk_ring if self.algorithm == "ring" else cost.artopk_tree
-        work = (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
+        return fn(k, index_itemsize(numel), itemsize, p, params), self._work(numel, itemsize,
+                                                                             compute)
+
+    def _predict_hosts(self, numel: int, itemsize: int, hosts: cost.HostCosts,
+                       compute: cost.ComputeParams) -> tuple[float, float]:
+        """The index broadcast and the values' allreduce on the host layout."""
+        k = k_of(numel, self.density, self.k)
+        t = hosts.flat_sparse("artopk", k, index_itemsize(numel), itemsize,
+                              ALGORITHMS[self.algorithm])
+        return t.comm, t.local + self._work(numel, itemsize, compute)
+
+    def _work(self, numel: int, itemsize: int, compute: cost.ComputeParams) -> float:
+        return (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
                 + numel * compute.scatter)
-        return fn(k, index_itemsize(numel), itemsize, p, params), work

@@ -77,7 +77,7 @@ import torch
 
 from .. import clock
 from ..buffers import from_torch, to_torch
-from ..collectives.cost import CostParams, calibrated
+from ..collectives.cost import CostParams, calibrated, host_costs
 from ..compress import ErrorFeedback, PowerSGD
 from ..control.cost_refit import OnlineCalibration
 from ..control.cr import CRController
@@ -338,6 +338,9 @@ class AutoStrategy(Strategy):
             self.overheads["calibration_s"] += clock.now() - begin
         self.online = OnlineCalibration(calibrated(comm)[0], decay=cfg.decay,
                                         drift=cfg.drift, patience=self.drift_patience)
+        # the layout every prediction is priced on (two link classes across hosts)
+        self.predictor.topology = comm.topology
+        self.predictor.local = host_costs(comm).local
 
     def _sub(self, scheme: str, ratio: float, shapes: list[tuple[int, ...]]) -> Strategy:
         key = (scheme, ratio, tuple(shapes) if scheme == "powersgd" else None)
@@ -373,7 +376,8 @@ class AutoStrategy(Strategy):
             choice = select(shapes, ratio, itemsize, p, params, compute,
                             schemes=schemes or self.schemes, approximate=self.approximate,
                             fusion_bytes=self.fusion_bytes, compute_scale=scales,
-                            gains=self.choices.scheme_gains, min_gain=self.min_gain)
+                            gains=self.choices.scheme_gains, min_gain=self.min_gain,
+                            **self.predictor.layout(p))
 
         def ratio_of(scheme: str) -> float:
             if scheme == "dense":

@@ -299,13 +299,14 @@ class AutoConfig:
         """The schemes the selector chooses among: the L-GreCo QSGD/PowerSGD families
         choose between dense and their per-layer scheme (``schemes=(own,)`` forces the
         per-layer scheme), L-GreCo top-k among the schemes that send per-layer top-k
-        (no gTop-k, no PowerSGD), otherwise ``schemes``."""
+        (no gTop-k, no PowerSGD, no hierarchical scheme), otherwise ``schemes``."""
         own = self.own_scheme
         if own:
             return (own,) if own in self.schemes and "dense" not in self.schemes \
                 else ("dense", own)
         if self.lgreco:
-            return tuple(s for s in self.schemes if s not in ("gtopk", "powersgd")) or \
+            return tuple(s for s in self.schemes if s not in ("gtopk", "powersgd")
+                         and not s.startswith("hier_")) or \
                 ("dense",)
         return tuple(self.schemes)
 

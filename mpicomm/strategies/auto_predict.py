@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from ..collectives.cost import ComputeParams, CostParams
 from ..control.lgreco import LGreco
+from ..topology import Topology
 from .auto_schemes import Choice, build, select
 from .base import fused_groups
 from .lgreco_buckets import FAMILY_SCHEMES, Segment, predict_bucket
@@ -48,6 +49,16 @@ class SchemePredictor:
         self.lgreco, self.family = lgreco, family
         self.fusion_bytes = fusion_bytes
         self._coeffs: dict[tuple[Any, ...], tuple[float, float, float, float]] = {}
+        #: The ranks' host layout and the link inside a host (set by the auto strategy
+        #: from its communicator): every prediction is priced on it.
+        self.topology: Optional[Topology] = None
+        self.local: Optional[CostParams] = None
+
+    def layout(self, p: int) -> dict[str, Any]:
+        """``topology``/``local`` keywords of the predictions for ``p`` ranks."""
+        if self.topology is None or self.topology.size != p:
+            return {}
+        return {"topology": self.topology, "local": self.local}
 
     def values(self, segments: Sequence[Segment]) -> list[float]:
         """The L-GreCo settings in force of the layers of ``segments``."""
@@ -65,7 +76,7 @@ class SchemePredictor:
                                   params, compute, self.lgreco.bucket_size)
         sub = build(scheme, ratio, shapes, fusion_bytes=self.fusion_bytes)
         assert sub is not None, scheme
-        return sub.predict_parts(shapes, itemsize, p, params, compute)
+        return sub.predict_parts(shapes, itemsize, p, params, compute, **self.layout(p))
 
     def family_choice(self, segments: Sequence[Segment], itemsize: int, p: int,
                       params: CostParams, compute: ComputeParams,
@@ -126,10 +137,11 @@ class SchemePredictor:
                 comm_s, work = comm_s + parts["comm"], work + parts["compute"]
                 continue
             choice = select(group, ratio, itemsize, p, params, compute,
-                            schemes=self.schemes, approximate=self.approximate)
+                            schemes=self.schemes, approximate=self.approximate,
+                            **self.layout(p))
             sub = build(choice.scheme, choice.ratio, group, fusion_bytes=self.fusion_bytes)
             assert sub is not None
-            parts = sub.predict_parts(group, itemsize, p, params, compute)
+            parts = sub.predict_parts(group, itemsize, p, params, compute, **self.layout(p))
             comm_s, work = comm_s + parts["comm"], work + parts["compute"]
         return {"comm": comm_s, "compute": work}
 
@@ -138,5 +150,5 @@ class SchemePredictor:
         """Predicted seconds of one step's synchronization at ``ratio``: the selector's
         cheapest scheme for each bucket of ``layouts`` (bucket -> (shapes, itemsize))."""
         return sum(select(shapes, ratio, itemsize, p, params, compute, schemes=self.schemes,
-                          approximate=self.approximate).predicted
+                          approximate=self.approximate, **self.layout(p)).predicted
                    for shapes, itemsize in layouts.values())

@@ -18,14 +18,24 @@ artopk_tree     :class:`~mpicomm.strategies.ARTopK` (tree)        density c
 powersgd        :class:`~mpicomm.strategies.PowerSGDAllreduce`    rank r: the largest whose
                                                                   factors fit in c of the
                                                                   bucket's matrix bytes
+hier_topk       :class:`~mpicomm.strategies.HierarchicalTopK`     density c
+hier_gtopk      :class:`~mpicomm.strategies.HierarchicalGTopK`    density c
+hier_artopk     :class:`~mpicomm.strategies.HierarchicalARTopK`   density c
+*_sliced        the same with ``sliced=True`` (one lane per       density c
+                local rank)
 ==============  ================================================  =====================
 
-Accuracy constraints: ``approximate=False`` excludes gTop-k (its result is not the exact
-top-k of the sum); ``min_gain`` excludes a scheme whose measured compression gain
-(EWMA, from the auto strategy) is below it; PowerSGD needs at least one matrix the rank
-compresses, and ``c`` >= the smallest rank-1 fraction. ``c = 1`` means dense.
-Inputs that are identical on every rank give the identical choice everywhere (pure
-arithmetic on agreed numbers).
+The hierarchical schemes are candidates only on a layout of several hosts of which one
+has several ranks (``topology``, :attr:`mpicomm.topology.Topology.hierarchical`); there
+every scheme is priced with two link classes (``local``, the link inside a host, and
+``params``, the network), and ``dense`` weighs the hierarchical allreduce too.
+
+Accuracy constraints: ``approximate=False`` excludes gTop-k and the hierarchical gTop-k
+(their result is not the exact top-k of the sum); ``min_gain`` excludes a scheme whose
+measured compression gain (EWMA, from the auto strategy) is below it; PowerSGD needs at
+least one matrix the rank compresses, and ``c`` >= the smallest rank-1 fraction.
+``c = 1`` means dense. Inputs that are identical on every rank give the identical choice
+everywhere (pure arithmetic on agreed numbers).
 """
 
 from __future__ import annotations
@@ -37,17 +47,26 @@ from typing import Any, Optional
 
 from ..collectives.cost import ComputeParams, CostParams
 from ..compress.powersgd import matrix_shape
+from ..topology import Topology
 from .artopk import ARTopK
 from .base import Strategy
 from .dense import Dense
 from .gtopk import GTopK
+from .hierarchical import HierarchicalARTopK, HierarchicalGTopK, HierarchicalTopK
 from .powersgd import PowerSGDAllreduce
 from .topk import TopKAllgather
 
-__all__ = ["SCHEMES", "Choice", "Record", "build", "powersgd_rank", "select"]
+__all__ = ["SCHEMES", "HIERARCHICAL_SCHEMES", "Choice", "Record", "build", "powersgd_rank",
+           "select"]
 
+#: The hierarchical schemes (candidates on a hierarchical layout only).
+HIERARCHICAL_SCHEMES: tuple[str, ...] = ("hier_topk", "hier_gtopk", "hier_artopk",
+                                         "hier_topk_sliced", "hier_gtopk_sliced",
+                                         "hier_artopk_sliced")
 SCHEMES: tuple[str, ...] = ("dense", "allgather_topk", "gtopk", "artopk_ring", "artopk_tree",
-                            "powersgd")
+                            "powersgd", *HIERARCHICAL_SCHEMES)
+_HIERARCHICAL = {"hier_topk": HierarchicalTopK, "hier_gtopk": HierarchicalGTopK,
+                 "hier_artopk": HierarchicalARTopK}
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,9 @@ def build(scheme: str, ratio: float, shapes: Sequence[tuple[int, ...]] = (), *,
         return GTopK(density=ratio, **extra)
     if scheme in ("artopk_ring", "artopk_tree"):
         return ARTopK(density=ratio, algorithm=scheme.split("_")[1], **extra)
+    if scheme in HIERARCHICAL_SCHEMES:
+        base = scheme.removesuffix("_sliced")
+        return _HIERARCHICAL[base](density=ratio, sliced=base != scheme, **extra)
     if scheme == "powersgd":
         r = powersgd_rank(shapes, ratio)
         if r is None:
@@ -124,11 +146,16 @@ def select(shapes: Sequence[tuple[int, ...]], ratio: float, itemsize: int, p: in
            schemes: Sequence[str] = SCHEMES, approximate: bool = True,
            gains: Optional[Mapping[str, float]] = None, min_gain: float = 0.0,
            fusion_bytes: Optional[int] = None,
-           compute_scale: Optional[Mapping[str, float]] = None) -> Choice:
+           compute_scale: Optional[Mapping[str, float]] = None,
+           topology: Optional[Topology] = None,
+           local: Optional[CostParams] = None) -> Choice:
     """The cheapest admissible scheme for one fused bucket of ``shapes`` at ``ratio``.
 
     ``compute_scale[scheme]`` multiplies that scheme's modelled compute (the online
     calibration's fitted factor, :meth:`mpicomm.control.OnlineCalibration.compute_scale`).
+    ``topology`` (of the ``p`` ranks) and ``local`` (the link inside a host): price on
+    the host layout and admit the hierarchical schemes where it is hierarchical; without
+    a topology, one host per rank.
     Cost: one :meth:`~mpicomm.strategies.Strategy.predict_parts` per candidate scheme
     (microseconds; no communication).
     """
@@ -141,10 +168,15 @@ def select(shapes: Sequence[tuple[int, ...]], ratio: float, itemsize: int, p: in
     total = sum(math.prod(s) for s in shapes)
     size = max(total * itemsize, 1)
     candidates: dict[str, float] = {}
+    if topology is None:
+        topology = Topology(tuple(range(p)))
+    layered = topology.hierarchical
     for scheme in schemes:
         if scheme != "dense" and ratio >= 1.0:
             continue
-        if scheme == "gtopk" and not approximate:
+        if "gtopk" in scheme and not approximate:
+            continue
+        if scheme in HIERARCHICAL_SCHEMES and not layered:
             continue
         if gains and scheme in gains and gains[scheme] < min_gain:
             continue
@@ -152,11 +184,12 @@ def select(shapes: Sequence[tuple[int, ...]], ratio: float, itemsize: int, p: in
                          fusion_bytes=fusion_bytes if fusion_bytes else 2 * size)
         if strategy is None:
             continue
-        parts = strategy.predict_parts(shapes, itemsize, p, params, compute)
+        parts = strategy.predict_parts(shapes, itemsize, p, params, compute,
+                                       topology=topology, local=local)
         kappa = (compute_scale or {}).get(scheme, 1.0)
         candidates[scheme] = parts["comm"] + kappa * parts["compute"]
     if not candidates:  # nothing compressed is admissible: dense always is
         candidates["dense"] = build("dense", 1.0, fusion_bytes=2 * size).predict(  # type: ignore
-            shapes, itemsize, p, params, compute)
+            shapes, itemsize, p, params, compute, topology=topology, local=local)
     best = min(candidates, key=lambda s: (candidates[s], SCHEMES.index(s)))
     return Choice(best, 1.0 if best == "dense" else ratio, candidates[best], candidates)

@@ -34,7 +34,11 @@ Prediction: :meth:`Strategy.predict` is the one cost-model entry point of every
 strategy: seconds to aggregate tensors of given shapes (fused like :meth:`aggregate`),
 communication (alpha-beta-gamma, :mod:`mpicomm.collectives.cost`) plus measured local
 compute (:class:`~mpicomm.collectives.cost.ComputeParams`), both read by default from the
-communicator's calibration (:func:`~mpicomm.collectives.cost.calibrated`).
+communicator's calibration (:func:`~mpicomm.collectives.cost.calibrated`). On a layout
+of several hosts with several ranks (:mod:`mpicomm.topology`) the strategies that know
+hosts price their rounds with two link classes
+(:class:`~mpicomm.collectives.cost.HostCosts`): network time is communication, time on
+shared memory inside a host counts with the compute.
 
 Strategies are not thread-safe; give each thread its own (and its own communicator via
 :meth:`Strategy.bind`).
@@ -51,9 +55,10 @@ from typing import Any, Union
 
 from .. import clock, hooks
 from ..buffers import from_torch, inspect, to_torch
-from ..collectives.cost import ComputeParams, CostParams, calibrated
+from ..collectives.cost import ComputeParams, CostParams, HostCosts, calibrated, host_costs
 from ..comm import Communicator, Traffic, resolve
 from ..fusion import Layout, LayoutCache, group, kind_of
+from ..topology import Topology
 from ..validate import check_int
 
 __all__ = ["Strategy", "StrategyStats", "FusedBuffer", "fuse", "buffer_name", "measure",
@@ -197,6 +202,9 @@ class Strategy(ABC):
     flat vector in :meth:`aggregate_flat` (or override :meth:`aggregate` entirely)."""
 
     name = "strategy"
+    #: Priced on any host layout (the hierarchical strategies); the others only on a
+    #: hierarchical one (:attr:`mpicomm.topology.Topology.hierarchical`).
+    host_model = False
 
     def __init__(self, comm: Communicator | None = None, *,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES):
@@ -286,21 +294,29 @@ class Strategy(ABC):
     # -- prediction (one API for every strategy)
     def predict(self, shapes: Shapes, itemsize: int = 4, p: int | None = None,
                 params: CostParams | None = None,
-                compute: ComputeParams | None = None) -> float:
+                compute: ComputeParams | None = None, *,
+                topology: Topology | None = None, local: CostParams | None = None) -> float:
         """Modelled seconds of one :meth:`aggregate` call: communication + local compute.
 
         ``shapes``: an int (one flat buffer of that many elements, e.g. a fused bucket)
         or the tensors' shapes (fused as :meth:`aggregate` fuses them); ``itemsize`` the
         gradient dtype's bytes; ``p`` the rank count (default the communicator's);
-        ``params``/``compute`` default to the communicator's calibration. See
-        :meth:`predict_parts` for the split.
+        ``params``/``compute`` default to the communicator's calibration. ``topology``:
+        the host layout of the ``p`` ranks (default: the communicator's when ``p`` is its
+        size, else one host per rank) and ``local`` the link between ranks of one host
+        (default: the calibration's ``host_cost_params``; see
+        :func:`mpicomm.collectives.cost.host_costs`). See :meth:`predict_parts` for the
+        split.
         """
-        parts = self.predict_parts(shapes, itemsize, p, params, compute)
+        parts = self.predict_parts(shapes, itemsize, p, params, compute, topology=topology,
+                                   local=local)
         return parts["comm"] + parts["compute"]
 
     def predict_parts(self, shapes: Shapes, itemsize: int = 4, p: int | None = None,
                       params: CostParams | None = None,
-                      compute: ComputeParams | None = None) -> dict[str, float]:
+                      compute: ComputeParams | None = None, *,
+                      topology: Topology | None = None,
+                      local: CostParams | None = None) -> dict[str, float]:
         """``{"comm": s, "compute": s}`` of :meth:`predict` (summed over fused buffers)."""
         itemsize = check_int("itemsize", itemsize, 1)
         p = check_int("p", self.comm.size if p is None else p, 1)
@@ -308,7 +324,32 @@ class Strategy(ABC):
             cal_params, cal_compute = calibrated(self._comm if self._comm is not None
                                                  else self.comm)
             params, compute = params or cal_params, compute or cal_compute
-        return self._predict_shapes(_as_shapes(shapes), itemsize, p, params, compute)
+        hosts = self._host_costs(p, params, topology, local)
+        if hosts is None:
+            return self._predict_shapes(_as_shapes(shapes), itemsize, p, params, compute)
+        comm_s = compute_s = 0.0
+        for numel in fused_sizes(_as_shapes(shapes), itemsize, self.fusion_bytes):
+            c, w = self._predict_hosts(numel, itemsize, hosts, compute)
+            comm_s, compute_s = comm_s + c, compute_s + w
+        return {"comm": comm_s, "compute": compute_s}
+
+    def _host_costs(self, p: int, params: CostParams, topology: Topology | None,
+                    local: CostParams | None) -> HostCosts | None:
+        """The two link classes to price with, or ``None`` for the flat formulas (a
+        strategy without a host model, a flat layout, or another ``p`` than the
+        communicator's without a ``topology``)."""
+        if type(self)._predict_hosts is Strategy._predict_hosts:
+            return None
+        comm = self._comm if self._comm is not None else self.comm
+        if topology is None:
+            if p != comm.size:
+                topology = Topology(tuple(range(p)))
+            else:
+                topology = comm.topology
+        topology.checked(p)
+        if not (topology.hierarchical or self.host_model):
+            return None
+        return host_costs(comm, params, topology, local)
 
     def _predict_shapes(self, shapes: list[tuple[int, ...]], itemsize: int, p: int,
                         params: CostParams, compute: ComputeParams) -> dict[str, float]:
@@ -324,6 +365,13 @@ class Strategy(ABC):
                       compute: ComputeParams) -> tuple[float, float]:
         """(communication, compute) seconds for one flat buffer; subclasses define it."""
         raise NotImplementedError(f"{type(self).__name__} has no cost model")
+
+    def _predict_hosts(self, numel: int, itemsize: int, hosts: HostCosts,
+                       compute: ComputeParams) -> tuple[float, float]:
+        """(communication, compute) seconds for one flat buffer on the layout ``hosts``
+        (network rounds and reductions; shared-memory rounds go with the compute).
+        Strategies without it are priced by their flat formulas."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (error-feedback residuals, warm starts)."""

@@ -124,7 +124,19 @@ class GTopK(SparsifyingStrategy):
         """Butterfly of k pairs; compute: compensation, selection, one merge of <= 2k
         pairs per round (the term that dominates at large k on a fast link), densify."""
         k = k_of(numel, self.density, self.k)
+        return (cost.gtopk(k, index_itemsize(numel) + itemsize, p, params),
+                self._work(numel, itemsize, p, k, compute))
+
+    def _predict_hosts(self, numel: int, itemsize: int, hosts: cost.HostCosts,
+                       compute: cost.ComputeParams) -> tuple[float, float]:
+        """The butterfly's rounds on the host layout (a round across hosts sends every
+        local rank's k pairs through the host's port)."""
+        k = k_of(numel, self.density, self.k)
+        t = hosts.flat_sparse("gtopk", k, index_itemsize(numel), itemsize)
+        return t.comm, t.local + self._work(numel, itemsize, hosts.p, k, compute)
+
+    def _work(self, numel: int, itemsize: int, p: int, k: int,
+              compute: cost.ComputeParams) -> float:
         rounds = 0 if p == 1 else (p.bit_length() - 1) + (p & (p - 1) != 0)
-        work = (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
+        return (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
                 + rounds * 2 * k * compute.merge + numel * compute.scatter)
-        return cost.gtopk(k, index_itemsize(numel) + itemsize, p, params), work

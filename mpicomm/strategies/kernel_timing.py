@@ -30,7 +30,9 @@ from .. import clock
 from ..collectives.calibrate import (
     QUIET_POLL_S,
     Link,
+    host_params,
     measure_gamma,
+    measure_host_link,
     measure_links,
     slowest,
 )
@@ -113,10 +115,13 @@ def calibrate(comm: Communicator | None = None, links: int = 3,
 
     alpha/beta are the slowest measured link's (the defaults with one rank), gamma and
     the compute rates rank 0's. With ``store`` they go to ``comm.resources`` (keys
-    ``cost_params``, ``compute_params``), read by every strategy's ``predict``.
+    ``cost_params``, ``compute_params``, and on a layout of several hosts with several
+    ranks ``host_cost_params``, the link inside a host), read by every strategy's
+    ``predict``.
     """
     comm = resolve(comm)
     found = measure_links(comm, links, sizes, repeats, oneway_bytes) if comm.size > 1 else []
+    host_link = measure_host_link(comm, sizes, repeats, oneway_bytes)
     local = None
     if comm.rank == 0:
         local = (measure_gamma(), measure_compute(compute_numel))
@@ -126,4 +131,6 @@ def calibrate(comm: Communicator | None = None, links: int = 3,
     if store:
         comm.resources["cost_params"] = params
         comm.resources["compute_params"] = compute
+        if host_link is not None:
+            comm.resources["host_cost_params"] = host_params(host_link, gamma)
     return params, compute, found

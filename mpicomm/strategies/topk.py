@@ -126,6 +126,16 @@ class TopKAllgather(SparsifyingStrategy):
         P·k gathered pairs into d elements."""
         k = k_of(numel, self.density, self.k)
         s = index_itemsize(numel) + itemsize
-        work = (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
+        return cost.topk_allgather(k, s, p, params), self._work(numel, itemsize, p, k, compute)
+
+    def _predict_hosts(self, numel: int, itemsize: int, hosts: cost.HostCosts,
+                       compute: cost.ComputeParams) -> tuple[float, float]:
+        """The ring allgather's steps on the host layout."""
+        k = k_of(numel, self.density, self.k)
+        t = hosts.flat_sparse("allgather", k, index_itemsize(numel), itemsize)
+        return t.comm, t.local + self._work(numel, itemsize, hosts.p, k, compute)
+
+    def _work(self, numel: int, itemsize: int, p: int, k: int,
+              compute: cost.ComputeParams) -> float:
+        return (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
                 + (numel + p * k) * compute.scatter)
-        return cost.topk_allgather(k, s, p, params), work

@@ -11,8 +11,9 @@
 
 Where a wrapper takes a ``strategy`` (GradientSync, DistributedOptimizer, ddp_comm_hook,
 TorchJob) it is one of dense, topk, gtopk, artopk, randomk, qsgd, powersgd, fp16, bf16,
-sign, auto, or a ``mpicomm.strategies.Strategy`` instance, and the strategy's options
-follow as keywords: ``GradientSync(model, strategy="gtopk", density=0.05)``.
+sign, hier_topk, hier_gtopk, hier_artopk, auto, or a ``mpicomm.strategies.Strategy``
+instance, and the strategy's options follow as keywords:
+``GradientSync(model, strategy="gtopk", density=0.05)``.
 ``help(mpicomm.torch.GradientSync)`` has the table of names and options.
 
 Imported lazily so that ``import mpicomm`` does not import torch.

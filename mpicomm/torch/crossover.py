@@ -66,9 +66,9 @@ class TorchJob(Job):
         Gradient averaging through ``mpicomm.torch.GradientSync``: a
         ``mpicomm.strategies.Strategy``, ``None`` for ``"dense"`` (allreduce), or one of
         the names dense, topk, gtopk, artopk, randomk, qsgd, powersgd, fp16, bf16, sign,
-        auto, with its options as further keywords (``strategy="gtopk",
-        density=0.05``; the table is in ``help(mpicomm.torch.GradientSync)``). Exclusive
-        with ``local_sgd``.
+        hier_topk, hier_gtopk, hier_artopk, auto, with its options as further keywords
+        (``strategy="gtopk", density=0.05``; the table is in
+        ``help(mpicomm.torch.GradientSync)``). Exclusive with ``local_sgd``.
     local_sgd:
         An averaging period (int) or an ``mpicomm.control.AdaComm``: the job uses
         ``mpicomm.torch.LocalSGD`` instead (local optimizer steps, parameters

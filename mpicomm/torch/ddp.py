@@ -127,10 +127,10 @@ class MpicommHookState:
     strategy:
         A ``mpicomm.strategies.Strategy``, ``None`` for ``"dense"`` (allreduce), or one
         of the names dense, topk, gtopk, artopk, randomk, qsgd, powersgd, fp16, bf16,
-        sign, auto; then ``**options`` go to its constructor (``"gtopk", density=0.01``;
-        the table of options is in ``help(mpicomm.torch.GradientSync)``). A keyword that
-        neither this class nor the strategy takes raises ``TypeError`` before any
-        communication.
+        sign, hier_topk, hier_gtopk, hier_artopk, auto; then ``**options`` go to its
+        constructor (``"gtopk", density=0.01``; the table of options is in
+        ``help(mpicomm.torch.GradientSync)``). A keyword that neither this class nor the
+        strategy takes raises ``TypeError`` before any communication.
     comm:
         The ``mpicomm.Communicator`` over the DDP ranks (default: the world); its
         ranks must be the process group's, in the same order.
@@ -248,10 +248,11 @@ def ddp_comm_hook(strategy: Strategy | str | None = None, comm: Communicator | N
     ``hook.state.close()`` when training ends.
 
     ``strategy`` is one of dense, topk, gtopk, artopk, randomk, qsgd, powersgd, fp16,
-    bf16, sign, auto (its options as further keywords: ``ddp_comm_hook("gtopk", comm,
-    density=0.01)``), a ``mpicomm.strategies.Strategy`` instance, or ``None`` for dense
-    allreduce. A keyword that neither the hook (``comm``, ``overlap``) nor the strategy
-    takes raises ``TypeError`` before any communication.
+    bf16, sign, hier_topk, hier_gtopk, hier_artopk, auto (its options as further
+    keywords: ``ddp_comm_hook("gtopk", comm, density=0.01)``), a
+    ``mpicomm.strategies.Strategy`` instance, or ``None`` for dense allreduce. A keyword
+    that neither the hook (``comm``, ``overlap``) nor the strategy takes raises
+    ``TypeError`` before any communication.
     """
     strategy = build_strategy(strategy, options, owner="ddp_comm_hook",
                               owner_options=_HOOK_OPTIONS)

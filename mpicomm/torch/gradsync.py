@@ -99,23 +99,27 @@ class GradientSync:
         for ``"dense"``, or one of these names (``mpicomm.strategies.available()``), with
         its options as further keywords (``strategy="gtopk", density=0.05``):
 
-        ========  ==========================================  =====================
-        name      per bucket                                  main options
-        ========  ==========================================  =====================
-        dense     allreduce: the exact average                algorithm
-        topk      EF + top-k + sparse allgather               density or k
-        gtopk     EF + global top-k (butterfly merge)         density or k
-        artopk    EF + one rank's top-k indices, allreduce    density or k, source
-                  of the k values
-        randomk   EF + shared random indices, allreduce       density or k, seed
-        qsgd      stochastic quantization + allgather         bits, bucket_size
-        powersgd  EF + rank-r factors per matrix, allreduce   rank, start_iter
-        fp16      cast to float16, allreduce, cast back       algorithm
-        bf16      cast to bfloat16, allreduce, cast back      algorithm
-        sign      EF + scaled sign + allgather                (none needed)
-        auto      the cheapest of dense and the compressors   ratios, schemes
-                  at an adaptive ratio, per bucket
-        ========  ==========================================  =====================
+        ===========  ==========================================  =====================
+        name         per bucket                                  main options
+        ===========  ==========================================  =====================
+        dense        allreduce: the exact average                algorithm
+        topk         EF + top-k + sparse allgather               density or k
+        gtopk        EF + global top-k (butterfly merge)         density or k
+        artopk       EF + one rank's top-k indices, allreduce    density or k, source
+                     of the k values
+        randomk      EF + shared random indices, allreduce       density or k, seed
+        qsgd         stochastic quantization + allgather         bits, bucket_size
+        powersgd     EF + rank-r factors per matrix, allreduce   rank, start_iter
+        fp16         cast to float16, allreduce, cast back       algorithm
+        bf16         cast to bfloat16, allreduce, cast back      algorithm
+        sign         EF + scaled sign + allgather                (none needed)
+        hier_topk    EF + dense sum inside hosts, top-k, then    density or k, sliced
+                     Allgather Top-k across hosts only
+        hier_gtopk   the same with gTop-k across hosts           density or k, sliced
+        hier_artopk  the same with AR-Top-k across hosts         density or k, sliced
+        auto         the cheapest of dense and the compressors   ratios, schemes
+                     at an adaptive ratio, per bucket
+        ===========  ==========================================  =====================
 
         EF: error feedback (what was not sent is added to the next step's gradient).
         The strategies with EF (and qsgd) also take ``error_feedback``, ``schedule``

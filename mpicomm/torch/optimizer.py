@@ -47,9 +47,9 @@ class DistributedOptimizer:
     strategy:
         How gradients are averaged: a ``mpicomm.strategies.Strategy``, ``None`` for
         ``"dense"`` (allreduce), or one of the names dense, topk, gtopk, artopk, randomk,
-        qsgd, powersgd, fp16, bf16, sign, auto, with its options as keywords
-        (``strategy="gtopk", density=0.05``; the table is in ``GradientSync``'s
-        docstring).
+        qsgd, powersgd, fp16, bf16, sign, hier_topk, hier_gtopk, hier_artopk, auto, with
+        its options as keywords (``strategy="gtopk", density=0.05``; the table is in
+        ``GradientSync``'s docstring).
     **options:
         ``GradientSync``'s own keywords (``bucket_mb``, ``comm``, ``broadcast``,
         ``on_nonfinite``, ``timeline``, ``metrics``) and the strategy's options. A

@@ -1,0 +1,96 @@
+"""Report sections of the ``adaptive`` and ``crossover`` suites (``bench report``).
+
+Each takes a result dict and the report's table renderer and returns Markdown.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+Table = Callable[..., str]
+
+
+#: The selector's targets for ``bench adaptive``: summary key -> (test, wording).
+ADAPTIVE_TARGETS: dict[str, tuple[Any, str]] = {
+    "auto_vs_best_static": (lambda v: v <= 1.1, "auto's time-to-accuracy <= 1.1x the best "
+                            "static (strategy, ratio)"),
+    "auto_speedup_vs_dense": (lambda v: v >= 2.0, "auto >= 2x faster than dense"),
+    "auto_acc_loss_points": (lambda v: v <= 1.0, "auto loses <= 1 point of final accuracy"),
+    "lgreco_bytes_ratio": (lambda v: v >= 1.5, "L-GreCo (top-k) >= 1.5x fewer bytes per "
+                           "step than uniform at the same total error"),
+}
+
+
+def adaptive_section(r: dict[str, Any], table: Table) -> str:
+    """``bench adaptive``: time-to-accuracy per method, L-GreCo against uniform, and the
+    targets (met or missed) from the run's own ratios."""
+    opts = r.get("options", {})
+    schedule = (r.get("machine", {}).get("network") or {}).get("schedule")
+    out = [f"Digits MLP 64-{opts.get('hidden')}-{opts.get('hidden')}-10, "
+           f"{opts.get('epochs')} epochs, batch {opts.get('batch')}/rank, target accuracy "
+           f"{opts.get('target')}; network: "
+           + (f"injected schedule `{opts.get('schedule')}` (EPOCH:Gbit/s:alpha_us)"
+              if opts.get("link") != "emulated" else
+              f"emulated cluster, schedule `{os.path.basename(schedule or '')}`"
+              ) + (f"; medians of {opts['seeds']} runs (batch orders), accuracy checked every "
+                   f"{opts.get('eval_every', 1)} step(s), choices of the first run"
+                   if opts.get("seeds", 1) > 1 else "") + ".\n",
+           table(r.get("rows", []), ("method", "time_to_target_s", "final_acc", "step_ms",
+                                     "sent_kB_step", "x_dense", "choices")),
+           "L-GreCo against every layer at the uniform setting (bytes per step measured; "
+           "DP size / uniform size at the same total error):\n",
+           table(r.get("lgreco", []), ("method", "sent_kB_step", "final_acc",
+                                       "dp_size_vs_uniform", "dp_error_vs_budget"))]
+    summary = r.get("summary", {})
+    rows = []
+    for key, value in summary.items():
+        test = ADAPTIVE_TARGETS.get(key)
+        verdict = ""
+        if test is not None:
+            verdict = "no result" if value is None else ("met" if test[0](value)
+                                                          else "MISSED")
+        rows.append({"measure": key, "value": value,
+                     "target": test[1] if test else "", "verdict": verdict})
+    out.append(table(rows, ("measure", "value", "target", "verdict")))
+    return "\n".join(out)
+
+
+def crossover_section(r: dict[str, Any], table: Table) -> str:
+    """Sequential / co-located / Crossover throughput next to the bound, then the repeats."""
+    rows, summary, args = r.get("rows", []), r.get("summary", {}), r.get("args", {})
+
+    def median(key: str) -> float | None:
+        values = sorted(row[key] for row in rows if isinstance(row.get(key), (int, float)))
+        if not values:
+            return None
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    poll = r.get("wait_poll_s")
+    line = {
+        "jobs x steps": f"{args.get('jobs')} x {args.get('steps')}",
+        "repeats": len(rows),
+        "C ms": summary.get("C_ms"), "S ms": summary.get("S_ms"),
+        "injected delay ms": 1e3 * r.get("delay_s", 0.0),
+        "wait poll ms": "off" if poll is None else 1e3 * poll,
+        "sequential it/s": median("sequential_it_s"),
+        "co-located it/s": median("colocated_it_s"),
+        "crossover it/s": median("crossover_it_s"),
+        "co-located x seq": summary.get("colocated_vs_sequential"),
+        "crossover x seq": summary.get("speedup_vs_sequential"),
+        "crossover x co-located": summary.get("speedup_vs_colocated"),
+        "crossover spinning x seq": summary.get("spin_vs_sequential"),
+        "bound (C+S)/max(C,S)": summary.get("bound"),
+        "hidden": summary.get("hidden_fraction"),
+        "target >= 1.3x": summary.get("target_met"),
+        "bit-identical": summary.get("identical_to_sequential"),
+    }
+    return ("Medians over the repeats (speedups are medians of per-repeat ratios); "
+            "C, S: compute and sync time per iteration of a job run alone.\n\n"
+            + table([line]) + "\n"
+            + table(rows, ("repeat", "C_ms", "S_ms", "Cx_ms", "Sx_ms", "wait_ms",
+                           "sequential_s", "colocated_s",
+                           "crossover_s", "x_vs_sequential", "x_vs_colocated", "bound",
+                           "hidden", "identical")))

@@ -1,0 +1,184 @@
+"""Closed forms of every flat algorithm (one link class): see :mod:`mpicomm.collectives.cost`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from .params import CostParams
+
+__all__ = ["FORMULAS", "allreduce_ring", "allreduce_recursive_doubling",
+           "allreduce_rabenseifner", "allgather_ring", "allgather_bruck", "allgather_direct",
+           "allgather_recursive_doubling", "broadcast_binomial", "broadcast_scatter_allgather",
+           "reduce_scatter_ring", "reduce_scatter_direct", "reduce_scatter_recursive_halving",
+           "topk_allgather", "gtopk", "artopk_ring", "artopk_tree", "ps_push_pull"]
+
+
+def _lg(p: int) -> float:
+    return math.log2(p) if p > 1 else 0.0
+
+
+def _p2(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
+
+
+def _fold(p: int) -> int:
+    """1 when p is not a power of two (the fold steps run), else 0."""
+    return int(p != _p2(p))
+
+
+# ---------------------------------------------------------------------- dense
+def allreduce_ring(n: float, p: int, c: CostParams) -> float:
+    if p == 1:
+        return 0.0
+    f = (p - 1) / p
+    return 2 * (p - 1) * c.alpha + 2 * f * n * c.beta + f * n * c.gamma
+
+
+def allreduce_recursive_doubling(n: float, p: int, c: CostParams) -> float:
+    if p == 1:
+        return 0.0
+    rounds = _lg(_p2(p))
+    fold = _fold(p) * (2 * c.alpha + 2 * n * c.beta + n * c.gamma)
+    return rounds * (c.alpha + n * c.beta + n * c.gamma) + fold
+
+
+def allreduce_rabenseifner(n: float, p: int, c: CostParams) -> float:
+    if p == 1:
+        return 0.0
+    p2 = _p2(p)
+    f = (p2 - 1) / p2
+    fold = _fold(p) * (2 * c.alpha + 2 * n * c.beta + n * c.gamma)
+    return 2 * _lg(p2) * c.alpha + 2 * f * n * c.beta + f * n * c.gamma + fold
+
+
+def allgather_ring(n: float, p: int, c: CostParams) -> float:
+    return (p - 1) * c.alpha + (p - 1) / p * n * c.beta
+
+
+def allgather_bruck(n: float, p: int, c: CostParams) -> float:
+    """Bruck works in a rotated scratch buffer: it copies its own block in and the whole
+    result back out (n + n/p bytes, charged at the local memory rate gamma). Without that
+    term the model would prefer Bruck over ring for every large message from p = 4 on,
+    where it is measured 2-3x slower."""
+    if p == 1:
+        return 0.0
+    copies = (n + n / p) * c.gamma
+    return math.ceil(_lg(p)) * c.alpha + (p - 1) / p * n * c.beta + copies
+
+
+def allgather_direct(n: float, p: int, c: CostParams) -> float:
+    """Every rank sends its n/p bytes to the p-1 others, all at once. Under the model's
+    one-port assumption that serializes exactly like the ring (ties go to the ring); what
+    it saves, the ring's chain of dependent steps, shows on a busy or oversubscribed
+    node, not in alpha and beta."""
+    return allgather_ring(n, p, c)
+
+
+def allgather_recursive_doubling(n: float, p: int, c: CostParams) -> float:
+    fold = _fold(p) * (2 * c.alpha + (n / p + n) * c.beta)
+    return _lg(_p2(p)) * c.alpha + (p - 1) / p * n * c.beta + fold
+
+
+def broadcast_binomial(n: float, p: int, c: CostParams) -> float:
+    return math.ceil(_lg(p)) * (c.alpha + n * c.beta)
+
+
+def broadcast_scatter_allgather(n: float, p: int, c: CostParams) -> float:
+    if p == 1:
+        return 0.0
+    return (math.ceil(_lg(p)) + p - 1) * c.alpha + 2 * (p - 1) / p * n * c.beta
+
+
+def reduce_scatter_ring(n: float, p: int, c: CostParams) -> float:
+    return (p - 1) * c.alpha + (p - 1) / p * n * (c.beta + c.gamma)
+
+
+def reduce_scatter_direct(n: float, p: int, c: CostParams) -> float:
+    """Each block goes straight to its owner: one-port, the same as the ring (see
+    :func:`allgather_direct`)."""
+    return reduce_scatter_ring(n, p, c)
+
+
+def reduce_scatter_recursive_halving(n: float, p: int, c: CostParams) -> float:
+    if p == 1:
+        return 0.0
+    p2 = _p2(p)
+    fold = _fold(p) * (2 * c.alpha + n * (c.beta + c.gamma) + n / p * c.beta)
+    return _lg(p2) * c.alpha + (p2 - 1) / p2 * n * (c.beta + c.gamma) + fold
+
+
+# ---------------------------------------------------------------------- sparse
+def topk_allgather(k: float, s: float, p: int, c: CostParams) -> float:
+    """Every rank's k (index, value) pairs gathered by a ring: (p-1)α + (p-1)·k·s·β."""
+    return (p - 1) * c.alpha + (p - 1) * k * s * c.beta
+
+
+def gtopk(k: float, s: float, p: int, c: CostParams) -> float:
+    """Butterfly gTop-k: lg p2 rounds of k pairs, plus the fold-in/fold-out step."""
+    if p == 1:
+        return 0.0
+    return (_lg(_p2(p)) + 2 * _fold(p)) * (c.alpha + k * s * c.beta)
+
+
+def artopk_ring(k: float, index_bytes: float, value_bytes: float, p: int,
+                c: CostParams) -> float:
+    """AR-Top-k: binomial broadcast of k indices + ring allreduce of k values."""
+    return (broadcast_binomial(k * index_bytes, p, c)
+            + allreduce_ring(k * value_bytes, p, c))
+
+
+def artopk_tree(k: float, index_bytes: float, value_bytes: float, p: int,
+                c: CostParams) -> float:
+    """AR-Top-k "tree": binomial broadcast of k indices + recursive-doubling allreduce of
+    k values, which is how :func:`mpicomm.sparse.artopk` realises the paper's Tree-AR
+    (the paper's binomial reduce + broadcast, 2 lg p rounds, is
+    ``paper_predict("artopk_tree", ...)``)."""
+    return (broadcast_binomial(k * index_bytes, p, c)
+            + allreduce_recursive_doubling(k * value_bytes, p, c))
+
+
+def ps_push_pull(n: float, workers: int, servers: int, c: CostParams) -> float:
+    """One synchronous parameter-server step: every worker pushes ``n`` bytes and pulls
+    ``n`` bytes, each key split evenly over ``servers``.
+
+    The bottleneck is a server's port, which receives ``W`` pieces of ``n/S`` bytes and
+    sends as many back, and sums the ``W`` pushed pieces:
+    ``2 alpha + 2 W (n/S) beta + W (n/S) gamma``. The latency counts once each way (the
+    ``W`` messages are in flight together), as in Table I of Tyagi & Swany (their
+    ``2 alpha + 2 (N-1) M beta`` with one server and ``N - 1 = W`` workers; their table
+    has no gamma). Compare :func:`allreduce_ring` over the ``W`` workers, whose bandwidth
+    term ``2 (W-1)/W n beta`` does not grow with ``W``: with ``S = 1`` a PS moves about
+    ``W`` times more bytes through its busiest port; with ``S = W`` servers of their own
+    bandwidth it matches the ring's term with a constant latency.
+    """
+    if workers < 1 or servers < 1:
+        raise ValueError(f"need workers >= 1 and servers >= 1, got {workers}, {servers}")
+    per_port = workers * n / servers
+    return 2 * c.alpha + 2 * per_port * c.beta + per_port * c.gamma
+
+
+FORMULAS: dict[str, dict[str, Callable[[float, int, CostParams], float]]] = {
+    "allreduce": {
+        "ring": allreduce_ring,
+        "recursive_doubling": allreduce_recursive_doubling,
+        "rabenseifner": allreduce_rabenseifner,
+    },
+    "allgather": {
+        "ring": allgather_ring,
+        "bruck": allgather_bruck,
+        "recursive_doubling": allgather_recursive_doubling,
+        "direct": allgather_direct,
+    },
+    "allgatherv": {"ring": allgather_ring, "direct": allgather_direct},
+    "broadcast": {
+        "binomial": broadcast_binomial,
+        "scatter_allgather": broadcast_scatter_allgather,
+    },
+    "reduce_scatter": {
+        "ring": reduce_scatter_ring,
+        "recursive_halving": reduce_scatter_recursive_halving,
+        "direct": reduce_scatter_direct,
+    },
+}
+
