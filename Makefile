@@ -139,8 +139,13 @@ bench: $(STAMP)
 	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench costs --json $(BENCH_OUT)/costs-2.json
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench vclock --nets 1gbit:100us,10gbit:50us \
 	  --costs $(BENCH_OUT)/costs-2.json --json $(BENCH_OUT)/vclock-4.json
+	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench hierarchy --clock virtual --rate 1gbit \
+	  --delay 100us --ranks-per-host 2 --sizes 1e5 --costs $(BENCH_OUT)/costs-2.json \
+	  --json $(BENCH_OUT)/hierarchy-2x2.json
+	$(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench ratios --workload digits-mlp --seeds 1 \
+	  --strategy topk --strategy gtopk --density 0.01 --json $(BENCH_OUT)/ratios-digits-$(NP).json
 	for s in $$($(PY) -m mpicomm.bench --list); do \
-	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train costs vclock ratios " in *" $$s "*) continue ;; esac; \
+	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train costs vclock ratios hierarchy " in *" $$s "*) continue ;; esac; \
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done
