@@ -201,6 +201,14 @@ class KVStore:
         workers; call it between steps, after the pulls). Worker 0 writes the file."""
         self._as_worker("checkpoint").checkpoint(path)
 
+    def snapshot(self) -> dict[str, Any] | None:
+        """What :meth:`checkpoint` writes, as a dict on worker 0 (``None`` on the other
+        workers; collective over the workers, between steps): for a caller that writes it
+        itself, e.g. in the background (:class:`mpicomm.checkpoint.Checkpointer`, with
+        :func:`mpicomm.ps.checkpoint.serialize`). The dict holds copies: training may go
+        on while it is written."""
+        return self._as_worker("snapshot").snapshot()
+
     def restore(self, path: str | os.PathLike[str]) -> None:
         """Load ``path`` into this new store, instead of ``init`` (collective over the
         workers). Same number of workers and the same optimizer kind as when saved."""

@@ -331,9 +331,11 @@ class Worker:
         self.flush()
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Collective over the workers: every server's shards, optimizer state and counters,
-        and every worker's sequence numbers and residuals, into one file (worker 0)."""
+    def snapshot(self) -> dict[str, Any] | None:
+        """Collective over the workers: every server's shards, optimizer state and
+        counters, and every worker's sequence numbers and residuals, joined into the
+        checkpoint dict on worker 0 (``None`` on the others). ``RuntimeError`` on every
+        worker if worker 0 could not assemble it."""
         self._to_all_servers(wire.CKPT)
         mine = {"seq": [self.seq[self.keys[k].key_id] for k in self.keys],
                 "residuals": ({} if self.ef is None else
@@ -341,7 +343,7 @@ class Worker:
                                self.ef.state_dict()["residuals"].items()}),
                 "compressor": _compressor_state(self.compressor)}
         gathered = self.group.ctl.gather(mine, root=0)
-        error = None
+        data, error = None, None
         if self.rank == 0:
             try:
                 states = {}
@@ -351,10 +353,23 @@ class Worker:
                 data = ckpt.assemble(list(self.keys.values()), states, gathered,
                                      workers=self.workers, mode=self.mode,
                                      optimizer=self.optimizer)
-                ckpt.write_atomic(data, path)
             except Exception as exc:  # noqa: BLE001 - reported on every worker below
                 error = f"{type(exc).__name__}: {exc}"
         self.flush()
+        error = self.group.bcast_object(error)
+        if error is not None:
+            raise RuntimeError(f"KVStore checkpoint failed on worker 0: {error}")
+        return data
+
+    def checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Collective over the workers: :meth:`snapshot`, written to ``path`` by worker 0."""
+        data = self.snapshot()
+        error = None
+        if data is not None:
+            try:
+                ckpt.write_atomic(data, path)
+            except Exception as exc:  # noqa: BLE001 - reported on every worker below
+                error = f"{type(exc).__name__}: {exc}"
         error = self.group.bcast_object(error)
         if error is not None:
             raise RuntimeError(f"KVStore.checkpoint({os.fspath(path)!r}) failed on worker 0: "
