@@ -27,6 +27,7 @@ SUITES = {
     "staging": "mpicomm.bench.staging",
     "crossover": "mpicomm.bench.crossover",
     "adaptive": "mpicomm.bench.adaptive",
+    "recovery": "mpicomm.bench.recovery",
 }
 
 

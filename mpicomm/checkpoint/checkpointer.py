@@ -211,8 +211,8 @@ class Checkpointer:
                 if self.comm.rank == 0:
                     log.warning("skipping checkpoint %s: rank %d: %s", path, *damaged[0])
                 continue
-            resumed = self._apply(step, payload, path)
             self._discard_newer(step)
+            resumed = self._apply(step, payload, path)
             self.stats.load_s = time.perf_counter() - t0
             return resumed
         self._discard_newer(-1)
@@ -234,23 +234,25 @@ class Checkpointer:
             blobs = {name: durable.read_verified(os.path.join(folder, name), meta["sha256"],
                                                  int(meta["bytes"]))
                      for name, meta in entry["files"].items()}
-            state = torch.load(io.BytesIO(blobs[layout.rank_file(self.comm.rank)]),
-                               weights_only=True, map_location="cpu")
+            state = _load(blobs[layout.rank_file(self.comm.rank)])
+            if layout.STORE_FILE in blobs:
+                state["__store__"] = _load(blobs[layout.STORE_FILE])
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             return ("damaged", f"{type(exc).__name__}: {exc}"), None
+        if self.kv is not None and self.comm.rank == self.writers[0]:
+            if "__store__" not in state:
+                return ("damaged", "the parameter-server store is missing"), None
+            try:  # refused here, before the servers serve: every rank raises alike
+                self.kv.check_checkpoint(state["__store__"])
+            except ValueError as exc:
+                return ("mismatch", f"the store: {exc}"), None
         return ("ok", ""), state
 
     def _apply(self, step: int, state: dict[str, Any] | None, path: str) -> Restored:
-        error = None
         if self.kv is not None and self.kv.is_worker:
-            try:
-                self.kv.restore(os.path.join(path, layout.STORE_FILE))
-            except ValueError as exc:
-                error = str(exc)
-        if self.kv is not None:
-            error = self.comm.bcast_object(error)
-            if error is not None:
-                raise CheckpointError(f"{path}: {error}")
+            # collective over the workers; the servers are serving by now
+            self.kv.restore(state.pop("__store__") if state and "__store__" in state
+                            else os.path.join(path, layout.STORE_FILE))
         position = None
         if state is not None:
             for name, obj in self.objects.items():
@@ -344,3 +346,7 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+def _load(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")

@@ -34,7 +34,7 @@ import torch
 from .. import durable
 from ..durable import Written
 
-__all__ = ["FORMAT", "assemble", "serialize", "write_atomic", "load", "metadata", "piece_state",
+__all__ = ["FORMAT", "assemble", "serialize", "write_atomic", "load", "check", "metadata", "piece_state",
            "to_numpy", "to_torch_cpu", "worker_states"]
 
 FORMAT = "mpicomm.ps/1"
@@ -125,10 +125,20 @@ def write_atomic(data: dict[str, Any], path: str | os.PathLike[str]) -> Written:
     return durable.write_atomic(path, serialize(data))
 
 
-def load(path: str | os.PathLike[str], *, workers: int, optimizer: dict[str, Any]
-         ) -> dict[str, Any]:
-    """Read and check a checkpoint (``weights_only``: tensors and plain data only)."""
+def load(path: str | os.PathLike[str], *, workers: int, optimizer: dict[str, Any],
+         stateful_compressor: bool = True) -> dict[str, Any]:
+    """Read and :func:`check` a checkpoint (``weights_only``: tensors and plain data only)."""
     data = torch.load(os.fspath(path), weights_only=True, map_location="cpu")
+    return check(data, workers=workers, optimizer=optimizer,
+                 stateful_compressor=stateful_compressor)
+
+
+def check(data: Any, *, workers: int, optimizer: dict[str, Any],
+          stateful_compressor: bool = True) -> dict[str, Any]:
+    """``data`` if a store of ``workers`` workers with ``optimizer`` (its description)
+    can restore it, else ``ValueError`` saying why. ``stateful_compressor``: whether the
+    store's push compressor keeps state (PowerSGD's warm start) that the checkpoint may
+    hold."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"not a parameter-server checkpoint (format "
                          f"{data.get('format') if isinstance(data, dict) else None!r}, "
@@ -150,6 +160,9 @@ def load(path: str | os.PathLike[str], *, workers: int, optimizer: dict[str, Any
         if field in data and len(data[field]) != workers:
             raise ValueError(f"corrupt checkpoint: {field} for {len(data[field])} workers, "
                              f"expected {workers}")
+    if any(data.get("compressor") or []) and not stateful_compressor:
+        raise ValueError("the checkpoint holds push compressor state, this store's "
+                         "compressor keeps none")
     return data
 
 

@@ -209,10 +209,19 @@ class KVStore:
         on while it is written."""
         return self._as_worker("snapshot").snapshot()
 
-    def restore(self, path: str | os.PathLike[str]) -> None:
+    def restore(self, path: str | os.PathLike[str] | dict[str, Any]) -> None:
         """Load ``path`` into this new store, instead of ``init`` (collective over the
-        workers). Same number of workers and the same optimizer kind as when saved."""
+        workers; servers must be serving). Same number of workers and the same optimizer
+        kind as when saved. Worker 0 may pass the loaded dict instead of a path (what
+        :meth:`snapshot` returned, or ``torch.load`` of a checkpoint file)."""
         self._as_worker("restore").restore(path)
+
+    def check_checkpoint(self, data: dict[str, Any]) -> None:
+        """``ValueError`` if :meth:`restore` would refuse ``data`` (a loaded checkpoint):
+        another number of workers, another optimizer kind, compressor state this store's
+        compressor cannot take, or a damaged layout. Local (no message), so that a caller
+        can refuse a checkpoint before the servers start serving."""
+        self._as_worker("check_checkpoint").check_checkpoint(data)
 
     def stats(self) -> dict[str, Any]:
         """This rank's counters: ``max_staleness``, ``pushes``, ``pulls``, ``bytes_pushed``,

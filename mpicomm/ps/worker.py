@@ -375,28 +375,34 @@ class Worker:
             raise RuntimeError(f"KVStore.checkpoint({os.fspath(path)!r}) failed on worker 0: "
                                f"{error}")
 
-    def restore(self, path: str | os.PathLike[str]) -> None:
-        """Collective over the workers: load a checkpoint into this (empty) store."""
+    def check_checkpoint(self, data: Any) -> dict[str, Any]:
+        """``data`` (a loaded checkpoint) if this store can restore it, else ``ValueError``
+        (local: no message)."""
+        return ckpt.check(data, workers=self.workers, optimizer=self.optimizer,
+                          stateful_compressor=hasattr(self.compressor, "load_state_dict"))
+
+    def restore(self, source: str | os.PathLike[str] | dict[str, Any]) -> None:
+        """Collective over the workers: load a checkpoint (a file, or on worker 0 the
+        loaded dict) into this (empty) store."""
         if self.keys:  # the same on every worker (init is collective): no message needed
             raise ValueError("KVStore.restore: the store already has keys; restore into a new "
                              "store instead of calling init()")
+        what = "a checkpoint" if isinstance(source, dict) else repr(os.fspath(source))
         data, error = None, None
         if self.rank == 0:
             try:
-                data = ckpt.load(path, workers=self.workers, optimizer=self.optimizer)
+                data = (self.check_checkpoint(source) if isinstance(source, dict) else
+                        ckpt.load(source, workers=self.workers, optimizer=self.optimizer,
+                                  stateful_compressor=hasattr(self.compressor,
+                                                              "load_state_dict")))
             except (OSError, ValueError, TypeError, RuntimeError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
         error = self.group.bcast_object(error)
         if error is not None:
-            raise ValueError(f"KVStore.restore({os.fspath(path)!r}): {error}")
+            raise ValueError(f"KVStore.restore({what}): {error}")
         meta = self.group.bcast_object(None if data is None else ckpt.metadata(data))
         mine = self.group.ctl.scatter(None if data is None else ckpt.worker_states(data),
                                       root=0)
-        if mine["compressor"] and not hasattr(self.compressor, "load_state_dict"):
-            # every worker gets here alike: all saved the same compressor kind
-            raise ValueError(f"KVStore.restore({os.fspath(path)!r}): the checkpoint holds "
-                             f"push compressor state, this store's compressor "
-                             f"{self.compressor!r} keeps none")
         infos = [self._register(k, tuple(shape), dt, fw, "cpu")
                  for k, shape, dt, fw in zip(meta["keys"], meta["shapes"], meta["dtypes"],
                                              meta["frameworks"])]
