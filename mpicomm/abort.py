@@ -24,8 +24,8 @@ from collections.abc import Iterator
 
 from mpi4py import MPI
 
-__all__ = ["install_abort_handler", "abort_job", "abort_after_flush", "job_scope",
-           "current_job", "ABORT_GRACE_S"]
+__all__ = ["install_abort_handler", "abort_job", "abort_after_flush", "exit_status",
+           "job_scope", "current_job", "ABORT_GRACE_S"]
 
 _abort_lock = threading.Lock()
 _abort_installed = False
@@ -85,7 +85,16 @@ def _abort_with_traceback(kind: str, exc_type, exc, tb, thread_name: str | None 
     where = f" in thread {thread_name!r}" if thread_name else ""
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     sys.stderr.write(f"{_prefix(job)} uncaught {kind}{where}; aborting the job.\n{text}")
-    abort_after_flush(1)
+    abort_after_flush(exit_status(exc))
+
+
+def exit_status(exc: BaseException | None) -> int:
+    """The status a job ends with after ``exc``: its ``exit_status`` attribute when that is
+    an int in 1..255 (``mpicomm.checkpoint.CheckpointError`` sets 2, the status that
+    ``python -m mpicomm run --restarts`` never restarts: the same input fails again),
+    else 1."""
+    code = getattr(exc, "exit_status", 1)
+    return code if isinstance(code, int) and 1 <= code <= 255 else 1
 
 
 #: Seconds between printing a fatal message and ``MPI_Abort``: launchers forward each
@@ -114,8 +123,8 @@ def install_abort_handler() -> None:
 
     Without it, one rank dying while the others wait in a collective hangs the job
     forever. The handler prints the traceback prefixed with the rank, then calls
-    ``MPI_Abort(MPI_COMM_WORLD, 1)``; ``mpiexec`` then ends every rank with a non-zero
-    status. It is not installed in an interactive single-process session, where an
+    ``MPI_Abort(MPI_COMM_WORLD, code)`` (``code``: :func:`exit_status`, usually 1);
+    ``mpiexec`` then ends every rank with a non-zero status. It is not installed in an interactive single-process session, where an
     exception at the prompt must not kill the interpreter. Idempotent.
     """
     global _abort_installed

@@ -34,13 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpointer
+from ..checkpoint import CheckpointError, Checkpointer
 from ..cli import RankZeroParser
 from ..comm import Communicator, init
 from ..ps import KVStore
@@ -232,8 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.progress, exist_ok=True)
     comm.barrier()
     progress = Progress(args.progress, comm.rank)
-    facts = run_peer(args, comm, progress) if args.mode == "peer" else \
-        run_ps(args, comm, progress)
+    try:
+        facts = run_peer(args, comm, progress) if args.mode == "peer" else \
+            run_ps(args, comm, progress)
+    except CheckpointError as exc:  # raised on every rank alike, before any training
+        if comm.rank == 0:
+            print(f"recovery_job: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     facts.update(mode=args.mode, ranks=comm.size, restart=progress.restart)
     if comm.rank == 0 and args.json:
         with open(args.json, "w") as f:

@@ -29,7 +29,12 @@ ENV_CHECKPOINT_DIR = "MPICOMM_CHECKPOINT_DIR"
 
 class CheckpointError(ValueError):
     """A checkpoint that this job must not load (another model, world size or store), or
-    an unusable directory; raised on every rank alike, before any state is changed."""
+    an unusable directory; raised on every rank alike, before any state is changed.
+
+    Uncaught, it ends the job with exit status 2 (``exit_status``), which ``python -m
+    mpicomm run --restarts`` does not restart: the same input would fail again."""
+
+    exit_status = 2
 
 
 @dataclass
