@@ -1,0 +1,113 @@
+"""``python -m mpicomm run --restarts K --checkpoint-dir DIR``: restarts, refusals, and kill -9
+of a rank at a random step with a bitwise (or exactly-once) resume.
+
+The kill tests run one trial each at 3 ranks; ``python -m mpicomm.bench recovery``
+runs ten per scenario (benchmarks/results/recovery.json).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from mpicomm.bench import recovery
+
+from .launch import ROOT, clean_env
+
+PY = sys.executable
+
+
+def mpicomm_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "mpicomm", "run", *args], cwd=ROOT, env=clean_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+
+
+def test_restarts_a_failed_job_and_exports_the_directory(tmp_path):
+    """A command that fails (status 3) on its first two starts: restarted twice, each
+    start told its number; status 2 (bad input) is never restarted."""
+    log = tmp_path / "starts"
+    script = (f'echo "$MPICOMM_RESTART $MPICOMM_CHECKPOINT_DIR" >> {log}; '
+              'test "$MPICOMM_RESTART" -ge 2 || exit 3')
+    res = mpicomm_run("-n", "1", "--restarts", "3", "--checkpoint-dir", str(tmp_path), "--",
+                      "sh", "-c", script)
+    assert res.returncode == 0, res.stdout
+    assert log.read_text().split("\n")[:3] == [f"{i} {tmp_path}" for i in range(3)]
+    assert res.stdout.count("the job failed (exit status 3)") == 2, res.stdout
+    log.unlink()
+    res = mpicomm_run("-n", "1", "--restarts", "1", "--", "sh", "-c",
+                      f"echo x >> {log}; exit 3")
+    assert res.returncode == 3 and log.read_text() == "x\nx\n", res.stdout
+    assert "after 1 restart(s); giving up" in res.stdout
+    log.unlink()
+    res = mpicomm_run("-n", "1", "--restarts", "3", "--", "sh", "-c", f"echo x >> {log}; exit 2")
+    assert res.returncode == 2 and log.read_text() == "x\n", res.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--restarts", "-1"], "--restarts must be >= 0, got -1"),
+    (["--checkpoint-dir", "/nonexistent/ckpt"], "no such directory"),
+])
+def test_bad_arguments_are_one_line_before_any_start(tmp_path, args, message):
+    marker = tmp_path / "started"
+    res = mpicomm_run("-n", "2", *args, "--", "touch", str(marker))
+    assert res.returncode == 2 and not marker.exists()
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m mpicomm run: ") and \
+        message in lines[0], res.stdout
+
+
+def test_checkpoint_of_another_world_size_is_refused_once(tmp_path):
+    """Saved by 2 ranks, resumed by 3: one error line, exit status 2, no restart, the
+    checkpoint untouched."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    job = [PY, "-m", "mpicomm.bench.recovery_job", "peer", "--steps", "4", "--every", "2",
+           "--step-ms", "0"]
+    res = mpicomm_run("-n", "2", "--checkpoint-dir", str(folder), "--", *job)
+    assert res.returncode == 0, res.stdout
+    before = sorted(os.listdir(folder / "step-000000004"))
+    res = mpicomm_run("-n", "3", "--restarts", "2", "--checkpoint-dir", str(folder), "--", *job)
+    assert res.returncode == 2, res.stdout
+    errors = [line for line in res.stdout.splitlines() if "error" in line]
+    assert len(errors) == 1 and "job of 2 ranks" in errors[0] and "this job has 3" in errors[0]
+    assert "restart" not in res.stdout
+    assert sorted(os.listdir(folder / "step-000000004")) == before
+
+
+# ---------------------------------------------------------------------- kill -9
+STEPS, EVERY = 16, 4
+
+
+def _trial(mode: str, victim: int, tmp_path, seed: int) -> dict:
+    kill_step = random.Random(seed).randint(2, STEPS - 2)
+    return recovery.kill_trial(mode, 3, victim, kill_step, str(tmp_path / f"kill-{mode}"),
+                               steps=STEPS, every=EVERY, step_ms=40.0, staleness=2)
+
+
+@pytest.mark.parametrize("mode,victim", [("sync", 2), ("peer", 1)])
+def test_kill_at_a_random_step_resumes_bitwise(tmp_path, mode, victim):
+    """Parameter server (the server killed) and GradientSync with Top-k + error feedback
+    (a rank killed): the final model equals an uninterrupted run's, bit for bit."""
+    reference = recovery.reference_run(mode, 3, str(tmp_path / "reference"), steps=STEPS,
+                                       every=EVERY)
+    trial = _trial(mode, victim, tmp_path, seed=len(mode))
+    assert trial["status"] == 0 and trial["restarts"] == 1, open(trial["log"]).read()
+    assert trial["kill_step"] is not None
+    assert recovery.bitwise_equal(reference, trial["save"])
+    assert trial["kill_to_train_s"] > 0 and trial["load_s"] >= 0
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_kill_applies_every_push_exactly_once(tmp_path, mode):
+    """A worker killed in async / SSP mode: every (worker, step) push counted once in
+    the final value, and SSP's bound held by the restarted servers."""
+    trial = _trial(mode, 1, tmp_path, seed=7)
+    assert trial["status"] == 0 and trial["restarts"] == 1, open(trial["log"]).read()
+    assert trial["exactly_once"] and trial["applied"] == trial["expected"] == 2 * STEPS
+    if mode == "ssp":
+        assert trial["server_staleness"] <= 2 and trial["worker_staleness"] <= 2
