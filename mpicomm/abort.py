@@ -124,8 +124,9 @@ def install_abort_handler() -> None:
     Without it, one rank dying while the others wait in a collective hangs the job
     forever. The handler prints the traceback prefixed with the rank, then calls
     ``MPI_Abort(MPI_COMM_WORLD, code)`` (``code``: :func:`exit_status`, usually 1);
-    ``mpiexec`` then ends every rank with a non-zero status. It is not installed in an interactive single-process session, where an
-    exception at the prompt must not kill the interpreter. Idempotent.
+    ``mpiexec`` then ends every rank with a non-zero status. It is not installed in an
+    interactive single-process session, where an exception at the prompt must not kill
+    the interpreter. Idempotent.
     """
     global _abort_installed
     with _abort_lock:

@@ -13,7 +13,7 @@ import torch
 
 import mpicomm
 from mpicomm import durable
-from mpicomm.checkpoint import CheckpointError, Checkpointer, layout
+from mpicomm.checkpoint import Checkpointer, CheckpointError, layout
 from mpicomm.checkpoint.state import fingerprint, freeze, mismatch, rng_state, set_rng_state, thaw
 
 
@@ -161,15 +161,17 @@ def test_peer_resume_is_bitwise_and_skips_a_damaged_checkpoint(comm, tmp_path_fa
     ckpt.save(5, {"step": 5})
     _steps(model, opt, sync, comm, range(5, 8))
     ckpt.close()
-    assert ckpt.stats.saves == 2 and not sync.strategy.memory.norm() == 0
+    assert ckpt.stats.saves == 2 and sync.strategy.memory.norm() != 0
     final = {k: v.clone() for k, v in model.state_dict().items()}
     sync.close()
     comm.barrier()
     if comm.rank == 0:
         victim = os.path.join(layout.step_dir(folder, 5), layout.rank_file(comm.size - 1))
-        data = bytearray(open(victim, "rb").read())
-        data[len(data) // 2] ^= 0xFF
-        open(victim, "wb").write(bytes(data))
+        with open(victim, "r+b") as f:
+            data = bytearray(f.read())
+            data[len(data) // 2] ^= 0xFF
+            f.seek(0)
+            f.write(bytes(data))
     comm.barrier()
 
     model = _model(seed=99)  # other weights: the checkpoint must replace them
@@ -282,7 +284,7 @@ def test_parameter_server_resume_is_bitwise(comm, tmp_path_factory):
     if again is not None:
         for k, v in again.items():
             assert torch.equal(v, final[k]), k
-    manifest = json.load(open(os.path.join(layout.step_dir(folder, 3),
-                                           layout.manifest_file(0))))
+    with open(os.path.join(layout.step_dir(folder, 3), layout.manifest_file(0))) as f:
+        manifest = json.load(f)
     assert layout.STORE_FILE in manifest["files"] and manifest["writers"] == \
         list(range(comm.size - 1))

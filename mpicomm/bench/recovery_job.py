@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint import CheckpointError, Checkpointer
+from ..checkpoint import Checkpointer, CheckpointError
 from ..cli import RankZeroParser
 from ..comm import Communicator, init
 from ..ps import KVStore

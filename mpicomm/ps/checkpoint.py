@@ -34,8 +34,8 @@ import torch
 from .. import durable
 from ..durable import Written
 
-__all__ = ["FORMAT", "assemble", "serialize", "write_atomic", "load", "check", "metadata", "piece_state",
-           "to_numpy", "to_torch_cpu", "worker_states"]
+__all__ = ["FORMAT", "assemble", "serialize", "write_atomic", "load", "check", "metadata",
+           "piece_state", "to_numpy", "to_torch_cpu", "worker_states"]
 
 FORMAT = "mpicomm.ps/1"
 _FIELDS = ("workers", "mode", "optimizer", "keys", "shapes", "dtypes", "frameworks", "values",
