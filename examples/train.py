@@ -38,6 +38,18 @@ step would have sent (measured with the same traffic counters: one real dense al
 of the gradient buffers, times the number of steps), the strategy's settings, and
 AdaComm's period history. ``--json PATH`` writes the same summary as JSON.
 
+Surviving a dead rank: ``--checkpoint-dir DIR`` (default ``$MPICOMM_CHECKPOINT_DIR``, set
+by ``python -m mpicomm run --restarts K --checkpoint-dir DIR``) checkpoints the model,
+the optimizer, the synchronization state (error-feedback residuals, AdaComm), the
+position in the data and the random generators every ``--checkpoint-every`` steps with
+:class:`mpicomm.checkpoint.Checkpointer`, and a restarted run resumes from the newest
+complete checkpoint there; ``--save-model PATH`` makes rank 0 write the final model's
+``state_dict`` with ``torch.save``, so that a killed and restarted run can be compared
+with one that was not (bit for bit, same seed and ranks)::
+
+    python -m mpicomm run -n 4 --restarts 2 --checkpoint-dir ckpt -- \
+        python examples/train.py --strategy topk --save-model final.pt
+
 Command-line mistakes (an option the chosen strategy does not take, a value its
 constructor rejects, ``--strategy`` together with ``--local-sgd``) end the run before any
 training with one ``train.py: error: ...`` line from rank 0 and exit status 2 on every
@@ -66,6 +78,7 @@ from tqdm import tqdm  # noqa: E402
 
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
+from mpicomm.checkpoint import ENV_CHECKPOINT_DIR, Checkpointer, CheckpointError  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
 from mpicomm.emulate.linkdelay import report_step  # noqa: E402
@@ -139,6 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="write the summary as JSON here (rank 0)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar on rank 0")
+    add_checkpoint_arguments(ap)
     ap.add_argument("--metrics", metavar="PATH", default=None,
                     help="per-step metrics as JSON lines (mpicomm.observe.metrics; rank 0, or one "
                          "file per rank with {rank} in PATH) and their plots as PATH.png "
@@ -147,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "hidden", "period", "tau0"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_checkpoint_arguments(ap, args)
     if args.local_sgd != "none":
         given = [f"--{opt.replace('_', '-')}" for opt in ("strategy", *STRATEGY_OPTIONS)
                  if getattr(args, opt) is not None]
@@ -176,6 +191,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (ValueError, TypeError) as exc:
         ap.error(f"--strategy {args.strategy}: {exc}")
     return args
+
+
+def add_checkpoint_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--checkpoint-dir``, ``--checkpoint-every`` and ``--save-model`` (also
+    examples/train_ps.py)."""
+    ap.add_argument("--checkpoint-dir", metavar="DIR",
+                    default=os.environ.get(ENV_CHECKPOINT_DIR) or None,
+                    help="checkpoint here and resume from the newest complete checkpoint "
+                         "(an existing directory; default $MPICOMM_CHECKPOINT_DIR)")
+    ap.add_argument("--checkpoint-every", type=int, default=20, metavar="N",
+                    help="steps between checkpoints (with --checkpoint-dir)")
+    ap.add_argument("--save-model", metavar="PATH", default=None,
+                    help="rank 0 writes the final model's state_dict here (torch.save)")
+
+
+def check_checkpoint_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.checkpoint_every < 1:
+        ap.error("--checkpoint-every must be >= 1")
+    if args.checkpoint_dir is not None and not os.path.isdir(args.checkpoint_dir):
+        ap.error(f"--checkpoint-dir {args.checkpoint_dir!r}: no such directory")
+
+
+def make_checkpointer(args: argparse.Namespace, comm: mpicomm.Communicator, kv: Any = None,
+                      **objects: Any) -> tuple[Checkpointer | None, dict[str, Any] | None]:
+    """The run's :class:`Checkpointer` (``None`` without ``--checkpoint-dir``) and the
+    position restored from it (``None``: start from scratch). A checkpoint of another
+    model or world size ends the run on every rank with one error line and status 2."""
+    if args.checkpoint_dir is None:
+        return None, None
+    try:
+        ckpt = Checkpointer(args.checkpoint_dir, comm=comm, every=args.checkpoint_every,
+                            kv=kv, **objects)
+        restored = ckpt.restore()
+    except CheckpointError as exc:  # raised on every rank alike, nothing loaded
+        if comm.rank == 0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr,
+                  flush=True)
+        sys.exit(2)
+    if restored is not None:
+        log.info("resumed from %s (step %d)", restored.path, restored.step)
+    return ckpt, None if restored is None else restored.position
+
+
+def save_model(model: torch.nn.Module, args: argparse.Namespace, rank: int) -> None:
+    """``--save-model``: rank 0 writes the model's ``state_dict``."""
+    if args.save_model and rank == 0:
+        torch.save(model.state_dict(), args.save_model)
 
 
 def strategy_class(name: str) -> type[Strategy] | None:
@@ -317,33 +379,50 @@ class Outcome:
 
 def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
                args: argparse.Namespace, comm: mpicomm.Communicator,
-               update: Callable[[torch.Tensor], Any], metrics: Metrics | None = None
-               ) -> tuple[int, list[dict[str, float]]]:
-    """:func:`train_loop` with this script's arguments."""
-    return train_loop(model, opt, data, comm, update, epochs=args.epochs,
-                      batch_size=args.batch_size, seed=args.seed,
-                      decay_in_loss=args.weight_decay if args.momentum_correction else 0.0,
-                      progress=not args.no_progress, metrics=metrics)
+               update: Callable[[torch.Tensor], Any], metrics: Metrics | None = None,
+               **saved: Any) -> tuple[int, list[dict[str, float]]]:
+    """:func:`train_loop` with this script's arguments, checkpointing ``saved`` (objects
+    with ``state_dict``) with ``--checkpoint-dir``."""
+    ckpt, position = make_checkpointer(args, comm, model=model, optimizer=opt, **saved)
+    try:
+        return train_loop(model, opt, data, comm, update, epochs=args.epochs,
+                          batch_size=args.batch_size, seed=args.seed,
+                          decay_in_loss=args.weight_decay if args.momentum_correction else 0.0,
+                          progress=not args.no_progress, metrics=metrics, checkpoint=ckpt,
+                          position=position)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
 
 
 def train_loop(model: torch.nn.Module, opt: Any, data: Digits, comm: mpicomm.Communicator,
                update: Callable[[torch.Tensor], Any], *, epochs: int, batch_size: int,
                seed: int = 0, decay_in_loss: float = 0.0, progress: bool = True,
-               metrics: Metrics | None = None) -> tuple[int, list[dict[str, float]]]:
+               metrics: Metrics | None = None, checkpoint: Checkpointer | None = None,
+               position: dict[str, Any] | None = None) -> tuple[int, list[dict[str, float]]]:
     """The training loop of every mode (also examples/train_ps.py); ``update(loss)``,
     called after ``backward``, synchronizes and steps the optimizer as the mode does
     (``opt`` only needs ``zero_grad``). ``decay_in_loss``: weight decay added to the loss
-    as ``wd/2 ||w||^2`` (with momentum correction). Returns the number of steps and the
-    per-epoch training metrics (averaged over all ranks of ``comm``)."""
+    as ``wd/2 ||w||^2`` (with momentum correction). ``checkpoint``: saved after every
+    step (it saves every ``every`` steps) with the position in the data; ``position``:
+    the one a checkpoint restored (the steps already done are skipped). Returns the
+    number of steps and the per-epoch training metrics (averaged over all ranks of
+    ``comm``)."""
     per_rank = len(data.y_train) // comm.size
     steps_per_epoch = -(-per_rank // batch_size)
-    bar = tqdm(total=epochs * steps_per_epoch, unit="step", file=sys.stderr,
+    done = position["step"] if position else 0
+    bar = tqdm(total=epochs * steps_per_epoch, initial=done, unit="step", file=sys.stderr,
                disable=comm.rank != 0 or not progress, mininterval=0.5)
-    steps, history = 0, []
-    for epoch in range(epochs):
+    steps = done
+    history = list(position["history"]) if position else []
+    for epoch in range(len(history), epochs):
         idx = epoch_shard(len(data.y_train), epoch, seed, comm)
-        loss_sum = correct = 0.0
+        loss_sum, correct = (position["loss_sum"], position["correct"]) if position \
+            else (0.0, 0.0)
+        position = None
         for start in range(0, len(idx), batch_size):
+            if epoch * steps_per_epoch + start // batch_size < done:
+                continue  # done before the checkpoint this run resumed from
             batch = idx[start:start + batch_size]
             x, y = data.x_train[batch], data.y_train[batch]
             opt.zero_grad()
@@ -363,6 +442,9 @@ def train_loop(model: torch.nn.Module, opt: Any, data: Digits, comm: mpicomm.Com
             if comm.rank == 0:
                 report_step(steps)  # emulated cluster's `step N` schedule entries; else no-op
             bar.update(1)
+            if checkpoint is not None:
+                checkpoint.maybe_save(steps, {"step": steps, "loss_sum": loss_sum,
+                                              "correct": correct, "history": history})
         train_loss, train_acc = global_mean(comm, loss_sum, correct, len(idx))
         history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc})
         if metrics is not None:
@@ -385,7 +467,7 @@ def train_gradient_sync(model: torch.nn.Module, opt: torch.optim.Optimizer, data
     with GradientSync(model, strategy, comm=comm, metrics=metrics) as sync:
         steps, history = run_epochs(model, opt, data, args, comm,
                                     lambda loss: sync.step(opt),  # wait, then opt.step()
-                                    metrics)
+                                    metrics, sync=sync)
         stats = sync.stats
         return Outcome(steps, stats.strategy.sent_bytes, sync.strategy.describe(), history,
                        sync={"steps": stats.steps, "comm_s": stats.comm_seconds,
@@ -412,7 +494,7 @@ def train_local_sgd(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Di
         if metrics is not None:
             metrics.observe(local)  # tau, rounds, bytes of this step
 
-    steps, history = run_epochs(model, opt, data, args, comm, update, metrics)
+    steps, history = run_epochs(model, opt, data, args, comm, update, metrics, sync=local)
     local.average()  # every rank ends with the same (averaged) model
     describe = {"mode": f"local-sgd {args.local_sgd}", "algorithm": local.algorithm,
                 "rounds": local.rounds, "final_period": local.period,
@@ -517,6 +599,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     outcome = trainer(model, opt, data, args, comm)
     train_s = comm.allreduce_value(time.perf_counter() - start, "max")
     test = evaluate(model, data.x_test, data.y_test, comm)
+    save_model(model, args, comm.rank)
     summary = summarize(outcome, test, dense_bytes_per_step(model, comm), train_s, args, comm)
     if comm.rank == 0:
         print_summary(summary)

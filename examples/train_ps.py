@@ -18,6 +18,15 @@ summary of examples/train.py (the data set is sharded over the workers only; "se
 what each worker pushed, against a dense allreduce over the workers; the worker stats
 in "settings" also give the bytes pulled) plus the
 servers' counters (staleness, updates, idle time).
+
+``--checkpoint-dir DIR`` (default ``$MPICOMM_CHECKPOINT_DIR``), ``--checkpoint-every N``
+and ``--save-model PATH`` work as in examples/train.py; worker 0 also checkpoints the
+servers' shards, optimizer state and per-worker sequence numbers
+(:meth:`mpicomm.ps.KVStore.snapshot`), so that after ``python -m mpicomm run --restarts
+K`` every push is applied exactly once::
+
+    python -m mpicomm run -n 4 --servers 1 --restarts 2 --checkpoint-dir ckpt -- \
+        python examples/train_ps.py --mode sync --save-model final.pt
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", default=None)
     ap.add_argument("--no-progress", action="store_true")
+    peer.add_checkpoint_arguments(ap)
     args = ap.parse_args(argv)
     for name in ("epochs", "batch_size", "hidden"):
         if getattr(args, name) < 1:
@@ -81,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rank must be >= 1")
     if args.slow_factor < 1:
         ap.error("--slow-factor must be >= 1")
+    peer.check_checkpoint_arguments(ap, args)
     # what examples/train.py's summary reads, with this script's meaning: gradients
     # every step (no local SGD)
     args.local_sgd = "none"
@@ -126,11 +137,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     torch.set_num_threads(args.threads or peer.default_threads(comm))
     summary = None
     if kv.is_server:
+        ckpt, _ = peer.make_checkpointer(args, comm, kv=kv)  # restores the shards
         kv.serve()
+        if ckpt is not None:
+            ckpt.close()
     else:
         data = workers.bcast_object(peer.load_data() if workers.rank == 0 else None)
         model = peer.build_model(args.hidden, args.seed)
-        opt = PSOptimizer(model, kv)
+        ckpt, position = peer.make_checkpointer(args, comm, kv=kv, model=model)
+        opt = PSOptimizer(model, kv)  # adopts a restored store's keys
         driver: Any = opt
         if args.slow_worker is not None and args.slow_worker == kv.worker_rank:
             driver = Straggler(opt, args.slow_factor)
@@ -139,7 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         steps, history = peer.train_loop(model, driver, data, workers,
                                          lambda loss: driver.step(), epochs=args.epochs,
                                          batch_size=args.batch_size, seed=args.seed,
-                                         progress=not args.no_progress)
+                                         progress=not args.no_progress, checkpoint=ckpt,
+                                         position=position)
+        if ckpt is not None:
+            ckpt.close()
         workers.barrier()
         opt.pull()  # every push is in: one final model (worker 0's, broadcast below)
         for p in model.parameters():
@@ -148,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         stats = kv.stats()
         opt.close()
         test = peer.evaluate(model, data.x_test, data.y_test, workers)
+        peer.save_model(model, args, workers.rank)
         describe = {"mode": args.mode, "staleness": args.staleness, "servers": args.servers,
                     "workers": kv.workers, "compressor": args.compressor,
                     "pull_compressor": args.pull_compressor,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,71 @@ def test_kill_applies_every_push_exactly_once(tmp_path):
     assert trial["status"] == 0 and trial["restarts"] == 1, Path(trial["log"]).read_text()
     assert trial["exactly_once"] and trial["applied"] == trial["expected"] == 2 * STEPS
     assert trial["server_staleness"] <= 2 and trial["worker_staleness"] <= 2
+
+
+# ---------------------------------------------------------------------- the examples
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(k) for k in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            continue
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill_a_rank_after_a_checkpoint(cmd: list[str], folder: Path, script: str,
+                                    after_step: int) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (a ``python -m mpicomm run --restarts 1`` job); once a complete
+    checkpoint of step ``after_step`` or later is in ``folder``, SIGKILL one rank."""
+    from mpicomm.checkpoint import layout
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        killed = False
+        while not killed and proc.poll() is None:
+            time.sleep(0.02)
+            if any(step >= after_step for step, _ in layout.complete_steps(str(folder))):
+                for pid in sorted(_descendants(proc.pid)):
+                    try:
+                        if script in Path(f"/proc/{pid}/cmdline").read_text():
+                            os.kill(pid, signal.SIGKILL)
+                            killed = True
+                            break
+                    except (OSError, ProcessLookupError):
+                        continue
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+@pytest.mark.parametrize("script,ranks,extra", [
+    ("examples/train.py", 2, ["--strategy", "topk", "--density", "0.05"]),
+    ("examples/train_ps.py", 3, ["--servers", "1", "--mode", "sync"]),
+])
+def test_examples_killed_and_restarted_match_an_uninterrupted_run(tmp_path, script, ranks,
+                                                                  extra):
+    """The examples' --checkpoint-dir / --save-model: a rank killed by SIGKILL after a
+    checkpoint, the job restarted by ``--restarts 1``: the final model equals an
+    uninterrupted run's, bit for bit."""
+    common = [PY, script, "--epochs", "4", "--hidden", "32", "--no-progress",
+              "--checkpoint-every", "5", *extra]
+    res = mpicomm_run("-n", str(ranks), "--", *common, "--save-model",
+                      str(tmp_path / "reference.pt"), timeout=300)
+    assert res.returncode == 0, res.stdout
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    res = _kill_a_rank_after_a_checkpoint(
+        [PY, "-m", "mpicomm", "run", "-n", str(ranks), "--restarts", "1", "--checkpoint-dir",
+         str(folder), "--", *common, "--save-model", str(tmp_path / "resumed.pt")],
+        folder, script, after_step=10)
+    assert res.returncode == 0 and "restart 1 of 1" in res.stdout, res.stdout
+    assert "resumed from" in res.stdout, res.stdout
+    assert recovery.bitwise_equal(str(tmp_path / "reference.pt"), str(tmp_path / "resumed.pt"))

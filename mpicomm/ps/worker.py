@@ -296,7 +296,8 @@ class Worker:
 
     def _received(self, info: KeyInfo, p: Piece, m: wire.Message) -> torch.Tensor:
         """The piece's value from a pull reply: the value itself (``d == 0``), or, with a
-        pull compressor, this worker's copy advanced by the decoded delta number ``d``."""
+        pull compressor, this worker's copy advanced by each decoded delta of the reply
+        in order, the last one number ``d`` (:mod:`mpicomm.ps.server`)."""
         if self.pull_codec is None:
             return m.arrays[0]
         where = (info.key_id, p.index)
@@ -307,9 +308,10 @@ class Worker:
             if held is None:
                 raise RuntimeError(f"compressed pull reply for key {info.key!r} piece "
                                    f"{p.index}, but this worker holds no copy of it")
-            name = pull_name(piece_name(info.key, p.index), self.rank)
-            held += self.pull_codec.decode(self.view(self.pull_codec, info, p), m.arrays,
-                                           name, m.d, info.dtype)
+            name = pull_name(piece_name(info.key, p.index))
+            for delta in self.pull_codec.decode_chain(self.view(self.pull_codec, info, p),
+                                                      m.arrays, name, m.d, info.dtype):
+                held += delta
         return self.copies[where]
 
     def _reap(self) -> None:
