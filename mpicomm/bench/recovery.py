@@ -245,8 +245,10 @@ def run(args: argparse.Namespace) -> int:
     load = os.getloadavg()
     print(f"(took {time.perf_counter() - t0:.0f} s; load average {load[0]:.1f}: restart "
           "times need a quiet machine)")
-    write_json(args.json, {"machine": machine(), "args": vars(args), "load_average": load,
-                           "summary": summary, "trials": rows})
+    kept = [{k: v for k, v in r.items() if k not in ("log", "save")} for r in rows]
+    write_json(args.json, {"suite": "recovery", "machine": machine(), "ranks": args.ranks,
+                           "args": vars(args), "load_average": load, "summary": summary,
+                           "trials": kept})
     if not args.workdir:
         shutil.rmtree(root, ignore_errors=True)
     return 0 if all(r["passed"] for r in rows) else 1
