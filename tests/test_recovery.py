@@ -1,9 +1,10 @@
 """``python -m mpicomm run --restarts K --checkpoint-dir DIR``: restarts, refusals, and kill -9
-of a rank at a random step with a bitwise (or exactly-once) resume.
+of a rank at a random step with a bitwise (or exactly-once) resume, and the same through
+examples/train.py and examples/train_ps.py (--checkpoint-dir, --save-model).
 
-The kill tests run one trial each at 3 ranks (async mode, SSP without the bound, is left
-to ``python -m mpicomm.bench recovery``, which runs ten trials per scenario:
-benchmarks/results/recovery.json).
+The kill tests run one trial each at 2-3 ranks (async mode, SSP without the bound, is
+left to ``python -m mpicomm.bench recovery``, which runs trials per scenario:
+benchmarks/results/recovery-*.json).
 """
 
 from __future__ import annotations
