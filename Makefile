@@ -8,6 +8,8 @@
 #                             hosts at 1 and 10 Gbit/s (bench-results/cluster/), then report
 #   make bench-crossover      the Crossover scheduler on shared memory (2 ranks) and on
 #                             the emulated cluster (2 and 4 hosts), then report
+#   make bench-workloads      baselines of the training workloads: dense at 8 ranks x 3 seeds,
+#                             time per step at 1, 2, 4, 8 ranks (quiet machine), then report
 #   make report               BENCHMARKS.md and benchmarks/*.png from bench-results/
 #   make lint                 ruff, and the import-linter contract of .importlinter (layers)
 #   make docs                 API reference from the docstrings (pdoc, the `docs` extra,
@@ -69,8 +71,8 @@ endif
 PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover report lint \
-	docs clean gpu-check
+.PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
+	bench-workloads report lint docs clean gpu-check
 
 install: $(STAMP)
 
@@ -119,8 +121,11 @@ bench: $(STAMP)
 	$(MPIEXEC) -n 2 $(PY) -m mpicomm.bench fusion --json $(BENCH_OUT)/fusion-2.json
 	$(MPIEXEC) -n 5 $(PY) -m mpicomm.bench ps --json $(BENCH_OUT)/ps-5.json
 	$(MPIEXEC) -n 4 $(PY) -m mpicomm.bench adaptive --json $(BENCH_OUT)/adaptive-4.json
+	$(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench train --workload digits-mlp --seeds 3 \
+	  --strategy dense --strategy gtopk+ef --local-sgd adacomm --tau0 8 \
+	  --json $(BENCH_OUT)/train-digits-mlp-$(NP).json
 	for s in $$($(PY) -m mpicomm.bench --list); do \
-	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging " in *" $$s "*) continue ;; esac; \
+	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train " in *" $$s "*) continue ;; esac; \
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done
@@ -160,7 +165,7 @@ bench-cluster: $(STAMP)
 	if [ -n "$$failed" ]; then echo "suites that failed on the emulated cluster:$$failed"; \
 	  exit 1; fi
 
-# Crossover (issue 10): the link rate at which the model's sync takes about its compute
+# Crossover: the link rate at which the model's sync takes about its compute
 # time (auto: measured first by `crossover --suggest-rate HOSTS`, or e.g. 150mbit).
 CROSSOVER_RATE ?= auto
 # Batch 4096: about 27 ms of compute per step on one idle core, so that millisecond
@@ -179,6 +184,27 @@ bench-crossover: $(STAMP)
 	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts $$h --rate $$rate \
 	    --timeout 1800 -- $(PY) -m mpicomm.bench crossover $(CROSSOVER_ARGS) --compare-spin \
 	    --json $(BENCH_OUT)/cluster/crossover-$$rate-$$h.json || exit 1; \
+	done
+	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
+
+# Baselines of the workloads (mpicomm.workloads) for BENCHMARKS.md: dense at 8 ranks, 3
+# seeds (final metric and steps), and the time per step of every workload at 1, 2, 4 and
+# 8 ranks on shared memory. Needs a quiet machine for the timings (about an hour on 2
+# cores); JSON under $(BENCH_OUT)/workloads, then the report.
+WL_RANKS ?= 1 2 4 8
+WL_STEPS ?= 60
+bench-workloads: $(STAMP)
+	@mkdir -p $(BENCH_OUT)/workloads
+	$(PY) -m mpicomm.bench workloads --json $(BENCH_OUT)/workloads/list.json
+	$(MPIEXEC) -n 8 $(PY) -m mpicomm.bench train --workload mnist1d-cnn --seeds 3 \
+	  --eval-every 100 --json $(BENCH_OUT)/workloads/dense-mnist1d-cnn-8.json
+	$(MPIEXEC) -n 8 $(PY) -m mpicomm.bench train --workload text-lm --seeds 3 \
+	  --eval-every 250 --json $(BENCH_OUT)/workloads/dense-text-lm-8.json
+	for w in digits-mlp mnist1d-cnn text-lm cnn-large-synthetic; do \
+	  for n in $(WL_RANKS); do \
+	    $(MPIEXEC) -n $$n $(PY) -m mpicomm.bench train --workload $$w --steps $(WL_STEPS) \
+	      --eval-every 0 --json $(BENCH_OUT)/workloads/step-$$w-$$n.json || exit 1; \
+	  done; \
 	done
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 

@@ -1,11 +1,13 @@
 """Does compressed aggregation keep accuracy?  Dense vs Top-k / gTop-k / AR-Top-k.
 
-A real small task: scikit-learn's bundled handwritten digits (``load_digits``, 1797 8x8
-images, 10 classes), standardized with the training split's statistics, a fixed
-stratified 75/25 train/test split, the training set sharded by rank. A 64-256-256-10
-ReLU MLP (85,002 parameters, so density 0.01 keeps 851 of them per step) is trained by
-SGD with momentum under :class:`mpicomm.torch.GradientSync` with each strategy, named by
-a label (:func:`recipe`): ``dense`` (ring allreduce, the reference) or
+A workload of :mod:`mpicomm.workloads` (``--workload``, default ``digits-mlp``:
+scikit-learn's bundled handwritten digits, 1797 8x8 images, 10 classes, a fixed stratified
+75/25 train/test split here, a 64-256-256-10 ReLU MLP of 85,002 parameters, so density
+0.01 keeps 851 of them per step; ``mnist1d-cnn`` and ``text-lm`` for runs long enough to
+judge compression) is trained by SGD with momentum through the time-to-accuracy harness
+(:mod:`mpicomm.bench.harness`, gradients averaged by
+:class:`mpicomm.torch.GradientSync`) with each strategy, named by a label
+(:func:`recipe`, :mod:`mpicomm.bench.recipes`): ``dense`` (ring allreduce, the reference) or
 ``BASE[+MOD...]`` with BASE ``topk`` / ``gtopk`` / ``artopk`` (STAR, ring) at
 ``--density`` and modifiers ``ef`` (error feedback, the default) / ``noef``, ``mc``
 (DGC momentum correction with masking; the optimizer then has no momentum), ``mcnomask``,
@@ -15,11 +17,13 @@ warm-up ``gtopkwu`` / ``dgc`` / ``linear`` / ``linear2`` or any
 epochs, :mod:`mpicomm.control.schedules`).
 
 Every strategy sees the same initial weights, the same shards and the same batch order
-(all seeded), and the same number of epochs; ``--lr-decay E`` multiplies the learning
+(all seeded; every epoch the training set is permuted and cut into one disjoint shard per
+rank), and the same number of epochs; ``--lr-decay E`` multiplies the learning
 rate by 0.1 from epoch E on, for every strategy (dense included). The whole model is one
-bucket, so top-k is taken over the whole model (the papers' setting). Printed: test
-accuracy per seed and the median over seeds, the median gap to dense and the worst
-seed's gap in percentage points, the final training loss, the bytes each rank sent per
+bucket, so top-k is taken over the whole model (the papers' setting). Printed: the test
+metric (accuracy in percent, or perplexity) per seed and the median over seeds, the
+median gap to dense and the worst seed's gap in percentage points, the final training loss,
+the bytes each rank sent per
 step (from the strategies' traffic counters) against dense, and the steps of each run::
 
     mpiexec -n 4 python examples/compression_accuracy.py            # 3 seeds
@@ -29,7 +33,8 @@ step (from the strategies' traffic counters) against dense, and the steps of eac
         --density 0.001 --strategies topk+ef+dgc:2+wd gtopk+ef+own+linear:8,0.25+wd \
         artopk+ef+linear:7+wd
 
-Measured at 8 ranks (2 shared cores, oversubscribed; accuracy does not depend on speed),
+Measured on the digits task of an earlier version of this example (fixed shards per rank)
+at 8 ranks (2 shared cores, oversubscribed; accuracy does not depend on speed),
 12 epochs = 120 steps, density 0.01, seeds 0-2, median test accuracy: with a constant lr,
 dense 97.78%, AR-Top-k+EF 94.00% (seed 2: 85.33%), AR-Top-k with momentum correction
 95.56% (seed 2: 94.00%); with ``--lr-decay 9``, dense 97.33%, Top-k+EF 96.89%,
@@ -46,35 +51,33 @@ scale" section has the 4/8/16 rank tables. At 4 ranks (12 epochs, constant lr, s
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 import mpicomm
+from mpicomm import workloads
+from mpicomm.bench import recipes
 from mpicomm.bench._util import machine
-from mpicomm.control import parse_schedule
-from mpicomm.strategies import ARTopK, Dense, GTopK, Strategy, TopKAllgather
-from mpicomm.torch import GradientSync
-
-#: Base strategies a label can start with.
-BASES = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}
-#: Schedules a label can name (``mpicomm.control.parse_schedule`` forms).
-SCHEDULES = {"gtopkwu": "gtopk", "dgc": "dgc", "linear": "linear:5", "linear2": "linear:2"}
-#: Label modifiers besides the schedules.
-FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "wd")
+from mpicomm.bench.harness import Spec, build
+from mpicomm.bench.harness import train as train_run
+from mpicomm.bench.recipes import BASES, FLAGS, SCHEDULES  # noqa: F401  (label grammar)
+from mpicomm.bench.sync import GradientMethod
+from mpicomm.cli import RankZeroParser
+from mpicomm.strategies import Strategy
 
 #: The labels run by default (with and without error feedback). The accuracy-at-scale
 #: recipes are opt-in labels, e.g. ``topk+ef+dgc gtopk+ef+own+dgc artopk+ef+dgc
 #: artopk+mc`` (README, "Accuracy at scale").
 DEFAULT_LABELS = ["dense", "gtopk+ef", "artopk+ef", "gtopk-noef", "artopk-noef"]
+#: The digits task of this example: a wider MLP and a 75/25 split.
+DIGITS_OPTIONS = {"hidden": 256, "test_fraction": 0.25}
 
 
 @dataclass(frozen=True)
@@ -86,54 +89,12 @@ class Recipe:
 
 
 def recipe(label: str, cfg: Config, steps_per_epoch: int) -> Recipe:
-    """Build the strategy a label names.
-
-    ``dense``, or ``BASE[+MOD...]`` / ``BASE-noef`` with BASE in ``topk``, ``gtopk``,
-    ``artopk`` and modifiers ``ef`` (error feedback; the default), ``noef`` (without it),
-    ``mc`` (DGC momentum correction with momentum factor masking in the error-feedback
-    memory, the optimizer then runs without momentum), ``mcnomask`` (momentum correction
-    without masking), ``clip`` (local gradient clipping at ``cfg.clip_norm / sqrt(P)``),
-    ``own`` (gTop-k only: ``own_contribution=True``, picks whose value was truncated on
-    the way go back to the residual) and
-    one warm-up schedule: ``gtopkwu`` (0.004 for epoch 0), ``dgc`` (0.25, 0.0625,
-    0.015625, 0.004, one epoch each), ``linear`` / ``linear2`` (dense to final over 5 / 2
-    epochs) or any :func:`mpicomm.control.parse_schedule` form (``linear:8``, ``dgc:2``,
-    ``warmup:0.25,0.0625/3``, ``dgc:10@step``; by epochs unless ``@step``), and ``wd``
-    (``warmup_dense=True``: warm-up steps at which the sparse collective would send more
-    than a dense allreduce are dense). ``ValueError`` for anything else.
-    """
-    if label == "dense":
-        return Recipe(Dense(algorithm="ring"), cfg.momentum)
-    base, *mods = label.replace("-noef", "+noef").split("+")
-    specs = [SCHEDULES.get(m, m) for m in mods if m not in FLAGS]
-    if base not in BASES or len(specs) > 1 or \
-            any(not _is_schedule(m, steps_per_epoch) for m in specs):
-        raise ValueError(f"unknown strategy label {label!r}: dense or BASE[+MOD..] with BASE "
-                         f"in {sorted(BASES)} and MOD in {sorted([*FLAGS, *SCHEDULES])} or "
-                         "one mpicomm.control.parse_schedule form (e.g. linear:8, dgc:2, "
-                         "warmup:0.25,0.0625/3)")
-    mc = "mc" in mods or "mcnomask" in mods
-    kwargs: dict[str, Any] = {
-        "density": cfg.density,
-        "error_feedback": "noef" not in mods,
-        "schedule": parse_schedule(specs[0], steps_per_epoch) if specs else None,
-        "warmup_dense": "wd" in mods,
-        "momentum_correction": cfg.momentum if mc else 0.0,
-        "momentum_masking": "mcnomask" not in mods,
-        "clip_norm": cfg.clip_norm if "clip" in mods else None,
-    }
-    if "own" in mods:
-        if base != "gtopk":
-            raise ValueError(f"{label!r}: the 'own' modifier is for gtopk only")
-        kwargs["own_contribution"] = True
-    return Recipe(BASES[base](**kwargs), 0.0 if mc else cfg.momentum)
-
-
-def _is_schedule(spec: str, steps_per_epoch: int) -> bool:
-    try:
-        return parse_schedule(spec, steps_per_epoch) is not None
-    except ValueError:
-        return False
+    """The strategy label ``label`` names (:func:`mpicomm.bench.recipes.label_strategy`)
+    at ``cfg.density``, and the optimizer momentum to pair it with (0 when the strategy
+    keeps the velocity: ``mc``, ``mcnomask``). ``ValueError`` for an unknown label."""
+    r = recipes.label_strategy(label, density=cfg.density, momentum=cfg.momentum,
+                               clip_norm=cfg.clip_norm, steps_per_epoch=steps_per_epoch)
+    return Recipe(r.strategy, 0.0 if r.owns_momentum else cfg.momentum)
 
 
 @dataclass(frozen=True)
@@ -143,130 +104,73 @@ class Config:
     momentum: float = 0.9
     batch: int = 16          # per rank
     density: float = 0.01
-    hidden: int = 256
+    hidden: int = 256        # digits-mlp only
     clip_norm: float = 1.0   # global threshold of the "clip" modifier (per rank / sqrt(P))
     lr_decay: int = 0        # from this epoch on lr x 0.1 (0: constant lr), every strategy
+    workload: str = "digits-mlp"
+    options: dict[str, Any] = field(default_factory=dict)  # workload options
+    eval_every: int = 0      # steps between evaluations (0: every epoch)
+    recipe_clip: bool = False  # clip the averaged gradient as the workload's recipe does
+
+    def workload_options(self) -> dict[str, Any]:
+        if self.workload == "digits-mlp":
+            return {**DIGITS_OPTIONS, "hidden": self.hidden, **self.options}
+        return dict(self.options)
 
 
 @dataclass
 class Result:
     strategy: str
     seed: int
-    accuracy: float          # test accuracy in percent
+    accuracy: float          # test metric: accuracy in percent (perplexity for text-lm)
     train_loss: float        # cross-entropy on the full training set at the end
     sent_bytes_per_step: float  # mean over ranks
     steps: int
     seconds: float
+    workload: str = "digits-mlp"
+    metric: str = "accuracy"
 
 
-def load_digits_split(comm: mpicomm.Communicator | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Standardized (train statistics) digits, fixed stratified 75/25 split, float32.
-
-    With ``comm``, rank 0 loads and broadcasts the arrays (importing scikit-learn costs
-    each rank more CPU time than the small broadcast).
-    """
-    if comm is not None and comm.size > 1:
-        arrays = load_digits_split() if comm.rank == 0 else None
-        return tuple(comm.bcast_object(arrays))  # type: ignore[return-value]
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=0,
-                                              stratify=y)
-    scaler = StandardScaler().fit(x_tr)
-    as_x = lambda a: torch.from_numpy(scaler.transform(a).astype(np.float32))  # noqa: E731
-    as_y = lambda a: torch.from_numpy(a.astype(np.int64))  # noqa: E731
-    return as_x(x_tr), as_y(y_tr), as_x(x_te), as_y(y_te)
+def spec_for(label: str, seed: int, cfg: Config) -> Spec:
+    return Spec(workload=cfg.workload, seed=seed, batch=cfg.batch,
+                options=cfg.workload_options(), epochs=cfg.epochs, lr=cfg.lr,
+                momentum=cfg.momentum, weight_decay=0.0,
+                clip_norm=None if cfg.recipe_clip else 0.0,
+                lr_decay_epoch=cfg.lr_decay, eval_every=cfg.eval_every, label=label)
 
 
-def make_model(seed: int, hidden: int = 256) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10),
-    )
-
-
-class MomentumSGD:
-    """``torch.optim.SGD(params, lr, momentum)`` (no dampening, no Nesterov, no weight
-    decay): ``b = momentum·b + g`` (``b = g`` at the first step), ``w -= lr·b``.
-
-    Written out because constructing a ``torch.optim`` optimizer imports
-    ``torch._dynamo``, about 2.5 s of CPU per rank, which dominates this example's start-up
-    on an oversubscribed machine.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], lr: float, momentum: float):
-        self.params, self.lr, self.momentum = params, lr, momentum
-        self.buffers: list[torch.Tensor | None] = [None] * len(params)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            b = self.buffers[i]
-            if b is None:
-                b = self.buffers[i] = p.grad.detach().clone()
-            else:
-                b.mul_(self.momentum).add_(p.grad)
-            p.add_(b, alpha=-self.lr)
-
-
-def train(label: str, seed: int, cfg: Config, data: tuple[torch.Tensor, ...],
-          comm: mpicomm.Communicator) -> Result:
+def train(label: str, seed: int, cfg: Config, comm: mpicomm.Communicator,
+          records: list[dict[str, Any]] | None = None) -> Result:
     """Train with strategy ``label`` from seed ``seed``; every rank returns the same
-    accuracy and loss (the replicas stay identical)."""
-    x_tr, y_tr, x_te, y_te = data
-    p, r = comm.size, comm.rank
-    shard = torch.arange(r, x_tr.shape[0], p)  # rank r's fixed shard
-    steps_per_epoch = (x_tr.shape[0] // p) // cfg.batch  # equal on every rank
-    model = make_model(seed, cfg.hidden)
-    chosen = recipe(label, cfg, steps_per_epoch)
-    strategy = chosen.strategy
-    opt = MomentumSGD(list(model.parameters()), cfg.lr, chosen.momentum)
-    order = torch.Generator().manual_seed(seed * 1009 + r)  # same batches for every label
-    loss_fn = torch.nn.functional.cross_entropy
-    start = time.perf_counter()
-    with GradientSync(model, strategy=strategy, comm=comm) as sync:
-        for epoch in range(cfg.epochs):
-            if cfg.lr_decay and epoch == cfg.lr_decay:
-                opt.lr = cfg.lr * 0.1  # the references' step decay, for every strategy
-            perm = shard[torch.randperm(shard.shape[0], generator=order)]
-            for s in range(steps_per_epoch):
-                idx = perm[s * cfg.batch:(s + 1) * cfg.batch]
-                opt.zero_grad()
-                loss_fn(model(x_tr[idx]), y_tr[idx]).backward()
-                sync.step(opt)  # wait for the averaged gradients, then opt.step()
-        steps = sync.stats.steps
-        sent = strategy.stats.sent_bytes
-    seconds = time.perf_counter() - start
-    with torch.no_grad():
-        accuracy = 100.0 * float((model(x_te).argmax(1) == y_te).float().mean())
-        train_loss = float(loss_fn(model(x_tr), y_tr))
-    sent_mean = comm.allreduce_value(sent / max(steps, 1), op="avg")
-    return Result(label, seed, accuracy, train_loss, sent_mean, steps, seconds)
+    metric and loss (the replicas stay identical). The harness's run record is appended
+    to ``records``."""
+    spec = spec_for(label, seed, cfg)
+    w = build(spec, comm)
+    chosen = recipe(label, cfg, w.info.steps_per_epoch)
+    method = GradientMethod(chosen.strategy, label=label,
+                            owns_momentum=chosen.momentum != cfg.momentum)
+    run = train_run(spec, method, comm, workload=w)
+    final = run.final_metric()
+    train_loss = w.evaluate(w.model, comm, "train")["loss"]
+    sent_mean = comm.allreduce_value(run.sent_bytes / max(run.steps, 1), op="avg")
+    if records is not None:
+        records.append(run.record())
+    value = 100.0 * final if run.metric == "accuracy" else final
+    return Result(label, seed, value, train_loss, sent_mean, run.steps, run.seconds,
+                  cfg.workload, run.metric)
 
 
 def run(labels: list[str], seeds: list[int], cfg: Config, comm: mpicomm.Communicator,
-        log: Callable[[str], None] | None = None) -> list[Result]:
+        log: Callable[[str], None] | None = None,
+        records: list[dict[str, Any]] | None = None) -> list[Result]:
     """Every label x seed, in a fixed order (the same on every rank)."""
-    data = load_digits_split(comm)
     results = []
     for seed in seeds:
         for label in labels:
-            res = train(label, seed, cfg, data, comm)
+            res = train(label, seed, cfg, comm, records)
             results.append(res)
             if log is not None:
-                log(f"seed {seed} {label:<18} acc {res.accuracy:6.2f}%  loss "
+                log(f"seed {seed} {label:<18} {res.metric} {res.accuracy:6.2f}  loss "
                     f"{res.train_loss:.4f}  {res.sent_bytes_per_step / 1e3:8.1f} kB/step  "
                     f"{res.steps} steps  {res.seconds:5.1f} s")
     return results
@@ -315,11 +219,18 @@ def table(results: list[Result], seeds: list[int], labels: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = RankZeroParser(prog="compression_accuracy.py",
+                            description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=Config.epochs)
-    parser.add_argument("--lr", type=float, default=Config.lr)
-    parser.add_argument("--batch", type=int, default=Config.batch, help="per rank")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"default: {Config.epochs} on digits-mlp, else the recipe's")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"default: {Config.lr} on digits-mlp, else the recipe's")
+    parser.add_argument("--momentum", type=float, default=None,
+                        help=f"default: {Config.momentum} on digits-mlp, else the recipe's")
+    parser.add_argument("--batch", type=int, default=None,
+                        help=f"per rank; default: {Config.batch} on digits-mlp, else the "
+                             "recipe's")
     parser.add_argument("--density", type=float, default=Config.density)
     parser.add_argument("--lr-decay", type=int, default=0, metavar="EPOCH",
                         help="multiply lr by 0.1 from this epoch on (0: constant)")
@@ -328,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", nargs="+", default=DEFAULT_LABELS,
                         help="labels: dense, or BASE[+MOD..] (see recipe()); default: "
                              + " ".join(DEFAULT_LABELS))
+    parser.add_argument("--workload", default=Config.workload,
+                        help="a workload of python -m mpicomm.bench workloads")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a workload option (repeatable)")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="evaluate every N steps (0: every epoch)")
     parser.add_argument("--no-dense", action="store_true",
                         help="do not add the dense reference run (no gaps in the table)")
     parser.add_argument("--json", help="also write the results here (rank 0)")
@@ -335,20 +252,41 @@ def main(argv: list[str] | None = None) -> int:
     labels = args.strategies
     if "dense" not in labels and not args.no_dense:
         labels = ["dense", *labels]
+    from mpicomm.bench.train import parse_options
+
+    try:
+        options = parse_options(args.option)
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.set_num_threads(1)
     comm = mpicomm.init()
-    cfg = Config(epochs=args.epochs, lr=args.lr, batch=args.batch, density=args.density,
-                 clip_norm=args.clip_norm, lr_decay=args.lr_decay)
-    for label in labels:
-        recipe(label, cfg, 1)  # ValueError for an unknown label, before any training
+    # digits-mlp: this example's own settings; other workloads: their recipe
+    recipe_of = (vars(Config()) if args.workload == "digits-mlp" else
+                 workloads.defaults(args.workload) if args.workload in workloads.names()
+                 else {})
+    given = {k: getattr(args, k) if getattr(args, k) is not None else recipe_of.get(k)
+             for k in ("epochs", "lr", "momentum", "batch")}
+    cfg = Config(**{k: v for k, v in given.items() if v is not None},
+                 density=args.density, clip_norm=args.clip_norm, lr_decay=args.lr_decay,
+                 workload=args.workload, options=options, eval_every=args.eval_every,
+                 recipe_clip=args.workload != "digits-mlp")
+    # an unknown label or workload, a batch larger than a shard: ValueError on every rank
+    # before any training
+    try:
+        info = build(spec_for(labels[0], 0, cfg), comm).info
+        for label in labels:
+            recipe(label, cfg, 1)
+    except ValueError as exc:
+        parser.error(str(exc))
     say = (lambda msg: print(msg, flush=True)) if comm.rank == 0 else None
     if say:
-        say(f"digits, MLP 64-{cfg.hidden}-{cfg.hidden}-10, {comm.size} ranks, {cfg.epochs} "
+        say(f"{info.description}, {comm.size} ranks, {cfg.epochs} "
             f"epochs, batch {cfg.batch}/rank, lr {cfg.lr}"
             + (f" (x0.1 from epoch {cfg.lr_decay})" if cfg.lr_decay else "")
             + f", momentum {cfg.momentum}, density {cfg.density}")
     start = time.perf_counter()
-    results = run(labels, args.seeds, cfg, comm, log=say)
+    records: list[dict[str, Any]] = []
+    results = run(labels, args.seeds, cfg, comm, log=say, records=records)
     if comm.rank == 0:
         print()
         print(table(results, args.seeds, labels))
@@ -356,9 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"suite": "accuracy", "machine": machine(), "config": asdict(cfg),
-                           "ranks": comm.size, "seeds": args.seeds,
+                           "ranks": comm.size, "seeds": args.seeds, "workload": info.as_dict(),
                            "summary": summarize(results, args.seeds, labels),
-                           "results": [asdict(res) for res in results]}, f, indent=1)
+                           "results": [asdict(res) for res in results],
+                           "training_runs": records}, f, indent=1)
     return 0
 
 

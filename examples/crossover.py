@@ -1,8 +1,9 @@
 """Two training jobs time-share the same ranks under the Crossover scheduler.
 
 Job ``wide`` (synchronous SGD, dense gradient averaging) and job ``narrow`` (local SGD,
-parameters averaged every 4 steps) train on scikit-learn's bundled digits; while one of
-them averages, the other computes. Each job computes exactly what it would compute
+parameters averaged every 4 steps) train on scikit-learn's bundled digits (the
+``digits-mlp`` workload's data); while one of them averages, the other computes. Each job
+computes exactly what it would compute
 alone. The script prints both jobs' test accuracy and how much of their synchronization
 was hidden, and writes a Chrome trace (one row per job per rank; open it in
 ui.perfetto.dev)::
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import torch
-from sklearn.datasets import load_digits
 
 import mpicomm
+from mpicomm import workloads
 from mpicomm.sched import CrossoverScheduler
 from mpicomm.torch import TorchJob
+from mpicomm.workloads.digits import mlp
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -32,16 +33,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.set_num_threads(1)
     comm = mpicomm.init()
 
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor((x - x.mean(0)) / (x.std(0) + 1e-8), dtype=torch.float32)
-    y = torch.tensor(y)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    train, test = order[:1400][comm.rank::comm.size], order[1400:][comm.rank::comm.size]
+    task = workloads.get("digits-mlp", rank=comm.rank, size=comm.size, batch=args.batch)
+    x, y = task.shard.inputs, task.shard.targets
+    train = task.shard.indices(0)  # this rank's examples
 
     def job(name: str, hidden: int, seed: int, **how) -> TorchJob:
-        torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-                                    torch.nn.Linear(hidden, 10))
+        model = mlp([64, hidden, 10], seed)
         g = torch.Generator().manual_seed(100 * seed + comm.rank)
         data = [(x[b], y[b]) for b in
                 (train[torch.randint(len(train), (args.batch,), generator=g)]
@@ -55,12 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         jobs[1].sync_object.average()  # local SGD: leave every rank with the same model
         events = sched.timeline.gather(comm) if args.trace else None
 
-    accuracy = {}
-    for j in jobs:
-        with torch.no_grad():
-            correct = (j.model(x[test]).argmax(1) == y[test]).sum().item()
-        counts = mpicomm.allreduce(np.array([correct, len(test)]), op="sum", comm=comm)
-        accuracy[j.name] = counts[0] / counts[1]
+    accuracy = {j.name: task.evaluate(j.model, comm)["accuracy"] for j in jobs}
     if comm.rank == 0:
         for j in jobs:
             s = stats.jobs[j.name]

@@ -9,8 +9,9 @@ DDP would allreduce go through an mpicomm strategy instead::
     mpiexec -n 4 python examples/ddp_hook.py --strategy gtopk --density 0.05
     mpiexec -n 4 python examples/ddp_hook.py --strategy dense,gtopk --density 0.05
 
-Task: scikit-learn's bundled digits (no download), a fixed 80/20 split, an MLP, SGD with
-momentum; each rank trains on a disjoint shard of every epoch's permutation. Rank 0
+Task: the ``digits-mlp`` workload of :mod:`mpicomm.workloads` (scikit-learn's bundled
+digits, no download, a fixed 80/20 split, an MLP), SGD with momentum; each rank trains on
+a disjoint shard of every epoch's permutation. Rank 0
 prints the test accuracy, and the bytes each rank sent through the hook.
 """
 
@@ -20,14 +21,12 @@ import argparse
 import json
 import time
 
-import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.nn.parallel import DistributedDataParallel
 
 import mpicomm  # mpicomm
 import mpicomm.torch  # mpicomm
+from mpicomm import workloads
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,25 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def load(seed: int = 0) -> tuple[torch.Tensor, ...]:
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed,
-                                              stratify=y)
-    mean, std = x_tr.mean(0), x_tr.std(0) + 1e-8
-    as_x = lambda a: torch.tensor((a - mean) / std, dtype=torch.float32)  # noqa: E731
-    return as_x(x_tr), torch.tensor(y_tr), as_x(x_te), torch.tensor(y_te)
-
-
-def train(strategy: str | None, args: argparse.Namespace, comm: mpicomm.Communicator,
-          data: tuple[torch.Tensor, ...]) -> dict[str, float | int | str]:
+def train(strategy: str | None, args: argparse.Namespace, comm: mpicomm.Communicator
+          ) -> dict[str, float | int | str]:
     """One DDP training run; ``strategy=None`` uses DDP's own allreduce (no hook)."""
-    x_tr, y_tr, x_te, y_te = data
-    rank, size = comm.rank, comm.size
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                              torch.nn.Linear(128, 128), torch.nn.ReLU(),
-                              torch.nn.Linear(128, 10))
-    model = DistributedDataParallel(net)  # broadcasts rank 0's weights
+    task = workloads.get("digits-mlp", rank=comm.rank, size=comm.size, seed=0,
+                         batch=args.batch_size)
+    model = DistributedDataParallel(task.model)  # broadcasts rank 0's weights
     hook = None
     if strategy is not None:
         options = {} if args.density is None or strategy == "dense" else {
@@ -72,17 +58,12 @@ def train(strategy: str | None, args: argparse.Namespace, comm: mpicomm.Communic
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     start = time.perf_counter()
-    per_rank = len(y_tr) // size
     for epoch in range(args.epochs):
-        perm = np.random.default_rng([0, epoch]).permutation(len(y_tr))
-        shard = torch.from_numpy(perm[rank * per_rank:(rank + 1) * per_rank])
-        for i in range(0, per_rank, args.batch_size):
-            batch = shard[i:i + args.batch_size]
+        for x, y in task.shard.batches(epoch):
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x_tr[batch]), y_tr[batch]).backward()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-    with torch.no_grad():
-        accuracy = float((model.module(x_te).argmax(1) == y_te).float().mean())
+    accuracy = task.evaluate(model.module, None)["accuracy"]
     result = {"strategy": strategy or "ddp", "test_accuracy": accuracy,
               "train_s": time.perf_counter() - start,
               "hook_sent_bytes": hook.state.stats.sent_bytes if hook else 0}
@@ -96,11 +77,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     torch.set_num_threads(1)  # several ranks share this machine's cores
     comm = mpicomm.init()  # mpicomm
     mpicomm.torch.init_process_group(comm)  # mpicomm: gloo group, rank and size from MPI
-    data = load()
     names = [None] if args.strategy is None else args.strategy.split(",")
     runs = {}
     for name in names:
-        r = train(name, args, comm, data)
+        r = train(name, args, comm)
         runs[str(r["strategy"])] = r
         if comm.rank == 0:
             print(f"DDP {r['strategy']} on {comm.size} ranks, {args.epochs} epochs: test "

@@ -1,4 +1,4 @@
-"""Data-parallel training of an MLP on real data with mpicomm, ending with a summary.
+"""Data-parallel training of a workload with mpicomm, ending with a summary.
 
 Run under MPI (each rank trains on its own disjoint shard of the training set)::
 
@@ -7,12 +7,14 @@ Run under MPI (each rank trains on its own disjoint shard of the training set)::
     mpiexec -n 4 python examples/train.py --local-sgd fixed --period 8
     mpiexec -n 4 python examples/train.py --local-sgd adacomm --tau0 8 --json out.json
 
-Task: scikit-learn's bundled ``load_digits`` (1797 8x8 images of handwritten digits, 10
-classes; ships with the package, nothing is downloaded), a fixed stratified 80/20
-train/test split, features standardized with the training split's statistics, and an
-MLP 64-H-H-10. Every epoch the training set is permuted with a seed shared by all ranks
-and cut into ``size`` disjoint equal shards, so the ranks never see the same example in
-one epoch and all take the same number of steps.
+Task: a workload of :mod:`mpicomm.workloads` (``--workload``, default ``digits-mlp``:
+scikit-learn's bundled ``load_digits``, 1797 8x8 images of handwritten digits, a fixed
+stratified 80/20 split, an MLP 64-H-H-10 with ``--hidden`` H; ``mnist1d-cnn``,
+``text-lm``, ``cnn-large-synthetic``; ``--option KEY=VALUE`` sets a workload option).
+Every epoch the training set is permuted with a seed shared by all ranks and cut into
+``size`` disjoint equal shards, so the ranks never see the same example in one epoch and
+all take the same number of steps. The loop is the time-to-accuracy harness
+(:mod:`mpicomm.bench.harness`), which also evaluates the test metric after every epoch.
 
 Two ways to synchronize:
 
@@ -31,9 +33,10 @@ Two ways to synchronize:
   ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``). The
   gradient strategy is not used in this mode (parameters are averaged densely).
 
-Rank 0 shows a tqdm bar and prints the summary: test accuracy and loss (the test split is
-sharded over the ranks and the sums allreduced), wall time, the bytes each rank sent
-through mpicomm's collectives, the bytes a dense allreduce of the gradients at every
+Rank 0 shows a tqdm bar and prints the summary: test accuracy (the workload's metric)
+and loss (the test split is sharded over the ranks and the sums combined), wall time,
+the bytes each rank sent through mpicomm's collectives, the bytes a dense allreduce of the
+gradients at every
 step would have sent (measured with the same traffic counters: one real dense allreduce
 of the gradient buffers, times the number of steps), the strategy's settings, and
 AdaComm's period history. ``--json PATH`` writes the same summary as JSON.
@@ -72,19 +75,20 @@ from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
+from mpicomm.bench.harness import Run, Spec, build, default_threads, train  # noqa: E402
+from mpicomm.bench.sync import GradientMethod, LocalSGDMethod  # noqa: E402
+from mpicomm.bench.train import parse_options  # noqa: E402
 from mpicomm.checkpoint import ENV_CHECKPOINT_DIR, Checkpointer, CheckpointError  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
-from mpicomm.emulate.linkdelay import report_step  # noqa: E402
 from mpicomm.observe.metrics import Metrics  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
-from mpicomm.torch import GradientSync, LocalSGD  # noqa: E402
+from mpicomm.workloads import Workload  # noqa: E402
 
 log = logging.getLogger("train")
 
@@ -99,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog=os.path.basename(__file__),
         description="Train an MLP on scikit-learn's digits with mpicomm "
                     "(run under mpiexec; rank 0 prints the summary).")
+    ap.add_argument("--workload", default="digits-mlp",
+                    help="a workload of python -m mpicomm.bench workloads")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a workload option (repeatable; digits-mlp: --hidden sets hidden)")
     ap.add_argument("--epochs", type=int, default=30, help="passes over the training set")
     ap.add_argument("--batch-size", type=int, default=32, help="minibatch size per rank")
     ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
@@ -162,6 +170,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     check_checkpoint_arguments(ap, args)
+    try:
+        args.options = parse_options(args.option)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.workload == "digits-mlp":
+        args.options.setdefault("hidden", args.hidden)
     if args.local_sgd != "none":
         given = [f"--{opt.replace('_', '-')}" for opt in ("strategy", *STRATEGY_OPTIONS)
                  if getattr(args, opt) is not None]
@@ -274,15 +288,6 @@ def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
-def default_threads(comm: mpicomm.Communicator) -> int:
-    """Usable cores of this process divided by the ranks on this node (at least 1)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // comm.local_size)
-
-
 def setup_logging(rank: int) -> None:
     """This script logs on rank 0 (its messages are the same on every rank); mpicomm's own
     warnings show on any rank. Every line carries the rank."""
@@ -291,68 +296,13 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("mpicomm").setLevel(logging.WARNING)
 
 
-# ---------------------------------------------------------------------- data and model
-@dataclass
-class Digits:
-    """The whole train and test splits (every rank holds them; shards are index sets)."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-
-def load_data(test_fraction: float = 0.2) -> Digits:
-    """scikit-learn's bundled digits: fixed stratified split, standardized by the train split."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=0,
-                                              stratify=y)
-    mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
-    std[std == 0] = 1.0  # constant border pixels
-
-    def tensor(a: np.ndarray) -> torch.Tensor:
-        return torch.tensor((a - mean) / std, dtype=torch.float32)
-
-    return Digits(tensor(x_tr), torch.tensor(y_tr), tensor(x_te), torch.tensor(y_te))
-
-
-def epoch_shard(n: int, epoch: int, seed: int, comm: mpicomm.Communicator) -> torch.Tensor:
-    """This rank's training indices for ``epoch``: a block of a permutation shared by all
-    ranks, so shards are disjoint and equal in size (the last ``n % size`` examples of
-    each permutation are left out for that epoch)."""
-    perm = np.random.default_rng([seed, epoch]).permutation(n)
-    per_rank = n // comm.size
-    return torch.from_numpy(perm[comm.rank * per_rank:(comm.rank + 1) * per_rank])
-
-
-def build_model(hidden: int, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10))
-
-
-# ---------------------------------------------------------------------- metrics
-def global_mean(comm: mpicomm.Communicator, loss_sum: float, correct: float,
-                count: float) -> tuple[float, float]:
-    """(mean loss, accuracy) over all ranks' examples: one allreduce of three sums."""
-    total = mpicomm.allreduce(np.array([loss_sum, correct, count], dtype=np.float64),
-                              op="sum", comm=comm)
-    return float(total[0] / total[2]), float(total[1] / total[2])
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-             comm: mpicomm.Communicator) -> tuple[float, float]:
-    """Loss and accuracy on (x, y), each rank evaluating every ``size``-th example."""
-    xs, ys = x[comm.rank::comm.size], y[comm.rank::comm.size]
-    out = model(xs)
-    loss = torch.nn.functional.cross_entropy(out, ys, reduction="sum")
-    return global_mean(comm, float(loss), float((out.argmax(1) == ys).sum()), len(ys))
+# ---------------------------------------------------------------------- training
+def spec_of(args: argparse.Namespace) -> Spec:
+    """The harness's description of this run (a test evaluation after every epoch)."""
+    return Spec(workload=args.workload, seed=args.seed, batch=args.batch_size,
+                options=args.options, epochs=args.epochs, lr=args.lr, momentum=args.momentum,
+                weight_decay=args.weight_decay,
+                decay_in_loss=bool(getattr(args, "momentum_correction", None)), clip_norm=0.0)
 
 
 def dense_bytes_per_step(model: torch.nn.Module, comm: mpicomm.Communicator) -> int:
@@ -364,120 +314,77 @@ def dense_bytes_per_step(model: torch.nn.Module, comm: mpicomm.Communicator) -> 
     return probe.stats.sent_bytes
 
 
-# ---------------------------------------------------------------------- training
+def run_harness(method: Any, w: Workload, args: argparse.Namespace,
+                comm: mpicomm.Communicator, metrics: Metrics | None = None,
+                checkpoint: Callable[[Any], Any] | None = None) -> Run:
+    """Train ``w`` with ``method`` (:mod:`mpicomm.bench.sync`) through the harness, with
+    rank 0's progress bar and the per-epoch metrics records (also examples/train_ps.py).
+    With ``--checkpoint-dir``: checkpoints of the model, the optimizer and the method's
+    state (``checkpoint``: the harness's factory, for the parameter server's)."""
+    if checkpoint is None and args.checkpoint_dir is not None:
+        def checkpoint(ctx: Any) -> Any:
+            return make_checkpointer(args, comm, model=ctx.model, optimizer=ctx.opt,
+                                     **method.state_objects())
+    spec = spec_of(args)
+    spec.metrics = metrics
+    bar = tqdm(total=args.epochs * w.info.steps_per_epoch, unit="step", file=sys.stderr,
+               disable=comm.rank != 0 or args.no_progress, mininterval=0.5)
+
+    def epoch_end(epoch: int, stats: dict[str, float], ctx: Any) -> None:
+        if metrics is not None:
+            metrics.record("epoch", epoch=epoch + 1, loss=stats["train_loss"],
+                           accuracy=stats["train_acc"])
+        bar.set_postfix(epoch=epoch + 1, loss=f"{stats['train_loss']:.3f}",
+                        acc=f"{stats['train_acc']:.3f}")
+
+    try:
+        return train(spec, method, comm, workload=w, on_step=lambda step, ctx: bar.update(1),
+                     on_epoch_end=epoch_end, checkpoint=checkpoint)
+    finally:
+        bar.close()
+
+
 @dataclass
 class Outcome:
     """What one training run did on this rank."""
 
-    steps: int
-    sent_bytes: int
+    run: Run
     describe: dict[str, Any]
-    history: list[dict[str, float]]
     tau_history: list[int] | None = None
     sync: dict[str, float] | None = None
 
+    @property
+    def steps(self) -> int:
+        return self.run.steps
 
-def run_epochs(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
-               args: argparse.Namespace, comm: mpicomm.Communicator,
-               update: Callable[[torch.Tensor], Any], metrics: Metrics | None = None,
-               **saved: Any) -> tuple[int, list[dict[str, float]]]:
-    """:func:`train_loop` with this script's arguments, checkpointing ``saved`` (objects
-    with ``state_dict``) with ``--checkpoint-dir``."""
-    ckpt, position = make_checkpointer(args, comm, model=model, optimizer=opt, **saved)
-    try:
-        return train_loop(model, opt, data, comm, update, epochs=args.epochs,
-                          batch_size=args.batch_size, seed=args.seed,
-                          decay_in_loss=args.weight_decay if args.momentum_correction else 0.0,
-                          progress=not args.no_progress, metrics=metrics, checkpoint=ckpt,
-                          position=position)
-    finally:
-        if ckpt is not None:
-            ckpt.close()
+    @property
+    def sent_bytes(self) -> int:
+        return self.run.sent_bytes
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        return self.run.history
 
 
-def train_loop(model: torch.nn.Module, opt: Any, data: Digits, comm: mpicomm.Communicator,
-               update: Callable[[torch.Tensor], Any], *, epochs: int, batch_size: int,
-               seed: int = 0, decay_in_loss: float = 0.0, progress: bool = True,
-               metrics: Metrics | None = None, checkpoint: Checkpointer | None = None,
-               position: dict[str, Any] | None = None) -> tuple[int, list[dict[str, float]]]:
-    """The training loop of every mode (also examples/train_ps.py); ``update(loss)``,
-    called after ``backward``, synchronizes and steps the optimizer as the mode does
-    (``opt`` only needs ``zero_grad``). ``decay_in_loss``: weight decay added to the loss
-    as ``wd/2 ||w||^2`` (with momentum correction). ``checkpoint``: saved after every
-    step (it saves every ``every`` steps) with the position in the data; ``position``:
-    the one a checkpoint restored (the steps already done are skipped). Returns the
-    number of steps and the per-epoch training metrics (averaged over all ranks of
-    ``comm``)."""
-    per_rank = len(data.y_train) // comm.size
-    steps_per_epoch = -(-per_rank // batch_size)
-    done = position["step"] if position else 0
-    bar = tqdm(total=epochs * steps_per_epoch, initial=done, unit="step", file=sys.stderr,
-               disable=comm.rank != 0 or not progress, mininterval=0.5)
-    steps = done
-    history = list(position["history"]) if position else []
-    for epoch in range(len(history), epochs):
-        idx = epoch_shard(len(data.y_train), epoch, seed, comm)
-        loss_sum, correct = (position["loss_sum"], position["correct"]) if position \
-            else (0.0, 0.0)
-        position = None
-        for start in range(0, len(idx), batch_size):
-            if epoch * steps_per_epoch + start // batch_size < done:
-                continue  # done before the checkpoint this run resumed from
-            batch = idx[start:start + batch_size]
-            x, y = data.x_train[batch], data.y_train[batch]
-            opt.zero_grad()
-            out = model(x)
-            loss = torch.nn.functional.cross_entropy(out, y)
-            if decay_in_loss:  # weight decay folded into the gradient
-                decay = sum(p.pow(2).sum() for p in model.parameters())
-                (loss + 0.5 * decay_in_loss * decay).backward()
-            else:
-                loss.backward()
-            if metrics is not None:
-                metrics.note(loss=loss.item())
-            update(loss)
-            loss_sum += loss.item() * len(batch)
-            correct += float((out.argmax(1) == y).sum())
-            steps += 1
-            if comm.rank == 0:
-                report_step(steps)  # emulated cluster's `step N` schedule entries; else no-op
-            bar.update(1)
-            if checkpoint is not None:
-                checkpoint.maybe_save(steps, {"step": steps, "loss_sum": loss_sum,
-                                              "correct": correct, "history": history})
-        train_loss, train_acc = global_mean(comm, loss_sum, correct, len(idx))
-        history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc})
-        if metrics is not None:
-            metrics.record("epoch", epoch=epoch + 1, loss=train_loss, accuracy=train_acc)
-        bar.set_postfix(epoch=epoch + 1, loss=f"{train_loss:.3f}", acc=f"{train_acc:.3f}")
-    bar.close()
-    return steps, history
-
-
-def train_gradient_sync(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
-                        args: argparse.Namespace, comm: mpicomm.Communicator) -> Outcome:
+def train_gradient_sync(w: Workload, args: argparse.Namespace,
+                        comm: mpicomm.Communicator) -> Outcome:
     """Average gradients every step with the chosen strategy (GradientSync)."""
     kwargs = strategy_kwargs(args.strategy, args)
     if "schedule" in kwargs:  # by epochs: needs the steps each rank takes per epoch
-        per_rank = len(data.y_train) // comm.size
         kwargs["schedule"] = parse_schedule(kwargs["schedule"],
-                                            steps_per_epoch=-(-per_rank // args.batch_size))
+                                            steps_per_epoch=w.info.steps_per_epoch)
     strategy = strategies.make(args.strategy, **kwargs)
     metrics = Metrics(args.metrics) if args.metrics else None
-    with GradientSync(model, strategy, comm=comm, metrics=metrics) as sync:
-        steps, history = run_epochs(model, opt, data, args, comm,
-                                    lambda loss: sync.step(opt),  # wait, then opt.step()
-                                    metrics, sync=sync)
-        stats = sync.stats
-        return Outcome(steps, stats.strategy.sent_bytes, sync.strategy.describe(), history,
-                       sync={"steps": stats.steps, "comm_s": stats.comm_seconds,
-                             "wait_s": stats.wait_seconds})
+    method = GradientMethod(strategy, label=args.strategy,
+                            owns_momentum=bool(args.momentum_correction), metrics=metrics)
+    run = run_harness(method, w, args, comm, metrics)
+    return Outcome(run, run.extra["describe"], sync=run.extra["sync"])
 
 
-def train_local_sgd(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Digits,
-                    args: argparse.Namespace, comm: mpicomm.Communicator) -> Outcome:
+def train_local_sgd(w: Workload, args: argparse.Namespace,
+                    comm: mpicomm.Communicator) -> Outcome:
     """Local optimizer steps; LocalSGD averages the parameters every tau steps."""
-    steps_total = args.epochs * -(-(len(data.y_train) // comm.size) // args.batch_size)
+    steps_total = args.epochs * w.info.steps_per_epoch
     if args.local_sgd == "adacomm":
         # about ten decisions if the period stayed at tau0 (more as it shrinks), at least
         # two averaging rounds apart so that each sees a loss averaged over 2 tau steps
@@ -485,47 +392,40 @@ def train_local_sgd(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Di
         period: int | AdaComm = AdaComm(args.tau0, interval_rounds=interval)
     else:
         period = args.period
-    local = LocalSGD(model, period, opt, comm=comm)
     metrics = Metrics(args.metrics) if args.metrics else None
-
-    def update(loss: torch.Tensor) -> None:
-        opt.step()  # a local step
-        local.step(loss)  # averages the parameters when the period is reached
-        if metrics is not None:
-            metrics.observe(local)  # tau, rounds, bytes of this step
-
-    steps, history = run_epochs(model, opt, data, args, comm, update, metrics, sync=local)
-    local.average()  # every rank ends with the same (averaged) model
-    describe = {"mode": f"local-sgd {args.local_sgd}", "algorithm": local.algorithm,
-                "rounds": local.rounds, "final_period": local.period,
+    run = run_harness(LocalSGDMethod(period, metrics=metrics), w, args, comm, metrics)
+    describe = {"mode": f"local-sgd {args.local_sgd}", "algorithm": run.extra["algorithm"],
+                "rounds": run.extra["rounds"], "final_period": run.extra["final_period"],
                 "note": "parameters averaged by dense allreduce; --strategy not used"}
-    if local.adacomm is not None:
-        describe["adacomm"] = repr(local.adacomm)
-    taus = [d.tau for d in local.history] if local.adacomm is not None else None
-    return Outcome(steps, local.traffic.sent_bytes, describe, history, tau_history=taus)
+    if "adacomm" in run.extra:
+        describe["adacomm"] = run.extra["adacomm"]
+    return Outcome(run, describe, tau_history=run.extra.get("tau_history"))
 
 
 # ---------------------------------------------------------------------- summary
-def summarize(outcome: Outcome, test: tuple[float, float], dense_step: int,
-              train_s: float, args: argparse.Namespace,
+def summarize(outcome: Outcome, dense_step: int, args: argparse.Namespace,
               comm: mpicomm.Communicator) -> dict[str, Any]:
     """The run's summary (collective: gathers every rank's byte count)."""
     sent = comm.allgather_object(outcome.sent_bytes)
     dense = dense_step * outcome.steps
     mean_sent = sum(sent) / len(sent)
+    final = outcome.run.final
     return {
         "ranks": comm.size,
         "mode": "gradient-sync" if args.local_sgd == "none" else f"local-sgd {args.local_sgd}",
         "strategy": args.strategy if args.local_sgd == "none" else None,
+        "workload": args.workload,
         "describe": outcome.describe,
-        "test_accuracy": test[1],
-        "test_loss": test[0],
+        "metric": outcome.run.metric,
+        "test_metric": final.get(outcome.run.metric),
+        "test_accuracy": final.get("accuracy"),
+        "test_loss": final["loss"],
         "train_loss": outcome.history[-1]["train_loss"],
         "train_accuracy": outcome.history[-1]["train_acc"],
         "epochs": args.epochs,
         "steps": outcome.steps,
         "wall_s": time.perf_counter() - _START,
-        "train_s": train_s,
+        "train_s": outcome.run.seconds,
         "sent_bytes_per_rank": mean_sent,
         "sent_bytes_max_rank": max(sent),
         "dense_bytes_per_rank": dense,
@@ -534,6 +434,7 @@ def summarize(outcome: Outcome, test: tuple[float, float], dense_step: int,
         "tau_history": outcome.tau_history,
         "sync": outcome.sync,
         "history": outcome.history,
+        "curve": outcome.run.curve,
         "args": vars(args),
     }
 
@@ -562,6 +463,8 @@ def print_summary(s: dict[str, Any]) -> None:
         f"== mpicomm examples/train.py: {s['ranks']} ranks, {s['mode']}, "
         f"{s['epochs']} epochs, {s['steps']} steps",
         f"settings          {json.dumps(s['describe'])}",
+        f"test {s['metric']:<12} {s['test_metric']:.4f}   test loss {s['test_loss']:.4f}"
+        if s["metric"] != "accuracy" else
         f"test accuracy     {s['test_accuracy']:.4f}   test loss {s['test_loss']:.4f}",
         f"train accuracy    {s['train_accuracy']:.4f}   train loss {s['train_loss']:.4f}",
         f"wall time         {s['wall_s']:.1f} s (training {s['train_s']:.1f} s; "
@@ -581,26 +484,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     comm = mpicomm.init()
     setup_logging(comm.rank)
     torch.set_num_threads(args.threads or default_threads(comm))
-    # rank 0 reads the data set and broadcasts it: one scikit-learn import instead of one
-    # per rank (the ranks share the cores)
-    data = comm.bcast_object(load_data() if comm.rank == 0 else None)
-    model = build_model(args.hidden, args.seed)
-    if args.momentum_correction:  # the strategy owns the velocity; decay is in the loss
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                              weight_decay=args.weight_decay)
-    log.info("%d ranks x %d torch thread(s); %d train / %d test examples; %d parameters",
-             comm.size, torch.get_num_threads(), len(data.y_train), len(data.y_test),
-             sum(p.numel() for p in model.parameters()))
-    comm.barrier()
-    start = time.perf_counter()
+    try:  # an unknown workload or option, a batch larger than a shard: on every rank
+        w = build(spec_of(args), comm)
+    except ValueError as exc:
+        RankZeroParser(prog=os.path.basename(__file__)).error(str(exc))
+    log.info("%d ranks x %d torch thread(s); %s: %d train / %d test examples; %d parameters",
+             comm.size, torch.get_num_threads(), w.info.description, w.info.train_examples,
+             w.info.eval_examples, w.info.parameters)
     trainer = train_gradient_sync if args.local_sgd == "none" else train_local_sgd
-    outcome = trainer(model, opt, data, args, comm)
-    train_s = comm.allreduce_value(time.perf_counter() - start, "max")
-    test = evaluate(model, data.x_test, data.y_test, comm)
-    save_model(model, args, comm.rank)
-    summary = summarize(outcome, test, dense_bytes_per_step(model, comm), train_s, args, comm)
+    outcome = trainer(w, args, comm)
+    save_model(w.model, args, comm.rank)
+    summary = summarize(outcome, dense_bytes_per_step(w.model, comm), args, comm)
     if comm.rank == 0:
         print_summary(summary)
         if args.json:

@@ -1,4 +1,4 @@
-"""examples/train.py in parameter-server mode: the same data, model, loop and summary.
+"""examples/train.py in parameter-server mode: the same workload, loop and summary.
 
 The last ``--servers`` ranks become parameter servers (they hold the model and apply SGD
 with momentum and weight decay on their shards); the other ranks are workers that train
@@ -43,14 +43,17 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from mpicomm.bench.harness import build  # noqa: E402
+from mpicomm.bench.sync import PSMethod  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train as peer  # noqa: E402  (examples/train.py: data, model, loop, summary)
 
 import mpicomm  # noqa: E402
+from mpicomm import workloads  # noqa: E402
 from mpicomm.cli import ps_servers  # noqa: E402
 from mpicomm.compress import REGISTRY, make  # noqa: E402
 from mpicomm.ps import MODES, KVStore  # noqa: E402
-from mpicomm.torch import PSOptimizer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slow-worker", type=int, default=None, help="make this worker slow")
     ap.add_argument("--slow-factor", type=float, default=3.0,
                     help="the slow worker's step takes this many times as long")
+    ap.add_argument("--workload", default="digits-mlp",
+                    help="a workload of python -m mpicomm.bench workloads")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a workload option (repeatable)")
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.05)
@@ -92,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.slow_factor < 1:
         ap.error("--slow-factor must be >= 1")
     peer.check_checkpoint_arguments(ap, args)
+    try:
+        args.options = peer.parse_options(args.option)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.workload == "digits-mlp":
+        args.options.setdefault("hidden", args.hidden)
     # what examples/train.py's summary reads, with this script's meaning: gradients
     # every step (no local SGD)
     args.local_sgd = "none"
@@ -109,25 +122,15 @@ def make_compressor(name: str | None, args: argparse.Namespace) -> Any:
     return make(name)
 
 
-class Straggler:
-    """Sleep ``factor - 1`` times the step's compute time (measured since ``zero_grad``)."""
-
-    def __init__(self, opt: PSOptimizer, factor: float) -> None:
-        self.opt, self.factor, self.t0 = opt, factor, time.perf_counter()
-
-    def zero_grad(self) -> None:
-        self.t0 = time.perf_counter()
-        self.opt.zero_grad()
-
-    def step(self) -> None:
-        time.sleep((self.factor - 1) * (time.perf_counter() - self.t0))
-        self.opt.step()
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     comm = mpicomm.init()
     peer.setup_logging(comm.rank)
+    try:  # the workers' shards, checked on every rank before the servers start
+        workloads.get(args.workload, rank=0, size=max(1, comm.size - args.servers),
+                      seed=args.seed, batch=args.batch_size, **args.options)
+    except ValueError as exc:
+        peer.RankZeroParser(prog=os.path.basename(__file__)).error(str(exc))
     kv = KVStore(comm, servers=args.servers, mode=args.mode, staleness=args.staleness,
                  optimizer="sgd", lr=args.lr, momentum=args.momentum,
                  weight_decay=args.weight_decay,
@@ -142,38 +145,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         if ckpt is not None:
             ckpt.close()
     else:
-        data = workers.bcast_object(peer.load_data() if workers.rank == 0 else None)
-        model = peer.build_model(args.hidden, args.seed)
-        ckpt, position = peer.make_checkpointer(args, comm, kv=kv, model=model)
-        opt = PSOptimizer(model, kv)  # adopts a restored store's keys
-        driver: Any = opt
-        if args.slow_worker is not None and args.slow_worker == kv.worker_rank:
-            driver = Straggler(opt, args.slow_factor)
-        workers.barrier()
-        start = time.perf_counter()
-        steps, history = peer.train_loop(model, driver, data, workers,
-                                         lambda loss: driver.step(), epochs=args.epochs,
-                                         batch_size=args.batch_size, seed=args.seed,
-                                         progress=not args.no_progress, checkpoint=ckpt,
-                                         position=position)
-        if ckpt is not None:
-            ckpt.close()
-        workers.barrier()
-        opt.pull()  # every push is in: one final model (worker 0's, broadcast below)
-        for p in model.parameters():
-            p.data.copy_(torch.from_numpy(workers.bcast_object(p.data.numpy())))
-        train_s = workers.allreduce_value(time.perf_counter() - start, "max")
+        w = build(peer.spec_of(args), workers)
+        # restored before the harness builds the PSOptimizer, which adopts the keys
+        resumed = peer.make_checkpointer(args, comm, kv=kv, model=w.model)
+        slow = args.slow_worker is not None and args.slow_worker == kv.worker_rank
+        method = PSMethod(kv, slow_factor=args.slow_factor if slow else 1.0)
+        run = peer.run_harness(method, w, args, workers,
+                               checkpoint=None if resumed[0] is None else lambda ctx: resumed)
         stats = kv.stats()
-        opt.close()
-        test = peer.evaluate(model, data.x_test, data.y_test, workers)
-        peer.save_model(model, args, workers.rank)
+        method.opt.close()
+        peer.save_model(w.model, args, workers.rank)
         describe = {"mode": args.mode, "staleness": args.staleness, "servers": args.servers,
                     "workers": kv.workers, "compressor": args.compressor,
                     "pull_compressor": args.pull_compressor,
                     "slow_worker": args.slow_worker, "worker_stats": stats}
-        outcome = peer.Outcome(steps, stats["bytes_pushed"], describe, history)
-        summary = peer.summarize(outcome, test, peer.dense_bytes_per_step(model, workers),
-                                 train_s, args, workers)
+        outcome = peer.Outcome(run, describe)
+        summary = peer.summarize(outcome, peer.dense_bytes_per_step(w.model, workers), args,
+                                 workers)
         summary["mode"] = f"parameter server ({args.mode})"
         summary["wall_s"] = time.perf_counter() - _START
     server_stats = comm.allgather_object(kv.stats() if kv.is_server else None)

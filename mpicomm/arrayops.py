@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from . import clock
+
 __all__ = ["ArrayOps", "TorchOps", "ops_for"]
+
+
+def _nbytes(a: Any) -> int:
+    """Bytes of a numpy/cupy array or torch tensor (what the virtual clock charges)."""
+    nbytes = getattr(a, "nbytes", None)
+    return int(nbytes) if nbytes is not None else a.numel() * a.element_size()
 
 
 class ArrayOps:
@@ -55,11 +63,13 @@ class ArrayOps:
         return self.xp.ascontiguousarray(a).reshape(-1)
 
     def copy_(self, dst: Any, src: Any) -> None:
+        clock.charge("copy", _nbytes(dst))
         self.xp.copyto(dst, src)
         self.sync(dst)
 
     def reduce_(self, acc: Any, other: Any, op: str) -> None:
         """``acc = op(acc, other)`` elementwise, in place (``avg`` reduces as ``sum``)."""
+        clock.charge("reduce", _nbytes(acc))
         fn = {"sum": self.xp.add, "avg": self.xp.add, "max": self.xp.maximum,
               "min": self.xp.minimum}[op]
         fn(acc, other, out=acc)
@@ -68,12 +78,14 @@ class ArrayOps:
     def combine_(self, out: Any, a: Any, b: Any, op: str) -> None:
         """``out = op(a, b)`` elementwise (``out`` may be ``a``): a reduction that leaves
         its inputs alone, for algorithms that must not modify the caller's buffer."""
+        clock.charge("reduce", _nbytes(out))
         fn = {"sum": self.xp.add, "avg": self.xp.add, "max": self.xp.maximum,
               "min": self.xp.minimum}[op]
         fn(a, b, out=out)
         self.sync(out)
 
     def divide_(self, acc: Any, divisor: int) -> None:
+        clock.charge("reduce", _nbytes(acc))
         self.xp.divide(acc, acc.dtype.type(divisor), out=acc)
         self.sync(acc)
 
@@ -129,10 +141,12 @@ class TorchOps(ArrayOps):
         return a.detach().contiguous().view(-1)
 
     def copy_(self, dst: Any, src: Any) -> None:
+        clock.charge("copy", _nbytes(dst))
         dst.copy_(src)
         self.sync(dst)
 
     def reduce_(self, acc: Any, other: Any, op: str) -> None:
+        clock.charge("reduce", _nbytes(acc))
         if op in ("sum", "avg"):
             acc.add_(other)
         elif op == "max":
@@ -142,12 +156,14 @@ class TorchOps(ArrayOps):
         self.sync(acc)
 
     def combine_(self, out: Any, a: Any, b: Any, op: str) -> None:
+        clock.charge("reduce", _nbytes(out))
         fn = {"sum": self.torch.add, "avg": self.torch.add, "max": self.torch.maximum,
               "min": self.torch.minimum}[op]
         fn(a, b, out=out)
         self.sync(out)
 
     def divide_(self, acc: Any, divisor: int) -> None:
+        clock.charge("reduce", _nbytes(acc))
         acc.div_(divisor)
         self.sync(acc)
 

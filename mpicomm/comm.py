@@ -38,6 +38,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import clock, vwire
 from .abort import abort_job, install_abort_handler
 from .config import env_flag
 from .validate import NotAnIntegerError, check_int, check_poll_s
@@ -180,6 +181,11 @@ class Communicator:
             raise TypeError(f"expected an mpi4py Intracomm, got {type(base).__name__}")
         if base == MPI.COMM_NULL:
             raise ValueError("cannot wrap MPI.COMM_NULL")
+        if clock.is_virtual() and not clock.started():
+            if base.Get_size() != MPI.COMM_WORLD.Get_size():
+                raise RuntimeError("virtual clock: call mpicomm.init() on every rank before "
+                                   "creating communicators over part of the world")
+            clock.start(base)
         self.mpi: MPI.Intracomm = base
         self.rank: int = base.Get_rank()
         self.size: int = base.Get_size()
@@ -194,6 +200,8 @@ class Communicator:
         if leaders != MPI.COMM_NULL:
             leaders.Free()
         self.node, self.nodes = self.local_mpi.bcast(here, root=0)
+        vwire.register(self.p2p)   # the virtual clock's ids (no-op on the wall clock)
+        vwire.register(self.ctl)
         #: Per-communicator caches owned by lower layers (e.g. pinned staging buffers).
         self.resources: dict[str, Any] = {}
         #: Bytes moved by mpicomm's own algorithms on this communicator.
@@ -273,8 +281,35 @@ class Communicator:
         return Roles(role, group, group.rank, servers, workers)
 
     # ------------------------------------------------------------------ control
-    def barrier(self) -> None:
-        self.ctl.Barrier()
+    def _timed(self, kind: str, run: Callable[[], Any],
+               nbytes: Callable[[Any], float] = lambda result: 8) -> Any:
+        """Run a control collective; under the virtual clock every rank leaves at the
+        latest entry plus :func:`mpicomm.vwire.small_collective_cost` for ``nbytes(result)``
+        bytes per rank (the model of MPI's own small collectives)."""
+        if not vwire.active():
+            return run()
+        out: list[Any] = []
+
+        def timed_run() -> Any:
+            out.append(run())
+            return out[0]
+
+        return vwire.collective(self.ctl, timed_run, lambda a, b, p: vwire.small_collective_cost(
+            kind, nbytes(out[0]), p, a, b))
+
+    def barrier(self, poll_s: float | None = None) -> None:
+        """Wait until every rank is here. ``poll_s``: wait asleep (``MPI_Ibarrier``,
+        tested with sleeps of up to ``poll_s``, :func:`wait_all`) so that a rank waiting
+        leaves the CPU to those still working (calibration turns, Crossover gates)."""
+        if poll_s is None:
+            self._timed("barrier", self.ctl.Barrier)
+        elif not vwire.active():
+            wait_all([self.ctl.Ibarrier()], poll_s)
+        else:
+            started = vwire.start_collective(self.ctl)
+            vwire.complete_collectives(
+                [started], [self.ctl.Ibarrier()], poll_s, wait_all,
+                lambda a, b, p: vwire.small_collective_cost("barrier", 0, p, a, b))
 
     def allreduce_value(self, value: float | int | bool, op: str = "sum") -> Any:
         """Reduce one Python scalar over the ranks (for control decisions, not tensors).
@@ -283,16 +318,30 @@ class Communicator:
         """
         if op not in _SCALAR_OPS:
             raise ValueError(f"op must be one of {sorted(_SCALAR_OPS)}, got {op!r}")
-        result = self.ctl.allreduce(value, op=_SCALAR_OPS[op])
+        result = self._timed("allreduce",
+                             lambda: self.ctl.allreduce(value, op=_SCALAR_OPS[op]))
         return result / self.size if op == "avg" else result
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather one small picklable object from every rank, in rank order."""
-        return self.ctl.allgather(obj)
+        return self._timed("allgather", lambda: self.ctl.allgather(obj),
+                           lambda got: max(_pickled(o) for o in got))
+
+    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """Gather one small picklable object from every rank on ``root`` (the list in rank
+        order there, ``None`` elsewhere)."""
+        return self._timed("allgather", lambda: self.ctl.gather(obj, root=root),
+                           lambda got: max((_pickled(o) for o in got), default=8)
+                           if got is not None else _pickled(obj))
+
+    def scatter_object(self, objs: Sequence[Any] | None, root: int = 0) -> Any:
+        """Send ``objs[r]`` from ``root`` to every rank ``r`` (``objs`` used on ``root``
+        only); returns this rank's object."""
+        return self._timed("allgather", lambda: self.ctl.scatter(objs, root=root), _pickled)
 
     def bcast_object(self, obj: Any, root: int = 0) -> Any:
         """Broadcast one small picklable object from ``root``."""
-        return self.ctl.bcast(obj, root=root)
+        return self._timed("bcast", lambda: self.ctl.bcast(obj, root=root), _pickled)
 
     def check_collective(self, name: str, **description: Any) -> None:
         """In checked mode, verify that every rank is making the same call.
@@ -319,7 +368,7 @@ class Communicator:
                 raise error
             return
         verdict = None if error is None else (type(error).__name__, str(error))
-        everyone = self.ctl.allgather((verdict, name, tuple(sorted(description.items()))))
+        everyone = self.allgather_object((verdict, name, tuple(sorted(description.items()))))
         for rank, (theirs, _, _) in enumerate(everyone):
             if theirs is None:
                 continue
@@ -378,6 +427,16 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.free()
+
+
+def _pickled(obj: Any) -> int:
+    """Bytes of ``obj`` pickled (what the virtual clock charges a control message)."""
+    import pickle
+
+    try:
+        return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:
+        return 64
 
 
 def wait_all(requests: Sequence[MPI.Request], poll_s: float | None = None) -> None:
@@ -466,6 +525,7 @@ def world() -> Communicator:
     global _world
     with _world_lock:
         if _world is None:
+            clock.start()   # the virtual clock, if MPICOMM_CLOCK=virtual (collective)
             _world = Communicator(MPI.COMM_WORLD)
         return _world
 

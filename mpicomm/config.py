@@ -43,6 +43,18 @@ variable                         meaning
 ``MPICOMM_PS_SERVERS``           parameter-server ranks, set by ``python -m mpicomm run
                                  --servers S`` (read with ``mpicomm.cli.ps_servers``;
                                  ``examples/train_ps.py`` takes it as ``--servers``).
+``MPICOMM_CLOCK``                ``wall`` (default) or ``virtual``: every timing mpicomm
+                                 reads comes from :mod:`mpicomm.clock` (virtual: a
+                                 simulated cluster's time, load-independent);
+``MPICOMM_VIRTUAL_RATE``         virtual clock: each host's link rate (``1gbit``);
+``MPICOMM_VIRTUAL_DELAY``        ... one-way latency between hosts (``100us``);
+``MPICOMM_VIRTUAL_RANKS_PER_HOST`` ... ranks per host R (default 1);
+``MPICOMM_HOST_SIZES``           ... consecutive ranks per host (``2,2,1``; wins over R);
+``MPICOMM_VIRTUAL_SCHEDULE``     ... a schedule file of rate/delay changes;
+``MPICOMM_VIRTUAL_SHM_RATE``     ... shared memory within a host (default ``80gbit``)
+``MPICOMM_VIRTUAL_SHM_DELAY``    ... and its latency (default ``1us``);
+``MPICOMM_VIRTUAL_COSTS``        ... the compute cost table to reuse (JSON; see
+                                 :mod:`mpicomm.costtable`; ``docs/virtual-clock.md``).
 ``MPICOMM_EMU_HOSTS``            emulated cluster (set by ``launchers/emulated-cluster``,
                                  never by hand): number of hosts H;
 ``MPICOMM_EMU_RANKS_PER_HOST``   ranks per host R (world rank r lives on host ``r // R``);
@@ -52,6 +64,9 @@ variable                         meaning
 ``MPICOMM_EMU_SCHEDULE``         the schedule file, for reports;
 ``MPICOMM_EMU_STEP_FILE``        where ``report_step`` writes the step (see
                                  ``mpicomm.emulate.linkdelay``).
+``MPICOMM_CACHE_DIR``            where :mod:`mpicomm.workloads` keeps generated data sets
+                                 and corpus indexes (default ``$XDG_CACHE_HOME/mpicomm``,
+                                 else ``~/.cache/mpicomm``).
 ===============================  ==========================================================
 
 Every value is checked where it is read: an unreadable one raises ``ValueError`` naming

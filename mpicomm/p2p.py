@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
+from . import vwire
 from .arrayops import ArrayOps, ops_for
 from .buffers import BufferInfo
 from .comm import Communicator, Traffic, poll_until, wait_all
@@ -51,7 +52,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Ctx", "Wire", "pack_bytes", "unpack_bytes", "pack", "unpack", "pair_bytes",
-           "isend_bytes", "recv_bytes", "isend_object", "recv_object", "before_send",
+           "isend_bytes", "recv_bytes", "isend_object", "recv_object", "improbe", "sent",
+           "wait_sends", "before_send",
            "after_receive", "block_bounds", "fold_layout", "virtual_rank", "real_rank",
            "first_real_block"]
 
@@ -101,6 +103,8 @@ class Ctx:
     #: Staged CUDA data: the streamed copies (:class:`mpicomm.staging.Pipeline`) whose
     #: :meth:`need` / :meth:`final` hooks the ring passes call; None otherwise.
     stage: Pipeline | None = None
+    #: Under the virtual clock every message is posted to it (:mod:`mpicomm.vwire`).
+    virtual: bool = False
 
     @classmethod
     def of(cls, comm: Communicator, ops: ArrayOps, segment_bytes: int | None = None,
@@ -111,8 +115,12 @@ class Ctx:
         the value their argument checks read, which checked mode compared across ranks.
         """
         seg = ring_segment_bytes() if segment_bytes is None else segment_bytes
-        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, link_delay(comm),
-                   comm.wait_poll_s, stage)
+        virtual = vwire.active()
+        poll = comm.wait_poll_s if comm.wait_poll_s is not None or not virtual \
+            else vwire.POLL_S
+        delay = None if virtual else link_delay(comm)
+        return cls(comm.p2p, comm.rank, comm.size, ops, comm.traffic, seg, delay, poll, stage,
+                   virtual)
 
     def need(self, a: int, b: int) -> None:
         """Elements ``a:b`` of the work array are about to be read: wait for their
@@ -131,43 +139,53 @@ class Ctx:
 
     def sendrecv(self, send: Any, dest: int, recv: Any, source: int, tag: int) -> None:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source``."""
-        before_send(self.delay, self.traffic, dest, self._nbytes(send))
-        after_receive(self.delay, self.traffic, self._nbytes(recv))
         if self.poll_s is None:
+            before_send(self.delay, self.traffic, dest, self._nbytes(send))
+            after_receive(self.delay, self.traffic, self._nbytes(recv))
             self.mpi.Sendrecv(self.ops.msg(send), dest, tag, self.ops.msg(recv), source, tag)
             return
-        self.waitall([self.mpi.Irecv(self.ops.msg(recv), source, tag),
-                      self.mpi.Isend(self.ops.msg(send), dest, tag)])
+        self.waitall([self.irecv(recv, source, tag), self.isend(send, dest, tag)])
 
     def send(self, data: Any, dest: int, tag: int) -> None:
-        before_send(self.delay, self.traffic, dest, self._nbytes(data))
         if self.poll_s is None:
+            before_send(self.delay, self.traffic, dest, self._nbytes(data))
             self.mpi.Send(self.ops.msg(data), dest, tag)
         else:
-            self.wait(self.mpi.Isend(self.ops.msg(data), dest, tag))
+            self.wait(self.isend(data, dest, tag))
 
     def recv(self, data: Any, source: int, tag: int) -> None:
-        after_receive(self.delay, self.traffic, self._nbytes(data))
         if self.poll_s is None:
+            after_receive(self.delay, self.traffic, self._nbytes(data))
             self.mpi.Recv(self.ops.msg(data), source, tag)
         else:
-            self.wait(self.mpi.Irecv(self.ops.msg(data), source, tag))
+            self.wait(self.irecv(data, source, tag))
 
     def isend(self, data: Any, dest: int, tag: int) -> MPI.Request:
-        before_send(self.delay, self.traffic, dest, self._nbytes(data))
+        nbytes = self._nbytes(data)
+        before_send(self.delay, self.traffic, dest, nbytes)
+        if self.virtual:
+            token = vwire.isend(self.mpi, dest, tag, nbytes)
+            return vwire.track(self.mpi.Isend(self.ops.msg(data), dest, tag), token)
         return self.mpi.Isend(self.ops.msg(data), dest, tag)
 
     def irecv(self, data: Any, source: int, tag: int) -> MPI.Request:
         after_receive(self.delay, self.traffic, self._nbytes(data))
+        if self.virtual:
+            token = vwire.irecv(self.mpi, source, tag)
+            return vwire.track(self.mpi.Irecv(self.ops.msg(data), source, tag), token)
         return self.mpi.Irecv(self.ops.msg(data), source, tag)
 
     def wait(self, request: MPI.Request) -> None:
         """Complete one request (blocking in MPI, or test + sleep with ``poll_s``)."""
-        wait_all([request], self.poll_s)
+        self.waitall([request])
 
     def waitall(self, requests: list[MPI.Request]) -> None:
-        """Complete every request of ``requests`` (see :meth:`wait`)."""
-        wait_all(requests, self.poll_s)
+        """Complete every request of ``requests`` (see :meth:`wait`); under the virtual
+        clock, also their virtual times (:func:`mpicomm.vwire.complete`)."""
+        if self.virtual:
+            vwire.complete(requests, self.poll_s, wait_all)
+        else:
+            wait_all(requests, self.poll_s)
 
 
 # ---------------------------------------------------------------------- byte packing
@@ -249,8 +267,12 @@ class Wire:
         self.direct = device.type == "cuda" and not self.staged
         self._resources = comm.resources
         self._ops = ops_for("torch", self.direct)
-        self.delay = link_delay(comm)  # the emulated link, else None
+        self.virtual = vwire.active()
+        # the emulated link (None outside it and under the virtual clock)
+        self.delay = None if self.virtual else link_delay(comm)
         self.poll_s = comm.wait_poll_s
+        if self.virtual and self.poll_s is None:
+            self.poll_s = vwire.POLL_S
 
     def _host(self, numel: int, slot: str) -> torch.Tensor:
         info = BufferInfo("torch", "uint8", (numel,), str(self.device), 1)
@@ -268,50 +290,92 @@ class Wire:
         host.copy_(t)
         return host
 
+    def _isend(self, out: torch.Tensor, dest: int, tag: int) -> MPI.Request:
+        before_send(self.delay, self.traffic, dest, int(out.shape[0]))
+        if not self.virtual:
+            return self.mpi.Isend([out, MPI.BYTE], dest, tag)
+        token = vwire.isend(self.mpi, dest, tag, int(out.shape[0]))
+        return vwire.track(self.mpi.Isend([out, MPI.BYTE], dest, tag), token)
+
+    def _wait(self, request: MPI.Request) -> None:
+        if self.virtual:
+            vwire.complete([request], self.poll_s, wait_all)
+        else:
+            wait_all([request], self.poll_s)
+
     def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         out = self._outgoing(t)
-        before_send(self.delay, self.traffic, dest, int(out.shape[0]))
         if self.poll_s is None:
+            before_send(self.delay, self.traffic, dest, int(out.shape[0]))
             self.mpi.Send([out, MPI.BYTE], dest, tag)
         else:
-            wait_all([self.mpi.Isend([out, MPI.BYTE], dest, tag)], self.poll_s)
+            self._wait(self._isend(out, dest, tag))
 
     def recv(self, source: int, tag: int) -> torch.Tensor:
         import torch
 
         status = MPI.Status()
+        if self.virtual:
+            vwire.block([], sources=[vwire.world_rank(self.mpi, source)])
         if self.poll_s is None:
             message = self.mpi.Mprobe(source, tag, status)
         else:
             message = poll_until(lambda: self.mpi.Improbe(source, tag, status), self.poll_s)
+        token = vwire.probed(self.mpi, status) if self.virtual else None
         n = status.Get_count(MPI.BYTE)
         if self.staged:
             buf = self._host(n, "sparse-recv")
         else:  # direct: the fresh block is synchronized before MPI writes into it
             buf = self._ops.empty(n, torch.uint8, device=self.device)
         message.Recv([buf, MPI.BYTE])
+        if token is not None:
+            vwire.finish([token])
         after_receive(self.delay, self.traffic, n)
         return buf.to(self.device) if self.staged else buf
 
     def exchange(self, t: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
         """Send ``t`` to ``peer`` while receiving ``peer``'s message of unknown length."""
-        out = self._outgoing(t)
-        before_send(self.delay, self.traffic, peer, int(out.shape[0]))
-        request = self.mpi.Isend([out, MPI.BYTE], peer, tag)
+        request = self._isend(self._outgoing(t), peer, tag)
         try:
             got = self.recv(peer, tag)
         finally:
-            wait_all([request], self.poll_s)
+            self._wait(request)
         return got
 
 
-def recv_bytes(msg: MPI.Message, status: MPI.Status, delay: LinkDelay | None = None
-               ) -> np.ndarray:
-    """Receive a matched binary message (``MPI_Mprobe``/``Improbe``) into a fresh uint8
-    buffer (the parameter server's requests and replies; not counted in a
-    communicator's traffic, the store keeps its own statistics)."""
+def improbe(mpi: MPI.Intracomm, source: int, tag: int, status: MPI.Status,
+            tags: Sequence[int] = (), sources: Sequence[int] | None = None
+            ) -> MPI.Message | None:
+    """A matched probe (the parameter server's event loops).
+
+    Wall clock: ``MPI_Improbe`` (None when no message is there yet). Virtual clock: the
+    message that arrives first in virtual time among those that may come
+    (:func:`mpicomm.vwire.next_source`; ``tags`` lists what ``MPI.ANY_TAG`` stands for,
+    ``sources`` what ``MPI.ANY_SOURCE`` stands for, default every other rank), waiting
+    for it: so the order in which a server serves its workers is the simulated
+    cluster's, the same in every run."""
+    if not vwire.active():
+        return mpi.improbe(source, tag, status)
+    if source == MPI.ANY_SOURCE or tag == MPI.ANY_TAG:
+        wanted = tuple(tags) if tag == MPI.ANY_TAG else (tag,)
+        from_ = sources if source == MPI.ANY_SOURCE else [source]
+        source, tag = vwire.next_source(mpi, wanted, from_)
+    else:
+        vwire.block([], sources=[vwire.world_rank(mpi, source)])
+    return poll_until(lambda: mpi.improbe(source, tag, status), vwire.POLL_S)
+
+
+def recv_bytes(msg: MPI.Message, status: MPI.Status, delay: LinkDelay | None = None,
+               mpi: MPI.Intracomm | None = None) -> np.ndarray:
+    """Receive a matched binary message (:func:`improbe`) into a fresh uint8 buffer (the
+    parameter server's requests and replies; not counted in a communicator's traffic,
+    the store keeps its own statistics). ``mpi``: the communicator it was probed on
+    (needed by the virtual clock)."""
+    token = vwire.probed(mpi, status) if vwire.active() and mpi is not None else None
     buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
     msg.Recv([buf, MPI.BYTE])
+    if token is not None:
+        vwire.finish([token])
     after_receive(delay, None, buf.nbytes)
     return buf
 
@@ -321,6 +385,9 @@ def isend_bytes(mpi: MPI.Intracomm, buf: np.ndarray, dest: int, tag: int,
     """``MPI_Isend`` of a packed byte message; the emulated link's delay (if any) is
     waited first, as for every other message of this module."""
     before_send(delay, None, dest, buf.nbytes)
+    if vwire.active():
+        token = vwire.isend(mpi, dest, tag, buf.nbytes)
+        return vwire.track(mpi.Isend([buf, MPI.BYTE], dest, tag), token)
     return mpi.Isend([buf, MPI.BYTE], dest, tag)
 
 
@@ -328,16 +395,52 @@ def isend_object(mpi: MPI.Intracomm, obj: Any, dest: int, tag: int,
                  delay: LinkDelay | None = None) -> MPI.Request:
     """Nonblocking send of a small picklable object (the parameter server's control and
     checkpoint messages), behind the emulated link's latency like every other message
-    (its size is unknown before pickling: counted as 0 bytes)."""
+    (its size is unknown before pickling: counted as 0 bytes; the virtual clock charges
+    its pickled size)."""
     before_send(delay, None, dest, 0)
+    if vwire.active():
+        import pickle
+
+        nbytes = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        token = vwire.isend(mpi, dest, tag, nbytes)
+        return vwire.track(mpi.isend(obj, dest, tag), token)
     return mpi.isend(obj, dest, tag)
 
 
-def recv_object(msg: MPI.Message, delay: LinkDelay | None = None) -> Any:
-    """Receive the matched pickled message ``msg`` (see :func:`isend_object`)."""
+def recv_object(msg: MPI.Message, delay: LinkDelay | None = None,
+                status: MPI.Status | None = None, mpi: MPI.Intracomm | None = None) -> Any:
+    """Receive the matched pickled message ``msg`` (see :func:`isend_object`); ``status``
+    and ``mpi`` of its probe are needed by the virtual clock."""
+    token = (vwire.probed(mpi, status)
+             if vwire.active() and mpi is not None and status is not None else None)
     obj = msg.recv()
+    if token is not None:
+        vwire.finish([token])
     after_receive(delay, None, 0)
     return obj
+
+
+def sent(request: MPI.Request) -> bool:
+    """Whether a send request has completed (``MPI_Test``), for loops that drop their
+    finished sends without waiting; under the virtual clock the sender then does not
+    wait for that message's completion time (:func:`mpicomm.vwire.release`)."""
+    if not request.Test():
+        return False
+    if vwire.active():
+        vwire.release(request)
+    return True
+
+
+def wait_sends(requests: Sequence[MPI.Request], poll_s: float,
+               wait: Any = None) -> None:
+    """Complete ``requests`` with ``wait(requests, poll_s)`` (default
+    :func:`mpicomm.comm.wait_all`); under the virtual clock the caller continues from
+    their completion times."""
+    wait = wait_all if wait is None else wait
+    if vwire.active():
+        vwire.complete(list(requests), poll_s, wait)
+    else:
+        wait(list(requests), poll_s)
 
 
 # ---------------------------------------------------------------------- rank folding

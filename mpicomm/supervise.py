@@ -33,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -66,28 +67,50 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+class _Terminated(Exception):
+    """SIGTERM reached the supervisor: end the job, do not restart it."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def supervise(argv: Sequence[str], env: dict[str, str], restarts: int,
               say: Callable[[str], None] | None = None) -> int:
     """Run ``argv`` (the launcher command) with ``env``; restart it after a failure up to
     ``restarts`` times (module docstring). Returns the last exit status (130 after
-    Ctrl-C, which ends the job and is not restarted)."""
+    Ctrl-C, 143 after SIGTERM: either ends the job, every process of it, and is not
+    restarted)."""
     if restarts < 0:
         raise ValueError(f"--restarts must be >= 0, got {restarts}")
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _attempts(argv, env, restarts, say)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _attempts(argv: Sequence[str], env: dict[str, str], restarts: int,
+              say: Callable[[str], None]) -> int:
     status = 0
     for attempt in range(restarts + 1):
         env = {**env, ENV_RESTART: str(attempt)}
         proc = subprocess.Popen(list(argv), env=env, start_new_session=True)
         try:
             status = proc.wait()
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, _Terminated) as exc:
+            sig = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGINT)
+                os.killpg(proc.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
             _kill_group(proc)
             proc.wait()
-            return 130
+            return 130 if sig == signal.SIGINT else 143
         finally:
             _kill_group(proc)
         if status == 0 or status == NO_RESTART:

@@ -1,16 +1,18 @@
 """Accuracy at scale: an 8-rank training child job on real data (digits).
 
 At 8 ranks the digits task gives each rank 10 steps per epoch. AR-Top-k (STAR) with plain
-error feedback at density 0.01 then oscillates late in training and, on seed 2, ended at
-85% test accuracy against 97.8% for dense (issue 13's evidence; deterministic, reproduced
-here). The cause: the updates are residual bursts (the mean update norm is ~5x dense's,
-~2x gTop-k's, because one source rank's top-k drains the global residual poorly) and the
-optimizer's momentum keeps pushing every burst for ~1/(1-m) more steps while the residual
-rebuilds in the same direction. DGC's momentum correction with momentum factor masking
-(the velocity accumulated before sparsification and cleared where sent, the optimizer
-without momentum) removes the amplification. This job, which would have caught the
-collapse, checks that the corrected strategy beats plain error feedback on that seed by
-a wide margin. The full 3-seed, multi-strategy table is examples/compression_accuracy.py
+error feedback at density 0.01 then oscillates late in training (with fixed per-rank
+shards, seed 2 ended at 85% test accuracy against 97.8% for dense; with the workloads'
+per-epoch shards, plain error feedback ends 0.1-3.6 points below momentum correction on
+seeds 0-6, and on seed 1, the case checked here, at twice its training loss). The cause:
+the updates are residual bursts (the mean update norm is ~5x dense's, ~2x gTop-k's,
+because one source rank's top-k drains the global residual poorly) and the optimizer's
+momentum keeps pushing every burst for ~1/(1-m) more steps while the residual rebuilds in
+the same direction. DGC's momentum correction with momentum factor masking (the velocity
+accumulated before sparsification and cleared where sent, the optimizer without
+momentum) removes the amplification. This job checks that the corrected strategy beats
+plain error feedback on that seed by a clear margin. The full 3-seed, multi-strategy
+table is examples/compression_accuracy.py
 (docs/compression.md, "Accuracy at many ranks", for the options; BENCHMARKS.md for the numbers).
 """
 
@@ -24,18 +26,18 @@ from .launch import run_job
 
 def test_momentum_correction_fixes_the_artopk_collapse_at_8_ranks(tmp_path):
     out = tmp_path / "acc.json"
-    res = run_job(8, [sys.executable, "examples/compression_accuracy.py", "--seeds", "2",
+    res = run_job(8, [sys.executable, "examples/compression_accuracy.py", "--seeds", "1",
                       "--epochs", "12", "--lr-decay", "0", "--no-dense", "--strategies",
                       "artopk+ef", "artopk+mc", "--json", str(out)], timeout=400)
     assert res.returncode == 0, res.output[-3000:]
     runs = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
     plain, corrected = runs["artopk+ef"], runs["artopk+mc"]
     assert plain["steps"] == corrected["steps"] == 120  # 12 epochs x 10 steps per rank
-    # seed 2: plain EF collapses (85.3%, loss 0.47), the corrected run does not (94.0%,
-    # 0.08); the margins leave room for other float summation orders
-    assert corrected["accuracy"] >= plain["accuracy"] + 4.0, (plain, corrected)
+    # seed 1: plain EF oscillates (92.67%, training loss 0.160), the corrected run does
+    # not (96.22%, 0.069); the margins leave room for other float summation orders
+    assert corrected["accuracy"] >= plain["accuracy"] + 2.0, (plain, corrected)
     assert corrected["train_loss"] < plain["train_loss"] / 2, (plain, corrected)
-    assert corrected["accuracy"] >= 92.0, corrected
+    assert corrected["accuracy"] >= 95.0, corrected
     # same traffic: the fix costs no bytes
     assert corrected["sent_bytes_per_step"] == plain["sent_bytes_per_step"]
 

@@ -187,3 +187,41 @@ def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> N
     assert verdict == {"auto_vs_best_static": "MISSED", "auto_speedup_vs_dense": "met",
                        "auto_acc_loss_points": "MISSED", "lgreco_bytes_ratio": "met",
                        "lgreco_bytes_ratio_qsgd": ""}
+
+
+def _training_run(label: str, ranks: int, step_ms: float, corpus: bool = False
+                  ) -> dict[str, Any]:
+    data = {"corpus": {"root": "/lib", "files": ["a.py", "b.py"], "bytes": 123,
+                       "sha256": "ab" * 32}} if corpus else {}
+    curve = [{"step": s, "epoch": 0, "time_s": 0.1 * s, "bytes": 1000 * s,
+              "loss": 5.0 / s, "perplexity": 100.0 / s} for s in (1, 2, 4)]
+    return {"label": label, "workload": "text-lm", "seed": 0, "ranks": ranks,
+            "metric": "perplexity", "direction": "min", "info": {"data": data},
+            "config": {}, "curve": curve, "step_s": [step_ms / 1e3] * 4,
+            "step_bytes": [1000] * 4, "decisions": [], "history": [], "steps": 4,
+            "epochs": 1, "seconds": 0.4, "sent_bytes": 4000, "sent_bytes_max_rank": 4000,
+            "time_to_target_s": 0.2, "steps_to_target": 2, "extra": {}}
+
+
+def test_report_draws_training_curves_and_step_times(tmp_path: Path) -> None:
+    """Results with ``training_runs`` (the harness's records): a table, the corpus
+    checksum, a plot of the metric against time and bytes; ``train`` results also give
+    the time-per-step table by rank count."""
+    pytest.importorskip("matplotlib")
+    res = tmp_path / "results"
+    for ranks, ms in ((1, 10.0), (4, 30.0)):
+        write(res, f"train-{ranks}.json", {
+            "suite": "train", "machine": machine(None, ranks), "ranks": ranks,
+            "summary": [{"method": "dense"}],
+            "training_runs": [_training_run("dense", ranks, ms, corpus=True),
+                              _training_run("gtopk", ranks, 2 * ms)]})
+    out = tmp_path / "B.md"
+    assert report.main(["--results", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## Time per step of the workloads" in text
+    assert "| text-lm | dense | 10 | 30 |" in text and "| text-lm | gtopk | 20 | 60 |" in text
+    assert f"SHA-256 `{'ab' * 32}`" in text
+    for ranks in (1, 4):
+        assert (tmp_path / "benchmarks" / f"train-train-{ranks}.png").read_bytes()[:4] == \
+            b"\x89PNG"
+        assert f"(benchmarks/train-train-{ranks}.png)" in text

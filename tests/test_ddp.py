@@ -100,7 +100,7 @@ def test_bad_arguments(group: mpicomm.Communicator) -> None:
 
 def test_gtopk_hook_trains_digits_like_dense(tmp_path: Path) -> None:
     out = tmp_path / "ddp.json"
-    res = run_job(3, [sys.executable, "examples/ddp_hook.py", "--epochs", "5", "--strategy",
+    res = run_job(3, [sys.executable, "examples/ddp_hook.py", "--epochs", "6", "--strategy",
                       "dense,gtopk", "--density", "0.05", "--json", str(out)], timeout=120)
     assert res.returncode == 0, res.output
     runs = json.loads(out.read_text())["runs"]

@@ -53,6 +53,29 @@ def test_restarts_a_failed_job_and_exports_the_directory(tmp_path):
     assert res.returncode == 2 and log.read_text() == "x\n", res.stdout
 
 
+def test_sigterm_ends_every_process_of_the_job(tmp_path):
+    """SIGTERM to ``python -m mpicomm run --restarts``: status 143, no restart, and the
+    ranks (in a process group of their own) are gone too."""
+    pidfile = tmp_path / "pid"
+    proc = subprocess.Popen([PY, "-m", "mpicomm", "run", "-n", "1", "--restarts", "2", "--",
+                             "sh", "-c", f"echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; "
+                             "exec sleep 120"], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank = int(pidfile.read_text())
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and "restart" not in out, out
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank, 0)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--restarts", "-1"], "--restarts must be >= 0, got -1"),
     (["--checkpoint-dir", "/nonexistent/ckpt"], "no such directory"),
@@ -152,7 +175,7 @@ def _kill_a_rank_after_a_checkpoint(cmd: list[str], folder: Path, script: str,
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            proc.terminate()  # the launcher ends every process of the job
             proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
 

@@ -480,7 +480,7 @@ def test_benchmark_suggests_the_rate_that_balances_sync_and_compute(monkeypatch)
     import argparse
 
     from mpicomm.bench import crossover as bench
-    from mpicomm.bench.localsgd import load_shard
+    from mpicomm.bench.crossover import load_shard
 
     comm = mpicomm.init()
     parser = argparse.ArgumentParser()

@@ -4,7 +4,10 @@ Suites are modules of this package exposing ``add_arguments(parser)`` and ``run(
 run a suite with ``--help`` for its options. ``--list`` prints the suites this
 installation has (the Makefile's ``bench`` targets run those). ``report`` is not a
 suite: ``python -m mpicomm.bench report`` writes BENCHMARKS.md and plots from the suites'
-JSON (:mod:`mpicomm.bench.report`).
+JSON (:mod:`mpicomm.bench.report`). Nor is ``workloads``: ``python -m mpicomm.bench
+workloads [--ranks N] [--json PATH]`` lists the training tasks of
+:mod:`mpicomm.workloads` with their sizes (building each, so generating and caching its
+data the first time).
 
 Under ``mpiexec`` a bad option (one argparse rejects, or one a suite rejects with
 :class:`~mpicomm.bench._util.UsageError`) ends the job with one ``... error: ...`` line
@@ -28,6 +31,9 @@ SUITES = {
     "crossover": "mpicomm.bench.crossover",
     "adaptive": "mpicomm.bench.adaptive",
     "recovery": "mpicomm.bench.recovery",
+    "train": "mpicomm.bench.train",
+    "vclock": "mpicomm.bench.vclock",
+    "costs": "mpicomm.bench.costs",
 }
 
 
@@ -50,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         from .report import main as report
 
         return report(argv[1:])
+    if argv[:1] == ["workloads"]:
+        from .listing import main as listing
+
+        return listing(argv[1:])
     if argv[:1] == ["--list"]:
         print(" ".join(available()))
         return 0

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import clock
 from ..comm import Communicator
 from ..emulate.mpienv import machine  # noqa: F401  (the suites' JSON header)
 
@@ -44,9 +44,9 @@ def median_seconds(fn: Callable[[], Any], comm: Communicator, repeats: int = 10,
     times = []
     for _ in range(repeats):
         comm.barrier()
-        start = time.perf_counter()
+        start = clock.now()
         fn()
-        times.append(comm.allreduce_value(time.perf_counter() - start, "max"))
+        times.append(comm.allreduce_value(clock.now() - start, "max"))
     return statistics.median(times)
 
 

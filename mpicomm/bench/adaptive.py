@@ -3,8 +3,10 @@
 Run under MPI with 4+ ranks, e.g.
 ``mpiexec -n 4 python -m mpicomm.bench adaptive --json adaptive.json``.
 
-* Task: scikit-learn's bundled digits (real data; 1437 train / 360 test images, train
-  sharded over ranks), an MLP 64-``hidden``-``hidden``-10, SGD with momentum, ``--epochs``.
+* Task: the ``digits-mlp`` workload (:mod:`mpicomm.workloads`: scikit-learn's bundled
+  digits, 1437 train / 360 test images, a fresh disjoint shard per rank every epoch), an
+  MLP 64-``hidden``-``hidden``-10, SGD with momentum, ``--epochs``, trained through the
+  time-to-accuracy harness (:mod:`mpicomm.bench.harness`).
 * Network, ``--link``:
 
   - ``injected`` (default): before each message of mpicomm's own point-to-point layer
@@ -12,7 +14,12 @@ Run under MPI with 4+ ranks, e.g.
     the alpha-beta time of a slower link on top of shared memory. ``--schedule``
     changes it during the run (``"EPOCH:GBPS:ALPHA_US,..."``, default 0.1 Gbit/s and
     100 us, from epoch 6 on 0.05 Gbit/s and 500 us). Works anywhere, no root.
-  - ``emulated``: the emulated cluster of issue 9 (``launchers/emulated-cluster``, root):
+  - ``virtual``: the virtual clock's network (``--clock virtual --rate R --delay L``,
+    :mod:`mpicomm.clock`; a schedule file with ``--virtual-schedule``, keyed by step or
+    virtual time): the step charged from the cost table, every message timed by the
+    network model, so times do not depend on the machine's load. The default, and the
+    only choice, under the virtual clock.
+  - ``emulated``: the emulated cluster (``launchers/emulated-cluster``, root):
     tc-shaped rate and the latency :mod:`mpicomm.emulate.linkdelay` injects in mpicomm's own
     point-to-point layer; the bench adds no delay of its own, ``--schedule`` is ignored
     and the emulator's ``--schedule`` file (``step N RATE DELAY`` lines) changes the
@@ -20,7 +27,7 @@ Run under MPI with 4+ ranks, e.g.
     (:func:`mpicomm.emulate.linkdelay.report_step`), counting from 1 for each method, and the
     emulator re-arms its step entries when the count starts again, so every method
     (and every L-GreCo run) meets the same network at the same steps. The bench refuses
-    to start in this mode outside the emulator. Measured run (issue 8)::
+    to start in this mode outside the emulator. Measured run::
 
         launchers/emulated-cluster --hosts 4 --rate 100mbit --delay 1ms \
             --schedule benchmarks/schedule-adaptive.txt -- \
@@ -43,7 +50,7 @@ Run under MPI with 4+ ranks, e.g.
   ``--eval-every`` steps (default 1: at 11 steps per epoch a per-epoch check alone moves
   a time-to-accuracy by up to 20%, more than the 10% the target allows), the final
   accuracy, the time per step and the bytes sent per step. ``--seeds N`` runs every
-  method N times with different batch orders (same initial model) and reports the
+  method N times with different seeds (initial model and batch order) and reports the
   medians (one test image is 0.28 points of accuracy, so whether a run crosses 0.96 a
   few steps earlier or later is partly luck; the per-run numbers are in the JSON).
 * L-GreCo, per family of ``--lgreco-families`` (``topk``: ``auto`` at ratio
@@ -54,7 +61,7 @@ Run under MPI with 4+ ranks, e.g.
   first 10 steps of both uniform) and the DP's own size vs the uniform size at the same
   total error, averaged over the adjustments.
 
-Targets (issue 8): auto within 10% of the best static choice; >= 2x faster than dense at
+Targets: auto within 10% of the best static choice; >= 2x faster than dense at
 <= 1 Gbit/s; <= 1 point of final accuracy lost; L-GreCo >= 1.5x fewer bytes than uniform.
 Times on a shared machine are noisy: compare ratios within one run.
 """
@@ -68,15 +75,18 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..comm import Communicator, init
 from ..emulate.linkdelay import ENV_RANKS_PER_HOST, report_step, set_link
 from ..strategies import AutoStrategy, Dense, Strategy
 from ..strategies.auto_schemes import build
 from ..strategies.lgreco_buckets import FAMILY_SCHEMES
-from ..torch import GradientSync
+from . import _clock
 from ._util import UsageError, machine, print_table, write_json
+from .harness import Spec, default_threads
+from .harness import build as harness_build
+from .harness import train as run_harness
+from .sync import GradientMethod
 
 GBPS = 1.25e8  # bytes per second per Gbit/s
 DEFAULT_STATIC = ("allgather_topk@0.01", "gtopk@0.01", "artopk_ring@0.01", "artopk_tree@0.01",
@@ -93,8 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=float, default=0.96, help="test accuracy target")
     parser.add_argument("--schedule", default="0:0.1:100,6:0.05:500",
                         help="EPOCH:GBPS:ALPHA_US,... injected link from that epoch on")
-    parser.add_argument("--link", choices=("injected", "emulated"), default="injected",
-                        help="injected: the bench's own alpha-beta sleep (--schedule); "
+    parser.add_argument("--link", choices=("injected", "emulated", "virtual"), default=None,
+                        help="default injected (virtual under --clock virtual); "
+                        "injected: the bench's own alpha-beta sleep (--schedule); "
+                        "virtual: the virtual clock's network; "
                         "emulated: run under launchers/emulated-cluster (tc rate + "
                         "mpicomm.emulate.linkdelay latency, the emulator's --schedule)")
     parser.add_argument("--static", default=",".join(DEFAULT_STATIC),
@@ -109,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="test accuracy every so many steps (not timed)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per method (batch order seeds 0..N-1); medians reported")
+    _clock.add_arguments(parser, schedule_flag="--virtual-schedule")
 
 
 def parse_schedule(text: str) -> list[tuple[int, float, float]]:
@@ -129,28 +142,6 @@ def link_at(schedule: list[tuple[int, float, float]], epoch: int) -> tuple[float
     return alpha_us * 1e-6, 1 / (gbps * GBPS)
 
 
-def load(comm: Communicator) -> tuple[torch.Tensor, ...]:
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = data.data.astype(np.float64)
-    x = (x - x.mean(axis=0)) / np.where(x.std(axis=0) > 0, x.std(axis=0), 1.0)
-    order = np.random.default_rng(12345).permutation(len(x))
-    x, y = x[order], data.target[order]
-    split = int(0.8 * len(x))
-    mine = slice(comm.rank, split, comm.size)
-    t = torch.tensor
-    return (t(x[mine], dtype=torch.float32), t(y[mine]), t(x[split:], dtype=torch.float32),
-            t(y[split:]))
-
-
-def make_model(hidden: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(hidden, 10))
-
-
 def make_strategy(method: str) -> Strategy:
     if method == "dense":
         return Dense()
@@ -163,28 +154,34 @@ def make_strategy(method: str) -> Strategy:
     return s
 
 
-def train(method: str, data: tuple[torch.Tensor, ...], comm: Communicator,
-          args: argparse.Namespace, strategy: Strategy | None = None, seed: int = 0
-          ) -> dict[str, Any]:
-    """One run of ``method``: the time (max over ranks, evaluation excluded) until the
-    test accuracy, checked every ``args.eval_every`` steps, first reaches
-    ``args.target``; ``seed`` picks the batch order (the model's initialization is the
-    same for every run)."""
-    xtr, ytr, xte, yte = data
-    schedule = parse_schedule(args.schedule)
-    model = make_model(args.hidden)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    batches = int(comm.allreduce_value(xtr.shape[0] // args.batch, "min"))
-    if strategy is None:
-        strategy = (AutoStrategy(window=args.window, total_steps=args.epochs * batches)
-                    if method == "auto" else make_strategy(method))
-    gen = torch.Generator().manual_seed(comm.rank + 1000 * seed)
-    elapsed, reached, steps, acc = 0.0, None, 0, 0.0
-    every = max(1, args.eval_every)
+def spec(args: argparse.Namespace, seed: int, label: str, epochs: int | None = None) -> Spec:
+    """The harness's run: ``digits-mlp`` 64-hidden-hidden-10, SGD with momentum 0.9."""
+    return Spec(workload="digits-mlp", seed=seed, batch=args.batch,
+                options={"hidden": args.hidden, "layers": 2},
+                epochs=args.epochs if epochs is None else epochs, lr=args.lr, momentum=0.9,
+                weight_decay=0.0, clip_norm=0.0, eval_every=max(1, args.eval_every),
+                target=args.target, label=label)
 
-    def evaluate() -> float:
-        with torch.no_grad():
-            return float((model(xte).argmax(1) == yte).float().mean())
+
+def train(method: str, comm: Communicator, args: argparse.Namespace,
+          strategy: Strategy | None = None, seed: int = 0, epochs: int | None = None
+          ) -> dict[str, Any]:
+    """One run of ``method`` through the time-to-accuracy harness: the time (max over
+    ranks, evaluation excluded) until the test accuracy, checked every
+    ``args.eval_every`` steps, first reaches ``args.target``; ``seed`` picks the initial
+    model and the batch order."""
+    schedule = parse_schedule(args.schedule)
+    sp = spec(args, seed, method, epochs)
+    w = harness_build(sp, comm)
+    if strategy is None:
+        strategy = (AutoStrategy(window=args.window,
+                                 total_steps=sp.epochs * w.info.steps_per_epoch)
+                    if method == "auto" else make_strategy(method))
+    sync = GradientMethod(strategy, label=method, bucket_mb=64)
+
+    def on_epoch(epoch: int, ctx: Any) -> None:
+        if args.link == "injected":  # the strategy is bound to its communicator by now
+            set_link(strategy.comm, *link_at(schedule, epoch))
 
     if args.link == "emulated":
         # step 0 on the step-0 network: the emulator re-arms its `step N` entries when
@@ -195,58 +192,32 @@ def train(method: str, data: tuple[torch.Tensor, ...], comm: Communicator,
         if comm.rank == 0:
             report_step(0)
         time.sleep(0.1)
-    with GradientSync(model, strategy=strategy, comm=comm, bucket_mb=64) as sync:
-        tcomm = sync.strategy.comm
-        before = tcomm.traffic.snapshot()
-        for epoch in range(args.epochs):
-            if args.link == "injected":
-                set_link(tcomm, *link_at(schedule, epoch))
-            order = torch.randperm(xtr.shape[0], generator=gen)
-            comm.barrier()
-            start = time.perf_counter()
-            for b in range(batches):
-                idx = order[b * args.batch:(b + 1) * args.batch]
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-                sync.step(opt)
-                steps += 1
-                if comm.rank == 0:
-                    report_step(steps)  # the emulator's `step N` schedule entries
-                if steps % every == 0 or b == batches - 1:
-                    # the clock stops for the check (the max over ranks of the timed
-                    # span; every rank evaluates the same replica) and restarts after it
-                    elapsed += float(comm.allreduce_value(time.perf_counter() - start,
-                                                          "max"))
-                    acc = evaluate()
-                    if reached is None and acc >= args.target:
-                        reached = elapsed
-                    comm.barrier()
-                    start = time.perf_counter()
-        sent = (tcomm.traffic - before).sent_bytes
-    row = {"method": method, "seed": seed, "time_to_target_s": reached, "final_acc": acc,
-           "seconds": elapsed, "steps": steps, "step_ms": 1e3 * elapsed / max(steps, 1),
-           "sent_kB_step": float(comm.allreduce_value(sent, "max")) / max(steps, 1) / 1e3}
+    r = run_harness(sp, sync, comm, workload=w, on_epoch=on_epoch)
+    sent = float(comm.allreduce_value(r.sent_bytes, "max"))
+    row = {"method": method, "seed": seed, "time_to_target_s": r.time_to_target_s,
+           "final_acc": r.final_metric(), "seconds": r.seconds, "steps": r.steps,
+           "step_ms": 1e3 * r.seconds / max(r.steps, 1),
+           "sent_kB_step": sent / max(r.steps, 1) / 1e3, "record": r.record()}
     if isinstance(strategy, AutoStrategy):
         counts: dict[str, int] = {}
-        for r in strategy.records:
-            key = f"{r.scheme}@{r.ratio:g}"
+        for rec in strategy.records:
+            key = f"{rec.scheme}@{rec.ratio:g}"
             counts[key] = counts.get(key, 0) + 1
         row["choices"] = " ".join(f"{k}:{v}" for k, v in sorted(counts.items()))
         row["cr_history"] = ([(h.step, h.reason, h.ratio) for h in strategy.controller.history]
                              if strategy.controller is not None else [])
-        errors = [abs(r.measured - r.predicted) / r.measured for r in strategy.records
-                  if r.measured > 0]
+        errors = [abs(rec.measured - rec.predicted) / rec.measured for rec in strategy.records
+                  if rec.measured > 0]
         row["pred_rel_err_median"] = float(np.median(errors)) if errors else None
     return row
 
 
-def lgreco_rows(data: tuple[torch.Tensor, ...], comm: Communicator,
-                args: argparse.Namespace) -> list[dict[str, Any]]:
+def lgreco_rows(comm: Communicator, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per-layer uniform density (every layer at ``--lgreco-ratio``: the budget's total
     error) against L-GreCo's per-layer densities (total error <= that budget)."""
     rows = []
-    quick = argparse.Namespace(**{**vars(args), "epochs": max(1, args.lgreco_steps // max(
-        1, data[0].shape[0] // args.batch))})
+    per_epoch = harness_build(spec(args, 0, "probe"), comm).info.steps_per_epoch
+    epochs = max(1, args.lgreco_steps // per_epoch)
     for family in [f for f in args.lgreco_families.split(",") if f]:
         if family == "topk":
             options: dict[str, Any] = {"ratio": args.lgreco_ratio,
@@ -256,7 +227,7 @@ def lgreco_rows(data: tuple[torch.Tensor, ...], comm: Communicator,
                        "schemes": (FAMILY_SCHEMES[family],)}
         for name, every in (("uniform", 1 << 30), ("lgreco", 10)):
             s = AutoStrategy(lgreco=True, lgreco_every=every, lgreco_acc_steps=5, **options)
-            row = train(f"{family} {name}", data, comm, quick, strategy=s)
+            row = train(f"{family} {name}", comm, args, strategy=s, epochs=epochs)
             row["family"], row["setting"] = family, name
             history = s.lgreco.history if s.lgreco is not None else []
             if history:
@@ -294,12 +265,22 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--link emulated: run under launchers/emulated-cluster "
                          f"({ENV_RANKS_PER_HOST} is not set)")
     parse_schedule(args.schedule)
+    _clock.apply(args)
+    virtual = args.clock == "virtual"
+    if args.link is None:
+        args.link = "virtual" if virtual else "injected"
+    if virtual != (args.link == "virtual"):
+        raise UsageError("--link virtual goes with --clock virtual (and only with it): "
+                         "under the virtual clock the network is the platform's "
+                         "(--rate/--delay/--virtual-schedule)")
     comm = init()
-    data = load(comm)
-    warm = make_model(8)  # the first optimizer step imports torch._dynamo (seconds): not
-    torch.optim.SGD(warm.parameters(), lr=0.1).step()  # in any method's time
+    _clock.measure_costs(comm)
+    import torch
+
+    torch.set_num_threads(default_threads(comm))  # ranks of a node share its cores
     methods = ["dense", *[m for m in args.static.split(",") if m], "auto"]
-    runs = [[train(m, data, comm, args, seed=s) for s in range(args.seeds)] for m in methods]
+    runs = [[train(m, comm, args, seed=s) for s in range(args.seeds)] for m in methods]
+    records = [run.pop("record") for per_method in runs for run in per_method]
     rows = [median_row(r) for r in runs]
     dense = rows[0]
     for r in rows:
@@ -316,7 +297,9 @@ def run(args: argparse.Namespace) -> int:
         "auto_speedup_vs_dense": auto["x_dense"],
         "auto_acc_loss_points": 100 * (dense["final_acc"] - auto["final_acc"]),
     }
-    lg = lgreco_rows(data, comm, args)
+    lg = lgreco_rows(comm, args)
+    for row in lg:
+        records.append(row.pop("record"))
     for uniform, per_layer in zip(lg[::2], lg[1::2]):
         tag = "" if uniform["family"] == "topk" else f"_{uniform['family']}"
         summary[f"lgreco_bytes_ratio{tag}"] = (
@@ -327,7 +310,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"# adaptive: {comm.size} ranks, digits MLP 64-{args.hidden}-{args.hidden}-10, "
               f"batch {args.batch}/rank, {args.epochs} epochs, target acc {args.target}, "
               + (f"injected link schedule {args.schedule} (EPOCH:Gbit/s:alpha_us)"
-                 if args.link == "injected" else "emulated cluster (launchers/"
+                 if args.link == "injected" else
+                 f"virtual clock {_clock.describe().get('platform')}"
+                 if args.link == "virtual" else "emulated cluster (launchers/"
                  "emulated-cluster: tc rate + mpicomm.emulate.linkdelay latency)"))
         print_table(rows, COLUMNS)
         print("\n# L-GreCo vs per-layer uniform settings (topk: allgather_topk at ratio "
@@ -339,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
         for k, v in summary.items():
             print(f"{k}: {v}")
         write_json(args.json, {"suite": "adaptive", "machine": machine(), "ranks": comm.size,
-                               "options": dict(vars(args)), "rows": rows, "lgreco": lg,
-                               "summary": summary})
+                               "options": dict(vars(args)), "clock": _clock.describe(),
+                               "rows": rows, "lgreco": lg,
+                               "summary": summary, "training_runs": records})
     comm.barrier()
     return 0

@@ -4,10 +4,11 @@ Run under MPI, e.g. ``mpiexec -n 4 python -m mpicomm.bench localsgd``.
 
 Setup (every choice is an option):
 
-* Data: scikit-learn's bundled ``load_digits`` (1797 8x8 images, 10 classes; real data
-  that ships with the package), standardized, shuffled once with a fixed seed and
-  sharded round-robin over the ranks (i.i.d. shards).
-* Model: MLP 64-64-10 (ReLU); SGD with lr 0.05, momentum 0.9 and weight decay 1e-3
+* Data and loop: the ``digits-mlp`` workload (:mod:`mpicomm.workloads`: scikit-learn's
+  bundled digits, 1 437 training images) through the time-to-accuracy harness
+  (:mod:`mpicomm.bench.harness`): every epoch a fresh permutation cut into disjoint
+  shards (i.i.d. shards).
+* Model: MLP 64-64-10 (ReLU, ``--hidden``); SGD with lr 0.05, momentum 0.9 and weight decay 1e-3
   (the usual recipe of the paper's CIFAR runs), minibatch 32 per rank. Momentum buffers
   stay local, as in the paper; since the momentum update is linear, tau = 1 is still
   exactly synchronous momentum SGD. Weight decay gives the objective a non-zero minimum,
@@ -38,6 +39,12 @@ Setup (every choice is an option):
   counted) and does not sleep. On a shared machine wall-clock figures swing by several
   x with other jobs' load; the model clock gives load-independent ratios that depend
   only on ``D/Y`` and the step budget ``budget/Y`` (same seeds, same numbers).
+  ``--clock virtual --rate R --delay L`` (:mod:`mpicomm.bench._clock`) runs on a virtual
+  cluster (:mod:`mpicomm.clock`): the step's forward, backward and optimizer are measured
+  into the cost table once (ranks taking turns) and charged every step, ``Y`` is their
+  sum, every averaging round is timed by the network model, and ``--delay-ms auto`` is 0
+  (the modelled network is the slow one; a given ``--delay-ms`` is added as virtual
+  time). Load-independent too, and it counts the real rounds and control messages.
 * Measurement: the training loss is the cross-entropy of the averaged model on the whole
   training set (each rank evaluates its shard; summed over ranks), taken right after an
   averaging round once at least ``--eval-every`` local steps have passed. Evaluation
@@ -54,14 +61,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from .. import clock
 from ..comm import Communicator, init
+from . import _clock
 from ._util import UsageError, machine, print_table, write_json
+from .harness import Spec, build, step_costs, train
+from .sync import LocalSGDMethod
 
 METHOD_SYNC = "sync"
 
@@ -93,44 +101,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=16,
                         help="evaluate after an averaging once this many local steps passed")
     parser.add_argument("--algorithm", default="auto", help="allreduce algorithm")
-    parser.add_argument("--clock", choices=("wall", "model"), default="wall",
-                        help="wall: measured seconds (real delay slept); model: "
-                             "steps*Y + rounds*D, no sleeping")
+    _clock.add_arguments(parser, extra=("model",),
+                         help_extra="; wall: measured seconds (real delay slept); model: "
+                                    "steps*Y + rounds*D, no sleeping; virtual: the "
+                                    "step charged from the cost table, the averaging "
+                                    "timed by the network model (--delay-ms auto is 0)")
 
 
 # ---------------------------------------------------------------------- pieces
-class TrainClock:
-    """perf_counter seconds since creation, excluding paused stretches (evaluation)."""
-
-    def __init__(self) -> None:
-        self._start = time.perf_counter()
-        self._paused_total = 0.0
-        self._paused_at: float | None = None
-
-    def now(self) -> float:
-        end = self._paused_at if self._paused_at is not None else time.perf_counter()
-        return end - self._start - self._paused_total
-
-    def pause(self) -> None:
-        self._paused_at = time.perf_counter()
-
-    def resume(self) -> None:
-        assert self._paused_at is not None
-        self._paused_total += time.perf_counter() - self._paused_at
-        self._paused_at = None
-
-
 class ModelClock:
     """Modeled seconds from the runtime model: ``local_steps * Y + rounds * D``.
 
     Independent of the machine's load (other jobs on a shared machine make wall-clock
-    figures noisy), and deterministic for a given seed. ``local`` is the LocalSGD whose
-    counters it reads (set right after construction).
+    figures noisy), and deterministic for a given seed. It reads the counters of the
+    run's :class:`~mpicomm.torch.LocalSGD` (``attach``, called by the harness).
     """
 
     def __init__(self, step_s: float, round_s: float) -> None:
         self.step_s, self.round_s = step_s, round_s
         self.local: Any = None
+
+    def attach(self, sync: Any) -> None:
+        self.local = sync.local
 
     def now(self) -> float:
         if self.local is None:
@@ -144,84 +136,39 @@ class ModelClock:
         pass
 
 
-@dataclass
-class Shard:
-    x: Any
-    y: Any
-    total: int  # training-set size over all ranks
+def spec(args: argparse.Namespace, seed: int, **kw: Any) -> Spec:
+    """The harness's run: ``digits-mlp`` with one hidden layer, this bench's optimizer."""
+    return Spec(workload="digits-mlp", seed=seed, batch=args.batch,
+                options={"hidden": args.hidden, "layers": 1}, lr=args.lr,
+                momentum=args.momentum, weight_decay=args.weight_decay, clip_norm=0.0,
+                epoch_stats=False, **kw)
 
 
-def load_shard(comm: Communicator) -> Shard:
-    import torch
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = data.data.astype(np.float64)
-    x = (x - x.mean(axis=0)) / np.where(x.std(axis=0) > 0, x.std(axis=0), 1.0)
-    order = np.random.default_rng(12345).permutation(len(x))
-    x, y = x[order], data.target[order]
-    mine = slice(comm.rank, None, comm.size)
-    return Shard(torch.tensor(x[mine], dtype=torch.float32), torch.tensor(y[mine]), len(x))
-
-
-def make_model(seed: int, hidden: int) -> Any:
-    import torch
-
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(hidden, 10))
+def measure_step_time(args: argparse.Namespace, comm: Communicator) -> float:
+    """Median time of one local SGD step (all ranks computing at once), max over ranks:
+    300 harness steps without averaging, the first 50 left out. Under the virtual clock:
+    the calibrated cost of one step (:func:`mpicomm.bench.harness.step_costs`, the same
+    entries every training step is charged)."""
+    if clock.started():
+        s = spec(args, 0)
+        return step_costs(s, build(s, comm), comm, args.lr, args.momentum, args.weight_decay)
+    r = train(spec(args, 0, max_steps=300, eval_every=None, report_steps=False),
+              LocalSGDMethod(10**9, algorithm=args.algorithm), comm)
+    return float(comm.allreduce_value(statistics.median(r.step_s[50:]), "max"))
 
 
-def make_optimizer(model: Any, args: argparse.Namespace) -> Any:
-    import torch
-
-    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                           weight_decay=args.weight_decay)
-
-
-def measure_step_time(shard: Shard, args: argparse.Namespace, comm: Communicator) -> float:
-    """Median time of one local SGD step (all ranks computing at once), max over ranks."""
-    import torch
-
-    model = make_model(0, args.hidden)
-    opt = make_optimizer(model, args)
-    rng = np.random.default_rng(comm.rank)
-    times = []
-    comm.barrier()
-    for _ in range(300):
-        idx = torch.from_numpy(rng.integers(0, len(shard.y), args.batch))
-        start = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(shard.x[idx]), shard.y[idx]).backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return float(comm.allreduce_value(statistics.median(times[50:]), "max"))
-
-
-def measure_round_time(shard: Shard, args: argparse.Namespace, comm: Communicator) -> float:
-    """Median time of one real averaging round (no injected delay) inside a training loop.
+def measure_round_time(step_s: float, args: argparse.Namespace, comm: Communicator) -> float:
+    """Median time of one real averaging round (no injected delay) inside a training loop:
+    the median step with averaging every step (80 harness steps, the first 20 left out)
+    less the local step time ``step_s``.
 
     On an oversubscribed machine this is dominated by ranks waiting to be scheduled,
     so it is reported next to the injected delay: the effective ``D`` is their sum.
     """
-    import torch
-
-    from ..torch import LocalSGD
-
-    model = make_model(0, args.hidden)
-    opt = make_optimizer(model, args)
-    local = LocalSGD(model, 1, opt, comm=comm, algorithm=args.algorithm)
-    rng = np.random.default_rng(comm.rank)
-    times = []
-    for _ in range(80):
-        idx = torch.from_numpy(rng.integers(0, len(shard.y), args.batch))
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(shard.x[idx]), shard.y[idx]).backward()
-        opt.step()
-        start = time.perf_counter()
-        local.step()
-        times.append(time.perf_counter() - start)
-    return float(comm.allreduce_value(statistics.median(times[20:]), "max"))
+    r = train(spec(args, 0, max_steps=80, eval_every=None, report_steps=False),
+              LocalSGDMethod(1, algorithm=args.algorithm), comm)
+    with_round = float(comm.allreduce_value(statistics.median(r.step_s[20:]), "max"))
+    return max(0.0, with_round - step_s)
 
 
 @dataclass
@@ -234,6 +181,7 @@ class Run:
     rounds: int = 0
     sent_bytes: int = 0
     taus: list[int] = field(default_factory=list)
+    record: dict[str, Any] = field(default_factory=dict)  # the harness's run record
 
     @property
     def final_loss(self) -> float:
@@ -250,69 +198,38 @@ class Run:
         return None
 
 
-def train(method: str, schedule: str, seed: int, shard: Shard, delay_s: float,
-          args: argparse.Namespace, comm: Communicator,
-          model_clock: tuple[float, float] | None = None) -> Run:
-    """One training run under the wall-clock budget; returns its loss curve."""
-    import torch
-
+def train_method(method: str, schedule: str, seed: int, delay_s: float,
+                 args: argparse.Namespace, comm: Communicator,
+                 model_clock: tuple[float, float] | None = None) -> Run:
+    """One training run under the clock budget (:mod:`mpicomm.bench.harness`); its
+    training-loss curve, evaluated right after an averaging round once ``eval_every``
+    local steps have passed."""
     from ..control import AdaComm
-    from ..torch import LocalSGD
 
-    model = make_model(seed, args.hidden)
-    opt = make_optimizer(model, args)
     if method == "adacomm":
         interval = args.interval_s if args.interval_s else args.budget_s / 12
         period: Any = AdaComm(args.tau0, interval_s=interval, lr_exponent=args.lr_exponent)
     else:
         period = 1 if method == METHOD_SYNC else int(method.split("=")[1])
-    comm.barrier()
-    clock: Any = TrainClock() if model_clock is None else ModelClock(*model_clock)
-    local = LocalSGD(model, period, opt, comm=comm, algorithm=args.algorithm,
-                     delay_s=delay_s if model_clock is None else 0.0, clock=clock.now)
-    if model_clock is not None:
-        clock.local = local
-    run = Run(method, schedule, seed)
-    rng = np.random.default_rng(1000 * seed + comm.rank)
-    loss_fn = torch.nn.functional.cross_entropy
+    sync = LocalSGDMethod(period, label=method, algorithm=args.algorithm,
+                          delay_s=delay_s if model_clock is None else 0.0)
     decayed = False
 
-    def evaluate() -> bool:
-        """Record (agreed clock, global training loss); True when the budget is spent."""
+    def decay(point: dict[str, float], ctx: Any) -> None:
         nonlocal decayed
-        clock.pause()
-        with torch.no_grad():
-            local_sum = float(loss_fn(model(shard.x), shard.y, reduction="sum"))
-        everyone = comm.allgather_object((local_sum, clock.now()))
-        loss = sum(v[0] for v in everyone) / shard.total
-        elapsed = max(v[1] for v in everyone)
-        run.curve.append((elapsed, loss))
-        if schedule == "decay" and not decayed and elapsed >= args.budget_s / 2:
-            for group in opt.param_groups:
+        if schedule == "decay" and not decayed and point["time_s"] >= args.budget_s / 2:
+            for group in ctx.opt.param_groups:
                 group["lr"] /= 10
             decayed = True
-        clock.resume()
-        return elapsed >= args.budget_s
 
-    evaluate()
-    last_eval = 0
-    while True:
-        idx = torch.from_numpy(rng.integers(0, len(shard.y), args.batch))
-        opt.zero_grad()
-        loss = loss_fn(model(shard.x[idx]), shard.y[idx])
-        loss.backward()
-        opt.step()
-        averaged = local.step(loss)
-        run.steps += 1
-        if averaged:
-            run.taus.append(local.period)
-            if run.steps - last_eval >= args.eval_every:
-                last_eval = run.steps
-                if evaluate():
-                    break
-    run.rounds = local.rounds
-    run.sent_bytes = local.traffic.sent_bytes
-    return run
+    comm.barrier()
+    r = train(spec(args, seed, budget_s=args.budget_s, eval_every=args.eval_every,
+                   eval_split="train", eval_at_start=True, label=method,
+                   clock=None if model_clock is None else ModelClock(*model_clock)),
+              sync, comm, on_eval=decay)
+    taus = [d["tau"] for d in r.decisions]
+    return Run(method, schedule, seed, [(p["time_s"], p["loss"]) for p in r.curve], r.steps,
+               r.extra["rounds"], r.sent_bytes, taus, r.record())
 
 
 # ---------------------------------------------------------------------- report
@@ -376,18 +293,21 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
+    _clock.apply(args)
     comm = init()
-    shard = load_shard(comm)
+    _clock.measure_costs(comm)
     taus = [int(t) for t in args.taus.split(",") if t.strip()]
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for s in schedules:
         if s not in ("fixed", "decay"):
             raise UsageError(f"unknown schedule {s!r}; use fixed and/or decay")
     methods = [METHOD_SYNC] + [f"tau={t}" for t in taus] + ["adacomm"]
-    step_s = measure_step_time(shard, args, comm)
-    delay_s = (args.delay_factor * step_s if args.delay_ms == "auto"
-               else float(args.delay_ms) / 1e3)
-    real_s = measure_round_time(shard, args, comm)
+    step_s = measure_step_time(args, comm)
+    if args.delay_ms == "auto":   # virtual: the network model is the slow network
+        delay_s = 0.0 if clock.started() else args.delay_factor * step_s
+    else:
+        delay_s = float(args.delay_ms) / 1e3
+    real_s = measure_round_time(step_s, args, comm)
     if comm.rank == 0:
         print(f"# localsgd: {comm.size} ranks, digits MLP 64-{args.hidden}-10, batch "
               f"{args.batch}/rank, lr {args.lr}, momentum {args.momentum}, wd "
@@ -398,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"# measured real averaging round (no delay, in a training loop) = "
               f"{real_s * 1e3:.3f} ms: effective (real + D)/Y = "
               f"{(real_s + delay_s) / step_s:.1f}", flush=True)
-    model_clock = None if args.clock == "wall" else (step_s, delay_s)
+    model_clock = (step_s, delay_s) if args.clock == "model" else None
     if comm.rank == 0 and model_clock is not None:
         print(f"# model clock: t = steps x Y + rounds x D = steps x {step_s * 1e3:.3f} ms + "
               f"rounds x {delay_s * 1e3:.3f} ms (no sleeping; real rounds not counted)",
@@ -407,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
     for schedule in schedules:
         for seed in range(args.seed_offset, args.seed_offset + args.seeds):
             for method in methods:
-                r = train(method, schedule, seed, shard, delay_s, args, comm, model_clock)
+                r = train_method(method, schedule, seed, delay_s, args, comm, model_clock)
                 runs.append(r)
                 if comm.rank == 0:
                     print(f"#   {schedule:5s} seed {seed} {method:8s} steps {r.steps:6d} "
@@ -427,10 +347,12 @@ def run(args: argparse.Namespace) -> int:
                                            else f"{k}={v}" for k, v in m.items()))
         write_json(args.json, {
             "suite": "localsgd", "machine": machine(), "args": vars(args),
+            "clock": _clock.describe(),
             "step_s": step_s, "delay_s": delay_s, "real_round_s": real_s, "rows": rows,
             "summary": summary,
             "targets": met,
             "curves": [{"method": r.method, "schedule": r.schedule, "seed": r.seed,
                         "curve": r.curve, "taus": sorted(set(r.taus))} for r in runs],
+            "training_runs": [r.record for r in runs],
         })
     return 0

@@ -11,17 +11,20 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    (:func:`mpicomm.collectives.cost.ps_push_pull`, alpha/beta/gamma fitted by
    :func:`mpicomm.collectives.calibrate.measure` at the start) and mpicomm's ring
    allreduce of the same ``n`` bytes over the W workers (measured and predicted).
-2. **Straggler** (``straggler``): digits, MLP 64-64-10, plain SGD on 1 server; each step
-   a worker computes a real minibatch gradient and then sleeps ``--compute-ms`` (worker
-   0: ``--slow-factor`` times as long). Sync runs ``--steps`` steps per worker; async and
+2. **Straggler** (``straggler``): ``digits-mlp`` (MLP 64-64-10) through the
+   time-to-accuracy harness, plain SGD on 1 server; each step a worker computes a real
+   minibatch gradient and then sleeps ``--compute-ms`` (worker 0: ``--slow-factor`` times
+   as long; under ``--clock virtual`` the step and that time are charged instead, and
+   the servers take the workers' messages in virtual-time order, so async and SSP are
+   repeatable). Sync runs ``--steps`` steps per worker; async and
    SSP (``--staleness``) run until the server has applied as many pushes in total
    (``W * steps``). Throughput = pushes applied / W / wall time (sync steps per second);
    final loss = training-set cross-entropy of the final model. Target: async >= 1.5x
    sync's throughput, final loss within 10% of sync's. SSP is bounded by the straggler
    (the fast workers may lead by ``s`` steps only), so it lands near sync with a
    persistent straggler; it helps when slowness moves between workers.
-3. **Accuracy** (``accuracy``): the examples' recipe (MLP 64-128-128-10, SGD lr 0.05,
-   momentum 0.9, weight decay 1e-3, batch 32 per worker, stratified 80/20 split) for
+3. **Accuracy** (``accuracy``): the examples' recipe (``digits-mlp``: MLP 64-128-128-10,
+   SGD lr 0.05, momentum 0.9, weight decay 1e-3 on the server, batch 32 per worker) for
    ``--epochs`` epochs in sync mode, dense push against top-k 0.01 with error feedback,
    PowerSGD rank 4 push (per worker, error feedback) and a dense push with QSGD-compressed
    pulls (deltas to the servers' mirror). Target: top-k test accuracy within 1 point of
@@ -43,7 +46,9 @@ from typing import Any
 import numpy as np
 
 from ..comm import Communicator, init
+from . import _clock
 from ._util import UsageError, machine, median_seconds, print_table, write_json
+from .harness import default_threads
 
 SECTIONS = ("comm", "straggler", "accuracy", "pull")
 
@@ -65,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pull-bytes", type=int, default=1 << 20, help="pull: bytes per key")
     parser.add_argument("--pull-compressors", default="qsgd,topk",
                         help="pull: compressors to measure (and dense pulls)")
+    _clock.add_arguments(parser)
+
 
 
 # ---------------------------------------------------------------------- helpers
@@ -129,6 +136,7 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
     return rows
 
 
+
 # ---------------------------------------------------------------------- 4. compressed pulls
 def _compressor(name: str | None) -> Any:
     """A compressor by name, sparsifiers at density 0.01 (``None``: dense)."""
@@ -178,51 +186,11 @@ def bench_pull(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
     return rows
 
 
-# ---------------------------------------------------------------------- data and model
-def _digits(wc: Communicator) -> dict[str, Any]:
-    import torch
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    mean, std = x_tr.mean(axis=0), x_tr.std(axis=0)
-    std[std == 0] = 1.0
-
-    def t(a: np.ndarray) -> Any:
-        return torch.tensor((a - mean) / std, dtype=torch.float32)
-
-    return {"x": t(x_tr), "y": torch.tensor(y_tr), "x_test": t(x_te), "y_test": torch.tensor(y_te)}
-
-
-def _mlp(*widths: int) -> Any:
-    import torch
-
-    torch.manual_seed(0)
-    layers: list[Any] = []
-    for a, b in zip(widths, widths[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
-
-
-def _loss_acc(model: Any, x: Any, y: Any, wc: Communicator) -> tuple[float, float]:
-    import torch
-
-    with torch.no_grad():
-        out = model(x[wc.rank::wc.size])
-        yy = y[wc.rank::wc.size]
-        loss = float(torch.nn.functional.cross_entropy(out, yy, reduction="sum"))
-        hit = float((out.argmax(1) == yy).sum())
-    total = wc.allgather_object((loss, hit, len(yy)))
-    n = sum(t[2] for t in total)
-    return sum(t[0] for t in total) / n, sum(t[1] for t in total) / n
-
 
 # ---------------------------------------------------------------------- 2. straggler
 def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
-    import torch
-
-    from ..torch.ps import PSOptimizer
+    from .harness import Spec, now, train
+    from .sync import PSMethod
 
     rows = []
     for mode in ("sync", "async", "ssp"):
@@ -230,39 +198,28 @@ def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[s
         kv, wc = _store(comm, 1, mode=mode, lr=0.1, **kw)
         if kv.is_worker:
             assert wc is not None
-            data = _digits(wc)
-            model = _mlp(64, 64, 10)
-            opt = PSOptimizer(model, kv)
-            rng = np.random.default_rng(wc.rank)
             target = kv.workers * args.steps
             pause = args.compute_ms / 1e3 * (args.slow_factor if wc.rank == 0 else 1.0)
+            spec = Spec(workload="digits-mlp", options={"hidden": 64, "layers": 1}, batch=32,
+                        epochs=None, budget_s=float("inf"), eval_every=None,
+                        epoch_stats=False, eval_split="train", label=mode)
+
+            def enough(step: int, ctx: Any, kv: Any = kv, mode: str = mode,
+                       target: int = target) -> None:
+                ctx.stop = (step >= args.steps if mode == "sync"
+                            else kv.stats()["server_pushes"] >= target)
+
             wc.barrier()
-            start, steps = time.perf_counter(), 0
-            while True:
-                idx = torch.from_numpy(rng.integers(0, len(data["y"]), 32))
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(data["x"][idx]),
-                                                  data["y"][idx]).backward()
-                time.sleep(pause)
-                opt.step()
-                steps += 1
-                done = (steps >= args.steps if mode == "sync"
-                        else kv.stats()["server_pushes"] >= target)
-                if done:
-                    break
-            wall = wc.allreduce_value(time.perf_counter() - start, "max")
+            start = now()
+            r = train(spec, PSMethod(kv, sleep_s=pause), wc, on_step=enough)
             stats = kv.stats()
-            wc.barrier()
-            opt.pull()
-            for p in model.parameters():  # one final model: worker 0's
-                p.data.copy_(torch.from_numpy(wc.bcast_object(p.data.numpy())))
-            loss, _ = _loss_acc(model, data["x"], data["y"], wc)
-            pushes = wc.allreduce_value(steps, "sum")
+            wall = wc.allreduce_value(now() - start, "max")
+            pushes = wc.allreduce_value(r.steps, "sum")
             staleness = wc.allreduce_value(stats["max_staleness"], "max")
             rows.append({"mode": mode if mode != "ssp" else f"ssp(s={args.staleness})",
                          "workers": kv.workers, "pushes": pushes, "wall_s": wall,
-                         "steps_per_s": pushes / kv.workers / wall, "final_loss": loss,
-                         "max_staleness": staleness})
+                         "steps_per_s": pushes / kv.workers / wall,
+                         "final_loss": r.final_metric("loss"), "max_staleness": staleness})
         _finish(kv, wc)
     rows = comm.bcast_object(rows, root=0)
     if rows:
@@ -284,10 +241,9 @@ def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[s
 
 # ---------------------------------------------------------------------- 3. accuracy
 def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
-    import torch
-
     from ..compress import QSGD, PowerSGD, TopK
-    from ..torch.ps import PSOptimizer
+    from .harness import Spec, train
+    from .sync import PSMethod
 
     rows = []
     for name, compressor, pull in (("dense", None, None),
@@ -298,27 +254,13 @@ def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[st
                         compressor=compressor, pull_compressor=pull)
         if kv.is_worker:
             assert wc is not None
-            data = _digits(wc)
-            model = _mlp(64, 128, 128, 10)
-            opt = PSOptimizer(model, kv)
-            n = len(data["y"])
-            per = n // wc.size
-            start = time.perf_counter()
-            for epoch in range(args.epochs):
-                perm = np.random.default_rng([0, epoch]).permutation(n)
-                mine = torch.from_numpy(perm[wc.rank * per:(wc.rank + 1) * per])
-                for b in range(0, per, 32):
-                    idx = mine[b:b + 32]
-                    opt.zero_grad()
-                    torch.nn.functional.cross_entropy(model(data["x"][idx]),
-                                                      data["y"][idx]).backward()
-                    opt.step()
-            wall = wc.allreduce_value(time.perf_counter() - start, "max")
+            spec = Spec(workload="digits-mlp", options={"hidden": 128}, batch=32,
+                        epochs=args.epochs, eval_every=None, label=name)
+            r = train(spec, PSMethod(kv), wc)
             stats = kv.stats()
-            _, acc = _loss_acc(model, data["x_test"], data["y_test"], wc)
             rows.append({"push": name, "workers": kv.workers, "epochs": args.epochs,
-                         "test_acc": acc, "bytes_pushed": stats["bytes_pushed"],
-                         "bytes_pulled": stats["bytes_pulled"], "train_s": wall})
+                         "test_acc": r.final_metric(), "bytes_pushed": stats["bytes_pushed"],
+                         "bytes_pulled": stats["bytes_pulled"], "train_s": r.seconds})
         _finish(kv, wc)
     rows = comm.bcast_object(rows, root=0)
     if comm.rank == 0 and rows:
@@ -334,7 +276,12 @@ def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[st
 
 
 def run(args: argparse.Namespace) -> int:
+    _clock.apply(args)
     comm = init()
+    _clock.measure_costs(comm)
+    import torch
+
+    torch.set_num_threads(default_threads(comm))  # ranks of a node share its cores
     if comm.size < 2:
         if comm.rank == 0:
             print("bench ps needs >= 2 ranks (servers + workers); run under mpiexec -n 5")
@@ -343,8 +290,10 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise UsageError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+
     out: dict[str, Any] = {"suite": "ps", "machine": machine(), "ranks": comm.size,
-                           "args": vars(args)}
+                           "args": vars(args), "clock": _clock.describe()}
+
     t0 = time.perf_counter()
     if "comm" in sections:
         out["comm"] = bench_comm(args, comm)

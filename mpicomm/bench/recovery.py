@@ -127,8 +127,12 @@ def kill_trial(mode: str, ranks: int, victim: int, kill_step: int, workdir: str,
                     killed_at, killed_step = time.time(), int(step[0])
                 except ProcessLookupError:
                     pass
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # timed out: the launcher ends every process of the job
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         status = proc.wait()
     facts = json.loads(_read(facts_path) or "{}")
     resumed = json.loads(_read(os.path.join(progress, "resumed.json")) or "{}")

@@ -16,8 +16,8 @@ bench-cluster`` write there), and writes
   measured and predicted side by side), ``localsgd-*.png`` (training loss against time:
   time-to-accuracy curves).
 
-``adaptive`` gets its time-to-accuracy table, the L-GreCo comparison and issue 8's
-targets marked met/missed. ``crossover`` results get a table of the three modes' median
+``adaptive`` gets its time-to-accuracy table, the L-GreCo comparison and the
+selector's targets marked met/missed. ``crossover`` results get a table of the three modes' median
 throughput (sequential, co-located, Crossover), the speedups, the measured ``C`` and
 ``S`` and the bound ``(C+S)/max(C,S)``. ``accuracy`` files
 (``examples/compression_accuracy.py --json``) get a table of test accuracy and bytes per
@@ -38,11 +38,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .report_training import plot_name, plot_runs, step_time_table, training_section
+
 SPARSE_METHODS = ("dense", "allgather_topk", "gtopk", "artopk_star")
 LABELS = {"dense": "dense allreduce (best own)", "allgather_topk": "Allgather Top-k",
           "gtopk": "gTop-k", "artopk_star": "AR-Top-k (STAR, ring)"}
 PAPER = ("gTop-k paper (32 GPUs, 1 Gbit/s Ethernet): 2.7-12x the scaling efficiency of "
-         "dense S-SGD and 1.1-1.7x that of Allgather Top-k S-SGD; seed 000: AR-Top-k "
+         "dense S-SGD and 1.1-1.7x that of Allgather Top-k S-SGD; AR-Top-k "
          "cheaper than Allgather Top-k as the rank count grows")
 
 
@@ -345,10 +347,10 @@ def section(r: dict[str, Any]) -> str:
         return head + table(r.get("summary", []), ("collective", "elems", "best", "time_us",
                                                    "x_mpi", "x_gloo"))
     if suite == "accuracy":
-        return head + accuracy(r)
+        return head + accuracy(r) + training(r)
 
     if suite == "adaptive":
-        return head + adaptive(r)
+        return head + adaptive(r) + training(r)
     if suite == "crossover":
         return head + crossover_section(r)
     if suite == "ps":
@@ -356,7 +358,14 @@ def section(r: dict[str, Any]) -> str:
                                  for key in ("comm", "straggler", "accuracy", "pull")
                                  if r.get(key))
     body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
-    return head + ("\n".join(body) if body else "(no rows or summary in this result)\n")
+    return head + ("\n".join(body) if body else "(no rows or summary in this result)\n") \
+        + training(r)
+
+
+def training(r: dict[str, Any]) -> str:
+    """Runs of the time-to-accuracy harness in ``r`` (:mod:`.report_training`)."""
+    text = training_section(r, table, r.get("_training_plot"))
+    return "\n" + text if text else ""
 
 
 def accuracy(r: dict[str, Any]) -> str:
@@ -371,7 +380,8 @@ def accuracy(r: dict[str, Any]) -> str:
              "worst pp": f"{row['worst_pp']:+.2f}", "kB/step": f"{row['kB_per_step']:.1f}",
              "vs dense": f"{row['x_dense']:.3g}x", "steps": row["steps"]}
             for row in r.get("summary", [])]
-    return (f"digits MLP, density {c.get('density')}, {c.get('epochs')} epochs, batch "
+    task = (r.get("workload") or {}).get("description", "digits MLP")
+    return (f"{task}, density {c.get('density')}, {c.get('epochs')} epochs, batch "
             f"{c.get('batch')}/rank, {lr}, seeds {r.get('seeds')}\n\n" + table(rows))
 
 
@@ -490,6 +500,10 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
                 made.append(name)
         if plot_sparse(results, os.path.join(plots, "sparse-scaling.png")):
             made.append("sparse-scaling.png")
+        for r in results:
+            if plot_runs(r, os.path.join(plots, plot_name(r)), _plt()):
+                r["_training_plot"] = f"{rel}/{plot_name(r)}"
+                made.append(plot_name(r))
     except ImportError:
         plot_note = ("\n**No plots**: matplotlib is not installed (`pip install -e "
                      "\".[bench]\"`).\n")
@@ -525,6 +539,10 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         "## Seed claims: gTop-k and AR-Top-k against dense and Allgather Top-k\n",
         claims(results),
         remarks,
+        "## Time per step of the workloads\n\nMedian time of rank 0's training steps "
+        "(evaluation excluded) by rank count, from the `train` results "
+        "(`python -m mpicomm.bench train`).\n\n" + table(step_time_table(results))
+        if step_time_table(results) else "",
         "## Plots\n" + plot_note,
     ]
     for name in made:

@@ -43,11 +43,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .. import clock
 from .. import collectives as coll
 from ..collectives import cost
 from ..comm import Communicator, init
 from ..compress.topk_select import topk_indices
 from ..sparse import artopk, exact_topk, gtopk, topk_allgather
+from . import _clock
 from ._util import machine, median_seconds, positive_floats, print_table, write_json
 
 DEFAULT_SIZES = (1_000_000, 10_000_000, 25_000_000)
@@ -76,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fix alpha (microseconds) instead of fitting it")
     parser.add_argument("--beta-ns", type=float, default=None,
                         help="fix beta (nanoseconds per byte) instead of fitting it")
+    _clock.add_arguments(parser)
 
 
 # ---------------------------------------------------------------------- model
@@ -243,7 +246,11 @@ def prediction(sizes: list[int], densities: list[float], p: int,
 
 # ---------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
+    _clock.apply(args)
     comm = init()
+    _clock.measure_costs(comm)
+    if clock.started():     # deterministic: one timed run per row
+        args.repeats, args.warmup = 1, 0
     if args.no_calibrate:
         params = cost.CostParams()
     else:
@@ -281,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
                               "gtopk/dense_B", "artopk/ag_t", "artopk/ag_B",
                               "artree/ag_t"))
         write_json(args.json, {"suite": "sparse", "machine": machine(), "ranks": comm.size,
+                               "clock": _clock.describe(),
                                "cost_params": asdict(params), "options": dict(vars(args)),
                                "rows": rows, "measured_ratios": summary,
                                "predicted": predict})

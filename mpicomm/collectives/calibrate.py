@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import clock
 from ..arrayops import ops_for
-from ..comm import Communicator, Traffic, resolve, wait_all
-from ..emulate.linkdelay import link_delay
+from ..comm import Communicator, Traffic, resolve
 from ..p2p import Ctx
 from ..tags import TAG_CALIBRATE
 from ..validate import check_int
@@ -83,21 +83,24 @@ def pingpong(comm: Communicator, nbytes: int, repeats: int = 20, warmup: int = 2
             rank not in (origin, peer):
         raise ValueError(f"pingpong: origin {origin} and peer {peer} (of {comm.size}) call "
                          f"it; rank {rank} did")
-    # blocking messages of the point-to-point layer, outside the communicator's traffic
-    # counters; the emulated link's delay counts in alpha
-    ctx = Ctx(comm.p2p, rank, comm.size, ops_for("numpy", False), Traffic(),
-              delay=link_delay(comm))
+    # messages of the point-to-point layer (blocking on the wall clock; the emulated
+    # link's delay counts in alpha; the virtual clock times them), outside the
+    # communicator's traffic counters
+    ctx = Ctx.of(comm, ops_for("numpy", False))
+    ctx.traffic = Traffic()
+    if not ctx.virtual:
+        ctx.poll_s = None
     buf = np.zeros(nbytes, dtype=np.uint8)
     echo = reply_bytes is None
     reply = buf if echo else np.zeros(int(reply_bytes), dtype=np.uint8)
     times = []
     for i in range(warmup + repeats):
         if rank == origin:
-            start = time.perf_counter()
+            start = clock.now()
             ctx.send(buf, peer, TAG_CALIBRATE)
             ctx.recv(reply, peer, TAG_CALIBRATE)
             if i >= warmup:
-                elapsed = time.perf_counter() - start
+                elapsed = clock.now() - start
                 times.append(elapsed / 2 if echo else max(elapsed - reply_s, 0.0))
         else:
             ctx.recv(buf, origin, TAG_CALIBRATE)
@@ -123,7 +126,11 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[floa
 
 
 def measure_gamma(nbytes: int = 1 << 22, repeats: int = 10) -> float:
-    """Seconds per byte of an in-place float32 numpy add (the reduction kernel)."""
+    """Seconds per byte of an in-place float32 numpy add (the reduction kernel); under
+    the virtual clock, the cost table's ``reduce`` rate (what a reduction is charged)."""
+    table = clock.cost_table()
+    if table is not None:
+        return table.cost("reduce", 1) - table.cost("reduce", 0)
     count = max(1, nbytes // 4)
     acc = np.zeros(count, dtype=np.float32)
     other = np.ones(count, dtype=np.float32)
@@ -225,7 +232,7 @@ def measure_links(comm: Communicator | None = None, links: int = 3,
             if comm.rank == origin:
                 alpha, beta = fit_alpha_beta(points, times)
                 mine.append(Link(origin, peer, alpha, beta))
-        wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
+        comm.barrier(poll_s=QUIET_POLL_S)
     fitted = {(lk.a, lk.b): lk for found in comm.allgather_object(mine) for lk in found}
     return [fitted[pair] for pairs in rounds for pair in pairs]
 
@@ -251,7 +258,7 @@ def measure(comm: Communicator | None = None, sizes: Sequence[int] = DEFAULT_SIZ
     _check(links, sizes)
     found = measure_links(comm, links, sizes, repeats) if comm.size > 1 else []
     gamma = measure_gamma() if comm.rank == 0 else None
-    wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
+    comm.barrier(poll_s=QUIET_POLL_S)
     params = slowest(found, comm.bcast_object(gamma, root=0))
     if store:
         comm.resources["cost_params"] = params

@@ -5,6 +5,13 @@ user-defined MPI operation over 16-bit words that reinterprets them (numpy for f
 torch for bfloat16). Those operations run on host memory only; device buffers of those
 dtypes need one of mpicomm's own algorithms. The created operations are cached for the
 life of the process, like the MPI world itself.
+
+Under the virtual clock (:mod:`mpicomm.clock`) each call is charged as a synchronising
+collective (:func:`mpicomm.vwire.collective`): every rank leaves at the latest entry time
+plus the cost model's prediction for ``algorithm="mpi"`` (the best of mpicomm's own
+algorithms for the size, :func:`mpicomm.collectives.cost.predict`) with the network's
+alpha and beta and the cost table's ``reduce`` rate as gamma. It does not queue on the
+network model's links.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import clock, vwire
+from ..comm import wait_all
 from ..p2p import Ctx
+from . import cost
 
 _MPI_TYPES = {
     "float32": MPI.FLOAT,
@@ -77,22 +87,39 @@ def mpi_op(dtype: str, op: str, on_device: bool) -> MPI.Op:
     return _BUILTIN_OPS[op]
 
 
+def _run(ctx: Ctx, blocking: Any, nonblocking: Any, collective: str, nbytes: float) -> None:
+    """Run one MPI collective: blocking, or started nonblocking and polled when the
+    context has ``poll_s``; under the virtual clock, charged as the module docstring
+    says."""
+    if ctx.virtual:
+        def model(alpha: float, beta: float, p: int) -> float:
+            table = clock.cost_table()
+            reduce = table.ops.get("reduce") if table is not None else None
+            gamma = reduce.per_unit if reduce is not None else 0.0
+            return cost.predict(collective, "mpi", nbytes, p,
+                                cost.CostParams(alpha, beta, gamma))
+
+        vwire.collective(ctx.mpi, lambda: wait_all([nonblocking()], ctx.poll_s), model)
+    elif ctx.poll_s is None:
+        blocking()
+    else:
+        ctx.wait(nonblocking())
+
+
 def allreduce(work: Any, op: str, ctx: Ctx, dtype: str) -> None:
     """In-place ``MPI_Allreduce`` of the flat work array (``MPI_Iallreduce`` + polling
     when the context has ``poll_s``; likewise below)."""
     args = (MPI.IN_PLACE, [work, mpi_type(dtype)], mpi_op(dtype, op, ctx.ops.device))
-    if ctx.poll_s is None:
-        ctx.mpi.Allreduce(*args)
-    else:
-        ctx.wait(ctx.mpi.Iallreduce(*args))
+    _run(ctx, lambda: ctx.mpi.Allreduce(*args), lambda: ctx.mpi.Iallreduce(*args),
+         "allreduce", work.shape[0] * ctx.ops.itemsize(work))
 
 
 def allgather(res: Any, ctx: Ctx) -> None:
     """In-place ``MPI_Allgather`` of equal blocks (this rank's block already in ``res``)."""
-    if ctx.poll_s is None:
-        ctx.mpi.Allgather(MPI.IN_PLACE, ctx.ops.msg(res))
-    else:
-        ctx.wait(ctx.mpi.Iallgather(MPI.IN_PLACE, ctx.ops.msg(res)))
+    msg = ctx.ops.msg(res)
+    _run(ctx, lambda: ctx.mpi.Allgather(MPI.IN_PLACE, msg),
+         lambda: ctx.mpi.Iallgather(MPI.IN_PLACE, msg), "allgather",
+         res.shape[0] * ctx.ops.itemsize(res))
 
 
 def allgatherv(res: Any, counts: list[int], itemsize: int, ctx: Ctx) -> None:
@@ -100,24 +127,20 @@ def allgatherv(res: Any, counts: list[int], itemsize: int, ctx: Ctx) -> None:
     byte_counts = [c * itemsize for c in counts]
     displs = [sum(byte_counts[:i]) for i in range(len(byte_counts))]
     message = [res, byte_counts, displs, MPI.BYTE]
-    if ctx.poll_s is None:
-        ctx.mpi.Allgatherv(MPI.IN_PLACE, message)
-    else:
-        ctx.wait(ctx.mpi.Iallgatherv(MPI.IN_PLACE, message))
+    _run(ctx, lambda: ctx.mpi.Allgatherv(MPI.IN_PLACE, message),
+         lambda: ctx.mpi.Iallgatherv(MPI.IN_PLACE, message), "allgatherv", sum(byte_counts))
 
 
 def broadcast(work: Any, root: int, ctx: Ctx) -> None:
-    if ctx.poll_s is None:
-        ctx.mpi.Bcast(ctx.ops.msg(work), root=root)
-    else:
-        ctx.wait(ctx.mpi.Ibcast(ctx.ops.msg(work), root=root))
+    msg = ctx.ops.msg(work)
+    _run(ctx, lambda: ctx.mpi.Bcast(msg, root=root), lambda: ctx.mpi.Ibcast(msg, root=root),
+         "broadcast", work.shape[0] * ctx.ops.itemsize(work))
 
 
 def reduce_scatter(send: Any, recv: Any, op: str, ctx: Ctx, dtype: str) -> None:
     """``MPI_Reduce_scatter_block``: rank r receives reduced block r."""
     args = ([send, mpi_type(dtype)], [recv, mpi_type(dtype)],
             mpi_op(dtype, op, ctx.ops.device))
-    if ctx.poll_s is None:
-        ctx.mpi.Reduce_scatter_block(*args)
-    else:
-        ctx.wait(ctx.mpi.Ireduce_scatter_block(*args))
+    _run(ctx, lambda: ctx.mpi.Reduce_scatter_block(*args),
+         lambda: ctx.mpi.Ireduce_scatter_block(*args), "reduce_scatter",
+         send.shape[0] * ctx.ops.itemsize(send))

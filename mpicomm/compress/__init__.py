@@ -57,6 +57,49 @@ REGISTRY: dict[str, Callable[..., Compressor]] = {
 }
 
 
+def _cost_kernels() -> None:
+    """Register how to measure each compressor for the virtual clock's cost table
+    (:mod:`mpicomm.costtable`): default settings, top-k kinds at density 0.01, a float32
+    torch vector of ``n`` elements (PowerSGD on an ``n/256 x 256`` matrix)."""
+    from ..costtable import register_kernel
+
+    def kernels_of(name: str) -> None:
+        kwargs = {"density": 0.01} if name in ("topk", "sampled_topk", "randomk") else {}
+
+        def tensor(n: int) -> Any:
+            import torch
+
+            gen = torch.Generator().manual_seed(0)
+            if name == "powersgd":
+                return torch.randn(max(1, n // 256), 256, generator=gen)
+            return torch.randn(n, generator=gen)
+
+        def compress(n: int) -> Callable[[], Any]:
+            c, x = make(name, **kwargs), tensor(n)
+            return lambda: c.compress(x, name="calibration")
+
+        def decompress(n: int) -> Callable[[], Any]:
+            c, x = make(name, **kwargs), tensor(n)
+            payload = c.compress(x, name="calibration")
+            return lambda: c.decompress(payload)
+
+        register_kernel(f"compress:{name}", compress, "element", (1 << 12, 1 << 18))
+        register_kernel(f"decompress:{name}", decompress, "element", (1 << 12, 1 << 18))
+
+    for name in REGISTRY:
+        kernels_of(name)
+
+    def matmul(n: int) -> Callable[[], Any]:   # n multiply-adds: an m x m by m x m product
+        import torch
+
+        m = max(1, round(n ** (1 / 3)))
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(m, m, generator=gen), torch.randn(m, m, generator=gen)
+        return lambda: a @ b
+
+    register_kernel("flop", matmul, "multiply-add", (1 << 15, 1 << 24))
+
+
 def make(name: str, **kwargs: Any) -> Compressor:
     """The compressor called ``name`` (see :data:`REGISTRY`) built with ``kwargs``.
 
@@ -72,3 +115,6 @@ def make(name: str, **kwargs: Any) -> Compressor:
         return cls(**kwargs)
     except TypeError as e:  # unexpected keyword: a configuration error
         raise ValueError(f"bad arguments for compressor {name!r}: {e}") from None
+
+
+_cost_kernels()

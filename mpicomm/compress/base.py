@@ -22,11 +22,16 @@ place). ``Payload.ctx`` holds local metadata that never travels.
 
 from __future__ import annotations
 
+import functools
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["Payload", "Compressor"]
+from .. import clock
+
+__all__ = ["Payload", "Compressor", "charge"]
 
 
 @dataclass
@@ -47,13 +52,64 @@ class Payload:
         return sum(int(a.nbytes) for a in self.arrays.values())
 
 
+_nesting = threading.local()
+
+
+def _numel(x: Any) -> int:
+    n = getattr(x, "numel", None)
+    return int(n()) if callable(n) else int(getattr(x, "size", 0))
+
+
+def charge(op: str, units: float) -> None:
+    """Charge the virtual clock for work a compressor does outside ``compress`` /
+    ``decompress`` (PowerSGD's phases, driven by a strategy); nothing when called from
+    inside them (their per-element charge covers it)."""
+    if getattr(_nesting, "depth", 0) == 0:
+        clock.charge(op, units)
+
+
+def _charged(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a compressor's compress or decompress) charging the virtual clock
+    ``KIND:NAME`` per element of the dense tensor, once per outermost call."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Compressor, arg: Any, *args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_nesting, "depth", 0)
+        _nesting.depth = depth + 1
+        try:
+            if depth == 0 and kind == "compress":
+                clock.charge(f"compress:{self.name}", _numel(arg))
+            out = fn(self, arg, *args, **kwargs)
+            if depth == 0 and kind == "decompress":
+                clock.charge(f"decompress:{self.name}", _numel(out))
+            return out
+        finally:
+            _nesting.depth = depth
+
+    wrapper._charges_clock = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 class Compressor(ABC):
-    """Base class of all compressors (see the module docstring for the capabilities)."""
+    """Base class of all compressors (see the module docstring for the capabilities).
+
+    Under the virtual clock (:mod:`mpicomm.clock`) every subclass's ``compress`` and
+    ``decompress`` charge ``compress:NAME`` / ``decompress:NAME`` per element of the
+    dense tensor from the cost table (a subclass calling its parent's is charged once).
+    """
 
     name: ClassVar[str] = "base"
     allreduce_compatible: ClassVar[bool] = False
     fixed_size: ClassVar[bool] = True
     phases: ClassVar[int] = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for kind in ("compress", "decompress"):
+            fn = cls.__dict__.get(kind)
+            if fn is not None and not getattr(fn, "_charges_clock", False) \
+                    and not getattr(fn, "__isabstractmethod__", False):
+                setattr(cls, kind, _charged(kind, fn))
 
     @abstractmethod
     def compress(self, x: Any, *, name: str = "", step: int = 0) -> Payload:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..buffers import from_torch, inspect, to_torch
+from .base import charge
 
 __all__ = ["ErrorFeedback"]
 
@@ -23,6 +24,9 @@ class ErrorFeedback:
         sent = compressor.decompress(payload)     # what this rank contributed
         ef.update(name, g_c, sent)                # e <- g_c - sent
 
+    Under the virtual clock (:mod:`mpicomm.clock`) ``compensate`` and ``update`` charge
+    their elementwise passes as ``reduce`` per byte.
+
     For sparse compressors, ``ef.update_sparse(name, g_c, indices)`` does the update
     without building the dense ``sent``: it zeros the sent positions of ``g_c`` and keeps
     ``g_c`` itself as the residual.
@@ -36,8 +40,8 @@ class ErrorFeedback:
     entry is within a factor 2 of the compensated one (casts); otherwise up to one
     rounding of the subtraction.
 
-    Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018; algorithms.md
-    G): with ``momentum=m > 0`` the memory also keeps a velocity ``u`` per name and moves
+    Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018, arXiv
+    1712.01887): with ``momentum=m > 0`` the memory also keeps a velocity ``u`` per name and moves
     the optimizer's momentum in front of the compression::
 
         u = m·u + g                  # compensate(): velocity (u = g the first time)
@@ -88,6 +92,7 @@ class ErrorFeedback:
         Call it once per step and name.
         """
         t = to_torch(x).detach()
+        charge("reduce", t.numel() * t.element_size() * (2 if self.momentum else 1))
         if self.momentum:
             t = self._advance_velocity(name, x, t)
         held = self._residuals.get(name)
@@ -103,6 +108,7 @@ class ErrorFeedback:
         _check_same(name, compensated, transmitted, "compensated", "transmitted",
                     dtype=False)
         c = to_torch(compensated).detach()
+        charge("reduce", c.numel() * c.element_size())
         sent = to_torch(transmitted).detach().to(device=c.device)
         residual = (c - sent).to(c.dtype)
         self._store(name, from_torch(residual, like=compensated))

@@ -12,7 +12,7 @@ from ..buffers import to_torch
 from ..validate import check_int
 from ._rng import generator
 from ._tensor import FiniteCheck, TensorMeta, flatten, restore, to_native
-from .base import Compressor, Payload
+from .base import Compressor, Payload, charge
 
 __all__ = ["PowerSGD", "PowerSGDCtx", "orthonormalize", "matrix_shape"]
 
@@ -143,6 +143,7 @@ class PowerSGD(Compressor):
         """``P = M Q`` (n x r, input framework/device) with the warm-started ``Q``."""
         mat, meta, check = self._matrix(x, name, step, "p_phase")
         q = self._q_for(name, mat.shape[1], self.rank_for(meta.shape), mat, step)
+        charge("flop", mat.shape[0] * mat.shape[1] * q.shape[1])
         p = mat @ q
         self._verified(check, name)
         self._meta[name] = meta
@@ -152,6 +153,7 @@ class PowerSGD(Compressor):
         """``Q = M^T orthonormalize(P_summed)`` (m x r, input framework/device)."""
         mat, meta, check = self._matrix(x, name, 0, "q_phase")
         p_hat = orthonormalize(self._factor(p_summed, mat, mat.shape[0], name, "P"))
+        charge("flop", mat.shape[0] * mat.shape[1] * p_hat.shape[1])
         q = mat.T @ p_hat
         self._verified(check, name)
         return to_native(q, meta.framework)
@@ -178,6 +180,7 @@ class PowerSGD(Compressor):
             q = q / world_size
         if self.warm_start:
             self._q[meta.name] = q.clone()
+        charge("flop", n * m * q.shape[1])
         return restore((p_hat @ q.T).reshape(-1), meta)
 
     # ------------------------------------------------------------------ single rank

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from ..validate import check_int
+from .base import charge
 
 __all__ = ["topk_indices", "topk_threshold", "topk_indices_approx", "topk_among",
            "topk_masses", "index_dtype_for", "PREFILTER_MIN_K"]
@@ -172,10 +173,14 @@ def topk_indices(x: Any, k: int) -> Any:
 
     Ties are broken by the smaller index. Returns an int64 array/tensor (on ``x``'s
     device) sorted ascending; ``k >= x.size`` returns every index. ``x`` must be finite
-    (NaN has no place in the order); callers validate that.
+    (NaN has no place in the order); callers validate that. Under the virtual clock a
+    selection of ``k < n`` among ``n`` elements charges ``select`` per element (not inside a
+    compressor's ``compress``, which is charged as a whole).
     """
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
+    if k < x.shape[0]:
+        charge("select", x.shape[0])
     if isinstance(x, np.ndarray):
         return _topk_numpy(x, k)
     if x.device.type == "cuda":

@@ -1,7 +1,16 @@
 """The emulated cluster's command line (``launchers/emulated-cluster``).
 
 ``emulated-cluster --hosts H [--ranks-per-host R] [--rate RATE] [--delay DELAY]
-[--schedule FILE] [--timeout SECONDS] [--no-shm] -- command args...``
+[--schedule FILE] [--timeout SECONDS] [--no-shm] [--clock wall|virtual] -- command args...``
+
+With ``--clock virtual`` nothing is shaped and no namespace is made (no root needed):
+the command runs under ``mpiexec -n H*R`` with the virtual clock's platform variables
+(``MPICOMM_CLOCK=virtual``, ``MPICOMM_VIRTUAL_RATE``/``_DELAY``/``_RANKS_PER_HOST``/
+``_SCHEDULE``, :mod:`mpicomm.clock`), so that the same command line gives the same
+cluster's timings in virtual time, whatever else runs on the machine. ``--rate`` is
+required then, and ``--no-shm`` does not apply.
+
+The steps of a wall-clock run:
 
 1. Checks every argument, that the MPI is MPICH (see below) and that namespaces, veth and
    ``tbf`` work here (:func:`mpicomm.emulate.netns.probe`); exits 2 with the reason
@@ -92,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kill the job after SECONDS (exit status 124)")
     ap.add_argument("--no-shm", action="store_true",
                     help="TCP also between ranks of the same host")
+    ap.add_argument("--clock", choices=("wall", "virtual"), default="wall",
+                    help="wall (default): namespaces and tc; virtual: no shaping, the "
+                         "virtual clock times the job on this platform (no root needed)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command args...")
     return ap
 
@@ -141,6 +153,52 @@ def _check(args: argparse.Namespace) -> tuple[list[str], float | None, float, li
     return cmd, rate, delay, entries
 
 
+def virtual_env(hosts: int, per_host: int, rate: str, delay: str, schedule: str | None,
+                base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a ``--clock virtual`` job (see the module docstring)."""
+    from . import vnet
+
+    env = dict(os.environ if base is None else base)
+    env.update({"MPICOMM_CLOCK": "virtual", vnet.ENV_RATE: rate, vnet.ENV_DELAY: delay,
+                vnet.ENV_RANKS_PER_HOST: str(per_host),
+                vnet.ENV_SCHEDULE: os.path.abspath(schedule) if schedule else ""})
+    env.pop(vnet.ENV_HOST_SIZES, None)
+    return env
+
+
+def _run_virtual(args: argparse.Namespace, cmd: list[str]) -> int:
+    """``--clock virtual``: plain mpiexec with the platform in the environment."""
+    from . import vnet
+    from .mpienv import find_mpiexec
+
+    if args.rate is None:
+        _log("--clock virtual needs --rate (the virtual links' rate, e.g. 1gbit)")
+        return 2
+    if args.no_shm:
+        _log("--no-shm does not apply to --clock virtual (shared memory is modelled)")
+        return 2
+    ranks = args.hosts * args.ranks_per_host
+    env = virtual_env(args.hosts, args.ranks_per_host, args.rate, args.delay, args.schedule)
+    try:   # the ranks would each raise it; say it once, before starting them
+        vnet.platform_from_env(ranks, env)
+        mpiexec = find_mpiexec()
+    except (ValueError, FileNotFoundError) as exc:
+        _log(str(exc))
+        return 2
+    _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s), virtual clock: rate "
+         f"{args.rate}, delay {args.delay}" + (f", schedule {args.schedule}"
+                                              if args.schedule else ""))
+    proc = subprocess.Popen([mpiexec, "-n", str(ranks), *cmd], env=env,
+                            start_new_session=True)
+    try:
+        return proc.wait(args.timeout)
+    except subprocess.TimeoutExpired:
+        _log(f"stopping the job: timed out after {args.timeout:g} s")
+        return 124
+    finally:
+        _terminate(proc)
+
+
 def _mpich_mpiexec() -> str:
     from .mpienv import find_mpiexec, library_version, mpi_flavor
 
@@ -170,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cmd, rate, delay, entries = _check(args)
+        if args.clock == "virtual":
+            return _run_virtual(args, cmd)
         mpiexec = _mpich_mpiexec()
     except (ValueError, FileNotFoundError) as exc:
         _log(str(exc))

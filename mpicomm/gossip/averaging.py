@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from ..buffers import Buffer
 from ..collectives import allreduce
@@ -164,7 +163,7 @@ def neighbor_average(buf: Any, topology: str | Topology = "ring",
         requests = [ctx.irecv(part, src, TAG_GOSSIP)
                     for part, src in zip(parts, topo.recv_from(comm.rank))]
         requests += [ctx.isend(work, dst, TAG_GOSSIP) for dst in topo.send_to(comm.rank)]
-        MPI.Request.Waitall(requests)
+        ctx.waitall(requests)
         for part in parts:
             b.ops.reduce_(work, part, "sum")
         b.ops.divide_(work, m + 1)

@@ -64,10 +64,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
+from .. import clock
 from ..validate import check_int
 
 __all__ = ["Metrics", "metrics_from", "predict_step_comm"]
@@ -130,7 +130,7 @@ class Metrics:
         self.records: list[dict[str, Any]] = []
         self._pending: dict[str, Any] = {}
         self._counts: dict[str, int] = {}
-        self._origin = time.perf_counter()
+        self._origin = clock.now()
         self._last_step_t = self._origin
         self._total_sent = 0
         self._seen: dict[int, dict[str, Any]] = {}
@@ -151,7 +151,7 @@ class Metrics:
 
     def record(self, kind: str = "step", **fields: Any) -> dict[str, Any]:
         """Close the current record with ``fields`` (and the noted ones); return it."""
-        now = time.perf_counter()
+        now = clock.now()
         rec: dict[str, Any] = {"kind": kind, "step": self._counts.get(kind, 0),
                                "rank": self.rank, "time_s": now - self._origin}
         if kind == "step":

@@ -7,6 +7,11 @@ a nonblocking send of a snapshot, the others wait in a list that is re-examined 
 every push or close. While nothing arrives the loop sleeps with a backoff (see
 :mod:`mpicomm.ps.wire`), so an idle server costs no core.
 
+Under the virtual clock (:mod:`mpicomm.clock`) "arrival order" is the simulated
+cluster's: the loop takes the message that arrives first in virtual time
+(:func:`mpicomm.p2p.improbe`), so async and SSP runs are the same in every run; sums and
+updates are charged from the cost table (:data:`UPDATE_PASSES`).
+
 State per piece (:class:`PieceState`): the values, the optimizer state, ``version`` (sync:
 steps applied; async/SSP: pushes applied), and ``last_seq[w]``, the sequence number of the
 last push of worker ``w`` applied (pushes of a worker on a key are numbered 1, 2, ...).
@@ -53,16 +58,22 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import clock, vwire
 from ..comm import Communicator
 from ..compress import Compressor
 from ..emulate.linkdelay import link_delay
-from ..p2p import isend_bytes, isend_object, recv_bytes, recv_object
+from ..p2p import improbe, isend_bytes, isend_object, recv_bytes, recv_object, sent, wait_sends
 from . import wire
 from .checkpoint import to_numpy
 from .codec import Codec, PieceView, pull_name
 from .optim import ShardOptimizer
 
-__all__ = ["PieceState", "Server"]
+__all__ = ["PieceState", "Server", "UPDATE_PASSES"]
+
+#: The virtual clock charges a server's update as this many elementwise passes over the
+#: piece (``reduce`` per byte: scaling the sum, the optimizer's update); each gradient
+#: added into a sync sum is one more, keeping a pushed gradient a ``copy``.
+UPDATE_PASSES = 3
 
 
 @dataclass
@@ -119,11 +130,11 @@ class Server:
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
         """Run until every worker has closed; any error aborts the job naming this rank."""
-        cpu, wall = time.process_time(), time.perf_counter()
+        cpu, wall = time.process_time(), clock.now()
         try:
             self._loop()
             self.stats["cpu_s"] = time.process_time() - cpu
-            self.stats["wall_s"] = time.perf_counter() - wall
+            self.stats["wall_s"] = clock.now() - wall
         except Exception as exc:  # noqa: BLE001 - every failure must end the job
             self.comm.abort(f"parameter server failed: {type(exc).__name__}: {exc}; aborting "
                             f"the job.\n{traceback.format_exc()}")
@@ -131,30 +142,34 @@ class Server:
     def _loop(self) -> None:
         backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
         status = MPI.Status()
-        while not (self.closed.all() and not self.sends):
-            msg = self.mpi.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+        virtual = vwire.active()   # no message can come once every worker has closed
+        while not (self.closed.all() and (virtual or not self.sends)):
+            t0 = clock.now()
+            msg = improbe(self.mpi, MPI.ANY_SOURCE, MPI.ANY_TAG, status,
+                          tags=(wire.TAG_REQUEST, wire.TAG_CONTROL))
             if msg is None:
                 self._reap_sends()
-                t0 = time.perf_counter()
                 backoff.idle(urgent=bool(self.sends))
-                self.stats["idle_s"] += time.perf_counter() - t0
+                self.stats["idle_s"] += clock.now() - t0
                 continue
+            if virtual:          # the virtual clock's wait for the next message
+                self.stats["idle_s"] += clock.now() - t0
             backoff.busy()
             source, tag = status.Get_source(), status.Get_tag()
             if tag == wire.TAG_REQUEST:
-                buf = recv_bytes(msg, status, self.delay)
+                buf = recv_bytes(msg, status, self.delay, self.mpi)
                 self._handle(source, wire.unpack(buf), buf.nbytes)
             elif tag == wire.TAG_CONTROL:
-                self._control(source, recv_object(msg, self.delay))
+                self._control(source, recv_object(msg, self.delay, status, self.mpi))
             else:
                 raise RuntimeError(f"unexpected message with tag {tag} from rank {source}")
             self._reap_sends()
-        wire.wait_requests([r for r, _ in self.sends])
+        wait_sends([r for r, _ in self.sends], 0.0, lambda reqs, _: wire.wait_requests(reqs))
         self.sends.clear()
 
     def _reap_sends(self) -> None:
         if self.sends:
-            self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+            self.sends = [(r, b) for r, b in self.sends if not sent(r)]
 
     # ------------------------------------------------------------------ requests
     def _handle(self, source: int, m: wire.Message, nbytes: int) -> None:
@@ -198,19 +213,24 @@ class Server:
                                f"{tuple(st.value.shape)}")
         st.last_seq[w] = seq
         self.stats["pushes"] += 1
+        nbytes = grad.numel() * grad.element_size()
         if self.mode == "sync":
             slots = st.slots.setdefault(seq, [None] * self.workers)
+            clock.charge("copy", nbytes)
             slots[w] = grad.clone()
             while (ready := st.slots.get(st.version + 1)) is not None and all(
                     g is not None for g in ready):
                 del st.slots[st.version + 1]
                 total = ready[0]
                 for g in ready[1:]:
+                    clock.charge("reduce", nbytes)
                     total = total + g
+                clock.charge("reduce", UPDATE_PASSES * nbytes)   # scale + update
                 self.optimizer.step(st.value, total / self.workers, st.opt)
                 st.version += 1
                 self.stats["updates"] += 1
         else:
+            clock.charge("reduce", UPDATE_PASSES * nbytes)
             self.optimizer.step(st.value, grad / self.workers, st.opt)
             st.version += 1
             self.stats["updates"] += 1

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import vwire
 from ..config import env_int
 from ..tags import TAG_PS_CONTROL, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
 
@@ -168,8 +169,12 @@ def wait_requests(requests: list[MPI.Request]) -> None:
 
 def probe_wait(comm: MPI.Intracomm, source: int, tag: int) -> tuple[MPI.Message, MPI.Status]:
     """A matched probe for a message from ``source`` with ``tag``, polling with backoff."""
-    backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S)
     status = MPI.Status()
+    if vwire.active():      # the virtual clock waits, timed (mpicomm.p2p.improbe)
+        from ..p2p import improbe
+
+        return improbe(comm, source, tag, status), status
+    backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S)
     while True:
         msg = comm.improbe(source, tag, status)
         if msg is not None:

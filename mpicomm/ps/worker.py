@@ -31,11 +31,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import clock
 from ..buffers import FLOAT_DTYPES, from_torch, inspect, to_torch
 from ..comm import Communicator
 from ..compress import Compressor, ErrorFeedback
 from ..emulate.linkdelay import LinkDelay
-from ..p2p import isend_bytes, isend_object, recv_bytes, recv_object
+from ..p2p import improbe, isend_bytes, isend_object, recv_bytes, recv_object, sent, wait_sends
 from . import checkpoint as ckpt
 from . import wire
 from .codec import Codec, PieceView, pull_name
@@ -108,6 +109,10 @@ class Worker:
         """The rank (in the store's communicator) of server index ``server``."""
         return self.workers + server
 
+    @property
+    def _server_ranks(self) -> list[int]:
+        return [self.server_rank(s) for s in range(self.servers)]
+
     # ------------------------------------------------------------------ init
     def init_many(self, items: Sequence[tuple[Hashable, Any]]) -> None:
         """Register keys with their initial values (worker 0's values win); collective
@@ -179,9 +184,9 @@ class Worker:
                                  self.server_rank(s), wire.TAG_CONTROL, self.delay)
                     for s, pieces in messages.items()]
             for s in messages:
-                msg, _ = wire.probe_wait(self.mpi, self.server_rank(s), wire.TAG_CONTROL)
-                recv_object(msg, self.delay)
-            wire.wait_requests(reqs)
+                msg, status = wire.probe_wait(self.mpi, self.server_rank(s), wire.TAG_CONTROL)
+                recv_object(msg, self.delay, status, self.mpi)
+            self._wait(reqs)
         self.group.barrier()
 
     # ------------------------------------------------------------------ push / pull
@@ -252,9 +257,7 @@ class Worker:
 
     def pull_many(self, infos: Sequence[KeyInfo]) -> list[torch.Tensor]:
         """Request every piece of ``infos`` at once; return their flat CPU values."""
-        import time
-
-        t0 = time.perf_counter()
+        t0 = clock.now()
         results = [torch.empty(i.numel, dtype=i.dtype) for i in infos]
         where = {}
         for slot, info in enumerate(infos):
@@ -268,13 +271,14 @@ class Worker:
         backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
         status = MPI.Status()
         while where:
-            msg = self.mpi.improbe(MPI.ANY_SOURCE, wire.TAG_REPLY, status)
+            msg = improbe(self.mpi, MPI.ANY_SOURCE, wire.TAG_REPLY, status,
+                          sources=self._server_ranks)
             if msg is None:
                 self._reap()
                 backoff.idle(urgent=bool(self.sends))
                 continue
             backoff.busy()
-            buf = recv_bytes(msg, status, self.delay)
+            buf = recv_bytes(msg, status, self.delay, self.mpi)
             m = wire.unpack(buf)
             slot, p = where.pop((m.key_id, m.piece))
             results[slot][p.start:p.stop] = self._received(infos[slot], p, m)
@@ -287,7 +291,7 @@ class Worker:
         self.stats["staleness"] = stalest  # of this pull, for per-step metrics
         if seen_pushes is not None:
             self.stats["server_pushes"] = seen_pushes
-        self.stats["wait_s"] += time.perf_counter() - t0
+        self.stats["wait_s"] += clock.now() - t0
         return results
 
     def view(self, codec: Codec, info: KeyInfo, p: Piece) -> PieceView:
@@ -316,10 +320,15 @@ class Worker:
 
     def _reap(self) -> None:
         if self.sends:
-            self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+            self.sends = [(r, b) for r, b in self.sends if not sent(r)]
+
+    def _wait(self, requests: list[MPI.Request]) -> None:
+        """Complete sends without spinning (:func:`mpicomm.ps.wire.wait_requests`), timed
+        by the virtual clock where it runs."""
+        wait_sends(requests, 0.0, lambda reqs, _: wire.wait_requests(reqs))
 
     def flush(self) -> None:
-        wire.wait_requests([r for r, _ in self.sends])
+        self._wait([r for r, _ in self.sends])
         self.sends.clear()
 
     def _to_all_servers(self, op: int) -> None:
@@ -344,14 +353,15 @@ class Worker:
                               {n: ckpt.to_torch_cpu(v) for n, v in
                                self.ef.state_dict()["residuals"].items()}),
                 "compressor": _compressor_state(self.compressor)}
-        gathered = self.group.ctl.gather(mine, root=0)
+        gathered = self.group.gather_object(mine, root=0)
         data, error = None, None
         if self.rank == 0:
             try:
                 states = {}
                 for s in range(self.servers):
-                    msg, _ = wire.probe_wait(self.mpi, self.server_rank(s), wire.TAG_STATE)
-                    states[s] = recv_object(msg, self.delay)["pieces"]
+                    msg, status = wire.probe_wait(self.mpi, self.server_rank(s),
+                                                  wire.TAG_STATE)
+                    states[s] = recv_object(msg, self.delay, status, self.mpi)["pieces"]
                 data = ckpt.assemble(list(self.keys.values()), states, gathered,
                                      workers=self.workers, mode=self.mode,
                                      optimizer=self.optimizer)
@@ -403,8 +413,13 @@ class Worker:
         if error is not None:
             raise ValueError(f"KVStore.restore({what}): {error}")
         meta = self.group.bcast_object(None if data is None else ckpt.metadata(data))
-        mine = self.group.ctl.scatter(None if data is None else ckpt.worker_states(data),
-                                      root=0)
+        mine = self.group.scatter_object(None if data is None else ckpt.worker_states(data),
+                                         root=0)
+        if mine["compressor"] and not hasattr(self.compressor, "load_state_dict"):
+            # every worker gets here alike: all saved the same compressor kind
+            raise ValueError(f"KVStore.restore({what}): the checkpoint holds push "
+                             f"compressor state, this store's compressor "
+                             f"{self.compressor!r} keeps none")
         infos = [self._register(k, tuple(shape), dt, fw, "cpu")
                  for k, shape, dt, fw in zip(meta["keys"], meta["shapes"], meta["dtypes"],
                                              meta["frameworks"])]

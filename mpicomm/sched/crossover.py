@@ -3,8 +3,8 @@ hidden behind another's compute.
 
 What is the paper's and what is ours
 ------------------------------------
-From the paper (Luo et al., "CrossoverScheduler", arXiv 2103.07974; only the abstract is
-known, see ``shared/research/algorithms.md`` section E): several distributed training
+From the paper (Luo et al., "CrossoverScheduler", arXiv 2103.07974; built from the abstract's
+description): several distributed training
 applications time-share the same devices *alternately*, so that one application's
 gradient synchronization is filled with another application's computation; no job's
 mathematics changes (no loss of convergence or accuracy); about 1.2x throughput on
@@ -69,14 +69,14 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import clock
 from ..abort import abort_after_flush
-from ..comm import Communicator, describe_mismatch, resolve, wait_all
+from ..comm import Communicator, describe_mismatch, resolve
 from ..config import env_flag
 from ..observe.timeline import Timeline
 from ..validate import check_poll_s
@@ -162,6 +162,9 @@ class _SyncThread:
         self._timeline = timeline
         self._row = row
         self._cond = threading.Condition()
+        self._handoff = clock.Handoff()     # the virtual clock: phases carry their time
+        self._given = 0.0
+        self._done = 0.0
         self._pending: int | None = None
         self._busy = False
         self._stopping = False
@@ -174,14 +177,19 @@ class _SyncThread:
     def start(self, step: int) -> None:
         with self._cond:
             assert not self._busy, "a sync phase is already running"
+            self._given = self._handoff.give()
             self._pending, self._busy = step, True
             self._cond.notify_all()
 
     def wait(self, timeout: float) -> bool:
-        """Whether the last sync phase has ended (waits up to ``timeout`` seconds)."""
+        """Whether the last sync phase has ended (waits up to ``timeout`` seconds); when
+        it has, the caller's clock joins the phase's end (the virtual clock)."""
         with self._cond:
             if self._busy:
-                self._cond.wait(timeout)
+                with clock.waiting_for_threads():
+                    self._cond.wait(timeout)
+            if not self._busy:
+                clock.join(self._done)
             return not self._busy
 
     def stop(self, timeout: float | None) -> bool:
@@ -202,25 +210,27 @@ class _SyncThread:
         comm = self.job.comm
         if self._gate_poll_s is None or comm is None or comm.size == 1:
             return
-        wait_all([comm.ctl.Ibarrier()], self._gate_poll_s)
+        comm.barrier(poll_s=self._gate_poll_s)
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._cond, self._handoff.idle():
                 while self._pending is None and not self._stopping:
                     self._cond.wait()
                 if self._pending is None:
                     return
                 step, self._pending = self._pending, None
-            start = time.perf_counter()
+            self._handoff.take(self._given)
+            start = clock.now()
             try:
                 with self._timeline.span("sync", cat="comm", tid=self._row, step=step):
                     self._gate()
                     self.job.sync(step)
             except BaseException as exc:  # reported by the scheduler's thread
                 self.error, self.error_step = exc, step
-            self._stats.sync_seconds += time.perf_counter() - start
+            self._stats.sync_seconds += clock.now() - start
             with self._cond:
+                self._done = clock.stamp()
                 self._busy = False
                 self._cond.notify_all()
 
@@ -425,7 +435,7 @@ class CrossoverScheduler:
         by_name = {j.name: j for j in self.jobs}
         token = Token(list(by_name))
         next_step = dict.fromkeys(by_name, 0)
-        start = time.perf_counter()
+        start = clock.now()
         while token.turn is not None:
             name = token.turn
             job, stats = by_name[name], self.stats.jobs[name]
@@ -433,7 +443,7 @@ class CrossoverScheduler:
             step = next_step[name]
             phase = "compute" if step < job.steps else "finish"
             token.acquire(name)
-            t0 = time.perf_counter()
+            t0 = clock.now()
             try:
                 with self.timeline.span(phase, cat="compute", tid=self.row(name), step=step):
                     if phase == "compute":
@@ -445,27 +455,27 @@ class CrossoverScheduler:
             except BaseException:  # KeyboardInterrupt, SystemExit: stop, then let it go
                 self._stop_threads(_STOP_GRACE_S)
                 raise
-            stats.compute_seconds += time.perf_counter() - t0
+            stats.compute_seconds += clock.now() - t0
             if phase == "compute":
                 self._threads[name].start(step)
                 next_step[name] = step + 1
                 stats.steps += 1
                 token.pass_on()
             else:
-                stats.finished_at = time.perf_counter() - start
+                stats.finished_at = clock.now() - start
                 token.leave()
             self._check_errors()
-        self.stats.seconds = time.perf_counter() - start
+        self.stats.seconds = clock.now() - start
         return self.stats
 
     def _wait_for_sync(self, job: Job, stats: JobStats) -> None:
         """Block until ``job``'s last sync ended, failing fast if any job's sync failed."""
         thread = self._threads[job.name]
         t0 = self.timeline.now()
-        start = time.perf_counter()
+        start = clock.now()
         while not thread.wait(_POLL_S):
             self._check_errors()
-        waited = time.perf_counter() - start
+        waited = clock.now() - start
         self._check_errors()
         stats.wait_seconds += waited
         if waited > 20e-6:

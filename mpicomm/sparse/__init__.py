@@ -28,3 +28,46 @@ from .gtopk import gtopk
 
 __all__ = ["topk_allgather", "gtopk", "artopk", "ARTopKState", "exact_topk", "reference",
            "sets"]
+
+
+def _cost_kernels() -> None:
+    """Register the sparse layer's compute for the virtual clock's cost table
+    (:mod:`mpicomm.costtable`): ``select`` (top-k of 1% of ``n`` float32 values, per
+    value), ``merge`` (sparse union of two sorted sets of ``n/2`` pairs each, a third
+    of the indices shared, per pair), ``scatter`` (zero a dense vector of ``n`` and
+    scatter-add 1% of it, per element)."""
+    import torch
+
+    from ..costtable import register_kernel
+    from .sets import truncate, union
+
+    def select(n: int):  # type: ignore[no-untyped-def]
+        gen = torch.Generator().manual_seed(0)
+        idx, val = torch.arange(n), torch.randn(n, generator=gen)
+        return lambda: truncate(idx, val, max(1, n // 100))
+
+    def merge(n: int):  # type: ignore[no-untyped-def]
+        gen = torch.Generator().manual_seed(0)
+        half = n // 2   # sorted distinct indices, about a third shared by both sets
+        a = torch.arange(half) * 3 + torch.randint(0, 3, (half,), generator=gen)
+        b = torch.arange(half) * 3 + torch.randint(0, 3, (half,), generator=gen)
+        va, vb = torch.randn(n // 2, generator=gen), torch.randn(n // 2, generator=gen)
+        return lambda: union((a, va), (b, vb))
+
+    def scatter(n: int):  # type: ignore[no-untyped-def]
+        gen = torch.Generator().manual_seed(0)
+        idx = torch.randperm(n, generator=gen)[:max(1, n // 100)]
+        val = torch.randn(idx.shape[0], generator=gen)
+
+        def run() -> None:
+            dense = torch.zeros(n)
+            dense[idx] += val
+
+        return run
+
+    register_kernel("select", select, "element", (1 << 14, 1 << 19))
+    register_kernel("merge", merge, "pair", (1 << 12, 1 << 17))
+    register_kernel("scatter", scatter, "element", (1 << 14, 1 << 20))
+
+
+_cost_kernels()

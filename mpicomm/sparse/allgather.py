@@ -1,6 +1,6 @@
 r"""Top-k through a sparse Allgather, and the exact global top-k built on it.
 
-:func:`topk_allgather` (the "Top-k S-SGD" baseline of gTop-k, algorithms.md A.9): every
+:func:`topk_allgather` (the "Top-k S-SGD" baseline of gTop-k, Shi et al., arXiv 1901.04359): every
 rank packs its (index, value) pairs into one byte buffer (indices int32, or int64 for an
 index space of 2^31 or more, then values in their dtype) and a ring
 :func:`mpicomm.allgatherv` circulates the buffers, so ranks may hold different numbers
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .. import clock
 from ..collectives.allgather import allgatherv
 from ..comm import Communicator, resolve
 from ..hooks import traced
@@ -95,6 +96,7 @@ def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
         agreed["dtype"] = str(sp.val.dtype)
 
     sets = gather_sets(sp, comm, wire_index_dtype(size))
+    clock.charge("scatter", size)
     dense = torch.zeros(size, dtype=sp.val.dtype, device=sp.device)
     for idx, val in sets:
         dense[idx] += val
@@ -117,6 +119,7 @@ def exact_topk(indices: Any, values: Any, k: int, comm: Communicator | None = No
     sp, k, size = read_topk_args(comm, "exact_topk", indices, values, k, size, allow_nonfinite)
 
     sets = gather_sets(sp, comm, wire_index_dtype(size))
+    clock.charge("merge", sum(s[0].shape[0] for s in sets))
     support = torch.unique(torch.cat([s[0] for s in sets]))  # sorted ascending
     acc = torch.zeros(support.shape[0], dtype=sp.val.dtype, device=sp.device)
     for idx, val in sets:

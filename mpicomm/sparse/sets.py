@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import clock
 from ..compress.topk_select import topk_indices
 
 __all__ = ["Pairs", "selection_key", "truncate", "union", "merge_truncate"]
@@ -53,6 +54,7 @@ def union(a: Pairs, b: Pairs) -> Pairs:
     """
     ai, av = a
     bi, bv = b
+    clock.charge("merge", ai.shape[0] + bi.shape[0])
     if ai.shape[0] == 0 or bi.shape[0] == 0:
         return (bi, bv) if ai.shape[0] == 0 else (ai, av)
     ci = torch.cat([ai, bi])

@@ -71,13 +71,13 @@ import copy
 import dataclasses
 import inspect
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
 
+from .. import clock
 from ..buffers import from_torch, to_torch
 from ..collectives.cost import CostParams, calibrated
 from ..compress import ErrorFeedback, PowerSGD
@@ -289,7 +289,7 @@ class AutoStrategy(Strategy):
         as_torch = [to_torch(t) for t in tensors]
         results: list[Any] = [None] * len(tensors)
         comm = self.comm
-        before, start = comm.traffic.snapshot(), time.perf_counter()
+        before, start = comm.traffic.snapshot(), clock.now()
         for buf in fuse(as_torch, names, self.fusion_bytes):
             shapes = list(buf.shapes)
             self._layouts[buf.name] = (shapes, buf.flat.element_size())
@@ -301,7 +301,7 @@ class AutoStrategy(Strategy):
             for i, part in zip(buf.indices, parts):
                 results[i] = from_torch(part.view(as_torch[i].shape), like=tensors[i])
         # Not base.measure: the exchanges already sleep their emulated link delay.
-        self.stats.add_call(comm.traffic - before, as_torch, time.perf_counter() - start)
+        self.stats.add_call(comm.traffic - before, as_torch, clock.now() - start)
         if self.agreement.posted:  # progressed during the buckets' exchanges
             self.agreement.complete(comm)
         return results
@@ -382,13 +382,13 @@ class AutoStrategy(Strategy):
         per_layer = self.family is not None and choice.scheme != "dense"
         sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes)
         ref_sq = self._topk_reference(choice.scheme, ratio, buf, names, tensors, sub)
-        start = time.perf_counter()
+        start = clock.now()
         out, e_sq, left = exchange(choice.scheme, buf, names, tensors, sub, self.memory,
                                    self.comm, self.steps, lgreco=self.lgreco,
                                    family=self.family, segments=segments,
                                    compressors=self._psgd,
                                    accumulate=lambda c: self._accumulate(buf.name, c))
-        seconds = time.perf_counter() - start
+        seconds = clock.now() - start
         kept_sq = max(e_sq - left, 0.0)
         if ref_sq is None:  # Allgather Top-k (or no ratio): what it kept is the reference
             ref_sq = kept_sq
@@ -438,7 +438,7 @@ class AutoStrategy(Strategy):
         carried out now, at this safe point: ``model``/``optimizer`` (and the
         error-feedback memory) are saved or restored around CR exploration windows
         (without them the windows run but only the memory is restored)."""
-        now = time.perf_counter()
+        now = clock.now()
         wall = 0.0 if self._last_done is None else now - self._last_done
         probe = self.ratio_control.take_probe()
         self.agreement.finish(self._pending, self._gain_sq + [wall] + probe)
@@ -449,7 +449,7 @@ class AutoStrategy(Strategy):
         self.steps += 1
         for action in actions:
             self._act(action, model, optimizer)
-        self._last_done = time.perf_counter()
+        self._last_done = clock.now()
 
     def _decide(self, pending: list[dict[str, Any]], agreed: Any) -> Optional[str]:
         """One finished step's agreed measurements (``pending``: its buckets' records,

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import vwire
 from ..comm import wait_all
 
 __all__ = ["StepAgreement", "AGREE_POLL_S", "FIELDS"]
@@ -77,8 +78,9 @@ class StepAgreement:
 
     def __init__(self) -> None:
         self.done: list[tuple[list[dict[str, Any]], list[float]]] = []
-        #: Agreements under way: (records, local sums, agreed sums, request).
-        self.posted: list[tuple[list[dict[str, Any]], Any, Any, Any]] = []
+        #: Agreements under way: (records, local sums, agreed sums, request, virtual
+        #: clock record or None).
+        self.posted: list[tuple[list[dict[str, Any]], Any, Any, Any, Any]] = []
         #: Agreed steps waiting for the next ``step_done``: (records, agreed sums).
         self.ready: list[Step] = []
 
@@ -102,15 +104,22 @@ class StepAgreement:
                     raise RuntimeError(f"auto strategy: ranks aggregated different numbers "
                                        f"of buckets in a step: {counts}")
             agreed = np.empty_like(local)
+            timed = vwire.start_collective(comm.ctl) if vwire.active() else None
             self.posted.append((pending, local, agreed,
-                                comm.ctl.Iallreduce(local, agreed, op=MPI.SUM)))
+                                comm.ctl.Iallreduce(local, agreed, op=MPI.SUM), timed))
         self.done = []
 
     def complete(self, comm: Any) -> None:
-        """Finish the agreements under way (waiting asleep, :data:`AGREE_POLL_S`)."""
+        """Finish the agreements under way (waiting asleep, :data:`AGREE_POLL_S`). Under
+        the virtual clock each costs a small allreduce from the latest rank's post
+        (:func:`mpicomm.vwire.small_collective_cost`)."""
         posted, self.posted = self.posted, []
-        wait_all([request for *_, request in posted], AGREE_POLL_S)
-        for pending, _, agreed, _ in posted:
+        nbytes = max((8 * local.shape[0] for _, local, *_ in posted), default=8)
+        vwire.complete_collectives(
+            [timed for *_, timed in posted if timed is not None],
+            [request for *_, request, _ in posted], AGREE_POLL_S, wait_all,
+            lambda a, b, p: vwire.small_collective_cost("allreduce", nbytes, p, a, b))
+        for pending, _, agreed, *_ in posted:
             agreed[:len(pending)] /= comm.size
             self.ready.append((pending, agreed))
 

@@ -44,13 +44,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from .. import hooks
+from .. import clock, hooks
 from ..buffers import from_torch, inspect, to_torch
 from ..collectives.cost import ComputeParams, CostParams, calibrated
 from ..comm import Communicator, Traffic, resolve
@@ -182,14 +181,15 @@ def describe_strategy(strategy: Strategy, tensors: Sequence[Any]) -> dict[str, A
 
 @contextlib.contextmanager
 def measure(strategy: Strategy, tensors: Sequence[Any]) -> Iterator[None]:
-    """Count the traffic, time and dense-equivalent bytes of one aggregation (on success)."""
-    start = time.perf_counter()
+    """Count the traffic, time and dense-equivalent bytes of one aggregation (on success);
+    the time on :func:`mpicomm.clock.now`."""
+    start = clock.now()
     comm = strategy.comm
     with comm.traffic.measure() as moved, hooks.block(
             f"{strategy.name}.aggregate", "strategy", comm,
             **(describe_strategy(strategy, tensors) if hooks.recording() else {})):
         yield
-    strategy.stats.add_call(moved, tensors, time.perf_counter() - start)
+    strategy.stats.add_call(moved, tensors, clock.now() - start)
 
 
 class Strategy(ABC):

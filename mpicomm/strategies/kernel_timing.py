@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import clock
 from ..collectives.calibrate import (
     QUIET_POLL_S,
     Link,
@@ -34,7 +35,7 @@ from ..collectives.calibrate import (
     slowest,
 )
 from ..collectives.cost import ComputeParams, CostParams
-from ..comm import Communicator, resolve, wait_all
+from ..comm import Communicator, resolve
 
 __all__ = ["measure_compute", "calibrate", "DEFAULT_SIZES"]
 
@@ -61,7 +62,19 @@ def measure_compute(numel: int = 1 << 20, density: float = 0.01,
     pair; ``scatter``: zero fill + scatter of k values into ``numel``; ``flop``: a
     float32 matmul; ``copy``: an add of two vectors, per byte. Cost: ``repeats + 1`` runs
     of each kernel, about 0.1 s for the default ``numel`` on one core.
+
+    Under the virtual clock nothing is timed: the rates are the cost table's (what the
+    same work is charged, :mod:`mpicomm.costtable`), so the selector predicts with the
+    numbers that time the run; ``merge`` is then the table's ``merge`` plus ``select``
+    per pair (a merge-and-truncate round is a union and a selection).
     """
+    table = clock.cost_table()
+    if table is not None:
+        def rate(op: str) -> float:
+            return table.cost(op, 1) - table.cost(op, 0)
+
+        return ComputeParams(select=rate("select"), merge=rate("merge") + rate("select"),
+                             scatter=rate("scatter"), flop=rate("flop"), copy=rate("copy"))
     from ..compress.topk_select import topk_indices
     from ..sparse.sets import merge_truncate
 
@@ -107,7 +120,7 @@ def calibrate(comm: Communicator | None = None, links: int = 3,
     local = None
     if comm.rank == 0:
         local = (measure_gamma(), measure_compute(compute_numel))
-    wait_all([comm.ctl.Ibarrier()], QUIET_POLL_S)
+    comm.barrier(poll_s=QUIET_POLL_S)
     gamma, compute = comm.bcast_object(local, root=0)
     params = slowest(found, gamma)
     if store:

@@ -13,15 +13,24 @@ returns the step's outcome. Without ``MPI_THREAD_MULTIPLE`` there is no thread a
 
 Cost on the autograd thread: a lock and a counter per parameter, plus an event record
 per CUDA device and bucket; all communication runs on the thread.
+
+Virtual clock (:mod:`mpicomm.clock`): each bucket is handed to the thread with the time
+its gradients are ready and the thread continues from the later of that and its own
+time; ``finish`` returns at the later of the end of backward and the last bucket's
+averaging. When the cost table has a ``backward`` entry (the model's backward, per
+step), backward is charged here: starting when the step's first gradient arrives, a
+bucket is ready after the share of that cost of the parameters launched so far (backward
+produces gradients in bucket order). Without it, buckets are ready at the time of the
+thread that launches them (whatever the training loop charged).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
+from .. import clock
 from ..comm import Communicator
 from ..observe.timeline import Timeline
 from ..strategies import Strategy
@@ -40,6 +49,12 @@ class Step:
     def __init__(self, nbuckets: int):
         self.launched = [False] * nbuckets
         self.events: list[list[Any]] = [[] for _ in range(nbuckets)]
+        #: Virtual clock: when each bucket was handed over, when backward started, how
+        #: many parameters the hooks have launched, when the last bucket was averaged.
+        self.stamps = [0.0] * nbuckets
+        self.start = clock.stamp()
+        self.hooked = 0
+        self.done = 0.0
         self.finished = False
         #: An exception raised while communicating (re-raised by the caller of ``finish``).
         self.error: BaseException | None = None
@@ -73,6 +88,8 @@ class BucketPipeline:
         #: The step under way (a gradient arrived since the last ``finish``), or ``None``.
         self.step: Step | None = None
         self._stopping = False
+        self._handoff = clock.Handoff()
+        self._numel = [sum(p.numel() for p in b.params) for b in self.buckets]
         self._thread_error: BaseException | None = None
         self.thread: threading.Thread | None = None
         if threaded:
@@ -100,7 +117,8 @@ class BucketPipeline:
             complete = self._remaining[b] == 0
         if complete:
             self.timeline.instant(f"bucket {b} ready", cat="bucket", bucket=b, at="hook")
-            self._launch(step, b)
+            step.hooked += self._numel[b]
+            self._launch(step, b, self._ready_at(step, step.hooked))
 
     def finish(self) -> Step | None:
         """End the step under way: launch what is left, wait until every bucket is done.
@@ -112,15 +130,17 @@ class BucketPipeline:
             step = self.step
         if step is None:
             return None
+        clock.join(self._ready_at(step, sum(self._numel)))   # backward has ended
         for b in range(len(self.buckets)):
             if not step.launched[b]:
                 self.timeline.instant(f"bucket {b} ready", cat="bucket", bucket=b, at="wait")
-                self._launch(step, b)
+                self._launch(step, b, clock.stamp())
         if self.thread is None:  # no MPI_THREAD_MULTIPLE: communicate here, in order
             for b in range(len(self.buckets)):
+                clock.join(step.stamps[b])
                 self._process(step, b)
             step.finished = True
-        with self._cond:
+        with self._cond, clock.waiting_for_threads():
             while not step.finished:
                 if self.thread is None or not self.thread.is_alive():
                     raise RuntimeError("the gradient communication thread has stopped")
@@ -128,6 +148,7 @@ class BucketPipeline:
             self.step = None
             self._ready = [False] * len(self.slots)
             self._remaining = [len(b.params) for b in self.buckets]
+        clock.join(step.done)
         return step
 
     def stop(self, timeout: float | None) -> bool:
@@ -142,10 +163,20 @@ class BucketPipeline:
         return not self.thread.is_alive()
 
     # ------------------------------------------------------------------ the thread
-    def _launch(self, step: Step, b: int) -> None:
+    def _ready_at(self, step: Step, numel: int) -> float:
+        """Virtual time at which backward has produced the gradients of the first
+        ``numel`` parameters (see the module docstring)."""
+        table = clock.cost_table()
+        if table is None or "backward" not in table.ops:
+            return clock.stamp()
+        total = sum(self._numel) or 1
+        return step.start + table.cost("backward") * min(numel, total) / total
+
+    def _launch(self, step: Step, b: int, at: float) -> None:
         events = comm_thread.record_events(self.buckets[b].cuda_devices)
         with self._cond:
             step.events[b] = events
+            step.stamps[b] = self._handoff.give(at)
             step.launched[b] = True
             self._cond.notify_all()
 
@@ -155,20 +186,22 @@ class BucketPipeline:
         except BaseException as exc:  # reported by the first finish(), like any thread error
             self._thread_error = exc
         while True:
-            with self._cond:
+            with self._cond, self._handoff.idle():
                 while not self._stopping and (self.step is None or self.step.finished):
                     self._cond.wait()
                 if self._stopping:
                     return
                 step = self.step
             for b in range(len(self.buckets)):
-                with self._cond:
+                with self._cond, self._handoff.idle():
                     while not step.launched[b] and not self._stopping:
                         self._cond.wait()
                     if self._stopping:
                         return
+                self._handoff.take(step.stamps[b])
                 self._process(step, b)
             with self._cond:
+                step.done = clock.stamp()
                 step.finished = True
                 self._cond.notify_all()
 
@@ -181,7 +214,7 @@ class BucketPipeline:
         # return it promptly; the other ranks then end with the abort handler.
         if step.error is not None or step.nonfinite is not None:
             return
-        start = time.perf_counter()
+        start = clock.now()
         try:
             for ev in step.events[b]:
                 ev.synchronize()
@@ -192,4 +225,4 @@ class BucketPipeline:
             step.error = exc
             return
         self.stats.buckets += 1
-        self.stats.comm_seconds += time.perf_counter() - start
+        self.stats.comm_seconds += clock.now() - start

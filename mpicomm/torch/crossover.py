@@ -19,17 +19,22 @@ abstract does not say where the update runs; see ``mpicomm.sched.crossover``).
 With GradientSync the buckets start averaging during backward, on GradientSync's own
 communication thread; the sync phase waits for the rest. The communicator is the
 scheduler's duplicate for this job, so no message of one job can match another's.
+
+Under the virtual clock (:mod:`mpicomm.clock`) a compute phase charges the cost table's
+``forward``, ``backward`` and ``optimizer`` (measure them first with
+:func:`mpicomm.torch.costs.calibrate_model`; a missing entry is a ``KeyError`` that
+says so), and ``delay_s`` advances the virtual time instead of sleeping.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from .. import clock
 from ..comm import Communicator
 from ..control.adacomm import AdaComm
 from ..sched.job import Job, check_steps
@@ -176,9 +181,12 @@ class TorchJob(Job):
             raise ValueError(f"job {self.name!r}: data ran out after {step} batches "
                              f"(steps={self.steps})") from None
         self.optimizer.zero_grad()
+        clock.charge("forward")      # the virtual clock's step (mpicomm.torch.costs)
         loss = self.loss_fn(self.model(inputs), targets)
         loss.backward()
+        clock.charge("backward")
         if isinstance(self.sync_object, LocalSGD):
+            clock.charge("optimizer")
             self.optimizer.step()
         self._loss = loss.detach()
 
@@ -193,7 +201,7 @@ class TorchJob(Job):
             self.sync_object.step(self._loss)
         self.losses.append(float(self._loss))
         if self.delay_s:
-            time.sleep(self.delay_s)
+            clock.sleep(self.delay_s)
 
     def finish(self) -> None:
         """Apply the last iteration's update."""
@@ -204,6 +212,7 @@ class TorchJob(Job):
         if step < 0 or step <= self._done:
             return
         if self._apply:
+            clock.charge("optimizer")
             self.optimizer.step()
             self._apply = False
         self._done = step

@@ -34,13 +34,13 @@ import contextlib
 import functools
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .. import clock
 from ..comm import Communicator, resolve
 from ..observe.metrics import metrics_from
 from ..observe.timeline import Timeline
@@ -327,12 +327,12 @@ class GradientSync:
         self._check_open()
         if self._pipeline.step is None:
             return self._last_ok
-        start = time.perf_counter()
+        start = clock.now()
         with self.timeline.span("wait", cat="wait"):
             step = self._pipeline.finish()
         if step is None:
             return self._last_ok
-        self._stats.wait_seconds += time.perf_counter() - start
+        self._stats.wait_seconds += clock.now() - start
         ok = self._conclude(step)
         if self.metrics is not None:
             self.metrics.observe(self, skipped=not ok)

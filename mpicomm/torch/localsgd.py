@@ -31,13 +31,14 @@ Example::
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import numpy as np
 import torch
 
+from ..clock import now as clock_now
+from ..clock import sleep as clock_sleep
 from ..collectives import ALGORITHMS, allreduce, cost
 from ..comm import Communicator, Traffic, resolve
 from ..control.adacomm import AdaComm
@@ -164,8 +165,9 @@ class LocalSGD:
     delay_s:
         Injected delay per averaging round (see above).
     clock:
-        Seconds clock for ``interval_s`` (default ``time.perf_counter``); tests and
-        benchmarks that exclude evaluation time pass their own.
+        Seconds clock for ``interval_s`` (default :func:`mpicomm.clock.now`, the wall
+        or the virtual clock); tests and benchmarks that exclude evaluation time pass
+        their own.
 
     Tuning: with communication time ``D`` per round and ``Y`` per local step, a fixed
     period speeds each step up by ``(1 + D/Y) / (1 + D/(tau Y))``; gains flatten once
@@ -177,7 +179,7 @@ class LocalSGD:
                  optimizer: torch.optim.Optimizer | None = None, *,
                  average_momentum: bool = False, average_buffers: bool = True,
                  comm: Communicator | None = None, algorithm: str = "auto",
-                 delay_s: Delay = 0.0, clock: Callable[[], float] = time.perf_counter):
+                 delay_s: Delay = 0.0, clock: Callable[[], float] = clock_now):
         self.model = check_model(model)
         if isinstance(period, AdaComm):
             self.adacomm: AdaComm | None = period
@@ -339,7 +341,7 @@ class LocalSGD:
         self._fused.unpack()
         delay = self.delay_s(self.rounds) if callable(self.delay_s) else self.delay_s
         if delay > 0:
-            time.sleep(delay)
+            clock_sleep(delay)
         self.rounds += 1
 
     @torch.no_grad()

@@ -1,0 +1,99 @@
+"""Strategy labels of the benchmarks and examples: one name for a strategy and its recipe.
+
+``label_strategy(label, ...)`` builds what a label names:
+
+* ``dense``: ring allreduce (the reference).
+* ``BASE[+MOD...]`` / ``BASE-noef`` with BASE ``topk`` (Allgather Top-k), ``gtopk``,
+  ``artopk`` (STAR, ring) at ``density`` and modifiers ``ef`` (error feedback, the
+  default) / ``noef``, ``mc`` (DGC's momentum correction with momentum factor masking: the
+  strategy keeps the velocity, the optimizer runs without momentum), ``mcnomask``,
+  ``clip`` (local clipping at ``clip_norm / sqrt(P)``), ``own`` (gTop-k's
+  ``own_contribution``), ``wd`` (``warmup_dense``) and at most one warm-up schedule:
+  ``gtopkwu``, ``dgc``, ``linear``, ``linear2`` or any
+  :func:`mpicomm.control.parse_schedule` form (``linear:8,0.25``, ``dgc:2``,
+  ``warmup:0.25,0.0625/3``, ``dgc:10@step``; by epochs unless ``@step``).
+* ``SCHEME@RATIO``: one of the auto selector's schemes at a fixed ratio
+  (``allgather_topk@0.01``, ``gtopk@0.01``, ``artopk_tree@0.01``, ...).
+* any other name of :func:`mpicomm.strategies.available` (``auto``, ``qsgd``,
+  ``powersgd``, ...) with its defaults.
+
+``ValueError`` (naming the grammar) for anything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..control import parse_schedule
+from ..strategies import ARTopK, Dense, GTopK, Strategy, TopKAllgather
+
+#: Base strategies a label can start with.
+BASES = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}
+#: Schedules a label can name (``mpicomm.control.parse_schedule`` forms).
+SCHEDULES = {"gtopkwu": "gtopk", "dgc": "dgc", "linear": "linear:5", "linear2": "linear:2"}
+#: Label modifiers besides the schedules.
+FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "wd")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a label means: a strategy, and whether it owns the momentum (the optimizer
+    then runs without)."""
+
+    strategy: Strategy
+    owns_momentum: bool
+
+
+def _is_schedule(spec: str, steps_per_epoch: int) -> bool:
+    try:
+        return parse_schedule(spec, steps_per_epoch) is not None
+    except ValueError:
+        return False
+
+
+def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
+                   clip_norm: float = 1.0, steps_per_epoch: int = 1) -> Recipe:
+    """The strategy a label names (module docstring)."""
+    from .. import strategies
+
+    if label == "dense":
+        return Recipe(Dense(algorithm="ring"), False)
+    if "@" in label and "+" not in label:
+        from ..strategies.auto_schemes import build
+
+        scheme, _, ratio = label.partition("@")
+        try:
+            built = build(scheme, float(ratio))
+        except (ValueError, KeyError):
+            built = None
+        if built is None:
+            raise ValueError(f"strategy label {label!r}: no scheme {scheme!r} at ratio "
+                             f"{ratio!r}")
+        return Recipe(built, False)
+    base, *mods = label.replace("-noef", "+noef").split("+")
+    if base not in BASES and not mods and base in strategies.available():
+        return Recipe(strategies.make(base), False)
+    specs = [SCHEDULES.get(m, m) for m in mods if m not in FLAGS]
+    if base not in BASES or len(specs) > 1 or \
+            any(not _is_schedule(m, steps_per_epoch) for m in specs):
+        raise ValueError(f"unknown strategy label {label!r}: dense, SCHEME@RATIO, a name of "
+                         f"mpicomm.strategies.available(), or BASE[+MOD..] with BASE in "
+                         f"{sorted(BASES)} and MOD in {sorted([*FLAGS, *SCHEDULES])} or "
+                         "one mpicomm.control.parse_schedule form (e.g. linear:8, dgc:2, "
+                         "warmup:0.25,0.0625/3)")
+    mc = "mc" in mods or "mcnomask" in mods
+    kwargs: dict[str, Any] = {
+        "density": density,
+        "error_feedback": "noef" not in mods,
+        "schedule": parse_schedule(specs[0], steps_per_epoch) if specs else None,
+        "warmup_dense": "wd" in mods,
+        "momentum_correction": momentum if mc else 0.0,
+        "momentum_masking": "mcnomask" not in mods,
+        "clip_norm": clip_norm if "clip" in mods else None,
+    }
+    if "own" in mods:
+        if base != "gtopk":
+            raise ValueError(f"{label!r}: the 'own' modifier is for gtopk only")
+        kwargs["own_contribution"] = True
+    return Recipe(BASES[base](**kwargs), mc)

@@ -1,0 +1,302 @@
+r"""The compute cost table of the virtual clock: what each kind of local work costs.
+
+Under the virtual clock (:mod:`mpicomm.clock`) compute never advances a rank's time by
+itself (on a machine with more ranks than cores even a thread's CPU time depends on the
+load). Each compute site charges its work instead::
+
+    mpicomm.clock.charge("reduce", nbytes)     # a collective's elementwise reduction
+    mpicomm.clock.charge("select", numel)      # a top-k selection over numel elements
+    mpicomm.clock.charge("step")               # one forward/backward of the model
+
+and the cost comes from this table: ``per_call + per_unit * units`` seconds. An entry is
+either **measured** by :func:`calibrate` or **declared** by the caller
+(:meth:`CostTable.declare`, e.g. a GPU's step time from a published profile).
+
+Calibration: the ranks take turns, one computing at a time while the others sleep in a
+non-spinning barrier; each times every kernel with its thread's CPU time
+(``time.thread_time``; torch limited to one thread meanwhile) at two sizes, ``repeats``
+times each; the medians give a two-point fit of ``per_call`` and ``per_unit``, and the
+table takes, per entry, the median over the ranks. Every rank gets the same table.
+Costs are therefore single-core CPU seconds of this machine. Cost: about
+``ranks x kernels x 2 sizes x (repeats + 1)`` kernel runs (a second or two per rank for
+the standard set).
+
+Kernels: a compute site's layer registers the kernel that measures its work with
+:func:`register_kernel` when it is imported (the core registers ``reduce`` and
+``copy``); ``python -m mpicomm.bench costs --json FILE`` imports every layer, measures
+them all and writes the table, which ``MPICOMM_VIRTUAL_COSTS=FILE`` then reuses in any
+later run, so that every method of a comparison is charged the same.
+
+File format (JSON)::
+
+    {"format": "mpicomm-cost-table/1",
+     "ops": {"reduce": {"per_call": 2.1e-06, "per_unit": 1.9e-10, "unit": "byte",
+                        "source": "measured"},
+             "step":   {"per_call": 0.0123, "per_unit": 0.0, "unit": "call",
+                        "source": "declared"}},
+     "info": {"timer": "thread_time", "repeats": 5, "ranks": 8, "machine": {...}}}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mpi4py import MPI
+
+__all__ = ["OpCost", "CostTable", "Kernel", "register_kernel", "kernels", "calibrate",
+           "measure_calls",
+           "FORMAT", "ENV_COSTS", "load_from_env"]
+
+FORMAT = "mpicomm-cost-table/1"
+ENV_COSTS = "MPICOMM_VIRTUAL_COSTS"
+#: Longest sleep of a rank waiting for its turn (it must not take the CPU from the rank
+#: that measures).
+TURN_POLL_S = 1e-3
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """``per_call + per_unit * units`` seconds; ``unit`` names what is counted."""
+
+    per_call: float
+    per_unit: float
+    unit: str = "element"
+    source: str = "measured"
+
+    def __post_init__(self) -> None:
+        for name in ("per_call", "per_unit"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"cost {name} must be a finite number >= 0, got {value!r}")
+
+    def seconds(self, units: float) -> float:
+        return self.per_call + self.per_unit * units
+
+
+@dataclass
+class CostTable:
+    """Seconds per operation (see the module docstring)."""
+
+    ops: dict[str, OpCost] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def cost(self, op: str, units: float = 1.0) -> float:
+        entry = self.ops.get(op)
+        if entry is None:
+            raise KeyError(
+                f"virtual clock: the cost table has no entry for {op!r}. Measure it "
+                f"(mpicomm.clock.calibrate() on every rank, or `python -m mpicomm.bench "
+                f"costs --json FILE` and {ENV_COSTS}=FILE) or declare it "
+                f"(mpicomm.clock.declare({op!r}, seconds))")
+        return entry.per_call + entry.per_unit * units
+
+    def declare(self, op: str, per_unit: float, per_call: float = 0.0,
+                unit: str = "call") -> None:
+        """Set ``op``'s cost by hand (``source="declared"``)."""
+        self.ops[op] = OpCost(float(per_call), float(per_unit), unit, "declared")
+
+    def update(self, other: CostTable) -> None:
+        self.ops.update(other.ops)
+        self.info.update(other.info)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "ops": {k: asdict(v) for k, v in sorted(self.ops.items())},
+                "info": self.info}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str = "cost table") -> CostTable:
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            raise ValueError(f"{source}: not a cost table (expected \"format\": {FORMAT!r})")
+        ops = {}
+        for name, entry in dict(data.get("ops", {})).items():
+            try:
+                ops[str(name)] = OpCost(float(entry["per_call"]), float(entry["per_unit"]),
+                                        str(entry.get("unit", "element")),
+                                        str(entry.get("source", "measured")))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{source}: bad entry {name!r}: {exc}") from None
+        return cls(ops, dict(data.get("info", {})))
+
+    def save(self, path: str) -> None:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> CostTable:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"{ENV_COSTS}: cannot read {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV_COSTS}: {path} is not JSON: {exc}") from None
+        return cls.from_json(data, path)
+
+
+def load_from_env(env: Mapping[str, str] | None = None) -> CostTable | None:
+    """The table named by ``MPICOMM_VIRTUAL_COSTS``, or None when it is unset."""
+    path = (os.environ if env is None else env).get(ENV_COSTS, "").strip()
+    return CostTable.load(path) if path else None
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How to measure one operation: ``make(n)`` prepares inputs of ``n`` units and
+    returns the zero-argument call to time; ``sizes`` are the two sizes of the fit."""
+
+    make: Callable[[int], Callable[[], Any]]
+    unit: str
+    sizes: tuple[int, int] = (1 << 12, 1 << 20)
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def register_kernel(op: str, make: Callable[[int], Callable[[], Any]], unit: str,
+                    sizes: tuple[int, int] = (1 << 12, 1 << 20)) -> None:
+    """Make :func:`calibrate` measure ``op`` (called by the layer that charges it)."""
+    if not (isinstance(sizes, tuple) and len(sizes) == 2 and 0 < sizes[0] < sizes[1]):
+        raise ValueError(f"sizes must be two increasing positive sizes, got {sizes!r}")
+    _KERNELS[op] = Kernel(make, unit, sizes)
+
+
+def kernels() -> dict[str, Kernel]:
+    """The registered kernels (op name -> :class:`Kernel`)."""
+    return dict(_KERNELS)
+
+
+def _core_kernels() -> None:
+    import numpy as np
+
+    def add(n: int) -> Callable[[], Any]:
+        a = np.ones(n // 4, dtype=np.float32)
+        b = np.ones(n // 4, dtype=np.float32)
+        return lambda: np.add(a, b, out=a)
+
+    def copy(n: int) -> Callable[[], Any]:
+        a = np.ones(n // 4, dtype=np.float32)
+        b = np.empty_like(a)
+        return lambda: np.copyto(b, a)
+
+    register_kernel("reduce", add, "byte", (1 << 14, 1 << 22))
+    register_kernel("copy", copy, "byte", (1 << 14, 1 << 22))
+
+
+_core_kernels()
+
+
+def _cpu_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return statistics.median(times)
+
+
+def _measure_local(chosen: Mapping[str, Kernel], repeats: int) -> dict[str, tuple[float, float]]:
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    if torch is not None:
+        torch.set_num_threads(1)
+    try:
+        out = {}
+        for op, k in chosen.items():
+            (n1, n2) = k.sizes
+            t1 = _cpu_seconds(k.make(n1), repeats)
+            t2 = _cpu_seconds(k.make(n2), repeats)
+            per_unit = max(0.0, (t2 - t1) / (n2 - n1))
+            out[op] = (max(0.0, t1 - per_unit * n1), per_unit)
+        return out
+    finally:
+        if torch is not None and threads is not None:
+            torch.set_num_threads(threads)
+
+
+def _quiet_barrier(mpi_comm: MPI.Comm) -> None:
+    request = mpi_comm.Ibarrier()
+    sleep = TURN_POLL_S / 16
+    while not request.Test():
+        time.sleep(sleep)
+        sleep = min(2 * sleep, TURN_POLL_S)
+
+
+def calibrate(mpi_comm: MPI.Comm | None = None, ops: list[str] | None = None,
+              repeats: int = 5, turns: int | None = None) -> CostTable:
+    """Measure the registered kernels (``ops``: a subset) with the ranks of ``mpi_comm``
+    (an mpi4py communicator, default the world) taking turns; collective, and every rank
+    gets the same table (see the module docstring). ``turns``: how many ranks (the
+    first ones) measure, default all (the median over more ranks is steadier; each turn
+    adds its measuring time)."""
+    mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    names = sorted(_KERNELS) if ops is None else list(ops)
+    unknown = [n for n in names if n not in _KERNELS]
+    if unknown:
+        raise ValueError(f"no kernel registered for {unknown}; registered: {sorted(_KERNELS)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    chosen = {n: _KERNELS[n] for n in names}
+    return _by_turns(mpi_comm, turns, repeats, lambda: _measure_local(chosen, repeats),
+                     {op: k.unit for op, k in chosen.items()})
+
+
+def measure_calls(calls: Mapping[str, Callable[[], Any]], mpi_comm: MPI.Comm | None = None,
+                  repeats: int = 5, turns: int | None = None) -> CostTable:
+    """Like :func:`calibrate` for whole operations: each of ``calls`` (a zero-argument
+    callable, e.g. a model's forward) is timed as it is, ``per_call`` seconds, unit
+    ``call``. Collective; the same table on every rank."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+    def local() -> dict[str, tuple[float, float]]:
+        torch = sys.modules.get("torch")
+        threads = torch.get_num_threads() if torch is not None else None
+        if torch is not None:
+            torch.set_num_threads(1)
+        try:
+            return {op: (_cpu_seconds(fn, repeats), 0.0) for op, fn in calls.items()}
+        finally:
+            if torch is not None and threads is not None:
+                torch.set_num_threads(threads)
+
+    mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    return _by_turns(mpi_comm, turns, repeats, local, {op: "call" for op in calls})
+
+
+def _by_turns(mpi_comm: MPI.Comm, turns: int | None, repeats: int,
+              local: Callable[[], dict[str, tuple[float, float]]],
+              units: Mapping[str, str]) -> CostTable:
+    """The first ``turns`` ranks run ``local()`` one after another (the others asleep);
+    per op, the median over them of ``(per_call, per_unit)``."""
+    size = mpi_comm.Get_size()
+    turns = size if turns is None else max(1, min(int(turns), size))
+    mine: dict[str, tuple[float, float]] | None = None
+    for turn in range(turns):
+        if turn == mpi_comm.Get_rank():
+            mine = local()
+        _quiet_barrier(mpi_comm)
+    everyone = [r for r in mpi_comm.allgather(mine) if r is not None]
+    table = CostTable(info={
+        "timer": "thread_time", "repeats": repeats, "ranks": turns,
+        "machine": {"node": platform.node(), "processor": platform.processor(),
+                    "cpus": os.cpu_count()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    })
+    for op, unit in units.items():
+        per_call = statistics.median(r[op][0] for r in everyone)
+        per_unit = statistics.median(r[op][1] for r in everyone)
+        table.ops[op] = OpCost(per_call, per_unit, unit, "measured")
+    return table

@@ -1,0 +1,318 @@
+r"""The virtual network's platform: hosts, links, latency and a schedule of changes.
+
+A *platform* describes the cluster that the virtual clock (:mod:`mpicomm.clock`)
+simulates under a plain ``mpiexec`` on one machine:
+
+* ``H`` hosts; world rank ``r`` lives on host ``r // R`` (``R`` ranks per host) or, with
+  ``MPICOMM_HOST_SIZES=2,2,1``, on consecutive hosts of the given sizes (uneven hosts);
+* every host has one **upload** and one **download** link of ``rate`` bytes/s (full
+  duplex, as a NIC on a switch), and messages between hosts take a one-way **latency**
+  ``delay`` on top of their transmission;
+* ranks of one host exchange through **shared memory** at ``shm_rate`` bytes/s with a
+  latency of ``shm_delay`` and use no link;
+* a **schedule** (the emulated cluster's ``--schedule`` format,
+  :mod:`mpicomm.emulate.schedule`) changes rate and delay at virtual times or training
+  steps.
+
+The time of one message of ``n`` bytes from host ``a`` to host ``b`` sent at virtual
+time ``t`` under the conditions ``(rate, delay)`` in force at ``t``:
+
+* upload: a serial resource; it starts at ``u0 = max(t, free_up[a])`` and ends at
+  ``u1 = u0 + n / rate`` (messages queue behind each other);
+* download: the message reaches ``b``'s link from ``u0 + delay`` (cut-through) and
+  needs ``n / rate`` of that link's free time; it has fully arrived at
+  ``max(end of that, u1 + delay)``.
+
+Without contention that is ``t + delay + n / rate``: the alpha-beta cost with
+``alpha = delay`` and ``beta = 1 / rate``. Between ranks of one host:
+``t + shm_delay + n / shm_rate``, with no queueing.
+
+This module holds the pure parts (no MPI): the platform and its environment parsing,
+the schedule's conditions at a time or step, and the two link disciplines
+(:class:`FifoLink` in virtual-time order, :class:`GapLink` for a receiver that learns
+of its messages in program order). :mod:`mpicomm.emulate.vengine` resolves the links
+across processes.
+
+Environment (read by :func:`platform_from_env`)::
+
+    MPICOMM_VIRTUAL_RATE            link rate per host and direction, tc units
+                                    (100mbit, 1gbit, 10gbit)
+    MPICOMM_VIRTUAL_DELAY           one-way latency between hosts (1ms, 50us, 0)
+    MPICOMM_VIRTUAL_RANKS_PER_HOST  R (default 1); MPICOMM_HOST_SIZES overrides it
+    MPICOMM_HOST_SIZES              consecutive ranks per host, e.g. 2,2,1
+    MPICOMM_VIRTUAL_SCHEDULE        a schedule file (``TIME|step N  RATE  DELAY`` lines)
+    MPICOMM_VIRTUAL_SHM_RATE        shared-memory rate (default 80gbit = 10 GB/s)
+    MPICOMM_VIRTUAL_SHM_DELAY       shared-memory latency (default 1us)
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .netns import parse_rate
+from .schedule import Entry, parse_delay, read_schedule
+
+__all__ = ["Platform", "platform_from_env", "host_layout", "FifoLink", "GapLink",
+           "ENV_RATE", "ENV_DELAY", "ENV_RANKS_PER_HOST", "ENV_HOST_SIZES", "ENV_SCHEDULE",
+           "ENV_SHM_RATE", "ENV_SHM_DELAY", "DEFAULT_SHM_RATE", "DEFAULT_SHM_DELAY"]
+
+ENV_RATE = "MPICOMM_VIRTUAL_RATE"
+ENV_DELAY = "MPICOMM_VIRTUAL_DELAY"
+ENV_RANKS_PER_HOST = "MPICOMM_VIRTUAL_RANKS_PER_HOST"
+ENV_HOST_SIZES = "MPICOMM_HOST_SIZES"
+ENV_SCHEDULE = "MPICOMM_VIRTUAL_SCHEDULE"
+ENV_SHM_RATE = "MPICOMM_VIRTUAL_SHM_RATE"
+ENV_SHM_DELAY = "MPICOMM_VIRTUAL_SHM_DELAY"
+
+#: Shared memory between ranks of one host: 10 GB/s and 1 us (a memcpy-bound MPI
+#: transport on one socket); set MPICOMM_VIRTUAL_SHM_RATE/_DELAY to model another.
+DEFAULT_SHM_RATE = "80gbit"
+DEFAULT_SHM_DELAY = "1us"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """A virtual cluster (see the module docstring). Rates are in bytes per second."""
+
+    rate: float
+    delay: float
+    hosts: tuple[int, ...]
+    shm_rate: float = parse_rate(DEFAULT_SHM_RATE) / 8
+    shm_delay: float = parse_delay(DEFAULT_SHM_DELAY)
+    schedule: tuple[Entry, ...] = ()
+    #: time entries sorted by time, step entries by step (see :meth:`conditions`)
+    _times: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    _steps: tuple[float, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("rate", "shm_rate"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"virtual platform: {name} must be a finite rate > 0, "
+                                 f"got {value}")
+        for name in ("delay", "shm_delay"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"virtual platform: {name} must be >= 0, got {value}")
+        if not self.hosts:
+            raise ValueError("virtual platform: no ranks")
+        times = tuple(e for e in self.schedule if e.kind == "time")
+        steps = tuple(e for e in self.schedule if e.kind == "step")
+        object.__setattr__(self, "schedule", tuple(sorted(times, key=lambda e: e.at))
+                           + tuple(sorted(steps, key=lambda e: e.at)))
+        object.__setattr__(self, "_times", tuple(e.at for e in self.schedule
+                                                 if e.kind == "time"))
+        object.__setattr__(self, "_steps", tuple(e.at for e in self.schedule
+                                                 if e.kind == "step"))
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return len(self.hosts)
+
+    @property
+    def num_hosts(self) -> int:
+        return max(self.hosts) + 1
+
+    def ranks_of(self, host: int) -> list[int]:
+        return [r for r, h in enumerate(self.hosts) if h == host]
+
+    def conditions(self, t: float, step: int = -1) -> tuple[float, float]:
+        """``(rate, delay)`` in force at virtual time ``t`` once step ``step`` has been
+        reported: the last step entry with ``at <= step`` if there is one, else the last
+        time entry with ``at <= t``, else the platform's own rate and delay. (A step
+        entry overrides time entries from the step on; a job that counts its steps
+        again from 0 gets the earlier conditions back.)"""
+        n_time = len(self._times)
+        if self._steps:
+            i = bisect.bisect_right(self._steps, step)
+            if i:
+                e = self.schedule[n_time + i - 1]
+                return e.rate_bits / 8, e.delay
+        i = bisect.bisect_right(self._times, t)
+        if i:
+            e = self.schedule[i - 1]
+            return e.rate_bits / 8, e.delay
+        return self.rate, self.delay
+
+    def min_delay(self) -> float:
+        """The smallest one-way latency between hosts that the schedule can give: the
+        lookahead of the conservative synchronisation (no message between hosts
+        arrives sooner than this after it is sent)."""
+        return min([self.delay] + [e.delay for e in self.schedule])
+
+    def describe(self) -> dict:
+        """A JSON-ready description (recorded in results)."""
+        sizes = [self.hosts.count(h) for h in range(self.num_hosts)]
+        return {
+            "rate_bits": self.rate * 8, "delay_s": self.delay, "hosts": self.num_hosts,
+            "host_sizes": sizes, "shm_rate_bits": self.shm_rate * 8,
+            "shm_delay_s": self.shm_delay,
+            "schedule": [{"kind": e.kind, "at": e.at, "rate_bits": e.rate_bits,
+                          "delay_s": e.delay} for e in self.schedule],
+        }
+
+
+def host_layout(size: int, ranks_per_host: str | int | None = None,
+                host_sizes: str | None = None) -> tuple[int, ...]:
+    """The host of every one of ``size`` ranks.
+
+    ``host_sizes`` (``"2,2,1"``: consecutive ranks per host) wins over
+    ``ranks_per_host`` (``R``: rank ``r`` on host ``r // R``; ``size`` must be a multiple
+    of ``R``). ``ValueError`` with the reason when the layout does not cover the ranks.
+    """
+    if host_sizes is not None and str(host_sizes).strip():
+        try:
+            sizes = [int(s) for s in str(host_sizes).split(",")]
+        except ValueError:
+            raise ValueError(f"{ENV_HOST_SIZES}={host_sizes!r}: expected comma-separated "
+                             "positive integers such as 2,2,1") from None
+        if any(s < 1 for s in sizes):
+            raise ValueError(f"{ENV_HOST_SIZES}={host_sizes!r}: every host needs >= 1 rank")
+        if sum(sizes) != size:
+            raise ValueError(f"{ENV_HOST_SIZES}={host_sizes!r} places {sum(sizes)} ranks "
+                             f"but the job has {size}")
+        return tuple(h for h, s in enumerate(sizes) for _ in range(s))
+    text = "1" if ranks_per_host is None or str(ranks_per_host).strip() == "" \
+        else str(ranks_per_host)
+    try:
+        per_host = int(text)
+    except ValueError:
+        raise ValueError(f"{ENV_RANKS_PER_HOST}={text!r}: expected an integer >= 1") from None
+    if per_host < 1:
+        raise ValueError(f"{ENV_RANKS_PER_HOST} must be >= 1, got {per_host}")
+    if size % per_host:
+        raise ValueError(f"{size} ranks cannot be placed {per_host} per host "
+                         f"({ENV_RANKS_PER_HOST}={per_host}); use a multiple of {per_host} "
+                         f"ranks or {ENV_HOST_SIZES} for uneven hosts")
+    return tuple(r // per_host for r in range(size))
+
+
+def _rate(name: str, text: str) -> float:
+    if str(text).strip() in ("0", "0bit", "0mbit", "0gbit", "0kbit"):
+        raise ValueError(f"{name}={text!r}: a rate must be > 0")
+    try:
+        return parse_rate(text) / 8
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _delay(name: str, text: str) -> float:
+    try:
+        return parse_delay(text)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def platform_from_env(size: int, env: Mapping[str, str] | None = None) -> Platform:
+    """The platform of a job of ``size`` ranks from the ``MPICOMM_VIRTUAL_*`` variables.
+
+    ``MPICOMM_VIRTUAL_RATE`` is required unless the schedule has an entry at time 0
+    (which then gives the starting conditions). Every problem raises one ``ValueError``
+    naming the variable: an unparsable or zero rate, a bad delay, a layout that does not
+    cover the ranks, an unreadable or empty schedule.
+    """
+    env = os.environ if env is None else env
+    schedule: tuple[Entry, ...] = ()
+    path = env.get(ENV_SCHEDULE, "").strip()
+    if path:
+        try:
+            schedule = tuple(read_schedule(path))
+        except ValueError as exc:
+            raise ValueError(f"{ENV_SCHEDULE}: {exc}") from None
+        for e in schedule:
+            if not e.rate_bits > 0:
+                raise ValueError(f"{ENV_SCHEDULE}: {path}:{e.line}: a rate must be > 0")
+    rate_text = env.get(ENV_RATE, "").strip()
+    start = [e for e in schedule if e.kind == "time" and e.at == 0]
+    if rate_text:
+        rate = _rate(ENV_RATE, rate_text)
+    elif start:
+        rate = start[-1].rate_bits / 8
+    else:
+        raise ValueError(f"virtual clock: set {ENV_RATE} (e.g. 1gbit), or give "
+                         f"{ENV_SCHEDULE} an entry at time 0")
+    delay_text = env.get(ENV_DELAY, "").strip()
+    if delay_text:
+        delay = _delay(ENV_DELAY, delay_text)
+    else:
+        delay = start[-1].delay if start else 0.0
+    hosts = host_layout(size, env.get(ENV_RANKS_PER_HOST), env.get(ENV_HOST_SIZES))
+    shm_rate = _rate(ENV_SHM_RATE, env.get(ENV_SHM_RATE, "").strip() or DEFAULT_SHM_RATE)
+    shm_delay = _delay(ENV_SHM_DELAY, env.get(ENV_SHM_DELAY, "").strip() or DEFAULT_SHM_DELAY)
+    return Platform(rate, delay, hosts, shm_rate, shm_delay, schedule)
+
+
+class FifoLink:
+    """A serial link served in the order messages are offered (which the caller makes
+    virtual-time order): a message offered at ``key`` starts at ``max(key, free)``."""
+
+    __slots__ = ("free",)
+
+    def __init__(self, free: float = 0.0):
+        self.free = free
+
+    def transmit(self, key: float, seconds: float) -> tuple[float, float]:
+        start = max(key, self.free)
+        self.free = start + seconds
+        return start, self.free
+
+
+class GapLink:
+    """A serial link whose messages are learnt in an order other than their times (a
+    receiver completes its receives in program order): each message takes ``seconds``
+    of the link's *free* time from ``key`` on, filling gaps that earlier-learnt but
+    later-timed messages left (preemptive, work-conserving). The busy time of the link
+    is then the same whatever the order the messages are learnt in; only which message
+    gets which slice depends on it. ``limit`` bounds the busy intervals kept (the
+    oldest are forgotten, as if busy)."""
+
+    __slots__ = ("starts", "ends", "limit")
+
+    def __init__(self, limit: int = 4096):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.limit = limit
+
+    def fill(self, key: float, seconds: float) -> float:
+        """Occupy ``seconds`` of free time from ``key`` on; returns when that ends."""
+        starts, ends = self.starts, self.ends
+        if seconds <= 0:
+            return key
+        i = bisect.bisect_right(ends, key)   # first interval ending after key
+        t, left = key, seconds
+        new: list[tuple[float, float]] = []
+        while left > 0:
+            if i < len(starts) and starts[i] <= t:
+                t = max(t, ends[i])
+                i += 1
+                continue
+            gap_end = starts[i] if i < len(starts) else float("inf")
+            take = min(left, gap_end - t)
+            new.append((t, t + take))
+            left -= take
+            t += take
+        for a, b in new:
+            self._insert(a, b)
+        return t
+
+    def _insert(self, a: float, b: float) -> None:
+        starts, ends = self.starts, self.ends
+        i = bisect.bisect_left(ends, a)
+        j = i
+        while j < len(starts) and starts[j] <= b:
+            a, b = min(a, starts[j]), max(b, ends[j])
+            j += 1
+        starts[i:j] = [a]
+        ends[i:j] = [b]
+        if len(starts) > self.limit:
+            drop = len(starts) - self.limit
+            # forget the oldest: merge them into one busy block
+            starts[:drop + 1] = [starts[0]]
+            ends[:drop + 1] = [ends[drop]]
+
+    def busy(self) -> Sequence[tuple[float, float]]:
+        return list(zip(self.starts, self.ends))
