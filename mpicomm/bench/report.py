@@ -355,8 +355,8 @@ def section(r: dict[str, Any]) -> str:
         return head + crossover_section(r)
     if suite == "ps":
         return head + "\n".join(f"**{key}**\n\n{generic(r[key])}"
-                                 for key in ("comm", "straggler", "accuracy", "pull")
-                                 if r.get(key))
+                                 for key in ("summary", "rows", "comm", "straggler",
+                                             "accuracy", "pull") if r.get(key))
     body = [generic(r[key]) for key in ("summary", "rows") if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n") \
         + training(r)
