@@ -548,7 +548,8 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
     for name in made:
         parts.append(f"![{name}]({rel}/{name})\n")
     parts.append("## Results by file\n")
-    parts.extend(section(r) for r in results if r["suite"] != "pingpong")
+    parts.extend(section(r) + (f"\n*Note:* {r['note']}\n" if r.get("note") else "")
+                 for r in results if r["suite"] != "pingpong")
     if notes:
         parts.append("## Skipped files\n")
         parts.extend(f"* {n}\n" for n in notes)
