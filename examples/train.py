@@ -41,6 +41,18 @@ step would have sent (measured with the same traffic counters: one real dense al
 of the gradient buffers, times the number of steps), the strategy's settings, and
 AdaComm's period history. ``--json PATH`` writes the same summary as JSON.
 
+Surviving a dead rank: ``--checkpoint-dir DIR`` (default ``$MPICOMM_CHECKPOINT_DIR``, set
+by ``python -m mpicomm run --restarts K --checkpoint-dir DIR``) checkpoints the model,
+the optimizer, the synchronization state (error-feedback residuals, AdaComm), the
+position in the data and the random generators every ``--checkpoint-every`` steps with
+:class:`mpicomm.checkpoint.Checkpointer`, and a restarted run resumes from the newest
+complete checkpoint there; ``--save-model PATH`` makes rank 0 write the final model's
+``state_dict`` with ``torch.save``, so that a killed and restarted run can be compared
+with one that was not (bit for bit, same seed and ranks)::
+
+    python -m mpicomm run -n 4 --restarts 2 --checkpoint-dir ckpt -- \
+        python examples/train.py --strategy topk --save-model final.pt
+
 Command-line mistakes (an option the chosen strategy does not take, a value its
 constructor rejects, ``--strategy`` together with ``--local-sgd``) end the run before any
 training with one ``train.py: error: ...`` line from rank 0 and exit status 2 on every
@@ -59,6 +71,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -69,6 +82,7 @@ from mpicomm import strategies  # noqa: E402
 from mpicomm.bench.harness import Run, Spec, build, default_threads, train  # noqa: E402
 from mpicomm.bench.sync import GradientMethod, LocalSGDMethod  # noqa: E402
 from mpicomm.bench.train import parse_options  # noqa: E402
+from mpicomm.checkpoint import ENV_CHECKPOINT_DIR, Checkpointer, CheckpointError  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
 from mpicomm.observe.metrics import Metrics, metrics_from  # noqa: E402
@@ -145,6 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="write the summary as JSON here (rank 0)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar on rank 0")
+    add_checkpoint_arguments(ap)
     ap.add_argument("--metrics", metavar="PATH", default=None,
                     help="per-step metrics as JSON lines (mpicomm.observe.metrics; rank 0, or one "
                          "file per rank with {rank} in PATH) and their plots as PATH.png "
@@ -153,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "hidden", "period", "tau0"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_checkpoint_arguments(ap, args)
     try:
         args.options = parse_options(args.option)
     except ValueError as exc:
@@ -188,6 +204,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (ValueError, TypeError) as exc:
         ap.error(f"--strategy {args.strategy}: {exc}")
     return args
+
+
+def add_checkpoint_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--checkpoint-dir``, ``--checkpoint-every`` and ``--save-model`` (also
+    examples/train_ps.py)."""
+    ap.add_argument("--checkpoint-dir", metavar="DIR",
+                    default=os.environ.get(ENV_CHECKPOINT_DIR) or None,
+                    help="checkpoint here and resume from the newest complete checkpoint "
+                         "(an existing directory; default $MPICOMM_CHECKPOINT_DIR)")
+    ap.add_argument("--checkpoint-every", type=int, default=20, metavar="N",
+                    help="steps between checkpoints (with --checkpoint-dir)")
+    ap.add_argument("--save-model", metavar="PATH", default=None,
+                    help="rank 0 writes the final model's state_dict here (torch.save)")
+
+
+def check_checkpoint_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.checkpoint_every < 1:
+        ap.error("--checkpoint-every must be >= 1")
+    if args.checkpoint_dir is not None and not os.path.isdir(args.checkpoint_dir):
+        ap.error(f"--checkpoint-dir {args.checkpoint_dir!r}: no such directory")
+
+
+def make_checkpointer(args: argparse.Namespace, comm: mpicomm.Communicator, kv: Any = None,
+                      **objects: Any) -> tuple[Checkpointer | None, dict[str, Any] | None]:
+    """The run's :class:`Checkpointer` (``None`` without ``--checkpoint-dir``) and the
+    position restored from it (``None``: start from scratch). A checkpoint of another
+    model or world size ends the run on every rank with one error line and status 2."""
+    if args.checkpoint_dir is None:
+        return None, None
+    try:
+        ckpt = Checkpointer(args.checkpoint_dir, comm=comm, every=args.checkpoint_every,
+                            kv=kv, **objects)
+        restored = ckpt.restore()
+    except CheckpointError as exc:  # raised on every rank alike, nothing loaded
+        if comm.rank == 0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr,
+                  flush=True)
+        sys.exit(2)
+    if restored is not None:
+        log.info("resumed from %s (step %d)", restored.path, restored.step)
+    return ckpt, None if restored is None else restored.position
+
+
+def save_model(model: torch.nn.Module, args: argparse.Namespace, rank: int) -> None:
+    """``--save-model``: rank 0 writes the model's ``state_dict``."""
+    if args.save_model and rank == 0:
+        torch.save(model.state_dict(), args.save_model)
 
 
 def strategy_class(name: str) -> type[Strategy] | None:
@@ -273,9 +336,16 @@ def progress_bar(total: int, shown: bool) -> Any:
 
 
 def run_harness(method: Any, w: Workload, args: argparse.Namespace,
-                comm: mpicomm.Communicator, metrics: Metrics | None = None) -> Run:
+                comm: mpicomm.Communicator, metrics: Metrics | None = None,
+                checkpoint: Callable[[Any], Any] | None = None) -> Run:
     """Train ``w`` with ``method`` (:mod:`mpicomm.bench.sync`) through the harness, with
-    rank 0's progress bar and the per-epoch metrics records (also examples/train_ps.py)."""
+    rank 0's progress bar and the per-epoch metrics records (also examples/train_ps.py).
+    With ``--checkpoint-dir``: checkpoints of the model, the optimizer and the method's
+    state (``checkpoint``: the harness's factory, for the parameter server's)."""
+    if checkpoint is None and args.checkpoint_dir is not None:
+        def checkpoint(ctx: Any) -> Any:
+            return make_checkpointer(args, comm, model=ctx.model, optimizer=ctx.opt,
+                                     **method.state_objects())
     spec = spec_of(args)
     spec.metrics = metrics
     bar = progress_bar(args.epochs * w.info.steps_per_epoch,
@@ -290,7 +360,7 @@ def run_harness(method: Any, w: Workload, args: argparse.Namespace,
 
     try:
         return train(spec, method, comm, workload=w, on_step=lambda step, ctx: bar.update(1),
-                     on_epoch_end=epoch_end)
+                     on_epoch_end=epoch_end, checkpoint=checkpoint)
     finally:
         bar.close()
 
@@ -477,6 +547,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              w.info.eval_examples, w.info.parameters)
     trainer = train_gradient_sync if args.local_sgd == "none" else train_local_sgd
     outcome = trainer(w, args, comm)
+    save_model(w.model, args, comm.rank)
     summary = summarize(outcome, dense_bytes_per_step(w.model, comm), args, comm)
     if comm.rank == 0:
         print_summary(summary)

@@ -18,6 +18,15 @@ summary of examples/train.py (the data set is sharded over the workers only), wi
 worker's pushed and pulled bytes against a dense ring allreduce over the workers (which
 sends and receives as many bytes as it reduces), plus the servers' counters (staleness,
 updates, idle time).
+
+``--checkpoint-dir DIR`` (default ``$MPICOMM_CHECKPOINT_DIR``), ``--checkpoint-every N``
+and ``--save-model PATH`` work as in examples/train.py; worker 0 also checkpoints the
+servers' shards, optimizer state and per-worker sequence numbers
+(:meth:`mpicomm.ps.KVStore.snapshot`), so that after ``python -m mpicomm run --restarts
+K`` every push is applied exactly once::
+
+    python -m mpicomm run -n 4 --servers 1 --restarts 2 --checkpoint-dir ckpt -- \
+        python examples/train_ps.py --mode sync --save-model final.pt
 """
 
 from __future__ import annotations
@@ -80,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", default=None)
     ap.add_argument("--no-progress", action="store_true")
+    peer.add_checkpoint_arguments(ap)
     args = ap.parse_args(argv)
     for name in ("epochs", "batch_size", "hidden"):
         if getattr(args, name) < 1:
@@ -88,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rank must be >= 1")
     if args.slow_factor < 1:
         ap.error("--slow-factor must be >= 1")
+    peer.check_checkpoint_arguments(ap, args)
     try:
         args.options = peer.parse_options(args.option)
     except ValueError as exc:
@@ -160,14 +171,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     torch.set_num_threads(args.threads or peer.default_threads(comm))
     summary = None
     if kv.is_server:
+        ckpt, _ = peer.make_checkpointer(args, comm, kv=kv)  # restores the shards
         kv.serve()
+        if ckpt is not None:
+            ckpt.close()
     else:
         w = build(peer.spec_of(args), workers)
+        # restored before the harness builds the PSOptimizer, which adopts the keys
+        resumed = peer.make_checkpointer(args, comm, kv=kv, model=w.model)
         slow = args.slow_worker is not None and args.slow_worker == kv.worker_rank
         method = PSMethod(kv, slow_factor=args.slow_factor if slow else 1.0)
-        run = peer.run_harness(method, w, args, workers)
+        run = peer.run_harness(method, w, args, workers,
+                               checkpoint=None if resumed[0] is None else lambda ctx: resumed)
         stats = kv.stats()
         method.opt.close()
+        peer.save_model(w.model, args, workers.rank)
         describe = {"mode": args.mode, "staleness": args.staleness, "servers": args.servers,
                     "workers": kv.workers, "compressor": args.compressor,
                     "pull_compressor": args.pull_compressor,

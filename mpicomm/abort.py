@@ -51,7 +51,7 @@ from .tags import TAG_FAILURE
 
 __all__ = ["install_abort_handler", "install_from_env", "abort_job", "abort_after_flush",
            "job_scope", "current_job", "program_name", "UsageError", "ABORT_GRACE_S",
-           "GATHER_S", "SILENT_S", "EXIT_USAGE", "EXIT_INTERRUPTED"]
+           "GATHER_S", "SILENT_S", "EXIT_USAGE", "EXIT_INTERRUPTED", "exit_status"]
 
 #: Exit status of a usage error (as argparse) and of an interrupted job (128 + SIGINT).
 EXIT_USAGE = 2
@@ -182,6 +182,7 @@ class _Failure:
     header: str        # "[mpicomm rank r/N job 'x'] uncaught exception in thread 't'"
     explicit: bool     # a UsageError: the message says all
     time: float
+    status: int = 1    # exit status of an "error" (exit_status)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -214,7 +215,17 @@ def _failure(exc_type: type[BaseException], exc: BaseException | None, tb: Any,
     return _Failure(rank=MPI.COMM_WORLD.Get_rank(), kind=_kind(exc_type),
                     type=exc_type.__name__, message=str(exc)[:2000], where=_where(tb),
                     text=text[-16000:], header=f"{_prefix(job)} uncaught exception{where}",
-                    explicit=issubclass(exc_type, UsageError), time=time.time())
+                    explicit=issubclass(exc_type, UsageError), time=time.time(),
+                    status=exit_status(exc))
+
+
+def exit_status(exc: BaseException | None) -> int:
+    """The status a job ends with after an unexpected error ``exc``: its ``exit_status``
+    attribute when that is an int in 1..255 (``mpicomm.checkpoint.CheckpointError`` sets
+    2, the status that ``python -m mpicomm run --restarts`` never restarts: the same input
+    fails again), else 1."""
+    code = getattr(exc, "exit_status", 1)
+    return code if isinstance(code, int) and 1 <= code <= 255 else 1
 
 
 def _can_communicate() -> bool:
@@ -306,7 +317,7 @@ def compose_report(failures: dict[int, _Failure], size: int, prog: str,
         which = f"the same on all {size} ranks" if size > 1 else "rank 0 of 1"
     else:
         which = f"ranks that failed: {_ranks_text(ranks)} of {size}"
-    return f"{first.header}; aborting the job ({which}):\n{first.text}", 1
+    return f"{first.header}; aborting the job ({which}):\n{first.text}", first.status
 
 
 def _report_and_abort(exc_type: type[BaseException], exc: BaseException | None, tb: Any,

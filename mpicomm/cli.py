@@ -16,15 +16,20 @@
     PNG plots of a metrics file (:mod:`mpicomm.observe.metrics`) or of a Chrome trace
     (:mod:`mpicomm.observe.trace`); needs matplotlib (the ``plot`` extra).
 
-``python -m mpicomm run -n N [--servers S] [--] command ...``
+``python -m mpicomm run -n N [--servers S] [--restarts K --checkpoint-dir DIR] [--] command ...``
     Runs ``mpiexec -n N command ...`` with the ``mpiexec`` of the MPI library that mpi4py
     is linked against and exits with its status; a bare ``python`` command runs this
     interpreter (:func:`mpicomm.emulate.mpienv.own_python`). ``--servers S`` (parameter-server mode,
     ``1 <= S < N``) puts ``MPICOMM_PS_SERVERS=S`` in every rank's environment; a script
     reads it with :func:`ps_servers` and passes it on, e.g.
-    ``mpicomm.ps.KVStore(comm, servers=ps_servers(), ...)``. Same logic as
-    ``launchers/mpicomm-run`` (:mod:`mpicomm.emulate.mpienv`: which ``mpiexec``, and the
-    settings Open MPI needs in containers and on oversubscribed machines).
+    ``mpicomm.ps.KVStore(comm, servers=ps_servers(), ...)``. ``--checkpoint-dir DIR`` (an
+    existing directory) puts ``MPICOMM_CHECKPOINT_DIR=DIR`` in every rank's environment
+    (:class:`mpicomm.checkpoint.Checkpointer` and the examples read it);
+    ``--restarts K`` ends and restarts the whole job when any rank dies, up to ``K``
+    times, and the training resumes from the newest complete checkpoint in ``DIR``
+    (:mod:`mpicomm.supervise`). Same logic as ``launchers/mpicomm-run``
+    (:mod:`mpicomm.emulate.mpienv`: which ``mpiexec``, and the settings Open MPI needs in
+    containers and on oversubscribed machines).
 """
 
 from __future__ import annotations
@@ -39,11 +44,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from .emulate.mpienv import find_mpiexec, launcher_env, library_version, mpi_flavor, own_python
+from .supervise import supervise
 
-__all__ = ["main", "info", "ps_servers", "ENV_PS_SERVERS"]
+__all__ = ["main", "info", "ps_servers", "ENV_PS_SERVERS", "ENV_CHECKPOINT_DIR"]
 
 #: Set by ``python -m mpicomm run --servers S`` for every rank.
 ENV_PS_SERVERS = "MPICOMM_PS_SERVERS"
+#: Set by ``python -m mpicomm run --checkpoint-dir DIR`` for every rank.
+ENV_CHECKPOINT_DIR = "MPICOMM_CHECKPOINT_DIR"
 
 _THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
 
@@ -61,15 +69,23 @@ def ps_servers(default: int | None = None) -> int | None:
     return int(raw)
 
 
-def run(ranks: int, command: Sequence[str], servers: int | None = None) -> int:
+def run(ranks: int, command: Sequence[str], servers: int | None = None,
+        restarts: int = 0, checkpoint_dir: str | None = None) -> int:
     """``mpiexec -n ranks command...`` for mpi4py's MPI; returns the exit status.
     ``servers``: exported to the ranks as ``MPICOMM_PS_SERVERS`` (``1 <= servers <
-    ranks``: at least one worker)."""
+    ranks``: at least one worker). ``checkpoint_dir`` (must exist): exported as
+    ``MPICOMM_CHECKPOINT_DIR``; ``restarts``: how many times a failed job is started
+    again (:func:`mpicomm.supervise.supervise`)."""
     if ranks < 1:
         raise ValueError(f"-n must be >= 1, got {ranks}")
     if servers is not None and not 1 <= servers < ranks:
         raise ValueError(f"--servers must be in [1, {ranks - 1}] for {ranks} ranks (at "
                          f"least one worker), got {servers}")
+    if restarts < 0:
+        raise ValueError(f"--restarts must be >= 0, got {restarts}")
+    if checkpoint_dir is not None and not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"--checkpoint-dir {checkpoint_dir!r}: no such directory "
+                         "(create it first)")
     if not command:
         raise ValueError("no command to run")
     flavor = mpi_flavor(library_version())
@@ -77,6 +93,10 @@ def run(ranks: int, command: Sequence[str], servers: int | None = None) -> int:
     env = launcher_env(flavor, ranks)
     if servers is not None:
         env[ENV_PS_SERVERS] = str(servers)
+    if checkpoint_dir is not None:
+        env[ENV_CHECKPOINT_DIR] = os.path.abspath(checkpoint_dir)
+    if restarts:
+        return supervise(argv, env, restarts)
     return wait_for_launcher(subprocess.Popen(argv, env=env))
 
 
@@ -277,6 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="parameter-server mode: S of the ranks are servers; exported to "
                          "every rank as MPICOMM_PS_SERVERS=S (read it with "
                          "mpicomm.cli.ps_servers())")
+    rp.add_argument("--restarts", type=int, default=0, metavar="K",
+                    help="when any rank dies, end the whole job and start it again, up to "
+                         "K times; the training resumes from the newest complete "
+                         "checkpoint in --checkpoint-dir (exit status 2, a usage error, "
+                         "is never restarted)")
+    rp.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                    help="an existing directory, exported to every rank as "
+                         "MPICOMM_CHECKPOINT_DIR=DIR (mpicomm.checkpoint and the examples "
+                         "checkpoint there and resume from there)")
     rp.add_argument("cmd", nargs=argparse.REMAINDER,
                     help="the command each rank runs (a leading -- is optional)")
     return ap
@@ -306,7 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     try:
-        return run(args.ranks, cmd, servers=args.servers)
+        return run(args.ranks, cmd, servers=args.servers, restarts=args.restarts,
+                   checkpoint_dir=args.checkpoint_dir)
     except (ValueError, FileNotFoundError) as exc:
         print(f"python -m mpicomm run: {exc}", file=sys.stderr)
         return 2

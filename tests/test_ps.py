@@ -252,7 +252,8 @@ def test_compressed_push_applies_what_was_sent(comm, split_small):
 def _mirrors(comm, kv: KVStore) -> dict | None:
     """Workers: {(key id, piece): (worker's copy, the server's copy for this worker)}."""
     held = {} if kv.is_worker else {
-        (k, w): c for k, st in kv._server.pieces.items() for w, c in enumerate(st.copies)}
+        (k, w): st.mirror for k, st in kv._server.pieces.items() for w in range(st.workers)
+        if st.held[w] == st.encoded}
     everything = comm.allgather_object(held)
     if kv.is_server:
         return None
@@ -264,9 +265,10 @@ def _mirrors(comm, kv: KVStore) -> dict | None:
 @pytest.mark.mpi
 def test_compressed_pull(comm, split_small, tmp_path_factory):
     """Pull compression (top-k 0.2 and PowerSGD rank 2, on a quadratic whose optimum is
-    the mean of the workers' targets): the worker's copy of every piece equals the
-    server's record of it bit for bit, the run converges, fewer bytes come back than
-    dense; after a checkpoint and restore the first pull is full precision (exact)."""
+    the mean of the workers' targets): each piece is compressed once per version, the
+    worker's copy of every piece equals the server's mirror bit for bit, the run
+    converges, fewer bytes come back than dense; after a checkpoint and restore the first
+    pull is full precision (exact)."""
     folder = comm.bcast_object(str(tmp_path_factory.mktemp("ps")) if comm.rank == 0 else None)
     servers, workers = splits(comm.size)[-1]
     shapes = {"weight": (20, 16), "bias": (7,)}
@@ -289,7 +291,11 @@ def test_compressed_pull(comm, split_small, tmp_path_factory):
             dense = sum(wire.reply_nbytes(int(np.prod(s)), 8) for s in shapes.values())
             assert stats["bytes_pulled"] < 0.8 * 61 * dense, (name, stats)
             kv.checkpoint(path)
-        finish(kv)
+        pieces = sum(len(kv._worker.info(k).pieces) for k in shapes) if kv.is_worker else 0
+        stats = comm.allgather_object(finish(kv))
+        encoded = sum(s["pull_encodings"] for s in stats if "pull_encodings" in s)
+        assert encoded == 60 * max(comm.allgather_object(pieces)), (name, encoded)  # once
+        # per version and piece, whatever the number of workers
         mirrors = _mirrors(comm, kv)
         wc = worker_comm(comm, servers)
         if mirrors is not None:

@@ -32,6 +32,7 @@ SUITES = {
     "staging": "mpicomm.bench.staging",
     "crossover": "mpicomm.bench.crossover",
     "adaptive": "mpicomm.bench.adaptive",
+    "recovery": "mpicomm.bench.recovery",
     "train": "mpicomm.bench.train",
     "ratios": "mpicomm.bench.ratios",
     "hierarchy": "mpicomm.bench.hierarchy",

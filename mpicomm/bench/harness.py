@@ -210,7 +210,9 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
           on_epoch: Callable[[int, Any], None] | None = None,
           on_epoch_end: Callable[[int, dict[str, float], Any], None] | None = None,
           on_eval: Callable[[dict[str, float], Any], None] | None = None,
-          on_step: Callable[[int, Any], None] | None = None) -> Run:
+          on_step: Callable[[int, Any], None] | None = None,
+          checkpoint: Callable[[Any], tuple[Any, dict[str, Any] | None]] | None = None
+          ) -> Run:
     """Train ``spec`` with ``sync`` (a :mod:`mpicomm.bench.sync` method) on ``comm``.
 
     Hooks (``context`` has ``opt``, ``model``, ``workload``, ``sync``, ``run`` and
@@ -223,6 +225,13 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     ``epoch_stats`` is off and only the final evaluation is collective);
     ``on_eval(point, context)`` after each evaluation. Every rank must call it with the
     same arguments.
+
+    ``checkpoint(context)``, called once the method has started: ``(checkpointer,
+    position)``, a :class:`mpicomm.checkpoint.Checkpointer` (or ``None``) and the position
+    it restored (or ``None``). The run then skips the steps done before that position,
+    continues with the epoch's running sums and history as saved, and offers a checkpoint
+    after every step (``maybe_save``: every ``every`` steps); the checkpointer is closed
+    at the end.
     """
     w = workload if workload is not None else build(spec, comm)
     d = w.info.defaults
@@ -254,6 +263,10 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
         timer.attach(sync)
     last_eval, steps, epoch = 0, 0, 0
     last_bytes = sync.sent_bytes()
+    ckpt, position = checkpoint(ctx) if checkpoint is not None else (None, None)
+    if position is not None:
+        steps, epoch = int(position["step"]), int(position["epoch"])
+        run.history = list(position["history"])
 
     def evaluate() -> bool:
         """One curve point; True when the run must end (budget spent or stop set)."""
@@ -286,7 +299,13 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
             if on_epoch is not None:
                 on_epoch(epoch, ctx)
             loss_sum = hit_sum = count_sum = 0.0
-            for batch in w.shard.batches(epoch):
+            skip = 0
+            if position is not None:  # resumed: this epoch's steps before the checkpoint
+                loss_sum, hit_sum, count_sum = position["sums"]
+                skip, position = int(position["in_epoch"]), None
+            for in_epoch, batch in enumerate(w.shard.batches(epoch), 1):
+                if in_epoch <= skip:
+                    continue
                 t0 = now()
                 opt.zero_grad()
                 clock.charge("forward")      # virtual clock: the step's compute
@@ -318,6 +337,10 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
                     clock.report_step(steps)  # a schedule's `step N` entries
                 if on_step is not None:
                     on_step(steps, ctx)
+                if ckpt is not None:
+                    ckpt.maybe_save(steps, {"step": steps, "epoch": epoch,
+                                            "in_epoch": in_epoch, "history": run.history,
+                                            "sums": [loss_sum, hit_sum, count_sum]})
                 if ctx.stop or (spec.max_steps is not None and steps >= spec.max_steps):
                     done = True
                     break
@@ -341,6 +364,8 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
         if last_eval != steps or not run.curve:
             evaluate()
     finally:
+        if ckpt is not None:
+            ckpt.close()
         sync.finish()
     run.steps, run.epochs = steps, epoch
     run.seconds = run.curve[-1]["time_s"]

@@ -27,8 +27,14 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    SGD lr 0.05, momentum 0.9, weight decay 1e-3 on the server, batch 32 per worker) for
    ``--epochs`` epochs in sync mode, dense push against top-k 0.01 with error feedback,
    PowerSGD rank 4 push (per worker, error feedback) and a dense push with QSGD-compressed
-   pulls (deltas to each worker's copy). Target: top-k test accuracy within 1 point of
+   pulls (deltas to the servers' mirror). Target: top-k test accuracy within 1 point of
    dense (the issue's); the other rows are reported with their gap and bytes.
+4. **Compressed pulls** (``pull``): every worker pushes a random gradient of one key of
+   ``--pull-bytes`` bytes (float32) and pulls it through ``--pull-compressors``, sync
+   mode, ``--repeats`` steps after a warm-up step; per step: the pull encodings the
+   servers made (at most one per version and piece: ``S`` per step, whatever ``W``) and
+   the servers' CPU time (process time of :meth:`~mpicomm.ps.KVStore.serve`, which
+   sleeps while idle, so it is the work done, not the wait), against dense pulls.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from . import _clock
 from ._util import UsageError, machine, median_seconds, print_table, write_json
 from .harness import default_threads
 
-SECTIONS = ("comm", "straggler", "accuracy")
+SECTIONS = ("comm", "straggler", "accuracy", "pull")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="straggler: worker 0 computes this many times longer")
     parser.add_argument("--staleness", type=int, default=2, help="straggler: SSP bound")
     parser.add_argument("--epochs", type=int, default=30, help="accuracy: epochs")
+    parser.add_argument("--pull-bytes", type=int, default=1 << 20, help="pull: bytes per key")
+    parser.add_argument("--pull-compressors", default="qsgd,topk",
+                        help="pull: compressors to measure (and dense pulls)")
     _clock.add_arguments(parser)
+
 
 
 # ---------------------------------------------------------------------- helpers
@@ -124,6 +134,57 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
         print_table(rows, ["servers", "workers", "bytes", "ps_ms", "ps_pred_ms", "ring_ms",
                            "ring_pred_ms", "ps/ring"])
     return rows
+
+
+
+# ---------------------------------------------------------------------- 4. compressed pulls
+def _compressor(name: str | None) -> Any:
+    """A compressor by name, sparsifiers at density 0.01 (``None``: dense)."""
+    from ..compress import make
+
+    if name is None:
+        return None
+    return make(name, density=0.01) if name in ("topk", "randomk") else make(name)
+
+
+def bench_pull(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
+    rows = []
+    steps = args.repeats + 1
+    for servers in [int(s) for s in args.servers.split(",")]:
+        if not 1 <= servers < comm.size:
+            continue
+        for name in [None, *[c.strip() for c in args.pull_compressors.split(",") if c]]:
+            kv, wc = _store(comm, servers, mode="sync", lr=0.01,
+                            pull_compressor=_compressor(name))
+            wait = 0.0
+            if kv.is_worker:
+                rng = np.random.default_rng(kv.worker_rank)
+                kv.init("w", np.zeros(args.pull_bytes // 4, dtype=np.float32))
+                for i in range(steps):
+                    g = rng.standard_normal(args.pull_bytes // 4).astype(np.float32)
+                    t0 = time.perf_counter()
+                    kv.push("w", g)
+                    kv.pull("w")
+                    wait += (time.perf_counter() - t0) if i else 0.0
+            _finish(kv, wc)
+            stats = comm.allgather_object((kv.is_server, kv.stats(), wait))
+            served = [st for is_server, st, _ in stats if is_server]
+            pulled = [st for is_server, st, _ in stats if not is_server]
+            rows.append({
+                "servers": servers, "workers": comm.size - servers, "pull": name or "dense",
+                "bytes": args.pull_bytes, "steps": steps,
+                "encodings_per_step": sum(st.get("pull_encodings", 0) for st in served) / steps
+                if name else 0.0,
+                "server_cpu_ms_per_step": max(st["cpu_s"] for st in served) * 1e3 / steps,
+                "worker_ms_per_step": max(w for s, _, w in stats if not s) * 1e3 / args.repeats,
+                "pulled_B_per_worker_step": max(st["bytes_pulled"] for st in pulled) / steps})
+    if comm.rank == 0:
+        print("\n== compressed pulls: encodings and server CPU per step (sync)")
+        print_table(rows, ["servers", "workers", "pull", "bytes", "encodings_per_step",
+                           "server_cpu_ms_per_step", "worker_ms_per_step",
+                           "pulled_B_per_worker_step"])
+    return rows
+
 
 
 # ---------------------------------------------------------------------- 2. straggler
@@ -229,8 +290,10 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise UsageError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
-    out: dict[str, Any] = {"machine": machine(), "args": vars(args),
-                           "clock": _clock.describe()}
+
+    out: dict[str, Any] = {"suite": "ps", "machine": machine(), "ranks": comm.size,
+                           "args": vars(args), "clock": _clock.describe()}
+
     t0 = time.perf_counter()
     if "comm" in sections:
         out["comm"] = bench_comm(args, comm)
@@ -238,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
         out["straggler"] = bench_straggler(args, comm)
     if "accuracy" in sections:
         out["accuracy"] = bench_accuracy(args, comm)
+    if "pull" in sections:
+        out["pull"] = bench_pull(args, comm)
     if comm.rank == 0:
         print(f"\n(bench ps took {time.perf_counter() - t0:.0f} s; timings on a shared machine "
               "are noisy, ratios from one run are the figures to compare)")

@@ -371,6 +371,10 @@ def section(r: dict[str, Any]) -> str:
         return head + crossover_section(r, table)
     if suite == "hierarchy":
         return head + hierarchy_section(r, table)
+    if suite == "ps":
+        return head + "\n".join(f"**{key}**\n\n{generic(r[key])}"
+                                 for key in ("summary", "rows", "comm", "straggler",
+                                             "accuracy", "pull") if r.get(key))
     body = [generic(r[key]) for key in ("summary", "targets", "rows") if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n") \
         + training(r)
@@ -480,7 +484,8 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
     for name in (n for n in made if not n.startswith("ratios-")):
         parts.append(f"![{name}]({rel}/{name})\n")
     parts.append("## Results by file\n")
-    parts.extend(section(r) for r in results if r["suite"] != "pingpong")
+    parts.extend(section(r) + (f"\n*Note:* {r['note']}\n" if r.get("note") else "")
+                 for r in results if r["suite"] != "pingpong")
     if notes:
         parts.append("## Skipped files\n")
         parts.extend(f"* {n}\n" for n in notes)

@@ -122,6 +122,11 @@ class GradientMethod:
         return {"method": "gradient", "strategy": self.label,
                 "owns_momentum": self.owns_momentum}
 
+    def state_objects(self) -> dict[str, Any]:
+        """What a checkpoint saves besides the model and optimizer (after :meth:`start`):
+        GradientSync (error-feedback residuals, warm starts, controllers)."""
+        return {"sync": self.gs}
+
 
 class LocalSGDMethod:
     """Local steps; :class:`LocalSGD` averages parameters every ``period`` steps (an int,
@@ -188,6 +193,11 @@ class LocalSGDMethod:
     def describe_setup(self) -> dict[str, Any]:
         return {"method": "local-sgd", "period": self.label, "algorithm": self.algorithm,
                 "delay_s": self.delay_s}
+
+    def state_objects(self) -> dict[str, Any]:
+        """What a checkpoint saves besides the model and optimizer (after :meth:`start`):
+        LocalSGD (its period schedule, AdaComm)."""
+        return {"sync": self.local}
 
 
 class PSMethod:
@@ -258,3 +268,7 @@ class PSMethod:
     def describe_setup(self) -> dict[str, Any]:
         return {"method": "parameter-server", "mode": self.kv.mode,
                 "slow_factor": self.slow_factor, "sleep_s": self.sleep_s}
+
+    def state_objects(self) -> dict[str, Any]:
+        """Nothing besides the model: the store is checkpointed through ``kv=``."""
+        return {}

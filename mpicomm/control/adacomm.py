@@ -10,10 +10,11 @@ values that are already identical on every rank, so every rank computes the same
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from numbers import Real
-from typing import Optional
+from typing import Any, Optional
 
 from ..hooks import traced
 from ..validate import check_int
@@ -285,6 +286,32 @@ class AdaComm:
         elapsed = _check_real("elapsed", elapsed)
         assert self._interval_start is not None and self.interval_s is not None
         return elapsed - self._interval_start >= self.interval_s
+
+    def state_dict(self) -> dict[str, Any]:
+        """What :meth:`load_state_dict` needs to continue exactly here (plain numbers and
+        lists: a checkpoint reads it without unpickling code). The settings (``tau0``,
+        the interval, the clamps) are the constructor's, not part of the state."""
+        return {"tau": self.tau, "loss0": self.loss0, "lr0": self.lr0, "rounds": self.rounds,
+                "interval_rounds_done": self._interval_rounds,
+                "interval_start": self._interval_start,
+                "history": [dataclasses.asdict(d) for d in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (``ValueError`` if a field is missing).
+        With ``interval_s``, the saved ``interval_start`` is on the saving run's agreed
+        clock: pass elapsed times continuing that clock afterwards."""
+        missing = {"tau", "loss0", "lr0", "rounds", "interval_rounds_done",
+                   "interval_start", "history"} - set(state)
+        if missing:
+            raise ValueError(f"AdaComm.load_state_dict: missing {sorted(missing)}")
+        self.tau = check_int("tau", state["tau"], 1)
+        self.loss0 = None if state["loss0"] is None else float(state["loss0"])
+        self.lr0 = None if state["lr0"] is None else float(state["lr0"])
+        self.rounds = int(state["rounds"])
+        self._interval_rounds = int(state["interval_rounds_done"])
+        start = state["interval_start"]
+        self._interval_start = None if start is None else float(start)
+        self.history = [AdaCommDecision(**d) for d in state["history"]]
 
     @traced("adacomm.observe", cat="control", outcome=lambda tau: {"tau": tau})
     def observe(self, loss: Optional[float] = None, lr: Optional[float] = None,

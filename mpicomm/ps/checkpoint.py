@@ -14,15 +14,16 @@ at a checkpoint every push a worker sent has been applied, so they equal ``last_
 
 Format: a dict of tensors, ints, strings and lists saved with ``torch.save``, so that
 ``torch.load(path, weights_only=True)`` reads it (no arbitrary code is unpickled);
-``format`` names the layout version. Atomicity: written to ``<path>.tmp-<pid>``, flushed
-and fsynced, then ``os.replace``-d over ``path`` (and the directory fsynced): a reader
-sees the old file or the new one, never half of one; a crash leaves at most a stray temp
-file, which :func:`load` never opens.
+``format`` names the layout version. Atomicity (:func:`mpicomm.durable.write_atomic`):
+written to a temporary file beside ``path``, flushed and fsynced, then ``os.replace``-d
+over ``path`` (and the directory fsynced): a reader sees the old file or the new one,
+never half of one; a crash leaves at most a stray temp file, which :func:`load` never
+opens.
 """
 
 from __future__ import annotations
 
-import contextlib
+import io
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -30,8 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["FORMAT", "assemble", "write_atomic", "load", "metadata", "piece_state",
-           "to_numpy", "to_torch_cpu", "worker_states"]
+from .. import durable
+from ..durable import Written
+
+__all__ = ["FORMAT", "assemble", "serialize", "write_atomic", "load", "check", "metadata",
+           "piece_state", "to_numpy", "to_torch_cpu", "worker_states"]
 
 FORMAT = "mpicomm.ps/1"
 _FIELDS = ("workers", "mode", "optimizer", "keys", "shapes", "dtypes", "frameworks", "values",
@@ -108,32 +112,33 @@ def _agree(info: Any, what: str, items: Sequence[Any]) -> Any:
     return items[0]
 
 
-def write_atomic(data: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over it."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def serialize(data: dict[str, Any]) -> bytes:
+    """The bytes of ``torch.save(data)`` (what :func:`write_atomic` writes)."""
+    buf = io.BytesIO()
+    torch.save(data, buf)
+    return buf.getbuffer().tobytes()
 
 
-def load(path: str | os.PathLike[str], *, workers: int, optimizer: dict[str, Any]
-         ) -> dict[str, Any]:
-    """Read and check a checkpoint (``weights_only``: tensors and plain data only)."""
+def write_atomic(data: dict[str, Any], path: str | os.PathLike[str]) -> Written:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over it
+    (:func:`mpicomm.durable.write_atomic`); returns the file's SHA-256 and size."""
+    return durable.write_atomic(path, serialize(data))
+
+
+def load(path: str | os.PathLike[str], *, workers: int, optimizer: dict[str, Any],
+         stateful_compressor: bool = True) -> dict[str, Any]:
+    """Read and :func:`check` a checkpoint (``weights_only``: tensors and plain data only)."""
     data = torch.load(os.fspath(path), weights_only=True, map_location="cpu")
+    return check(data, workers=workers, optimizer=optimizer,
+                 stateful_compressor=stateful_compressor)
+
+
+def check(data: Any, *, workers: int, optimizer: dict[str, Any],
+          stateful_compressor: bool = True) -> dict[str, Any]:
+    """``data`` if a store of ``workers`` workers with ``optimizer`` (its description)
+    can restore it, else ``ValueError`` saying why. ``stateful_compressor``: whether the
+    store's push compressor keeps state (PowerSGD's warm start) that the checkpoint may
+    hold."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"not a parameter-server checkpoint (format "
                          f"{data.get('format') if isinstance(data, dict) else None!r}, "
@@ -155,6 +160,9 @@ def load(path: str | os.PathLike[str], *, workers: int, optimizer: dict[str, Any
         if field in data and len(data[field]) != workers:
             raise ValueError(f"corrupt checkpoint: {field} for {len(data[field])} workers, "
                              f"expected {workers}")
+    if any(data.get("compressor") or []) and not stateful_compressor:
+        raise ValueError("the checkpoint holds push compressor state, this store's "
+                         "compressor keeps none")
     return data
 
 

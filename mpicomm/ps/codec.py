@@ -38,10 +38,10 @@ from ..compress import Compressor, Payload, PowerSGD
 __all__ = ["PieceView", "Codec", "pull_name"]
 
 
-def pull_name(name: str, worker: int) -> str:
-    """The name the pull compression of piece ``name`` for ``worker`` goes by (its
-    compressor state and random stream; the same on the server and on the worker)."""
-    return f"{name}@pull{worker}"
+def pull_name(name: str) -> str:
+    """The name the pull compression of piece ``name`` goes by (its compressor state and
+    random stream; the same on the server and on every worker)."""
+    return f"{name}@pull"
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,7 @@ class Codec:
                dtype: torch.dtype) -> torch.Tensor:
         """The flat piece a received payload stands for (``arrays`` as sent by
         :meth:`arrays`; ``name``, ``step`` and ``dtype`` as the sender compressed)."""
-        template = self.templates.get(name)
-        if template is None:
-            template = self._template(view, name, step, dtype)
-            if _same(template.ctx, self._template(view, name, step + 1, dtype).ctx):
-                self.templates[name] = template
+        template = self._template_of(view, name, step, dtype)
         roles = sorted(template.arrays)
         if len(roles) != len(arrays):
             raise RuntimeError(f"compressed piece {name}: {len(arrays)} arrays received, "
@@ -110,6 +106,29 @@ class Codec:
         shaped = {r: a.reshape(-1, *to_torch(template.arrays[r]).shape[1:])
                   for r, a in zip(roles, arrays)}
         return view.extract(self.compressor.decompress(Payload(shaped, template.ctx)))
+
+    def decode_chain(self, view: PieceView, arrays: list[torch.Tensor], name: str, last: int,
+                     dtype: torch.dtype) -> list[torch.Tensor]:
+        """The flat pieces of consecutive payloads sent in one message (steps ``last - k +
+        1 .. last``; ``k`` = ``len(arrays)`` over the arrays per payload), in order."""
+        if not arrays:
+            return []
+        per = len(self._template_of(view, name, last, dtype).arrays)
+        if len(arrays) % per:
+            raise RuntimeError(f"compressed piece {name}: {len(arrays)} arrays received, "
+                               f"not a multiple of the compressor's {per}")
+        k = len(arrays) // per
+        return [self.decode(view, arrays[i * per:(i + 1) * per], name, last - k + 1 + i, dtype)
+                for i in range(k)]
+
+    def _template_of(self, view: PieceView, name: str, step: int, dtype: torch.dtype
+                     ) -> Payload:
+        template = self.templates.get(name)
+        if template is None:
+            template = self._template(view, name, step, dtype)
+            if _same(template.ctx, self._template(view, name, step + 1, dtype).ctx):
+                self.templates[name] = template
+        return template
 
     def _template(self, view: PieceView, name: str, step: int, dtype: torch.dtype
                   ) -> Payload:

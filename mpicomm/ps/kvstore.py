@@ -73,14 +73,15 @@ class KVStore:
     worker's ``Q`` per piece is checkpointed with its residuals.
 
     ``pull_compressor`` (same kinds; default ``None``: dense pulls): the server keeps, per
-    worker and piece, the copy of the value that worker holds; a pull sends the compressed
-    ``delta = value - copy`` and both the server and the worker add the decoded delta to
-    their copy, so what a worker holds is always exactly what the server thinks it holds
-    (what was not sent is in the next delta: error feedback without a residual). The first
-    pull of a piece is the whole value. Cost: ``W`` copies of its shards on each server
-    (memory ``W x`` the shard), and the compression work on the server, once per worker
-    and pull. The copies are not checkpointed: after :meth:`restore` each worker's first
-    pull is a full-precision one. Tuning: a worker computes its gradient on a lagging copy
+    piece, a mirror of what the workers hold; at most once per version it compresses
+    ``delta = value - mirror`` and adds the decoded delta to the mirror, and a pull sends
+    the deltas the worker has not had yet, which the worker adds to its copy, so what a
+    worker holds is always exactly the server's mirror (what was not sent is in the next
+    delta: error feedback without a residual; :mod:`mpicomm.ps.server`). The first pull
+    of a piece is the whole mirror. Cost: one mirror per shard on each server, and the
+    compression work once per version of a piece, however many workers pull it. The
+    mirrors are not checkpointed: after :meth:`restore` the first pull is a
+    full-precision one. Tuning: a worker computes its gradient on a lagging copy
     of the parameters, which acts like staleness (a rank-``r`` PowerSGD pull needs about
     ``n / r`` pulls to deliver a full-rank change of an ``n``-row block; meanwhile the
     server keeps applying gradients of the old copy and may overshoot): prefer accurate
@@ -201,10 +202,27 @@ class KVStore:
         workers; call it between steps, after the pulls). Worker 0 writes the file."""
         self._as_worker("checkpoint").checkpoint(path)
 
-    def restore(self, path: str | os.PathLike[str]) -> None:
+    def snapshot(self) -> dict[str, Any] | None:
+        """What :meth:`checkpoint` writes, as a dict on worker 0 (``None`` on the other
+        workers; collective over the workers, between steps): for a caller that writes it
+        itself, e.g. in the background (:class:`mpicomm.checkpoint.Checkpointer`, with
+        :func:`mpicomm.ps.checkpoint.serialize`). The dict holds copies: training may go
+        on while it is written."""
+        return self._as_worker("snapshot").snapshot()
+
+    def restore(self, path: str | os.PathLike[str] | dict[str, Any]) -> None:
         """Load ``path`` into this new store, instead of ``init`` (collective over the
-        workers). Same number of workers and the same optimizer kind as when saved."""
+        workers; servers must be serving). Same number of workers and the same optimizer
+        kind as when saved. Worker 0 may pass the loaded dict instead of a path (what
+        :meth:`snapshot` returned, or ``torch.load`` of a checkpoint file)."""
         self._as_worker("restore").restore(path)
+
+    def check_checkpoint(self, data: dict[str, Any]) -> None:
+        """``ValueError`` if :meth:`restore` would refuse ``data`` (a loaded checkpoint):
+        another number of workers, another optimizer kind, compressor state this store's
+        compressor cannot take, or a damaged layout. Local (no message), so that a caller
+        can refuse a checkpoint before the servers start serving."""
+        self._as_worker("check_checkpoint").check_checkpoint(data)
 
     def stats(self) -> dict[str, Any]:
         """This rank's counters: ``max_staleness``, ``pushes``, ``pulls``, ``bytes_pushed``,
@@ -212,7 +230,8 @@ class KVStore:
         compressor / pull compressor); servers add ``updates``
         (optimizer steps), ``duplicates`` (pushes skipped as already applied),
         ``idle_s`` (time asleep waiting for messages), ``cpu_s`` and ``wall_s`` (process
-        CPU time and wall time of :meth:`serve`); workers add ``server_pushes`` (pushes the
+        CPU time and wall time of :meth:`serve`), ``pull_encodings`` (compressions of
+        pull deltas: at most one per version and piece); workers add ``server_pushes`` (pushes the
         servers had applied at the last pull), ``staleness`` (the largest staleness served by
         the last pull) and ``wait_s`` (time spent in pulls)."""
         part = self._server if self._server is not None else self._worker

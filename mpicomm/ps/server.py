@@ -31,12 +31,20 @@ Consistency (``c_w = last_seq[w]``, the pushes worker ``w`` made on the key so f
 Staleness of a served pull: ``c_w - min_v c_v`` (how far the worker being served is ahead
 of the slowest worker); ``max_staleness`` is its maximum.
 
-Compressed pulls (a ``pull_compressor``): the server keeps ``copies[w]``, the value that
-worker ``w`` holds of the piece. The first reply to ``w`` is the whole value (header
-``d = 0``) and sets the copy; every later one is ``delta = value - copies[w]``
-compressed (``d`` = that worker's count of compressed replies, the compressor's step),
-and the copy advances by the decoded delta, exactly as the worker's own copy does. What
-was not sent stays in the next delta: error feedback with no residual to keep.
+Compressed pulls (a ``pull_compressor``): the server keeps one ``mirror`` per piece and
+a chain of encodings. At most once per version, when a pull finds the value changed
+since the last encoding, it compresses ``delta_n = value - mirror`` (``n`` = 1, 2, ...:
+the compressor's step) and advances ``mirror += decode(delta_n)``; ``held[w]`` is the
+link of the chain worker ``w``'s copy stands at. A reply to ``w`` carries the encodings
+``held[w] + 1 .. n`` (header ``d = n``), which the worker decodes and adds in order, so
+its copy equals the mirror bit for bit; or the mirror itself (``d = 0``) on a first
+pull, after a restore, or when the encodings it misses are no longer kept (the chain
+keeps the newest ones while their bytes add up to less than the dense piece, beyond
+which the mirror is the cheaper reply). What was not sent stays in the next delta:
+error feedback with no residual to keep. Cost: one compression per version however many
+workers pull (was one per worker and pull: ``W`` times the encoding work in BSP), one
+mirror per piece (was one per worker); a worker that pulls every ``k`` versions gets
+``k`` encodings (in sync mode every worker pulls every version: one).
 """
 
 from __future__ import annotations
@@ -83,14 +91,16 @@ class PieceState:
     slots: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     push_view: PieceView | None = None  # layouts for the push / pull compressors
     pull_view: PieceView | None = None
-    copies: list[torch.Tensor | None] = field(default_factory=list)  # per worker (pulls)
-    pull_steps: list[int] = field(default_factory=list)
+    mirror: torch.Tensor | None = None  # compressed pulls (module docstring)
+    encoded: int = 0  # links of the chain so far (n)
+    encoded_version: int = -1  # the version the last link encodes
+    chain: list[tuple[int, list[torch.Tensor], int]] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # per worker: its link (-1: none)
 
     def __post_init__(self) -> None:
         if self.last_seq is None:
             self.last_seq = np.zeros(self.workers, dtype=np.int64)
-        self.copies = [None] * self.workers
-        self.pull_steps = [0] * self.workers
+        self.held = [-1] * self.workers
 
 
 class Server:
@@ -114,8 +124,8 @@ class Server:
         self.sends: list[tuple[MPI.Request, Any]] = []
         self.ckpt_requests = 0
         self.stats = {"max_staleness": 0, "pushes": 0, "pulls": 0, "bytes_pushed": 0,
-                      "bytes_pulled": 0, "duplicates": 0, "updates": 0, "idle_s": 0.0, "cpu_s": 0.0,
-                      "wall_s": 0.0}
+                      "bytes_pulled": 0, "duplicates": 0, "updates": 0, "idle_s": 0.0,
+                      "cpu_s": 0.0, "wall_s": 0.0, "pull_encodings": 0}
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
@@ -275,20 +285,33 @@ class Server:
 
     def _pull_payload(self, w: int, st: PieceState) -> tuple[list[torch.Tensor], int]:
         """What a pull reply to ``w`` carries and its number ``d`` (module docstring):
-        the value (``d = 0``), or the compressed delta to ``w``'s copy."""
+        the mirror (``d = 0``), or the encodings ``w`` misses, the last one ``d``."""
         if self.pull_codec is None:
             return [st.value], 0
-        held = st.copies[w]
-        if held is None:
-            st.copies[w] = st.value.clone()
-            return [st.value], 0
-        assert st.pull_view is not None
-        st.pull_steps[w] += 1
-        number = st.pull_steps[w]
-        payload, decoded = self.pull_codec.encode(st.pull_view, st.value - held,
-                                                  pull_name(st.name, w), number)
-        held += decoded
-        return self.pull_codec.arrays(payload), number
+        if st.mirror is None:
+            st.mirror, st.encoded_version = st.value.clone(), st.version
+        elif st.version != st.encoded_version:
+            self._encode(st)
+        have, st.held[w] = st.held[w], st.encoded
+        missing = [e for e in st.chain if e[0] > have]
+        if have < 0 or st.encoded == 0 or len(missing) != st.encoded - have:
+            return [st.mirror], 0
+        return [a for _, arrays, _ in missing for a in arrays], st.encoded
+
+    def _encode(self, st: PieceState) -> None:
+        """The next link of ``st``'s chain: ``value - mirror`` compressed; the chain keeps
+        the newest links whose bytes add up to less than the dense piece."""
+        assert st.pull_view is not None and st.mirror is not None
+        st.encoded += 1
+        payload, decoded = self.pull_codec.encode(st.pull_view, st.value - st.mirror,
+                                                  pull_name(st.name), st.encoded)
+        st.mirror += decoded
+        st.encoded_version = st.version
+        self.stats["pull_encodings"] += 1
+        arrays = self.pull_codec.arrays(payload)
+        st.chain.append((st.encoded, arrays, sum(a.nbytes for a in arrays)))
+        while st.chain and sum(e[2] for e in st.chain) >= st.value.nbytes:
+            st.chain.pop(0)
 
     # ------------------------------------------------------------------ control
     def _control(self, source: int, obj: dict[str, Any]) -> None:

@@ -300,7 +300,8 @@ class Worker:
 
     def _received(self, info: KeyInfo, p: Piece, m: wire.Message) -> torch.Tensor:
         """The piece's value from a pull reply: the value itself (``d == 0``), or, with a
-        pull compressor, this worker's copy advanced by the decoded delta number ``d``."""
+        pull compressor, this worker's copy advanced by each decoded delta of the reply
+        in order, the last one number ``d`` (:mod:`mpicomm.ps.server`)."""
         if self.pull_codec is None:
             return m.arrays[0]
         where = (info.key_id, p.index)
@@ -311,9 +312,10 @@ class Worker:
             if held is None:
                 raise RuntimeError(f"compressed pull reply for key {info.key!r} piece "
                                    f"{p.index}, but this worker holds no copy of it")
-            name = pull_name(piece_name(info.key, p.index), self.rank)
-            held += self.pull_codec.decode(self.view(self.pull_codec, info, p), m.arrays,
-                                           name, m.d, info.dtype)
+            name = pull_name(piece_name(info.key, p.index))
+            for delta in self.pull_codec.decode_chain(self.view(self.pull_codec, info, p),
+                                                      m.arrays, name, m.d, info.dtype):
+                held += delta
         return self.copies[where]
 
     def _reap(self) -> None:
@@ -340,9 +342,11 @@ class Worker:
         self.flush()
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Collective over the workers: every server's shards, optimizer state and counters,
-        and every worker's sequence numbers and residuals, into one file (worker 0)."""
+    def snapshot(self) -> dict[str, Any] | None:
+        """Collective over the workers: every server's shards, optimizer state and
+        counters, and every worker's sequence numbers and residuals, joined into the
+        checkpoint dict on worker 0 (``None`` on the others). ``RuntimeError`` on every
+        worker if worker 0 could not assemble it."""
         self._to_all_servers(wire.CKPT)
         mine = {"seq": [self.seq[self.keys[k].key_id] for k in self.keys],
                 "residuals": ({} if self.ef is None else
@@ -350,7 +354,7 @@ class Worker:
                                self.ef.state_dict()["residuals"].items()}),
                 "compressor": _compressor_state(self.compressor)}
         gathered = self.group.gather_object(mine, root=0)
-        error = None
+        data, error = None, None
         if self.rank == 0:
             try:
                 states = {}
@@ -361,36 +365,60 @@ class Worker:
                 data = ckpt.assemble(list(self.keys.values()), states, gathered,
                                      workers=self.workers, mode=self.mode,
                                      optimizer=self.optimizer)
-                ckpt.write_atomic(data, path)
             except Exception as exc:  # noqa: BLE001 - reported on every worker below
                 error = f"{type(exc).__name__}: {exc}"
         self.flush()
         error = self.group.bcast_object(error)
         if error is not None:
+            raise RuntimeError(f"KVStore checkpoint failed on worker 0: {error}")
+        return data
+
+    def checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Collective over the workers: :meth:`snapshot`, written to ``path`` by worker 0."""
+        data = self.snapshot()
+        error = None
+        if data is not None:
+            try:
+                ckpt.write_atomic(data, path)
+            except Exception as exc:  # noqa: BLE001 - reported on every worker below
+                error = f"{type(exc).__name__}: {exc}"
+        error = self.group.bcast_object(error)
+        if error is not None:
             raise RuntimeError(f"KVStore.checkpoint({os.fspath(path)!r}) failed on worker 0: "
                                f"{error}")
 
-    def restore(self, path: str | os.PathLike[str]) -> None:
-        """Collective over the workers: load a checkpoint into this (empty) store."""
+    def check_checkpoint(self, data: Any) -> dict[str, Any]:
+        """``data`` (a loaded checkpoint) if this store can restore it, else ``ValueError``
+        (local: no message)."""
+        return ckpt.check(data, workers=self.workers, optimizer=self.optimizer,
+                          stateful_compressor=hasattr(self.compressor, "load_state_dict"))
+
+    def restore(self, source: str | os.PathLike[str] | dict[str, Any]) -> None:
+        """Collective over the workers: load a checkpoint (a file, or on worker 0 the
+        loaded dict) into this (empty) store."""
         if self.keys:  # the same on every worker (init is collective): no message needed
             raise ValueError("KVStore.restore: the store already has keys; restore into a new "
                              "store instead of calling init()")
+        what = "a checkpoint" if isinstance(source, dict) else repr(os.fspath(source))
         data, error = None, None
         if self.rank == 0:
             try:
-                data = ckpt.load(path, workers=self.workers, optimizer=self.optimizer)
+                data = (self.check_checkpoint(source) if isinstance(source, dict) else
+                        ckpt.load(source, workers=self.workers, optimizer=self.optimizer,
+                                  stateful_compressor=hasattr(self.compressor,
+                                                              "load_state_dict")))
             except (OSError, ValueError, TypeError, RuntimeError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
         error = self.group.bcast_object(error)
         if error is not None:
-            raise ValueError(f"KVStore.restore({os.fspath(path)!r}): {error}")
+            raise ValueError(f"KVStore.restore({what}): {error}")
         meta = self.group.bcast_object(None if data is None else ckpt.metadata(data))
         mine = self.group.scatter_object(None if data is None else ckpt.worker_states(data),
                                          root=0)
         if mine["compressor"] and not hasattr(self.compressor, "load_state_dict"):
             # every worker gets here alike: all saved the same compressor kind
-            raise ValueError(f"KVStore.restore({os.fspath(path)!r}): the checkpoint holds "
-                             f"push compressor state, this store's compressor "
+            raise ValueError(f"KVStore.restore({what}): the checkpoint holds push "
+                             f"compressor state, this store's compressor "
                              f"{self.compressor!r} keeps none")
         infos = [self._register(k, tuple(shape), dt, fw, "cpu")
                  for k, shape, dt, fw in zip(meta["keys"], meta["shapes"], meta["dtypes"],

@@ -362,6 +362,29 @@ class GradientSync:
         self.strategy.step_done(self.model, optimizer)  # adaptive strategies decide here
         return True
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's synchronization state between steps: the strategy's
+        (:meth:`Strategy.state_dict`: error-feedback residuals, warm starts, step
+        counters, adaptive controllers) and the step counters. The model and the
+        optimizer are checkpointed on their own (:class:`mpicomm.checkpoint.Checkpointer`)."""
+        self._check_open()
+        if self._pipeline.step is not None:
+            raise RuntimeError("GradientSync.state_dict in the middle of a step: call it "
+                               "after step() / wait()")
+        return {"strategy": self.strategy.name, "strategy_state": self.strategy.state_dict(),
+                "steps": self._stats.steps, "skipped": self._stats.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (same strategy kind, else ``ValueError``)."""
+        self._check_open()
+        if state.get("strategy") != self.strategy.name:
+            raise ValueError(f"GradientSync.load_state_dict: the state is of strategy "
+                             f"{state.get('strategy')!r}, this one runs "
+                             f"{self.strategy.name!r}")
+        self.strategy.load_state_dict(state["strategy_state"])
+        self._stats.steps = int(state.get("steps", 0))
+        self._stats.skipped = int(state.get("skipped", 0))
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Within this block backward only accumulates local gradients (no communication).

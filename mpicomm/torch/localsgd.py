@@ -252,6 +252,39 @@ class LocalSGD:
         return (f"LocalSGD(period={self.period}, rounds={self.rounds}, "
                 f"local_steps={self.local_steps}, adacomm={self.adacomm!r})")
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's schedule state (counters, the loss accumulated since the last
+        averaging, the agreed elapsed time, AdaComm's state): with the model's and the
+        optimizer's state, what a checkpoint needs to continue exactly here
+        (:class:`mpicomm.checkpoint.Checkpointer`). The model itself is not in it."""
+        return {"rounds": self.rounds, "local_steps": self.local_steps,
+                "steps_since_average": self.steps_since_average,
+                "loss_sum": float(self._loss_sum), "loss_count": self._loss_count,
+                "elapsed": self.clock() - self._start,
+                "sent_bytes": self.traffic.sent_bytes, "recv_bytes": self.traffic.recv_bytes,
+                "messages": self.traffic.messages,
+                "adacomm": None if self.adacomm is None else self.adacomm.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the clock continues from the saved
+        elapsed time); ``ValueError`` if it holds AdaComm state and this object runs a
+        fixed period, or the other way round."""
+        if (state.get("adacomm") is None) != (self.adacomm is None):
+            raise ValueError("LocalSGD.load_state_dict: the state is of a "
+                             f"{'fixed-period' if state.get('adacomm') is None else 'AdaComm'} "
+                             "run, this LocalSGD is not")
+        self.rounds = int(state["rounds"])
+        self.local_steps = int(state["local_steps"])
+        self.steps_since_average = int(state["steps_since_average"])
+        self._loss_sum = float(state["loss_sum"])
+        self._loss_count = int(state["loss_count"])
+        self._start = self.clock() - float(state["elapsed"])
+        self.traffic.sent_bytes = int(state.get("sent_bytes", 0))
+        self.traffic.recv_bytes = int(state.get("recv_bytes", 0))
+        self.traffic.messages = int(state.get("messages", 0))
+        if self.adacomm is not None:
+            self.adacomm.load_state_dict(state["adacomm"])
+
     # ------------------------------------------------------------------ training
     def step(self, loss: Any = None) -> bool:
         """Count one local step; average if the period is reached. Returns whether it did.

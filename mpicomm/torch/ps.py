@@ -14,11 +14,16 @@ on the servers, the worker only pushes its gradients and pulls the new parameter
             opt.step()                      # push every gradient, pull every parameter
         opt.close()
 
-One parameter = one key (its name in ``named_parameters``). ``step`` pushes all
-gradients first (nonblocking sends) and then pulls all parameters with every request in
-flight at once, so the servers work on all keys in parallel; the pulled values are copied
-into ``param.data`` in place. A parameter without a gradient pushes zeros (for plain SGD
-a no-op; with weight decay or momentum the rule still applies, as ``torch.optim`` would).
+One parameter = one key (its name in ``named_parameters``). On a store restored from a
+checkpoint (:meth:`KVStore.restore <mpicomm.ps.KVStore.restore>`, e.g. by
+:class:`mpicomm.checkpoint.Checkpointer`) it adopts the restored keys instead of
+initialising them, and the first pull loads the saved parameters into the module.
+
+``step`` pushes all gradients first (nonblocking sends) and then pulls all parameters
+with every request in flight at once, so the servers work on all keys in parallel; the
+pulled values are copied into ``param.data`` in place. A parameter without a gradient
+pushes zeros (for plain SGD a no-op; with weight decay or momentum the rule still
+applies, as ``torch.optim`` would).
 """
 
 from __future__ import annotations
@@ -45,10 +50,24 @@ class PSOptimizer:
         if not self.params:
             raise ValueError("the module has no trainable parameters")
         self._worker = kv._as_worker("init")
-        self._worker.init_many([(n, p.detach()) for n, p in self.params])
+        if self._worker.keys:  # restored from a checkpoint (KVStore.restore)
+            self._adopt()
+        else:
+            self._worker.init_many([(n, p.detach()) for n, p in self.params])
         self._infos = [self._worker.info(n) for n, _ in self.params]
         self.steps = 0
         self.pull()
+
+    def _adopt(self) -> None:
+        """Use the keys a restored store holds: exactly the module's trainable parameters
+        (names, shapes, dtypes), else ``ValueError`` naming the first difference."""
+        held = {k: (tuple(i.shape), i.dtype) for k, i in self._worker.keys.items()}
+        mine = {n: (tuple(p.shape), p.dtype) for n, p in self.params}
+        if held != mine:
+            diff = sorted(set(held.items()) ^ set(mine.items()), key=str)[0]
+            raise ValueError(f"the restored store holds {len(held)} keys, the module has "
+                             f"{len(mine)} trainable parameters; first difference: "
+                             f"{diff[0]!r} {diff[1][0]} {diff[1][1]} (another model?)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _, p in self.params:
