@@ -229,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise UsageError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
-    out: dict[str, Any] = {"machine": machine(), "args": vars(args),
+    out: dict[str, Any] = {"suite": "ps", "ranks": comm.size, "machine": machine(),
+                           "args": vars(args),
                            "clock": _clock.describe()}
     t0 = time.perf_counter()
     if "comm" in sections:
