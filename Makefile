@@ -169,7 +169,7 @@ bench-cluster: $(STAMP)
 	if [ -n "$$failed" ]; then echo "suites that failed on the emulated cluster:$$failed"; \
 	  exit 1; fi
 
-# Crossover (issue 10): the link rate at which the model's sync takes about its compute
+# Crossover: the link rate at which the model's sync takes about its compute
 # time (auto: measured first by `crossover --suggest-rate HOSTS`, or e.g. 150mbit).
 CROSSOVER_RATE ?= auto
 # Batch 4096: about 27 ms of compute per step on one idle core, so that millisecond

@@ -1,4 +1,4 @@
-"""Everything issue 14 leaves for a GPU machine, in one command (``make gpu-check``).
+"""Every check that needs a GPU machine, in one command (``make gpu-check``).
 
     python3 examples/gpu_check.py --out gpu-results [--wheels DIR] [--ranks 2,4]
 

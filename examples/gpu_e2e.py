@@ -17,7 +17,7 @@ only" already includes their contention.
 
 The JSON (``--json``, rank 0) is a suite result that ``python -m mpicomm.bench report``
 renders as a table: one row per method with ``step_ms``, ``x_compute`` (over compute
-only) and ``x_ddp`` (over DDP), and a ``summary`` of issue 14's targets: dense at most
+only) and ``x_ddp`` (over DDP), and a ``summary`` of the GPU targets: dense at most
 0.8x DDP, every compressed strategy faster than dense, the best one within 1.3x of
 compute only.
 """

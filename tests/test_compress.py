@@ -441,7 +441,7 @@ DEVICES = [pytest.param("cpu", id="cpu"),
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_qsgd_promise_on_every_device(device: str) -> None:
-    """What QSGD promises across devices (decided for issue 14): the noise is drawn on
+    """What QSGD promises across devices: the noise is drawn on
     the tensor's device, so CUDA and CPU give different *bits* (different generators);
     what holds everywhere is the *distribution*: the same scales, every decoded entry on
     one of the two grid levels around ``|x| / c * s`` (so at most one level from the

@@ -42,7 +42,7 @@ def test_parse_rate_and_delay() -> None:
 
 
 def test_parse_schedule() -> None:
-    text = ("# seed 000: fast, slow, fast\n0 25gbit 1ms\n20s 1gbit 32ms  # slow\n"
+    text = ("# fast, slow, fast\n0 25gbit 1ms\n20s 1gbit 32ms  # slow\n"
             "step=300 25gbit 1ms\n500ms 2gbit 0\n")
     entries = schedule.parse_schedule(text)
     assert [(e.kind, e.at, e.rate_bits, e.delay) for e in entries] == [

@@ -1,4 +1,5 @@
-"""DGC momentum correction, momentum factor masking and local clipping (algorithms.md G).
+"""DGC momentum correction, momentum factor masking and local clipping (Lin et al.,
+arXiv 1712.01887).
 
 The two-step example is computed by hand below (no code of the implementation is used);
 density 1 without masking must equal heavy-ball momentum SGD exactly; the multi-rank tests

@@ -145,7 +145,7 @@ def test_simulator_is_exact_without_truncation(p):
 
 
 def test_simulator_a6_counterexample_is_not_exact():
-    """algorithms.md A.6: P=4, k=1 - gTop-k keeps c:7 although a:10 is the true top-1."""
+    """docs/algorithms.md (gTop-k): P=4, k=1 - gTop-k keeps c:7 although a:10 is the true top-1."""
     a, b, c = 0, 1, 2
     pairs = [(np.array([a]), np.array([5.0])), (np.array([b]), np.array([6.0])),
              (np.array([a]), np.array([5.0])), (np.array([c]), np.array([7.0]))]
@@ -352,7 +352,7 @@ def test_gtopk_is_exact_on_two_ranks(comm, dtype):
 
 @pytest.mark.mpi(min_size=4)
 def test_gtopk_a6_counterexample(comm):
-    """Documented non-exactness (algorithms.md A.6): P=4, k=1."""
+    """Documented non-exactness (docs/algorithms.md, gTop-k): P=4, k=1."""
     four = sub_comm(comm, 4)
     if four is not None:
         a, b, c = 0, 1, 2

@@ -255,7 +255,7 @@ def test_predict_uses_the_cost_model():
 
 
 def test_predict_adds_measured_compute():
-    """Selection, merges and densify are part of the prediction (issue 8: at large k the
+    """Selection, merges and densify are part of the prediction (at large k the
     gTop-k merges dominate), and the communicator's calibration is the default."""
     zero = cost.CostParams(alpha=0.0, beta=0.0, gamma=0.0)
     work = cost.ComputeParams(select=1.0, merge=10.0, scatter=0.0, flop=0.0, copy=0.0)

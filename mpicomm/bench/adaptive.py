@@ -19,7 +19,7 @@ Run under MPI with 4+ ranks, e.g.
     virtual time): the step charged from the cost table, every message timed by the
     network model, so times do not depend on the machine's load. The default, and the
     only choice, under the virtual clock.
-  - ``emulated``: the emulated cluster of issue 9 (``launchers/emulated-cluster``, root):
+  - ``emulated``: the emulated cluster (``launchers/emulated-cluster``, root):
     tc-shaped rate and the latency :mod:`mpicomm.emulate.linkdelay` injects in mpicomm's own
     point-to-point layer; the bench adds no delay of its own, ``--schedule`` is ignored
     and the emulator's ``--schedule`` file (``step N RATE DELAY`` lines) changes the
@@ -27,7 +27,7 @@ Run under MPI with 4+ ranks, e.g.
     (:func:`mpicomm.emulate.linkdelay.report_step`), counting from 1 for each method, and the
     emulator re-arms its step entries when the count starts again, so every method
     (and every L-GreCo run) meets the same network at the same steps. The bench refuses
-    to start in this mode outside the emulator. Measured run (issue 8)::
+    to start in this mode outside the emulator. Measured run::
 
         launchers/emulated-cluster --hosts 4 --rate 100mbit --delay 1ms \
             --schedule benchmarks/schedule-adaptive.txt -- \
@@ -61,7 +61,7 @@ Run under MPI with 4+ ranks, e.g.
   first 10 steps of both uniform) and the DP's own size vs the uniform size at the same
   total error, averaged over the adjustments.
 
-Targets (issue 8): auto within 10% of the best static choice; >= 2x faster than dense at
+Targets: auto within 10% of the best static choice; >= 2x faster than dense at
 <= 1 Gbit/s; <= 1 point of final accuracy lost; L-GreCo >= 1.5x fewer bytes than uniform.
 Times on a shared machine are noisy: compare ratios within one run.
 """

@@ -35,7 +35,7 @@ Setup (every choice is an option):
   for the training loops (set-up excluded); throughput = all jobs' iterations / time.
 * Bounds, from ``C``, ``S`` = the median per-iteration compute and sync times in the
   sequential runs, printed next to the measured speedup: ``bound = (C + S) / max(C, S)``
-  (issue 10 / algorithms.md E.4: compute and network each serve one job at a time) and
+  (compute and network each serve one job at a time) and
   ``token_bound = n(C + S) / max(nC, C + S)`` (only compute is exclusive; syncs of
   different jobs may overlap each other, as injected delays do). They agree when
   ``S <= C``.
@@ -56,7 +56,7 @@ network model (``--delay-ms auto`` is 0). The ``colocated`` mode is not run ther
 thread has its own virtual processor, so co-location without the token would show no
 contention for the cores at all.
 
-Target (issue 10): crossover >= 1.3x the sequential throughput (the paper reports about
+Target: crossover >= 1.3x the sequential throughput (the paper reports about
 1.2x on ImageNet), approaching the bound. Timings on a shared, oversubscribed machine are
 noisy: use the medians over ``--repeats`` and re-run on a quiet machine.
 """

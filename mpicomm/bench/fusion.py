@@ -8,7 +8,7 @@ interleaved (every repetition times each once, so drifting load hits them alike)
 reported as the median over ``--repeats`` of the slowest rank's time:
 
 * ``fresh``: ``strategy.aggregate`` (a new fused buffer per bucket) and a copy of the
-  results back into the gradients: the path GradientSync took before issue 14;
+  results back into the gradients: the simplest path;
 * ``packed``: ``strategy.aggregate_into`` on separate gradient tensors: persistent fused
   buffers, refilled and copied back in place;
 * ``views``: ``strategy.aggregate_into`` on gradients that are views of one flat buffer
@@ -16,7 +16,7 @@ reported as the median over ``--repeats`` of the slowest rank's time:
 * ``raw``: one in-place allreduce (``op="avg"``) per bucket of the flat buffers, the
   floor.
 
-``x_raw`` is the row's time over ``raw``; issue 14's target for GradientSync's
+``x_raw`` is the row's time over ``raw``; the target for GradientSync's
 communication is ``<= 1.1``. Memory: ``packed`` and ``views`` hold one persistent copy of
 the buckets.
 """

@@ -16,8 +16,8 @@ bench-cluster`` write there), and writes
   measured and predicted side by side), ``localsgd-*.png`` (training loss against time:
   time-to-accuracy curves).
 
-``adaptive`` gets its time-to-accuracy table, the L-GreCo comparison and issue 8's
-targets marked met/missed. ``crossover`` results get a table of the three modes' median
+``adaptive`` gets its time-to-accuracy table, the L-GreCo comparison and the
+selector's targets marked met/missed. ``crossover`` results get a table of the three modes' median
 throughput (sequential, co-located, Crossover), the speedups, the measured ``C`` and
 ``S`` and the bound ``(C+S)/max(C,S)``. ``accuracy`` files
 (``examples/compression_accuracy.py --json``) get a table of test accuracy and bytes per
@@ -45,7 +45,7 @@ SPARSE_METHODS = ("dense", "allgather_topk", "gtopk", "artopk_star")
 LABELS = {"dense": "dense allreduce (best own)", "allgather_topk": "Allgather Top-k",
           "gtopk": "gTop-k", "artopk_star": "AR-Top-k (STAR, ring)"}
 PAPER = ("gTop-k paper (32 GPUs, 1 Gbit/s Ethernet): 2.7-12x the scaling efficiency of "
-         "dense S-SGD and 1.1-1.7x that of Allgather Top-k S-SGD; seed 000: AR-Top-k "
+         "dense S-SGD and 1.1-1.7x that of Allgather Top-k S-SGD; AR-Top-k "
          "cheaper than Allgather Top-k as the rank count grows")
 
 

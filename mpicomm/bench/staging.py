@@ -8,7 +8,7 @@ scatter-allgather broadcast: the algorithms that stream their staging copies, se
 :mod:`mpicomm.staging`), the suite times the host collective on a CPU
 tensor (``host``) and the same collective on a CUDA tensor staged through pinned memory
 with ``MPICOMM_STAGING_CHUNK_BYTES`` set to each ``--chunks-mb`` value (``whole`` = one
-chunk as large as the buffer: copy all, then communicate, the path before issue 14).
+chunk as large as the buffer: copy all, then communicate).
 Results are written into persistent ``out=`` buffers, as GradientSync does. Each row is
 the median over ``--repeats`` of the slowest rank's time; ``x_host`` is the row's time
 over the host row's. Issue 14's target: the best staged allreduce within 1.1x of host.

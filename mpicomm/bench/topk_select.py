@@ -9,7 +9,7 @@ gradients are heavy-tailed) and density (``--densities``; k = ceil(density·d)) 
 median of ``--repeats`` runs (CUDA events on a GPU, ``perf_counter`` on the CPU):
 
 * ``torch.topk``: ``torch.topk(|x|, k, sorted=False)`` (ties broken arbitrarily: not
-  mpicomm's order; the baseline of issue 14);
+  mpicomm's order; the baseline);
 * ``topk_indices``: :func:`mpicomm.compress.topk_select.topk_indices` (what the
   compressors call: threshold + compaction on CUDA, sample prefilter + partial selection
   on the CPU);

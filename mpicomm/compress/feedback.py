@@ -40,8 +40,8 @@ class ErrorFeedback:
     entry is within a factor 2 of the compensated one (casts); otherwise up to one
     rounding of the subtraction.
 
-    Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018; algorithms.md
-    G): with ``momentum=m > 0`` the memory also keeps a velocity ``u`` per name and moves
+    Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018, arXiv
+    1712.01887): with ``momentum=m > 0`` the memory also keeps a velocity ``u`` per name and moves
     the optimizer's momentum in front of the compression::
 
         u = m·u + g                  # compensate(): velocity (u = g the first time)

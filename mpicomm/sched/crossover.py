@@ -3,8 +3,8 @@ hidden behind another's compute.
 
 What is the paper's and what is ours
 ------------------------------------
-From the paper (Luo et al., "CrossoverScheduler", arXiv 2103.07974; only the abstract is
-known, see ``shared/research/algorithms.md`` section E): several distributed training
+From the paper (Luo et al., "CrossoverScheduler", arXiv 2103.07974; built from the abstract's
+description): several distributed training
 applications time-share the same devices *alternately*, so that one application's
 gradient synchronization is filled with another application's computation; no job's
 mathematics changes (no loss of convergence or accuracy); about 1.2x throughput on

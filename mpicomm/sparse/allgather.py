@@ -1,6 +1,6 @@
 r"""Top-k through a sparse Allgather, and the exact global top-k built on it.
 
-:func:`topk_allgather` (the "Top-k S-SGD" baseline of gTop-k, algorithms.md A.9): every
+:func:`topk_allgather` (the "Top-k S-SGD" baseline of gTop-k, Shi et al., arXiv 1901.04359): every
 rank packs its (index, value) pairs into one byte buffer (indices int32, or int64 for an
 index space of 2^31 or more, then values in their dtype) and a ring
 :func:`mpicomm.allgatherv` circulates the buffers, so ranks may hold different numbers

@@ -1,7 +1,8 @@
 r"""gTop-k: an approximate global top-k of the sum of every rank's sparse vector.
 
-Algorithm (butterfly recursive doubling; Shi et al., ICDCS 2019, in the butterfly form of
-algorithms.md A.5). Each rank holds a sparse set S_r (typically its local top-k of an
+Algorithm (butterfly recursive doubling; Shi et al., "A Distributed Synchronous SGD Algorithm with
+Global Top-k Sparsification for Low Bandwidth Networks", ICDCS 2019, arXiv 1901.04359,
+in its butterfly form). Each rank holds a sparse set S_r (typically its local top-k of an
 error-fed gradient). It first keeps its own top-k of S_r. Then, over ``lg p2`` rounds,
 virtual rank ``v`` swaps its current set with virtual rank ``v XOR 2^j`` and both replace
 their set by MERGE_TRUNCATE(lower, higher, k): the true sparse union (values *added* at
@@ -20,7 +21,7 @@ merges and truncates (fold-in); the butterfly runs over the p2 remaining ranks; 
 
 What it computes: with at most k pairs per rank and P <= 2, or whenever no truncation
 (local or in a merge) ever has to drop anything, the exact top-k of the sum. For P > 2 in
-general it is *not* the exact top-k (algorithms.md A.6): an index small in one subtree
+general it is *not* the exact top-k (docs/algorithms.md, gTop-k): an index small in one subtree
 can be dropped before the rest of its mass arrives, and a kept value may miss
 contributions dropped earlier. The exact version is :func:`mpicomm.sparse.exact_topk`.
 
@@ -94,7 +95,7 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
     return_dropped:
         Also return a boolean mask over this rank's input pairs (the caller's order):
         True where the pair's index is *not* in the global result, i.e. the local picks
-        that go back into the error-feedback residual (algorithms.md A.3).
+        that go back into the error-feedback residual (error feedback: docs/algorithms.md).
     own_contribution:
         With ``return_dropped``: mark a pair dropped when *this rank's value* did not
         reach the result, even if its index did (through other ranks' values after this

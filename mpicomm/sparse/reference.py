@@ -9,7 +9,7 @@ largest power of two <= P; the even rank of each pair hands its set to the odd o
 same butterfly pairing (virtual rank ``v`` meets ``v XOR 2^j`` in round ``j``), the same
 operand order in every union (the lower-ranked operand on the left of ``+``) and the same
 total order for selection. It is **not** the exact global top-k for P > 2 (see
-algorithms.md A.6 and :func:`exact_topk`): a merge can drop an index that would have won
+docs/algorithms.md, gTop-k, and :func:`exact_topk`): a merge can drop an index that would have won
 after more contributions were added.
 
 Every set is a pair ``(indices, values)`` of 1-D numpy arrays; indices may come in any

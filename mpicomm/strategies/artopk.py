@@ -64,7 +64,7 @@ class ARTopK(SparsifyingStrategy):
     (digits at 8 ranks: 10) and SGD momentum in the optimizer, plain error feedback makes
     the updates residual bursts (~5x dense's norm: one rank's top-k drains the global
     residual poorly) that the momentum amplifies into late oscillations (one seed ended
-    12 pp below dense, issue 13): decay the learning rate at the end, warm the density up
+    12 pp below dense): decay the learning rate at the end, warm the density up
     (``schedule``), or use ``momentum_correction`` (no amplification, slower in very few
     steps); tests/test_accuracy_scale.py replays that run.
     """

@@ -15,6 +15,7 @@ figures; cost ``1/P`` of a forward pass over the set plus one small allreduce.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,16 +78,18 @@ class Info:
         return a >= b if self.direction == "max" else a <= b
 
 
-class Shard:
+class Shard(ABC):
     """This rank's training batches, epoch by epoch (see the module docstring)."""
 
     steps_per_epoch: int
 
+    @abstractmethod
     def batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        raise NotImplementedError
+        """The ``(inputs, targets)`` batches of ``epoch`` on this rank."""
 
+    @abstractmethod
     def __len__(self) -> int:
-        raise NotImplementedError
+        """Training examples on this rank."""
 
 
 class ArrayShard(Shard):
