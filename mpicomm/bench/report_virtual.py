@@ -15,7 +15,7 @@ call (time of the slower method over the faster; above 1 the sparse collective w
   2.7-12x the scaling efficiency of dense S-SGD at 32 workers on 1 Gbit/s Ethernet);
 * ``AG/gTop-k``: Allgather Top-k over gTop-k (the same paper: 1.1-1.7x);
 * ``AG/AR-Top-k``: Allgather Top-k over AR-Top-k (STAR, ring), which the AR-Top-k design
-  expects above 1 as the rank count grows;
+  expects above 1 as the rank count grows (Tyagi & Swany, IEEE BigData 2023);
 
 each three ways: ``virtual`` (the virtual clock: the network model plus the selections,
 merges and reductions charged from the cost table), ``model`` (the alpha-beta cost
@@ -136,8 +136,9 @@ def seed_claims_section(results: Sequence[dict[str, Any]], wall_network: Any,
             "on this machine's CPU); `model`: the alpha-beta cost model at the same rank "
             "count (communication only: no selection or merge compute, hence far larger "
             "gTop-k gains where those dominate); `wall`: the emulated cluster at the same "
-            "rate and rank count (oversubscribed machine, see above), where it was run. "
+            "rate and rank count (its load average is above), where it was run. "
             "Reference: gTop-k paper (32 GPUs, 1 Gbit/s Ethernet): 2.7-12x the scaling "
             "efficiency of dense S-SGD and 1.1-1.7x that of Allgather Top-k S-SGD; "
-            "AR-Top-k (seed 000): cheaper than Allgather Top-k as the rank count grows.\n\n"
+            "AR-Top-k (Tyagi & Swany, IEEE BigData 2023): cheaper than Allgather Top-k as "
+            "the rank count grows.\n\n"
             + table(rows, limit=200))
