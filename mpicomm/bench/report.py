@@ -531,7 +531,8 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         "mpi4py directly. Those see the shaped rate but no added latency, so their rows "
         "understate a real network's latency cost.\n"
         "* The ping-pong check (`tests/test_emulated_cluster.py`, `python -m "
-        "mpicomm.emulate.pingpong`) measures the configured rate and delay within 20%.\n",
+        "mpicomm.emulate.pingpong`) measures the configured rate and delay within 20%.\n"
+        + report_virtual.HOW,
         "## Conditions of every result\n",
         load_note(results),
         conditions(results),

@@ -142,3 +142,12 @@ def seed_claims_section(results: Sequence[dict[str, Any]], wall_network: Any,
             "AR-Top-k (Tyagi & Swany, IEEE BigData 2023): cheaper than Allgather Top-k as "
             "the rank count grows.\n\n"
             + table(rows, limit=200))
+
+
+#: The report's account of the virtual cluster, after the emulated cluster's.
+HOW = ("* **Virtual cluster** (results marked `(virtual)`, `--clock virtual`, "
+       "`docs/virtual-clock.md`): no shaping at all. Real data crosses MPI on one machine "
+       "while every message is timed by a network model (each host's upload and download "
+       "link a serial resource at the configured rate, the configured one-way latency, "
+       "shared memory within a host) and compute is charged from a cost table measured "
+       "on this machine, so those times are the modelled cluster's whatever the load.\n")
