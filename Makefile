@@ -8,6 +8,10 @@
 #                             hosts at 1 and 10 Gbit/s (bench-results/cluster/), then report
 #   make bench-crossover      the Crossover scheduler on shared memory (2 ranks) and on
 #                             the emulated cluster (2 and 4 hosts), then report
+#   make bench-virtual        the suites on a virtual cluster (4, 8, 16 ranks at 1 and 10
+#                             Gbit/s; any machine): bench-results/virtual/, seed claims
+#   make bench-vclock-wall    the virtual clock against the emulated cluster's wall clock
+#                             (root; a quiet machine): bench-results/vclock-wall-*.json
 #   make bench-workloads      baselines of the training workloads: dense at 8 ranks x 3 seeds,
 #                             time per step at 1, 2, 4, 8 ranks (quiet machine), then report
 #   make bench-controllers    AdaComm against every fixed period (mnist1d-cnn, model clock:
@@ -83,8 +87,8 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
-	bench-workloads bench-controllers bench-controllers-selector bench-ratios report lint docs clean \
-	gpu-check
+	bench-vclock-wall bench-virtual bench-workloads bench-controllers \
+	bench-controllers-selector bench-ratios report lint docs clean gpu-check
 
 install: $(STAMP)
 
@@ -144,8 +148,9 @@ bench: $(STAMP)
 	  --json $(BENCH_OUT)/hierarchy-2x2.json
 	$(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench ratios --workload digits-mlp --seeds 1 \
 	  --strategy topk --strategy gtopk --density 0.01 --json $(BENCH_OUT)/ratios-digits-$(NP).json
+	$(PY) -m mpicomm.bench recovery --trials 2 --json $(BENCH_OUT)/recovery.json
 	for s in $$($(PY) -m mpicomm.bench --list); do \
-	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train costs vclock ratios hierarchy " in *" $$s "*) continue ;; esac; \
+	  case " $(KNOWN_SUITES) crossover selection fusion ps adaptive staging train costs vclock ratios hierarchy recovery " in *" $$s "*) continue ;; esac; \
 	  $(MPIEXEC) -n $(NP) $(PY) -m mpicomm.bench $$s --json $(BENCH_OUT)/$$s-$(NP).json \
 	    || exit 1; \
 	done
@@ -206,6 +211,44 @@ bench-crossover: $(STAMP)
 	    --json $(BENCH_OUT)/cluster/crossover-$$rate-$$h.json || exit 1; \
 	done
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
+
+# The suites on a virtual cluster (mpicomm.clock; load-independent times, any machine):
+# every rank count of VIRTUAL_RANKS on every RATE:DELAY of VIRTUAL_NETS, one rank per
+# host, compute charged from one cost table (measured first at 8 ranks if missing).
+# JSON under $(BENCH_OUT)/virtual; then the seed claims (benchmarks/vclock_claims.py).
+VIRTUAL_NETS ?= 1gbit:100us 10gbit:50us
+VIRTUAL_RANKS ?= 4 8 16
+VIRTUAL_SUITES ?= collectives sparse localsgd crossover ps
+VIRTUAL_COSTS ?= $(BENCH_OUT)/vclock-costs.json
+VIRTUAL_ARGS_collectives ?= --repeats 1
+VIRTUAL_ARGS_sparse ?= --sizes 1e6,1e7 --densities 0.01,0.001 --repeats 1 --warmup 0 \
+	--predict-ranks 32
+VIRTUAL_ARGS_localsgd ?= --seeds 1 --schedules fixed --budget-s 2
+VIRTUAL_ARGS_crossover ?= --steps 20 --repeats 1 --batch 1024 --hidden 128 --layers 3
+VIRTUAL_ARGS_ps ?= --repeats 3 --steps 30 --epochs 10
+bench-virtual: $(STAMP)
+	@mkdir -p $(BENCH_OUT)/virtual
+	[ -f $(VIRTUAL_COSTS) ] || $(MPIEXEC) -n 8 $(PY) -m mpicomm.bench costs \
+	  --json $(VIRTUAL_COSTS)
+	for net in $(VIRTUAL_NETS); do rate=$${net%%:*}; delay=$${net#*:}; \
+	  for n in $(VIRTUAL_RANKS); do for s in $(VIRTUAL_SUITES); do \
+	    case $$s in collectives) a="$(VIRTUAL_ARGS_collectives)";; \
+	      sparse) a="$(VIRTUAL_ARGS_sparse)";; localsgd) a="$(VIRTUAL_ARGS_localsgd)";; \
+	      crossover) a="$(VIRTUAL_ARGS_crossover)";; ps) a="$(VIRTUAL_ARGS_ps)";; \
+	      *) a="";; esac; \
+	    $(MPIEXEC) -n $$n $(PY) -m mpicomm.bench $$s $$a --clock virtual --rate $$rate \
+	      --delay $$delay --costs $(VIRTUAL_COSTS) \
+	      --json $(BENCH_OUT)/virtual/$$s-$$rate-$$n.json || exit 1; \
+	  done; done; \
+	done
+	$(PY) benchmarks/vclock_claims.py --results $(BENCH_OUT)
+
+# The virtual clock against the wall clock of the tc-shaped emulated cluster (2 and 4
+# hosts, 100 Mbit/s, 1 ms, d = 1e6 and 1e7; root). The wall-clock half needs a quiet
+# machine with a core per rank: run it when nothing else does.
+bench-vclock-wall: $(STAMP)
+	$(PY) benchmarks/vclock_wall.py --hosts 2,4 --net 100mbit:1ms --sizes 1e6,1e7 \
+	  --out $(BENCH_OUT)
 
 # Baselines of the workloads (mpicomm.workloads) for BENCHMARKS.md: dense at 8 ranks, 3
 # seeds (final metric and steps), and the time per step of every workload at 1, 2, 4 and

@@ -67,6 +67,9 @@ variable                         meaning
 ``MPICOMM_EMU_SCHEDULE``         the schedule file, for reports;
 ``MPICOMM_EMU_STEP_FILE``        where ``report_step`` writes the step (see
                                  ``mpicomm.emulate.linkdelay``).
+``MPICOMM_CHECKPOINT_DIR``       where :mod:`mpicomm.checkpoint` keeps checkpoints (set by
+                                 ``python -m mpicomm run --checkpoint-dir DIR``).
+``MPICOMM_RESTART``              restarts so far, set by ``python -m mpicomm run --restarts``.
 ``MPICOMM_CACHE_DIR``            where :mod:`mpicomm.workloads` keeps generated data sets
                                  and corpus indexes (default ``$XDG_CACHE_HOME/mpicomm``,
                                  else ``~/.cache/mpicomm``).

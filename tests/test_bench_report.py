@@ -271,3 +271,33 @@ def test_localsgd_targets_against_every_fixed_period_and_adacomm_periods_plotted
     assert "model clock: Y 1 ms" in text
     if (tmp_path / "benchmarks").exists():   # matplotlib installed: two rows of panels
         assert (tmp_path / "benchmarks" / "localsgd-2.png").stat().st_size > 0
+
+
+def test_report_seed_claims_from_virtual_runs_beside_model_and_wall(tmp_path: Path) -> None:
+    from mpicomm.bench import report_virtual
+
+    res = tmp_path / "results"
+    virtual = sparse(8, None, 1.0)
+    virtual["clock"] = {"mode": "virtual", "platform": {
+        "rate_bits": 1e9, "delay_s": 1e-4, "hosts": 8, "host_sizes": [1] * 8}}
+    virtual["rows"] = [dict(r, seconds=r["seconds"] * (2.0 if r["method"] == "gtopk" else 1))
+                       for r in virtual["rows"]]
+    write(res / "virtual", "sparse-1gbit-8.json", virtual)
+    write(res / "cluster", "sparse-1gbit-8.json", sparse(8, EMU, 2.0))
+    results, _ = report.load([str(res)])
+    [entry] = report_virtual.seed_claims(results, report.net)
+    assert (entry["rate"], entry["ranks"], entry["delay_s"]) == ("1gbit", 8, 1e-4)
+    # dense = the best own dense (rabenseifner 0.8; MPI's own is not mpicomm's)
+    assert entry["virtual"]["dense/gTop-k"] == pytest.approx(0.8 / 0.2)
+    assert entry["virtual"]["AG/gTop-k"] == pytest.approx(0.3 / 0.2)
+    assert entry["virtual"]["AG/AR-Top-k"] == pytest.approx(0.3 / 0.2)
+    assert entry["model"]["dense/gTop-k"] == pytest.approx(0.8 / 0.1)  # pred_s = t / 2
+    assert entry["wall"]["AG/gTop-k"] == pytest.approx(0.3 / 0.1)
+    out = tmp_path / "B.md"
+    assert report.main(["--results", str(res), "--out", str(out), "--plots",
+                        str(tmp_path / "plots")]) == 0
+    text = out.read_text()
+    claims = text.split("## Seed claims")[1].split("### The same claims on the wall clock")
+    assert ("| 1gbit, 0.1 ms | 8 | 1000000 | 0.01 | 4 | 8 | 8 | 1.5 | 3 | 3 | 1.5 | 1.5 | 1.5 |"
+            in claims[0])
+    assert "(virtual)" in text and "(virtual)" not in claims[1].split("\n## ")[0]

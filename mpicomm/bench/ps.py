@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import clock
 from ..comm import Communicator, init
 from . import _clock
 from ._util import UsageError, machine, median_seconds, print_table, write_json
@@ -304,7 +305,9 @@ def run(args: argparse.Namespace) -> int:
     if "pull" in sections:
         out["pull"] = bench_pull(args, comm)
     if comm.rank == 0:
-        print(f"\n(bench ps took {time.perf_counter() - t0:.0f} s; timings on a shared machine "
-              "are noisy, ratios from one run are the figures to compare)")
+        note = ("times are the virtual cluster's, independent of the load" if clock.started()
+                else "timings on a shared machine are noisy, ratios from one run are the "
+                "figures to compare")
+        print(f"\n(bench ps took {time.perf_counter() - t0:.0f} s of real time; {note})")
         write_json(args.json, out)
     return 0

@@ -5,9 +5,9 @@ Reads every ``*.json`` that a suite wrote (``{"suite": ..., "machine": ...}``) u
 bench-cluster`` write there), and writes
 
 * ``--out`` (default ``BENCHMARKS.md``): the conditions of every run (machine, MPI,
-  network kind, rate, delay, hosts x ranks per host, load average), the seed-claim
-  checks (gTop-k vs dense and vs Allgather Top-k, AR-Top-k vs Allgather, measured and the
-  cost model's prediction at ``--predict-ranks``), and one table per result file;
+  network kind, rate, delay, hosts x ranks per host, load average), the seed claims
+  (from the virtual-clock runs, :mod:`.report_virtual`; then the wall-clock ones, measured
+  and the cost model at ``--predict-ranks``), and one table per result file;
 * ``--notes`` (default ``benchmarks/notes.md`` when it exists): hand-written remarks
   inserted after the seed-claim table;
 * ``--plots`` (default ``benchmarks/`` next to ``--out``): ``collectives-*.png`` (time
@@ -39,6 +39,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from . import report_virtual
 from .ratios import is_rows
 from .report_control import adacomm_panel, has_adacomm
 from .report_hierarchy import hierarchy_section, virtual_conditions, virtual_label
@@ -76,7 +77,8 @@ def load(folders: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def net(r: dict[str, Any]) -> dict[str, Any]:
-    return r.get("machine", {}).get("network") or {"kind": "shared memory", "hosts": 1}
+    return (report_virtual.network(r) or r.get("machine", {}).get("network")
+            or {"kind": "shared memory", "hosts": 1})
 
 
 def net_label(r: dict[str, Any]) -> str:
@@ -85,10 +87,10 @@ def net_label(r: dict[str, Any]) -> str:
     n = net(r)
     if r.get("model_clock"):   # localsgd --clock model: a declared platform
         return r["model_clock"]
-    if n.get("kind") != "emulated cluster":
+    if n.get("kind") not in ("emulated cluster", "virtual cluster"):
         return "shared memory"
-    delay = n.get("delay_s", 0.0)
-    return f"{n.get('rate')}, {delay * 1e3:g} ms"
+    virtual = " (virtual)" if n["kind"] == "virtual cluster" else ""
+    return f"{n.get('rate')}, {n.get('delay_s', 0.0) * 1e3:g} ms{virtual}"
 
 
 def ranks_of(r: dict[str, Any]) -> int:
@@ -145,7 +147,7 @@ def conditions(results: Sequence[dict[str, Any]]) -> str:
     rows = []
     for r in results:
         m, n = r.get("machine", {}), net(r)
-        emulated = n.get("kind") == "emulated cluster"
+        emulated = n.get("kind") in ("emulated cluster", "virtual cluster")
         rows.append({
             "file": os.path.basename(r["_path"]), "suite": r["suite"], "ranks": ranks_of(r),
             "network": n.get("kind"),
@@ -181,7 +183,8 @@ def claims(results: Sequence[dict[str, Any]]) -> str:
     """The seed-claim ratios for every sparse result on an emulated network (and shared
     memory for contrast): measured at its rank count, cost model at the predicted one."""
     rows = []
-    for r in sorted((r for r in results if r["suite"] == "sparse"),
+    for r in sorted((r for r in results if r["suite"] == "sparse"
+                     and not report_virtual.is_virtual(r)),
                     key=lambda r: (net_label(r), ranks_of(r))):
         predicted = {(p["d"], p["density"]): p for p in r.get("predicted", [])}
         for (d, density), g in sorted(sparse_rows(r).items()):
@@ -324,7 +327,8 @@ def plot_localsgd(r: dict[str, Any], path: str) -> None:
 
 # ---------------------------------------------------------------------- report
 def stem(r: dict[str, Any]) -> str:
-    return os.path.splitext(os.path.basename(r["_path"]))[0]
+    prefix = "virtual-" if report_virtual.is_virtual(r) else ""
+    return prefix + os.path.splitext(os.path.basename(r["_path"]))[0]
 
 
 def links(results: Sequence[dict[str, Any]]) -> str:
@@ -364,7 +368,6 @@ def section(r: dict[str, Any]) -> str:
                                                    "x_mpi", "x_gloo"))
     if suite == "accuracy":
         return head + accuracy(r) + training(r)
-
     if suite == "adaptive":
         return head + adaptive_section(r, table) + training(r)
     if suite == "crossover":
@@ -375,7 +378,9 @@ def section(r: dict[str, Any]) -> str:
         return head + "\n".join(f"**{key}**\n\n{generic(r[key])}"
                                  for key in ("summary", "rows", "comm", "straggler",
                                              "accuracy", "pull") if r.get(key))
-    body = [generic(r[key]) for key in ("summary", "targets", "rows") if r.get(key)]
+    body = [f"{key}:\n\n" + generic(r[key]) for key in ("summary", "targets", "rows", "results",
+                                                      "comm", "straggler", "accuracy")
+            if r.get(key)]
     return head + ("\n".join(body) if body else "(no rows or summary in this result)\n") \
         + training(r)
 
@@ -446,8 +451,8 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
     parts = [
         "# Benchmarks\n",
         f"Generated by `{command}` from {len(results)} result file(s) "
-        f"(suites: {', '.join(suites) or 'none'}). Regenerate on a quiet machine with "
-        "`make bench bench-cluster` (which ends with this report).\n",
+        f"(suites: {', '.join(suites) or 'none'}). Regenerate with `make bench-virtual` "
+        "(any machine), or on a quiet one `make bench bench-cluster` (ends with this report).\n",
         "## How the network is emulated\n",
         "`make bench` runs on one machine's shared memory. `make bench-cluster` runs the "
         "same suites on `launchers/emulated-cluster`: one Linux network namespace per "
@@ -466,12 +471,15 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         "mpi4py directly. Those see the shaped rate but no added latency, so their rows "
         "understate a real network's latency cost.\n"
         "* The ping-pong check (`tests/test_emulated_cluster.py`, `python -m "
-        "mpicomm.emulate.pingpong`) measures the configured rate and delay within 20%.\n",
+        "mpicomm.emulate.pingpong`) measures the configured rate and delay within 20%.\n"
+        + report_virtual.HOW,
         "## Conditions of every result\n",
         load_note(results),
         conditions(results),
         links(results),
         "## Seed claims: gTop-k and AR-Top-k against dense and Allgather Top-k\n",
+        report_virtual.seed_claims_section(results, net, table),
+        "### The same claims on the wall clock (see the load averages above)\n",
         claims(results),
         remarks,
         ratios_text,

@@ -1,0 +1,128 @@
+"""The virtual clock against the wall clock of the tc-shaped emulated cluster.
+
+``sudo python benchmarks/vclock_wall.py [--hosts 2,4] [--net 100mbit:1ms]
+[--sizes 1e6,1e7] [--out benchmarks/results]`` (``make bench-vclock-wall``) runs, for
+every host count ``H``:
+
+1. ``launchers/emulated-cluster --hosts H --rate RATE --delay DELAY -- python -m
+   mpicomm.bench vclock --sizes SIZES`` on the wall clock: ping-pong, ring and
+   recursive-doubling allreduce, ring allgather and gTop-k timed for real (median of
+   ``--repeats``), one rank per host (``vclock-wall-H.json``);
+2. the same calls on a virtual cluster of ``H`` hosts with the same rate and delay
+   (``mpiexec -n H python -m mpicomm.bench vclock --nets RATE:DELAY --costs
+   vclock-costs.json``; ``vclock-virtual-H.json``), compute charged from the cost table
+   the validation measured (``benchmarks/vclock_validate.py``; measured here first if
+   missing);
+
+and writes ``vclock-wall-comparison.json``: per host count, case and size the wall
+time, the virtual time (whole cost table), their relative difference and whether it is
+within ``--tolerance`` (15%).
+
+The wall-clock half measures the machine: it needs a quiet one, at least one core per
+rank and nothing else running (the 1-minute load average before and after is recorded,
+and a load above the core count is flagged in the output). Root is needed for the
+emulated cluster's network namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("MPICOMM_CLOCK", None)
+    env["MPICOMM_PYTHON"] = sys.executable
+    return env
+
+
+def _mpiexec() -> str:
+    sys.path.insert(0, str(ROOT))
+    from mpicomm.cli import find_mpiexec
+
+    return find_mpiexec()
+
+
+def _run(cmd: list[str], timeout: float) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, env=_env(), check=True, timeout=timeout)
+
+
+def compare(wall: list[dict], virtual: list[dict], tolerance: float) -> list[dict]:
+    """Rows of both runs matched by (case, elems): ``rel_diff = virtual / wall - 1``."""
+    mine = {(r["case"], r["elems"]): r["full_s"] for r in virtual if "full_s" in r}
+    out = []
+    for r in wall:
+        v = mine.get((r["case"], r["elems"]))
+        if v is None or not r.get("wall_s"):
+            continue
+        rel = v / r["wall_s"] - 1
+        out.append({"case": r["case"], "elems": r["elems"], "ranks": r["ranks"],
+                    "wall_s": r["wall_s"], "virtual_s": v, "rel_diff": rel,
+                    "within": abs(rel) <= tolerance})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", default="2,4", help="host counts (one rank per host)")
+    ap.add_argument("--net", default="100mbit:1ms", help="RATE:DELAY of every link")
+    ap.add_argument("--sizes", default="1e6,1e7", help="float32 elements per vector")
+    ap.add_argument("--repeats", type=int, default=5, help="wall clock: repeats per case")
+    ap.add_argument("--tolerance", type=float, default=0.15)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--timeout", type=float, default=1800)
+    args = ap.parse_args()
+    rate, _, delay = args.net.partition(":")
+    if not rate or not delay:
+        ap.error(f"--net wants RATE:DELAY, got {args.net!r}")
+    hosts = [int(h) for h in args.hosts.split(",") if h.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    costs = out / "vclock-costs.json"
+    mpiexec = _mpiexec()
+    bench = [sys.executable, "-m", "mpicomm.bench"]
+    if not costs.exists():
+        _run([mpiexec, "-n", str(max(hosts)), *bench, "costs", "--json", str(costs)],
+             args.timeout)
+    cores = os.cpu_count() or 1
+    summary: dict = {"net": args.net, "sizes": args.sizes, "tolerance": args.tolerance,
+                     "cores": cores, "costs": str(costs.relative_to(ROOT))
+                     if costs.is_relative_to(ROOT) else str(costs), "per_hosts": {}}
+    for h in hosts:
+        wall_path, virt_path = out / f"vclock-wall-{h}.json", out / f"vclock-virtual-{h}.json"
+        before = os.getloadavg()
+        _run([str(ROOT / "launchers" / "emulated-cluster"), "--hosts", str(h), "--rate",
+              rate, "--delay", delay, "--timeout", str(int(args.timeout)), "--", *bench,
+              "vclock", "--sizes", args.sizes, "--repeats", str(args.repeats), "--json",
+              str(wall_path)], args.timeout + 60)
+        after = os.getloadavg()
+        _run([mpiexec, "-n", str(h), *bench, "vclock", "--nets", args.net, "--sizes",
+              args.sizes, "--costs", str(costs), "--json", str(virt_path)], args.timeout)
+        rows = compare(json.loads(wall_path.read_text())["results"],
+                       json.loads(virt_path.read_text())["results"], args.tolerance)
+        quiet = max(before[0], after[0]) <= cores
+        summary["per_hosts"][h] = {"loadavg_before": before, "loadavg_after": after,
+                                   "quiet": quiet, "rows": rows,
+                                   "all_within": all(r["within"] for r in rows)}
+        for r in rows:
+            print(f"H={h} {r['case']:<30} d={r['elems']:.0e} wall {r['wall_s'] * 1e3:9.3f} ms"
+                  f"  virtual {r['virtual_s'] * 1e3:9.3f} ms  {r['rel_diff']:+.1%}"
+                  f"  {'ok' if r['within'] else 'OUTSIDE'}")
+        if not quiet:
+            print(f"WARNING: load average {max(before[0], after[0]):.1f} on {cores} cores: "
+                  "the wall-clock half measured the machine's other jobs", flush=True)
+    (out / "vclock-wall-comparison.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
