@@ -176,11 +176,13 @@ def verify(case: Case, algorithm: str, comm: Communicator) -> None:
 
 
 def row(case: Case, algorithm: str, seconds: float, p: int,
-        params: cost.CostParams) -> dict[str, Any]:
+        params: cost.CostParams, hosts: cost.HostCosts | None = None) -> dict[str, Any]:
+    """One result row; ``hosts`` prices ``"hierarchical"`` on the job's host layout."""
     algbw = case.nbytes / seconds / 1e9
     pred = None
     if algorithm != "gloo":
-        pred = cost.predict(case.collective, algorithm, case.model_bytes, p, params)
+        pred = cost.predict(case.collective, algorithm, case.model_bytes, p, params,
+                            hosts if algorithm == "hierarchical" else None)
     return {"collective": case.collective, "algorithm": algorithm, "elems": case.elems,
             "bytes": case.nbytes, "seconds": seconds, "time_us": seconds * 1e6,
             "algbw_GBs": algbw, "busbw_GBs": algbw * BUS_FACTOR[case.collective](p),
@@ -237,7 +239,8 @@ def bench_case(case: Case, comm: Communicator, gloo: Gloo | None, repeats: int,
     samples = interleaved_samples(contenders(case, comm, gloo), comm, reps, warm)
     rows = []
     for name, times in samples.items():
-        r = row(case, name, statistics.median(times), comm.size, params)
+        r = row(case, name, statistics.median(times), comm.size, params,
+                cost.host_costs(comm, params) if name == "hierarchical" else None)
         r.update(min_s=min(times), repeats=len(times))
         rows.append(r)
     native = next(r["seconds"] for r in rows if r["algorithm"] == "mpi")
