@@ -209,16 +209,21 @@ def test_report_draws_training_curves_and_step_times(tmp_path: Path) -> None:
     the time-per-step table by rank count."""
     pytest.importorskip("matplotlib")
     res = tmp_path / "results"
-    for ranks, ms in ((1, 10.0), (4, 30.0)):
-        write(res, f"train-{ranks}.json", {
+    virtual = {"mode": "virtual", "platform": {"rate_bits": 1e9, "delay_s": 1e-4, "hosts": 4,
+                                                  "host_sizes": [1] * 4}}
+    for name, ranks, ms, clock in (("1", 1, 10.0, {"mode": "wall"}), ("4", 4, 30.0, virtual),
+                                   ("4-wall", 4, 99.0, {"mode": "wall"})):
+        write(res, f"train-{name}.json", {
             "suite": "train", "machine": machine(None, ranks), "ranks": ranks,
-            "summary": [{"method": "dense"}],
+            "clock": clock, "summary": [{"method": "dense"}],
             "training_runs": [_training_run("dense", ranks, ms, corpus=True),
                               _training_run("gtopk", ranks, 2 * ms)]})
     out = tmp_path / "B.md"
     assert report.main(["--results", str(res), "--out", str(out)]) == 0
     text = out.read_text()
     assert "## Time per step of the workloads" in text
+    # the 4-rank wall-clock run on 2 cores measures the scheduler: left out of the table
+    assert "| workload | method | 1 ranks ms (wall) | 4 ranks ms (virtual) |" in text
     assert "| text-lm | dense | 10 | 30 |" in text and "| text-lm | gtopk | 20 | 60 |" in text
     assert f"SHA-256 `{'ab' * 32}`" in text
     for ranks in (1, 4):

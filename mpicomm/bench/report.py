@@ -485,7 +485,11 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         ratios_text,
         "## Time per step of the workloads\n\nMedian time of rank 0's training steps "
         "(evaluation excluded) by rank count, from the `train` results "
-        "(`python -m mpicomm.bench train`).\n\n" + table(step_time_table(results))
+        "(`python -m mpicomm.bench train`): `wall` with one rank per core on a quiet "
+        "machine, `virtual` on the virtual clock (the model's forward, backward and "
+        "optimizer step charged from the cost table, communication by the network "
+        "model; the Python loop around them is not charged).\n\n"
+        + table(step_time_table(results))
         if step_time_table(results) else "",
         "## Plots\n" + plot_note,
     ]

@@ -22,6 +22,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from .report_virtual import is_virtual
+
 
 def steady(step_s: list[float]) -> list[float]:
     """``step_s`` without its first ``min(5, len // 4)`` entries (warm-up: the first steps
@@ -95,24 +97,42 @@ def plot_runs(r: dict[str, Any], path: str, plt: Any) -> bool:
     return True
 
 
+def clock_of(r: dict[str, Any]) -> str:
+    """``"virtual"`` or ``"wall"``: the clock a result was timed on."""
+    return "virtual" if is_virtual(r) else "wall"
+
+
+def oversubscribed(r: dict[str, Any]) -> bool:
+    """A wall-clock result taken with more runnable processes than cores (1-minute load
+    average above the core count, or more ranks than cores): its times measure the
+    scheduler, so they are no baseline."""
+    m = r.get("machine", {})
+    cpus = m.get("cpus") or 1
+    load = (m.get("loadavg") or [0.0])[0]
+    return clock_of(r) == "wall" and (load > cpus or (m.get("ranks") or 1) > cpus)
+
+
 def step_time_table(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median time per step (ms) of each workload and method by rank count, from the
-    ``train`` results."""
-    cells: dict[tuple[str, str], dict[int, list[float]]] = {}
+    """Median time per step (ms) of each workload and method by rank count and clock,
+    from the ``train`` results; wall-clock results of an oversubscribed machine are left
+    out."""
+    cells: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in results:
-        if r.get("suite") != "train":
+        if r.get("suite") != "train" or oversubscribed(r):
             continue
         for x in runs_of(r):
             if x.get("step_s"):
                 key = (x["workload"], x["label"])
-                cells.setdefault(key, {}).setdefault(x["ranks"], []).append(
+                column = f"{x['ranks']} ranks ms ({clock_of(r)})"
+                cells.setdefault(key, {}).setdefault(column, []).append(
                     1e3 * statistics.median(steady(x["step_s"])))
-    ranks = sorted({n for per in cells.values() for n in per})
+    columns = sorted({c for per in cells.values() for c in per},
+                     key=lambda c: (int(c.split()[0]), c))
     rows = []
     for (workload, label), per in sorted(cells.items()):
         row: dict[str, Any] = {"workload": workload, "method": label}
-        for n in ranks:
-            row[f"{n} ranks ms"] = statistics.median(per[n]) if n in per else None
+        for c in columns:
+            row[c] = statistics.median(per[c]) if c in per else None
         rows.append(row)
     return rows
 
