@@ -129,7 +129,8 @@ def test_train_argument_error_is_one_line_from_rank_zero() -> None:
     assert res.returncode == 2, res.output
     lines = [line for line in res.output.splitlines() if "error" in line.lower()]
     assert lines == ["train.py: error: --strategy dense: takes no --density (strategies "
-                     "that do: artopk, gtopk, randomk, topk) (see --help)"], res.output
+                     "that do: artopk, gtopk, hier_artopk, hier_gtopk, hier_topk, randomk, "
+                     "topk) (see --help)"], res.output
     assert "Traceback" not in res.output and "test accuracy" not in res.output
 
 
