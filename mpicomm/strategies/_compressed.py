@@ -251,6 +251,9 @@ class CompressedStrategy(Strategy):
                  "slots": dict(self._slots)}
         if "velocities" in memory:
             state["velocities"] = memory["velocities"]
+        if self.memory is not None:   # the adopted momentum travels with the velocities
+            state["momentum"] = float(self.memory.momentum)
+            state["adopt_pending"] = self.adopt_pending
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -264,6 +267,13 @@ class CompressedStrategy(Strategy):
                 raise ValueError(f"{type(self).__name__} runs without error feedback but "
                                  "the state holds residuals")
         else:
+            if self.adopt_pending and "momentum" in state:
+                # saved after (or before) momentum_correction="optimizer" took the
+                # optimizer's momentum over; the optimizer's own state holds 0 then
+                self.adopt_pending = bool(state.get("adopt_pending", False))
+                if not self.adopt_pending:
+                    self.memory.momentum = float(state["momentum"])
+                    self.momentum_correction = self.memory.momentum
             self.memory.load_state_dict({"residuals": state["residuals"],
                                          "velocities": state.get("velocities", {})})
         self._steps = {str(k): int(v) for k, v in state["steps"].items()}
