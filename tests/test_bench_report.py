@@ -131,7 +131,7 @@ def test_list_names_importable_suites(capsys: pytest.CaptureFixture,
 
 def test_report_renders_accuracy_tables(tmp_path: Path) -> None:
     """``examples/compression_accuracy.py --json`` files: per-label rows with two
-    decimals (gaps of a few tenths of a pp decide the issue-13 targets)."""
+    decimals (gaps of a few tenths of a pp decide the accuracy targets)."""
     res = tmp_path / "results"
     summary = [{"strategy": "dense", "accuracies": [97.555, 96.889, 97.111],
                 "median": 97.111, "gap_pp": 0.0, "worst_pp": 0.0, "loss": 0.05,

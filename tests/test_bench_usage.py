@@ -14,7 +14,7 @@ from .launch import run_job
 
 
 @pytest.mark.parametrize("args, message", [
-    # a density above 1, rejected by argparse (the issue's `--densities 0.5,3`)
+    # a density above 1, rejected by argparse (`--densities 0.5,3`)
     (["sparse", "--densities", "0.5,3"], "values must be in (0, 1]"),
     # found by the suite in run() (UsageError), after MPI is up
     (["ps", "--sections", "communication"], "unknown sections ['communication']"),

@@ -4,7 +4,7 @@ Multi-rank (``@pytest.mark.mpi``, ``mpiexec -n 1..5``): the probe on a short MNI
 sees what each strategy sends (Top-k's update touches at most P·k entries per step, dense
 all of them), the error-feedback residual, and the run's total bytes (summed over the
 ranks) against the formulas. Serial: strategy labels, and the suite as a 2-rank child job
-whose rows file has exactly the issue's keys and ratios.
+whose rows file has exactly the documented keys and ratios.
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ def test_cost_formulas():
         assert cost.artopk_tree(k, 4, 4, p, c) == pytest.approx(
             cost.broadcast_binomial(4 * k, p, c)
             + cost.allreduce_recursive_doubling(4 * k, p, c))
-    # the bandwidth argument of the issue at P = 8: gTop-k moves 3/7 of the Allgather's bytes
+    # the bandwidth argument at P = 8: gTop-k moves 3/7 of the Allgather's bytes
     assert cost.gtopk(k, s, 8, cost.CostParams(alpha=0.0, beta=1.0, gamma=0.0)) / \
         cost.topk_allgather(k, s, 8, cost.CostParams(alpha=0.0, beta=1.0, gamma=0.0)) \
         == pytest.approx(3 / 7)

@@ -28,7 +28,7 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    ``--epochs`` epochs in sync mode, dense push against top-k 0.01 with error feedback,
    PowerSGD rank 4 push (per worker, error feedback) and a dense push with QSGD-compressed
    pulls (deltas to the servers' mirror). Target: top-k test accuracy within 1 point of
-   dense (the issue's); the other rows are reported with their gap and bytes.
+   dense (the target's); the other rows are reported with their gap and bytes.
 4. **Compressed pulls** (``pull``): every worker pushes a random gradient of one key of
    ``--pull-bytes`` bytes (float32) and pulls it through ``--pull-compressors``, sync
    mode, ``--repeats`` steps after a warm-up step; per step: the pull encodings the

@@ -193,7 +193,7 @@ def bench_case(d: int, density: float, x: torch.Tensor, comm: Communicator,
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (d, density): the issue's ratios, measured (time and bytes)."""
+    """Per (d, density): the seed claims' ratios, measured (time and bytes)."""
     out = []
     for d, density in sorted({(r["d"], r["density"]) for r in rows}):
         g = {r["method"].rstrip(" *"): r for r in rows
