@@ -364,9 +364,9 @@ class GradientSync:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's synchronization state between steps: the strategy's
-        (:meth:`Strategy.state_dict`: error-feedback residuals, warm starts, step
+        (``Strategy.state_dict``: error-feedback residuals, warm starts, step
         counters, adaptive controllers) and the step counters. The model and the
-        optimizer are checkpointed on their own (:class:`mpicomm.checkpoint.Checkpointer`)."""
+        optimizer are checkpointed on their own (``mpicomm.checkpoint.Checkpointer``)."""
         self._check_open()
         if self._pipeline.step is not None:
             raise RuntimeError("GradientSync.state_dict in the middle of a step: call it "
@@ -375,7 +375,7 @@ class GradientSync:
                 "steps": self._stats.steps, "skipped": self._stats.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (same strategy kind, else ``ValueError``)."""
+        """Restore ``state_dict``'s output (same strategy kind, else ``ValueError``)."""
         self._check_open()
         if state.get("strategy") != self.strategy.name:
             raise ValueError(f"GradientSync.load_state_dict: the state is of strategy "

@@ -256,7 +256,7 @@ class LocalSGD:
         """This rank's schedule state (counters, the loss accumulated since the last
         averaging, the agreed elapsed time, AdaComm's state): with the model's and the
         optimizer's state, what a checkpoint needs to continue exactly here
-        (:class:`mpicomm.checkpoint.Checkpointer`). The model itself is not in it."""
+        (``mpicomm.checkpoint.Checkpointer``). The model itself is not in it."""
         return {"rounds": self.rounds, "local_steps": self.local_steps,
                 "steps_since_average": self.steps_since_average,
                 "loss_sum": float(self._loss_sum), "loss_count": self._loss_count,
@@ -266,7 +266,7 @@ class LocalSGD:
                 "adacomm": None if self.adacomm is None else self.adacomm.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (the clock continues from the saved
+        """Restore ``state_dict``'s output (the clock continues from the saved
         elapsed time); ``ValueError`` if it holds AdaComm state and this object runs a
         fixed period, or the other way round."""
         if (state.get("adacomm") is None) != (self.adacomm is None):

@@ -15,8 +15,8 @@ on the servers, the worker only pushes its gradients and pulls the new parameter
         opt.close()
 
 One parameter = one key (its name in ``named_parameters``). On a store restored from a
-checkpoint (:meth:`KVStore.restore <mpicomm.ps.KVStore.restore>`, e.g. by
-:class:`mpicomm.checkpoint.Checkpointer`) it adopts the restored keys instead of
+checkpoint (``KVStore.restore <mpicomm.ps.KVStore.restore>``, e.g. by
+``mpicomm.checkpoint.Checkpointer``) it adopts the restored keys instead of
 initialising them, and the first pull loads the saved parameters into the module.
 
 ``step`` pushes all gradients first (nonblocking sends) and then pulls all parameters
