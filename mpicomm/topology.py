@@ -46,6 +46,7 @@ from functools import cached_property
 from mpi4py import MPI
 
 from . import clock
+from .emulate.linkdelay import world_ranks
 from .validate import check_int
 
 __all__ = ["Topology", "detect", "world_layout", "parse_host_sizes", "ENV_HOST_SIZES"]
@@ -193,16 +194,6 @@ def world_layout() -> Topology | None:
     return parse_host_sizes(text, MPI.COMM_WORLD.Get_size())
 
 
-def _world_ranks(mpi_comm: MPI.Comm) -> list[int]:
-    """World rank of every rank of ``mpi_comm`` (local group arithmetic)."""
-    group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return list(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world))
-    finally:
-        group.Free()
-        world.Free()
-
-
 def detect(mpi_comm: MPI.Intracomm) -> Topology:
     """The host layout of ``mpi_comm`` (collective unless ``MPICOMM_HOST_SIZES`` is set
     or the virtual clock runs).
@@ -214,10 +205,10 @@ def detect(mpi_comm: MPI.Intracomm) -> Topology:
     """
     layout = world_layout()
     if layout is not None:
-        return layout.restrict(_world_ranks(mpi_comm))
+        return layout.restrict(world_ranks(mpi_comm))
     virtual = clock.platform()
     if virtual is not None:  # the simulated cluster's hosts
-        return Topology.from_hosts([virtual.hosts[w] for w in _world_ranks(mpi_comm)])
+        return Topology.from_hosts([virtual.hosts[w] for w in world_ranks(mpi_comm)])
     if mpi_comm.Get_size() == 1:
         return Topology((0,))
     rank = mpi_comm.Get_rank()

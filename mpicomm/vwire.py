@@ -36,6 +36,7 @@ from mpi4py import MPI
 
 from . import clock
 from .emulate import vengine
+from .emulate.linkdelay import world_ranks
 
 __all__ = ["active", "register", "SendToken", "RecvToken", "isend", "irecv", "probed",
            "next_source", "release",
@@ -78,13 +79,7 @@ def register(mpi_comm: MPI.Intracomm) -> None:
         return
     cid = mpi_comm.allreduce(_next_cid, op=MPI.MAX)
     _next_cid = cid + 1
-    group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
-    finally:
-        group.Free()
-        world.Free()
-    _comms[mpi_comm.py2f()] = _CommInfo(cid, list(ranks))
+    _comms[mpi_comm.py2f()] = _CommInfo(cid, world_ranks(mpi_comm))
 
 
 def _info(mpi_comm: MPI.Comm) -> _CommInfo:

@@ -71,15 +71,20 @@ _RECHECK = 0.01
 _KEY = "linkdelay"
 
 
-def hosts_of(mpi_comm: MPI.Comm, ranks_per_host: int) -> list[int]:
-    """Emulated host of every rank of ``mpi_comm`` (from its world rank)."""
+def world_ranks(mpi_comm: MPI.Comm) -> list[int]:
+    """World rank of every rank of ``mpi_comm`` (local group arithmetic, no message)."""
     group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
     try:
-        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+        return [int(r) for r in
+                MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)]
     finally:
         group.Free()
         world.Free()
-    return [r // ranks_per_host for r in ranks]
+
+
+def hosts_of(mpi_comm: MPI.Comm, ranks_per_host: int) -> list[int]:
+    """Emulated host of every rank of ``mpi_comm`` (from its world rank)."""
+    return [r // ranks_per_host for r in world_ranks(mpi_comm)]
 
 
 class LinkDelay:

@@ -58,6 +58,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import hooks
+from ..emulate.linkdelay import world_ranks
 from ..tags import TAG_STALL_QUERY, TAG_STALL_REPLY
 
 __all__ = ["StallInspector", "StallReport", "start_from_env", "CHECKED_DEFAULT_S"]
@@ -99,13 +100,7 @@ class StallReport:
 def _world_ranks(comm: Any) -> tuple[int, ...]:
     cached = comm.resources.get("world_ranks")
     if cached is None:
-        group, world = comm.mpi.Get_group(), MPI.COMM_WORLD.Get_group()
-        try:
-            cached = tuple(int(r) for r in MPI.Group.Translate_ranks(
-                group, list(range(comm.size)), world))
-        finally:
-            group.Free()
-            world.Free()
+        cached = tuple(world_ranks(comm.mpi))
         comm.resources["world_ranks"] = cached
     return cached
 
