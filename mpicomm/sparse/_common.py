@@ -65,6 +65,21 @@ def check_k(k: Any, limit: int | None, what: str = "size") -> int:
     return int(k)
 
 
+def read_dense_topk_args(x: Any, k: Any, step: Any,
+                         agreed: dict[str, Any]) -> tuple[torch.Tensor, int, int, int]:
+    """The checks every top-k of a dense vector makes before communicating: ``x`` a
+    floating array or tensor, ``k`` in ``[0, numel]``, ``step`` an integer >= 0; records
+    ``numel`` and ``dtype`` in ``agreed`` (the values the ranks cross-check). Returns
+    ``(x as a detached torch tensor, numel, k, step)``."""
+    framework_of(x)
+    xt = to_torch(x).detach()
+    if xt.dtype not in FLOAT_TORCH:
+        raise TypeError(f"x must have a floating dtype, got {xt.dtype}")
+    numel = xt.numel()
+    agreed.update(numel=numel, dtype=str(xt.dtype))
+    return xt, numel, check_k(k, numel, "numel of x"), check_int("step", step, 0)
+
+
 def wire_index_dtype(size: int | None) -> torch.dtype:
     """int32 on the wire when every index fits in 31 bits (``size`` unknown: int32)."""
     if size is None:

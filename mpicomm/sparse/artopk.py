@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..buffers import framework_of, to_torch
+from ..buffers import to_torch
 from ..collectives.allgather import allgather
 from ..collectives.allreduce import allreduce
 from ..collectives.broadcast import broadcast
@@ -60,11 +60,9 @@ from ..compress.topk_select import topk_indices
 from ..hooks import traced
 from ..validate import check_algorithm
 from ._common import (
-    FLOAT_TORCH,
     all_finite,
-    check_int,
-    check_k,
     describe_sparse,
+    read_dense_topk_args,
     to_caller,
     wire_index_dtype,
 )
@@ -160,14 +158,7 @@ def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator |
     comm = resolve(comm)
     with comm.validating("artopk") as agreed:
         agreed.update(k=k, step=step, source=source, algorithm=algorithm)
-        framework_of(x)
-        xt = to_torch(x).detach()
-        if xt.dtype not in FLOAT_TORCH:
-            raise TypeError(f"x must have a floating dtype, got {xt.dtype}")
-        numel = xt.numel()
-        agreed.update(numel=numel, dtype=str(xt.dtype))
-        k = check_k(k, numel, "numel of x")
-        step = check_int("step", step, 0)
+        xt, numel, k, step = read_dense_topk_args(x, k, step, agreed)
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
         algorithm = check_algorithm("AR-Top-k", algorithm, ALGORITHMS, auto=False)

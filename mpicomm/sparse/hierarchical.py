@@ -57,7 +57,6 @@ from typing import Any
 import torch
 
 from ..arrayops import ops_for
-from ..buffers import framework_of, to_torch
 from ..collectives import cost
 from ..collectives.allgather import allgatherv
 from ..collectives.allreduce import allreduce
@@ -71,11 +70,9 @@ from ..hooks import traced
 from ..p2p import block_bounds, pack_bytes, unpack_bytes
 from ..validate import check_algorithm, check_choice
 from ._common import (
-    FLOAT_TORCH,
     all_finite,
-    check_int,
-    check_k,
     describe_sparse,
+    read_dense_topk_args,
     to_caller,
     wire_index_dtype,
 )
@@ -139,14 +136,7 @@ def hierarchical_topk(x: Any, k: int, comm: Communicator | None = None, *,
     with comm.validating("hierarchical_topk") as agreed:
         agreed.update(k=k, inner=inner, sliced=sliced, step=step, algorithm=algorithm,
                       op=op)
-        framework_of(x)
-        xt = to_torch(x).detach()
-        if xt.dtype not in FLOAT_TORCH:
-            raise TypeError(f"x must have a floating dtype, got {xt.dtype}")
-        numel = xt.numel()
-        agreed.update(numel=numel, dtype=str(xt.dtype))
-        k = check_k(k, numel, "numel of x")
-        step = check_int("step", step, 0)
+        xt, numel, k, step = read_dense_topk_args(x, k, step, agreed)
         inner = check_choice("inner", inner, INNER)
         algorithm = check_algorithm("AR-Top-k", algorithm, _AR)
         op = check_choice("op", op, ("sum", "avg"))
