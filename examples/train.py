@@ -85,7 +85,7 @@ from mpicomm.bench.train import parse_options  # noqa: E402
 from mpicomm.checkpoint import ENV_CHECKPOINT_DIR, Checkpointer, CheckpointError  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
-from mpicomm.observe.metrics import Metrics, metrics_from  # noqa: E402
+from mpicomm.observe.metrics import Metrics  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.workloads import Workload  # noqa: E402
 
@@ -339,7 +339,8 @@ def run_harness(method: Any, w: Workload, args: argparse.Namespace,
                 comm: mpicomm.Communicator, metrics: Metrics | None = None,
                 checkpoint: Callable[[Any], Any] | None = None) -> Run:
     """Train ``w`` with ``method`` (:mod:`mpicomm.bench.sync`) through the harness, with
-    rank 0's progress bar and the per-epoch metrics records (also examples/train_ps.py).
+    rank 0's progress bar (also examples/train_ps.py); ``metrics`` (else
+    ``MPICOMM_METRICS``) gets the harness's step, epoch and evaluation records.
     With ``--checkpoint-dir``: checkpoints of the model, the optimizer and the method's
     state (``checkpoint``: the harness's factory, for the parameter server's)."""
     if checkpoint is None and args.checkpoint_dir is not None:
@@ -352,9 +353,6 @@ def run_harness(method: Any, w: Workload, args: argparse.Namespace,
                        comm.rank == 0 and not args.no_progress)
 
     def epoch_end(epoch: int, stats: dict[str, float], ctx: Any) -> None:
-        if metrics is not None:
-            metrics.record("epoch", epoch=epoch + 1, loss=stats["train_loss"],
-                           accuracy=stats["train_acc"])
         bar.set_postfix(epoch=epoch + 1, loss=f"{stats['train_loss']:.3f}",
                         acc=f"{stats['train_acc']:.3f}")
 
@@ -395,7 +393,7 @@ def train_gradient_sync(w: Workload, args: argparse.Namespace,
         kwargs["schedule"] = parse_schedule(kwargs["schedule"],
                                             steps_per_epoch=w.info.steps_per_epoch)
     strategy = strategies.make(args.strategy, **kwargs)
-    metrics = Metrics(args.metrics) if args.metrics else metrics_from(None)  # or MPICOMM_METRICS
+    metrics = Metrics(args.metrics) if args.metrics else None  # else MPICOMM_METRICS
     method = GradientMethod(strategy, label=args.strategy,
                             owns_momentum=bool(args.momentum_correction), metrics=metrics)
     run = run_harness(method, w, args, comm, metrics)
@@ -413,7 +411,7 @@ def train_local_sgd(w: Workload, args: argparse.Namespace,
         period: int | AdaComm = AdaComm(args.tau0, interval_rounds=interval)
     else:
         period = args.period
-    metrics = Metrics(args.metrics) if args.metrics else metrics_from(None)  # or MPICOMM_METRICS
+    metrics = Metrics(args.metrics) if args.metrics else None  # else MPICOMM_METRICS
     run = run_harness(LocalSGDMethod(period, metrics=metrics), w, args, comm, metrics)
     describe = {"mode": f"local-sgd {args.local_sgd}", "algorithm": run.extra["algorithm"],
                 "rounds": run.extra["rounds"], "final_period": run.extra["final_period"],
