@@ -69,6 +69,7 @@ import argparse  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -168,6 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "hidden", "period", "tau0"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_optimizer_arguments(ap, args)
     check_checkpoint_arguments(ap, args)
     try:
         args.options = parse_options(args.option)
@@ -217,6 +219,17 @@ def add_checkpoint_arguments(ap: argparse.ArgumentParser) -> None:
                     help="steps between checkpoints (with --checkpoint-dir)")
     ap.add_argument("--save-model", metavar="PATH", default=None,
                     help="rank 0 writes the final model's state_dict here (torch.save)")
+
+
+def check_optimizer_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--lr`` > 0, ``0 <= --momentum < 1``, ``--weight-decay`` >= 0 (finite), checked
+    before MPI starts (also examples/train_ps.py)."""
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        ap.error(f"--lr must be a positive number, got {args.lr}")
+    if not 0.0 <= args.momentum < 1.0:
+        ap.error(f"--momentum must be in [0, 1), got {args.momentum}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        ap.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
 
 
 def check_checkpoint_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:

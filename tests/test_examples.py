@@ -118,6 +118,10 @@ def _train_module() -> Any:
     (["--strategy", "artopk", "--source", "nope"], "source must be one of"),
     (["--local-sgd", "fixed", "--strategy", "gtopk"], "takes no --strategy"),
     (["--local-sgd", "adacomm", "--density", "0.1"], "takes no --density"),
+    # the optimizer's numbers
+    (["--lr", "-0.1"], "--lr must be a positive number, got -0.1"),
+    (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
 ])
 def test_train_rejects_options_in_one_line(args: list[str], message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
