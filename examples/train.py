@@ -488,6 +488,11 @@ def plain(value: Any) -> str:
     return str(value)
 
 
+def count(n: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def compare_bytes(ours: float, dense: float) -> str:
     """``ours`` against ``dense``: "12.3x fewer bytes", "4.2% more bytes", ...: "fewer"
     only when fewer, 3 significant digits."""
@@ -528,8 +533,8 @@ def print_summary(s: dict[str, Any]) -> None:
         f"{compare_bytes(s['sent_bytes_per_rank'], s['dense_bytes_per_rank'])}",
     ]
     lines = [
-        f"== mpicomm {s.get('script', 'examples/train.py')}: {s['ranks']} ranks{roles}, "
-        f"{s['mode']}, {s['epochs']} epochs, {s['steps']} steps",
+        f"== mpicomm {s.get('script', 'examples/train.py')}: {count(s['ranks'], 'rank')}"
+        f"{roles}, {s['mode']}, {count(s['epochs'], 'epoch')}, {count(s['steps'], 'step')}",
         f"settings          {plain(s['describe'])}",
         f"test {s['metric']:<12} {s['test_metric']:.4f}   test loss {s['test_loss']:.4f}"
         if s["metric"] != "accuracy" else
