@@ -175,7 +175,9 @@ def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
         if dense:
             a_sent.plot(s2, [v / 1e3 for v in dense], lw=0.8, label="dense equivalent")
         a_sent.legend(loc="upper right")
-        a_sent.set_yscale("symlog")
+        values = [v for v in sent + dense if v > 0]
+        if values and max(values) > 10 * min(values):  # a log axis only for a wide range
+            a_sent.set_yscale("symlog")
     else:
         _empty(a_sent, "bytes")
     a_sent.set(xlabel="step", ylabel="kB per step (this rank)", title="traffic")
