@@ -10,12 +10,13 @@ Markdown; this script adds what pdoc leaves as raw markup (:func:`to_markdown`):
   which pdoc would print as ``~mpicomm.comm.Communicator`` and not link;
 * simple tables (columns under ``=====  =====`` rules) become Markdown tables;
 * a paragraph ending in ``::`` (a literal block follows) ends in ``:``, and a line that is
-  only ``::`` is dropped;
+  only ``::`` is dropped (a directive such as ``.. math::`` keeps its ``::``);
 * underlined headings other than the NumPy sections (``How a step flows`` over a line
   of ``-``) become Markdown headings.
 
 After writing the HTML, the script scans it for markup that survived (``:class:```,
-``:meth:```, a ``~`` inside a code span that names a module, table rules) and prints
+``:meth:```, a ``~`` inside a code span that names a module, table rules, double
+backquotes, a directive shown as text, a table cell cut inside a code span) and prints
 what it found; ``--check`` makes any such finding an error (exit status 1). pdoc's own
 warnings are printed as they come and counted in the summary.
 """
@@ -123,11 +124,16 @@ def _continues(lines: list[str], j: int, cols: list[tuple[int, int]]) -> bool:
     return k > j and k < len(lines) and bool(_RULE.match(lines[k])) and _columns(lines[k]) == cols
 
 
+_DIRECTIVE = re.compile(r"^[ ]*\.\.[ ]+[\w-]+::")
+
+
 def convert_literal_markers(text: str) -> str:
     """``text::`` -> ``text:`` and a line that is only ``::`` is dropped (the indented
-    block after it is a Markdown code block either way)."""
+    block after it is a Markdown code block either way). A directive (``.. math::``,
+    ``.. note::``) keeps its ``::``: pdoc renders those itself."""
     text = re.sub(r"^[ ]*::[ ]*\n", "", text, flags=re.MULTILINE)
-    return re.sub(r"(?<=\S)::[ ]*$", ":", text, flags=re.MULTILINE)
+    return "\n".join(line if _DIRECTIVE.match(line) else re.sub(r"(?<=\S)::[ ]*$", ":", line)
+                     for line in text.split("\n"))
 
 
 def convert_headings(text: str) -> str:
@@ -216,22 +222,28 @@ def to_markdown(docstring: str) -> str:
 
 
 # What must not survive into the HTML: reST roles, Sphinx's "~" before a dotted name in
-# a code span, and simple-table rules.
+# a code span, simple-table rules, reST's double backquotes (in prose, or in an indented
+# block that Markdown shows as code), a directive shown as text, and a backquote left
+# over from a table cell cut in the middle of a code span.
 LEFTOVERS: dict[str, re.Pattern[str]] = {
     "reST role": re.compile(r":(?:mod|func|data|const|class|meth|attr|exc|obj):`"),
     "short-name tilde": re.compile(r"<code>~[\w.]+"),
     "table rule": re.compile(r"^\s*=+(?:\s+=+)+\s*$", re.MULTILINE),
+    "double backquotes": re.compile(r"``[^`\n]+``"),
+    "directive as text": re.compile(r"^\s*(?:<p>)?\.\.[ ]+[\w-]+::?", re.MULTILINE),
+    "stray backquote": re.compile(r"<td>`|`</td>"),
 }
 
 
 _CODE = re.compile(r'<div class="pdoc-code codehilite">.*?</pre></div>', re.DOTALL)
+_SCRIPT = re.compile(r"<script.*?</script>", re.DOTALL)
 
 
 def leftovers(html_text: str) -> dict[str, list[str]]:
     """Raw markup found in the prose of one rendered page (source listings and code
     blocks are skipped), by kind, a few examples each."""
     found: dict[str, list[str]] = {}
-    text = html.unescape(_CODE.sub("", html_text))
+    text = html.unescape(_SCRIPT.sub("", _CODE.sub("", html_text)))
     for kind, pattern in LEFTOVERS.items():
         hits = [m.group(0).strip() for m in pattern.finditer(text)]
         if hits:

@@ -6,7 +6,9 @@ trains on its own shard of the data and the gradients are averaged during ``back
     mpiexec -n 4 python examples/custom_loop.py
 
 The task comes from :mod:`mpicomm.workloads`: scikit-learn's bundled digits (no download)
-and a small MLP, with this rank's shard of every epoch.
+and a small MLP, with this rank's shard of every epoch. With ``MPICOMM_METRICS=run.jsonl``
+every step's loss, bytes and times and the final test accuracy go to ``run.jsonl``
+(``python -m mpicomm plot run.jsonl`` draws them).
 ``DistributedOptimizer`` is the same thing shaped as an optimizer wrapper::
 
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model)
@@ -35,10 +37,13 @@ def main(epochs: int = 10, batch_size: int = 32) -> float:
     for epoch in range(epochs):
         for x, y in task.shard.batches(epoch):  # mpicomm: a disjoint shard every epoch
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            sync.step(opt)  # mpicomm: wait for the averaged gradients, then opt.step()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            sync.step(opt, loss=loss)  # mpicomm: wait for the averaged gradients, opt.step()
 
     accuracy = task.evaluate(model, comm)["accuracy"]  # mpicomm: each rank scores a part
+    if sync.metrics is not None:  # mpicomm: MPICOMM_METRICS set: the accuracy too
+        sync.metrics.record("eval", accuracy=accuracy)
     if comm.rank == 0:  # mpicomm: print once
         print(f"test accuracy {accuracy:.4f} on {comm.size} rank(s)")
     sync.close()  # mpicomm

@@ -69,6 +69,7 @@ import argparse  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -85,7 +86,7 @@ from mpicomm.bench.train import parse_options  # noqa: E402
 from mpicomm.checkpoint import ENV_CHECKPOINT_DIR, Checkpointer, CheckpointError  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
 from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
-from mpicomm.observe.metrics import Metrics, metrics_from  # noqa: E402
+from mpicomm.observe.metrics import Metrics  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.workloads import Workload  # noqa: E402
 
@@ -168,6 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "hidden", "period", "tau0"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_optimizer_arguments(ap, args)
     check_checkpoint_arguments(ap, args)
     try:
         args.options = parse_options(args.option)
@@ -217,6 +219,17 @@ def add_checkpoint_arguments(ap: argparse.ArgumentParser) -> None:
                     help="steps between checkpoints (with --checkpoint-dir)")
     ap.add_argument("--save-model", metavar="PATH", default=None,
                     help="rank 0 writes the final model's state_dict here (torch.save)")
+
+
+def check_optimizer_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--lr`` > 0, ``0 <= --momentum < 1``, ``--weight-decay`` >= 0 (finite), checked
+    before MPI starts (also examples/train_ps.py)."""
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        ap.error(f"--lr must be a positive number, got {args.lr}")
+    if not 0.0 <= args.momentum < 1.0:
+        ap.error(f"--momentum must be in [0, 1), got {args.momentum}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        ap.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
 
 
 def check_checkpoint_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -339,7 +352,8 @@ def run_harness(method: Any, w: Workload, args: argparse.Namespace,
                 comm: mpicomm.Communicator, metrics: Metrics | None = None,
                 checkpoint: Callable[[Any], Any] | None = None) -> Run:
     """Train ``w`` with ``method`` (:mod:`mpicomm.bench.sync`) through the harness, with
-    rank 0's progress bar and the per-epoch metrics records (also examples/train_ps.py).
+    rank 0's progress bar (also examples/train_ps.py); ``metrics`` (else
+    ``MPICOMM_METRICS``) gets the harness's step, epoch and evaluation records.
     With ``--checkpoint-dir``: checkpoints of the model, the optimizer and the method's
     state (``checkpoint``: the harness's factory, for the parameter server's)."""
     if checkpoint is None and args.checkpoint_dir is not None:
@@ -352,9 +366,6 @@ def run_harness(method: Any, w: Workload, args: argparse.Namespace,
                        comm.rank == 0 and not args.no_progress)
 
     def epoch_end(epoch: int, stats: dict[str, float], ctx: Any) -> None:
-        if metrics is not None:
-            metrics.record("epoch", epoch=epoch + 1, loss=stats["train_loss"],
-                           accuracy=stats["train_acc"])
         bar.set_postfix(epoch=epoch + 1, loss=f"{stats['train_loss']:.3f}",
                         acc=f"{stats['train_acc']:.3f}")
 
@@ -395,7 +406,7 @@ def train_gradient_sync(w: Workload, args: argparse.Namespace,
         kwargs["schedule"] = parse_schedule(kwargs["schedule"],
                                             steps_per_epoch=w.info.steps_per_epoch)
     strategy = strategies.make(args.strategy, **kwargs)
-    metrics = Metrics(args.metrics) if args.metrics else metrics_from(None)  # or MPICOMM_METRICS
+    metrics = Metrics(args.metrics) if args.metrics else None  # else MPICOMM_METRICS
     method = GradientMethod(strategy, label=args.strategy,
                             owns_momentum=bool(args.momentum_correction), metrics=metrics)
     run = run_harness(method, w, args, comm, metrics)
@@ -413,7 +424,7 @@ def train_local_sgd(w: Workload, args: argparse.Namespace,
         period: int | AdaComm = AdaComm(args.tau0, interval_rounds=interval)
     else:
         period = args.period
-    metrics = Metrics(args.metrics) if args.metrics else metrics_from(None)  # or MPICOMM_METRICS
+    metrics = Metrics(args.metrics) if args.metrics else None  # else MPICOMM_METRICS
     run = run_harness(LocalSGDMethod(period, metrics=metrics), w, args, comm, metrics)
     describe = {"mode": f"local-sgd {args.local_sgd}", "algorithm": run.extra["algorithm"],
                 "rounds": run.extra["rounds"], "final_period": run.extra["final_period"],
@@ -477,6 +488,11 @@ def plain(value: Any) -> str:
     return str(value)
 
 
+def count(n: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def compare_bytes(ours: float, dense: float) -> str:
     """``ours`` against ``dense``: "12.3x fewer bytes", "4.2% more bytes", ...: "fewer"
     only when fewer, 3 significant digits."""
@@ -517,8 +533,8 @@ def print_summary(s: dict[str, Any]) -> None:
         f"{compare_bytes(s['sent_bytes_per_rank'], s['dense_bytes_per_rank'])}",
     ]
     lines = [
-        f"== mpicomm {s.get('script', 'examples/train.py')}: {s['ranks']} ranks{roles}, "
-        f"{s['mode']}, {s['epochs']} epochs, {s['steps']} steps",
+        f"== mpicomm {s.get('script', 'examples/train.py')}: {count(s['ranks'], 'rank')}"
+        f"{roles}, {s['mode']}, {count(s['epochs'], 'epoch')}, {count(s['steps'], 'step')}",
         f"settings          {plain(s['describe'])}",
         f"test {s['metric']:<12} {s['test_metric']:.4f}   test loss {s['test_loss']:.4f}"
         if s["metric"] != "accuracy" else

@@ -98,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rank must be >= 1")
     if args.slow_factor < 1:
         ap.error("--slow-factor must be >= 1")
+    peer.check_optimizer_arguments(ap, args)
     peer.check_checkpoint_arguments(ap, args)
     try:
         args.options = peer.parse_options(args.option)

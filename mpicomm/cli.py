@@ -249,20 +249,25 @@ def strategies_table(width: int = 100) -> str:
 # ---------------------------------------------------------------------- plot
 def plot(path: str, output: str | None = None) -> int:
     """``python -m mpicomm plot``: a metrics file's panels, or a trace's spans, as PNG."""
-    from .observe.plot import plot_metrics, plot_trace, png_path
+    from .observe.plot import load_records, loss_note, plot_metrics, plot_trace, png_path
 
     out = output or str(png_path(path))
+    note = None
     try:
         with open(path) as f:
             head = f.read(64).lstrip()
         if head.startswith('{"traceEvents"') or head.startswith('{ "traceEvents"'):
             written = plot_trace(path, out)
         else:
-            written = plot_metrics(path, out)
+            records = load_records(path)
+            written = plot_metrics(records, out, title=path)
+            note = loss_note(records)
     except (OSError, ValueError, ImportError) as exc:
         print(f"python -m mpicomm plot: {exc}", file=sys.stderr)
         return 2
     print(f"plot written to {written}")
+    if note:
+        print(f"python -m mpicomm plot: {note}", file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``python -m mpicomm --version`` and ``python -m mpicomm strategies`` (serial, in process)."""
+"""``python -m mpicomm --version`` and ``python -m mpicomm strategies`` (serial, in process;
+the pipe closed early is a child process)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,20 @@ def test_strategies_lists_every_name_with_its_options(capsys):
             assert f"{option}=" in rows[name] or f" {option}," in rows[name], (name, option)
     assert "density=None" in rows["gtopk"] and "rank=4" in rows["powersgd"]
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_output_into_a_closed_pipe_is_no_traceback():
+    """``python -m mpicomm strategies | head -1``: the reader leaves, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from .launch import ROOT, clean_env
+
+    read, write = os.pipe()
+    os.close(read)   # before the child writes: its first write fails with EPIPE
+    proc = subprocess.run([sys.executable, "-m", "mpicomm", "strategies"], cwd=ROOT,
+                          env=clean_env(), stdout=write, stderr=subprocess.PIPE, text=True,
+                          timeout=120)
+    os.close(write)
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr

@@ -201,3 +201,15 @@ def test_api_builder_converts_definition_lists_outside_numpy_sections() -> None:
     assert "- ``ring``: Ring passes.\n  Large messages.\n- ``mpi``: The library's own." in md
     assert "    for x in data:\n        step(x)" in md  # a code block is not a list
     assert "Parameters\n----------\nmodel\n    The module." in md
+
+
+def test_api_builder_keeps_directives_and_finds_what_pdoc_leaves() -> None:
+    b = builder()
+    md = b.to_markdown("The period is::\n\n    tau\n\n.. math::\n    \\tau_l = 1\n")
+    assert "The period is:\n" in md and ".. math::\n" in md
+    page = ('<p>.. note:\n    x</p><pre><code>``q_i = 1``</code></pre>'
+            '<td>`<code>MPICOMM_X</code></td><td>` ... y</td>'
+            '<script>var a = "``x``";</script>')
+    found = b.leftovers(page)
+    assert set(found) == {"directive as text", "double backquotes", "stray backquote"}
+    assert found["double backquotes"] == ["``q_i = 1``"]

@@ -23,11 +23,11 @@ from .launch import ROOT, clean_env, run_job
 TRAIN = ["--epochs", "2", "--threads", "1"]
 
 
-def train(tmp_path: Path, *args: str) -> tuple[str, dict[str, Any]]:
+def train(tmp_path: Path, *args: str, **env: str) -> tuple[str, dict[str, Any]]:
     """Run examples/train.py on 2 ranks; return its output and JSON summary."""
     out = tmp_path / "summary.json"
     res = run_job(2, [sys.executable, "examples/train.py", *TRAIN, *args, "--json", str(out)],
-                  timeout=90)
+                  timeout=90, **env)
     assert res.returncode == 0, res.output
     assert "test accuracy" in res.output and "dense allreduce" in res.output, res.output
     return res.output, json.loads(out.read_text())
@@ -76,12 +76,23 @@ def test_train_gtopk(tmp_path: Path) -> None:
 
 
 def test_train_local_sgd_adacomm(tmp_path: Path) -> None:
-    output, s = train(tmp_path, "--local-sgd", "adacomm", "--tau0", "4", "--no-progress")
+    """Metrics through MPICOMM_METRICS (not --metrics): loss and accuracy all the same."""
+    metrics = tmp_path / "env.jsonl"
+    output, s = train(tmp_path, "--local-sgd", "adacomm", "--tau0", "4", "--no-progress",
+                      MPICOMM_METRICS=str(metrics))
     check_summary(s)
     assert s["mode"] == "local-sgd adacomm" and s["strategy"] is None
     assert s["tau_history"][0] == 4 and all(t >= 1 for t in s["tau_history"])
     assert s["sent_bytes_per_rank"] < s["dense_bytes_per_rank"]
     assert "AdaComm tau" in output
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert len(steps) == s["steps"] and all(r["loss"] > 0 and r["tau"] >= 1 for r in steps)
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [r["accuracy"] for r in epochs] == [h["train_acc"] for h in s["history"]]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert evals and evals[-1]["accuracy"] == s["test_accuracy"]
+    assert f"mpicomm: metrics written to {metrics} (MPICOMM_METRICS)" in output
 
 
 def _train_module() -> Any:
@@ -107,6 +118,10 @@ def _train_module() -> Any:
     (["--strategy", "artopk", "--source", "nope"], "source must be one of"),
     (["--local-sgd", "fixed", "--strategy", "gtopk"], "takes no --strategy"),
     (["--local-sgd", "adacomm", "--density", "0.1"], "takes no --density"),
+    # the optimizer's numbers
+    (["--lr", "-0.1"], "--lr must be a positive number, got -0.1"),
+    (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
 ])
 def test_train_rejects_options_in_one_line(args: list[str], message: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,12 +149,18 @@ def test_train_argument_error_is_one_line_from_rank_zero() -> None:
     assert "Traceback" not in res.output and "test accuracy" not in res.output
 
 
-def test_custom_loop() -> None:
-    res = run_job(2, [sys.executable, "examples/custom_loop.py"], timeout=90)
+def test_custom_loop(tmp_path: Path) -> None:
+    metrics = tmp_path / "loop.jsonl"
+    res = run_job(2, [sys.executable, "examples/custom_loop.py"], timeout=90,
+                  MPICOMM_METRICS=str(metrics))
     assert res.returncode == 0, res.output
     lines = [line for line in res.output.splitlines() if line.startswith("test accuracy")]
     assert len(lines) == 1, res.output  # printed by rank 0 only
     assert float(lines[0].split()[2]) > 0.8
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert all(r["loss"] > 0 for r in records if r["kind"] == "step")
+    assert records[-1]["kind"] == "eval"
+    assert f"{records[-1]['accuracy']:.4f}" == lines[0].split()[2]
 
 
 def python_m_mpicomm(*args: str) -> subprocess.CompletedProcess:

@@ -19,8 +19,9 @@ import torch
 import mpicomm
 from mpicomm import cli
 from mpicomm.observe.metrics import Metrics, metrics_from, predict_step_comm
+from mpicomm.observe.plot import loss_note
 from mpicomm.strategies import make
-from mpicomm.torch import GradientSync, LocalSGD
+from mpicomm.torch import DistributedOptimizer, GradientSync, LocalSGD
 
 
 def _lines(path: Path) -> list[dict]:
@@ -118,6 +119,40 @@ def test_local_sgd_tau_and_rounds() -> None:
     assert m.records[1]["predicted_comm_s"] == predict_step_comm(local)
 
 
+def test_every_loop_api_records_the_loss_it_is_given(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """LocalSGD.step(loss) and DistributedOptimizer.step(loss=...) (or its closure's
+    value) put the loss into their records, from MPICOMM_METRICS as from metrics=."""
+    monkeypatch.setenv("MPICOMM_METRICS", str(tmp_path / "env.jsonl"))
+    model = _model()
+    local = LocalSGD(model, 2)                       # metrics from the environment
+    for i in range(3):
+        local.step(torch.tensor(0.5 + i))
+    assert [r["loss"] for r in local.metrics.records] == [0.5, 1.5, 2.5]
+    assert [r["averaged"] for r in local.metrics.records] == [False, True, False]
+    assert LocalSGD(model, 2, metrics=tmp_path / "own.jsonl").metrics.path == \
+        tmp_path / "own.jsonl"
+
+    m = Metrics(rank=0)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                               metrics=m, bucket_mb=0.0001)
+    x = torch.randn(4, 8)
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step(loss=loss)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        value = model(x).pow(2).mean()
+        value.backward()
+        return value
+
+    returned = opt.step(closure)
+    assert [r["loss"] for r in m.records] == pytest.approx([loss.item(), returned.item()])
+    opt.sync.close()
+
+
 def test_observe_strategy_and_bad_source() -> None:
     strategy = make("dense").bind(mpicomm.init())
     m = Metrics(rank=0)
@@ -160,6 +195,16 @@ def test_plot_panels_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert cli.main(["plot", str(tmp_path / "bad.jsonl")]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
     assert cli.main(["plot", str(tmp_path / "missing.jsonl")]) == 2
+    capsys.readouterr()
+    # records without a loss (a loop that never passed one): a plot, and how to get one
+    lossless = tmp_path / "lossless.jsonl"
+    lossless.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "loss"}) + "\n"
+                                for r in _records() if r["kind"] == "step"))
+    assert cli.main(["plot", str(lossless)]) == 0
+    err = capsys.readouterr().err
+    assert "no step loss in the records" in err and "sync.step(opt, loss=loss)" in err, err
+    assert (tmp_path / "lossless.png").read_bytes()[:4] == b"\x89PNG"
+    assert loss_note(_records()) is None
 
 
 @pytest.mark.mpi

@@ -525,9 +525,16 @@ def test_examples_train_ps(tmp_path):
     0.0 points). The full-length comparison is `python -m mpicomm.bench ps`."""
     from .launch import run_job
 
-    res = run_job(3, [sys.executable, "tests/ps_jobs.py", "train", str(tmp_path)], timeout=300)
+    metrics = tmp_path / "ps.jsonl"   # every run appends (MPICOMM_METRICS)
+    res = run_job(3, [sys.executable, "tests/ps_jobs.py", "train", str(tmp_path)], timeout=300,
+                  MPICOMM_METRICS=str(metrics))
     assert res.returncode == 0, res.output
     assert "test accuracy" in res.output and "max staleness" in res.output, res.output
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert steps and all(r["loss"] > 0 and r["strategy"].startswith("ps-")
+                         and r["recv_bytes"] > 0 and "staleness" in r for r in steps)
+    assert [r for r in records if r["kind"] == "epoch" and 0 < r["accuracy"] <= 1]
     s = {name: json.loads((tmp_path / f"{name}.json").read_text())
          for name in ("ssp", "async-straggler", "topk", "dense", "powersgd", "pull")}
     assert s["ssp"]["describe"]["worker_stats"]["max_staleness"] <= 2

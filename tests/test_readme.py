@@ -9,6 +9,8 @@ environment). Both are child MPI jobs started from this serial test.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import shutil
 import subprocess
@@ -52,15 +54,23 @@ def test_readme_first_screen_says_how_to_run_the_venv() -> None:
 
 
 def test_readme_python_block_runs_at_two_ranks(tmp_path: Path) -> None:
+    """Under ``MPICOMM_METRICS``, as the README suggests: the loop's every step is
+    recorded with its loss (what the plot's loss panels need)."""
     for i, code in enumerate(marked_blocks("python")):
         script = tmp_path / f"readme_block_{i}.py"
         script.write_text(code + "\n")
-        res = run_job(2, [sys.executable, str(script)], timeout=180)
+        metrics = tmp_path / f"readme_block_{i}.jsonl"
+        res = run_job(2, [sys.executable, str(script)], timeout=180,
+                      MPICOMM_METRICS=str(metrics))
         assert res.returncode == 0, res.output
         if "training accuracy" in code:  # the training loop: it must learn
             found = re.search(r"training accuracy ([0-9.]+) on 2 ranks", res.output)
             assert found, res.output
             assert float(found.group(1)) > 0.9, res.output
+            steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+            assert len(steps) == 5 * math.ceil(1797 // 2 / 32), len(steps)  # 5 epochs
+            assert all(r["kind"] == "step" and r["loss"] > 0 for r in steps)
+            assert f"metrics written to {metrics}" in res.output, res.output
 
 
 def venv_command(line: str) -> str:

@@ -4,7 +4,9 @@ Multi-rank (``-m mpi``): the TCP sockets in LISTEN state that this process owns 
 ``/proc/net/tcp{,6}`` and ``/proc/self/fd``) are listed before and after
 ``mpicomm.torch.init_process_group``; on one node the rendezvous adds none, and whatever
 the process group adds listens on loopback only. A TCP store asked for explicitly on
-127.0.0.1 listens there, not on every interface. Linux only (``/proc``).
+127.0.0.1 listens there, not on every interface. Serial: the choice for ranks on several
+nodes (a communicator that reports two nodes): a TCP store bound to the address rank 0
+announces only, and gloo left to its own interface rule. Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import pytest
 import torch.distributed as dist
 
 import mpicomm
-from mpicomm.torch import process_group
-from mpicomm.torch.rendezvous import STORE_PREFIX, rendezvous_store
+from mpicomm.torch import process_group, rendezvous
+from mpicomm.torch.rendezvous import STORE_PREFIX, loopback_devices, rendezvous_store
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -121,3 +123,43 @@ def test_tcp_store_listens_only_where_it_announces(comm: mpicomm.Communicator):
 def test_unknown_kind_is_refused_before_communicating():
     with pytest.raises(ValueError, match="kind must be"):
         rendezvous_store(None, kind="udp")  # type: ignore[arg-type]
+
+
+class SeveralNodes:
+    """A communicator whose ranks say they are on ``nodes`` nodes (the rest is ``comm``'s)."""
+
+    def __init__(self, comm: mpicomm.Communicator, nodes: int) -> None:
+        self._comm, self.nodes = comm, nodes
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+
+def test_across_nodes_the_store_binds_only_the_address_it_announces():
+    try:
+        announced = rendezvous._announced_host()
+    except OSError as exc:
+        pytest.skip(f"this host name does not resolve: {exc}")
+    comm = SeveralNodes(mpicomm.init(), nodes=2)
+    before = own_listeners()
+    store = rendezvous_store(comm, datetime.timedelta(seconds=30))   # kind "auto"
+    added = own_listeners() - before
+    assert type(store).__name__ == "TCPStore"
+    assert added and {host for host, _ in added} == {announced}, (announced, added)
+    assert not any(ipaddress.ip_address(host).is_unspecified for host, _ in added)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
+
+
+def test_gloo_interface_loopback_on_one_node_only(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    world = mpicomm.init()
+    with loopback_devices(SeveralNodes(world, nodes=1)):
+        assert os.environ["GLOO_SOCKET_IFNAME"].startswith("lo")
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    with loopback_devices(SeveralNodes(world, nodes=2)):   # gloo's rule: the host name
+        assert "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")        # the user's choice wins
+    with loopback_devices(SeveralNodes(world, nodes=1)):
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"

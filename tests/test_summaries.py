@@ -67,7 +67,8 @@ def test_print_summary_names_the_script_and_roles(capsys):
          "traffic": ["per worker        pushed 1 MB + pulled 1 MB = 2 MB"]}
     train.print_summary(s)
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("== mpicomm examples/train_ps.py: 3 ranks (2 workers, 1 server)")
+    assert out[0] == ("== mpicomm examples/train_ps.py: 3 ranks (2 workers, 1 server), "
+                      "parameter server (sync), 1 epoch, 10 steps")
     assert out[1] == "settings          {lr=0.05}" and out[-1].startswith("per worker")
 
 

@@ -22,6 +22,7 @@ import torch
 from mpi4py import MPI
 
 import mpicomm
+import mpicomm.checkpoint
 import mpicomm.control
 import mpicomm.torch
 from mpicomm.comm import Communicator
@@ -265,8 +266,11 @@ def test_dir_of_lazy_packages_lists_public_names():
             "compress"} <= set(top)
     control = dir(mpicomm.control)
     assert {"predict", "lgreco_solve", "OnlineCalibration", "AdaComm"} <= set(control)
+    checkpoint = dir(mpicomm.checkpoint)
+    assert {"Checkpointer", "CheckpointError"} <= set(checkpoint)
     for package, listing in ((mpicomm, top), (mpicomm.control, control),
-                             (mpicomm.torch, dir(mpicomm.torch))):
+                             (mpicomm.torch, dir(mpicomm.torch)),
+                             (mpicomm.checkpoint, checkpoint)):
         assert not {"Any", "annotations", "importlib"} & set(listing), package.__name__
         assert all(hasattr(package, n) for n in listing), package.__name__
 

@@ -31,6 +31,14 @@ which the clock has passed ``budget_s``; an evaluation always closes the run. A 
 (``spec.target``) is reached at the first evaluation whose metric is at least as good
 (in the workload's direction).
 
+Metrics: with ``spec.metrics`` (a :class:`mpicomm.observe.metrics.Metrics`), the method's
+own, or else ``MPICOMM_METRICS`` set, the same object records every step (the method's
+record, with the step's training ``loss`` noted first), every epoch (``kind="epoch"``:
+the running training ``loss`` and ``accuracy`` over all ranks, with ``epoch_stats``) and
+every evaluation (``kind="eval"``: the workload's held-out numbers, e.g. ``accuracy``
+and ``loss``, with ``train_step`` and ``epoch``), so that ``python -m mpicomm plot``
+draws every panel.
+
 Cost: two small allgathers per evaluation (clock and bytes, the metric sums) plus the
 evaluation itself, one per epoch (the running training loss and accuracy, unless
 ``epoch_stats`` is off); nothing per step beyond the method's own communication (per-step
@@ -49,6 +57,7 @@ import torch
 from .. import clock, workloads
 from ..comm import Communicator
 from ..costtable import OpCost
+from ..observe.metrics import metrics_from
 from .report_training import steady
 
 #: The one clock of the harness (seconds, monotonic): wall or virtual.
@@ -103,7 +112,8 @@ class Spec:
     label: str = ""                    # the method's name in results
     eval_at_start: bool = False        # a curve point before the first step
     clock: Any = None                  # object with now/pause/resume; None: TrainClock
-    metrics: Any = None                # mpicomm.observe.metrics.Metrics: the loss of every step
+    metrics: Any = None                # mpicomm.observe.metrics.Metrics (None: the method's,
+                                       # else MPICOMM_METRICS): loss, accuracy, each step
     report_steps: bool = True          # rank 0 reports steps to the emulated cluster
 
 
@@ -224,7 +234,7 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     the run after that step, on this rank: every rank must stop at the same step unless
     ``epoch_stats`` is off and only the final evaluation is collective);
     ``on_eval(point, context)`` after each evaluation. Every rank must call it with the
-    same arguments.
+    same arguments. Metrics: see the module docstring.
 
     ``checkpoint(context)``, called once the method has started: ``(checkpointer,
     position)``, a :class:`mpicomm.checkpoint.Checkpointer` (or ``None``) and the position
@@ -245,6 +255,10 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     if clock.started():
         step_costs(spec, w, comm, lr, 0.0 if sync.owns_momentum else momentum, wd)
     opt = sync.optimizer(model, lr, momentum, 0.0 if spec.decay_in_loss else wd)
+    metrics = spec.metrics if spec.metrics is not None else getattr(sync, "metrics", None)
+    metrics = metrics_from(metrics)  # else MPICOMM_METRICS, else None
+    if metrics is not None and getattr(sync, "metrics", None) is None:
+        sync.metrics = metrics       # before start: the method records every step into it
     config = {k: v for k, v in asdict(spec).items() if k not in ("clock", "metrics")}
     config.update(lr=lr, momentum=momentum, weight_decay=wd, clip_norm=clip, epochs=epochs,
                   sync=sync.describe_setup())
@@ -280,6 +294,10 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
                  "bytes": max(b for _, b in everyone)}
         point.update(w.evaluate(model, comm, spec.eval_split))
         run.curve.append(point)
+        if metrics is not None:
+            held_out = {k: v for k, v in point.items()
+                        if k not in ("step", "epoch", "time_s", "bytes")}
+            metrics.record("eval", train_step=steps, epoch=epoch, **held_out)
         last_eval = steps
         if spec.target is not None and run.time_to_target_s is None and key in point \
                 and _reached(point[key], spec.target, key, w):
@@ -317,8 +335,8 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
                     loss.backward()
                 clock.charge("backward")     # after it: when backward ends
                 value = float(loss.detach())
-                if spec.metrics is not None:
-                    spec.metrics.note(loss=value)
+                if metrics is not None:   # into the record the method writes
+                    metrics.note(loss=value)
                 sync.update(loss)
                 run.step_s.append(now() - t0)
                 loss_sum += value * count
@@ -355,6 +373,9 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
                 stats = {"epoch": epoch + 1, "train_loss": sum(t[0] for t in total) / n,
                          "train_acc": sum(t[1] for t in total) / n}
                 run.history.append(stats)
+                if metrics is not None:
+                    metrics.record("epoch", epoch=epoch + 1, loss=stats["train_loss"],
+                                   accuracy=stats["train_acc"])
                 if on_epoch_end is not None:
                     on_epoch_end(epoch, stats, ctx)
                 timer.resume()

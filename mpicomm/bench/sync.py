@@ -17,7 +17,10 @@ Interface used by the harness: ``optimizer(model, lr, momentum, weight_decay)``,
 ``start(model, opt, comm, clip_norm=, clock=)``, ``update(loss)`` (after ``backward``),
 ``sent_bytes()`` (this rank, since ``start``), ``decision()`` (a small dict or ``None``),
 ``can_evaluate()``, ``make_consistent()``, ``finish()``, ``summary()``,
-``describe_setup()`` and the attributes ``label`` and ``owns_momentum``.
+``describe_setup()`` and the attributes ``label``, ``owns_momentum`` and ``metrics`` (a
+:class:`~mpicomm.observe.metrics.Metrics` or ``None``: the method writes one record per
+step into it; the harness sets it before ``start`` when metrics are on and the method
+has none, and notes each step's loss into it first).
 """
 
 from __future__ import annotations
@@ -152,7 +155,8 @@ class LocalSGDMethod:
         from ..torch import LocalSGD
 
         self.local = LocalSGD(model, self.period, opt, comm=comm, algorithm=self.algorithm,
-                              delay_s=self.delay_s, **({"clock": clock} if clock else {}))
+                              delay_s=self.delay_s, metrics=self.metrics,
+                              **({"clock": clock} if clock else {}))
         self.opt, self.clip_norm, self.model = opt, clip_norm, model
         self.averaged = True  # LocalSGD starts every rank from rank 0's parameters
 
@@ -161,9 +165,7 @@ class LocalSGDMethod:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
         clock.charge("optimizer")  # virtual clock (harness.step_costs)
         self.opt.step()
-        self.averaged = bool(self.local.step(loss))
-        if self.metrics is not None:
-            self.metrics.observe(self.local)
+        self.averaged = bool(self.local.step(loss))  # a metrics record with the loss
 
     def sent_bytes(self) -> int:
         return self.local.traffic.sent_bytes if self.local is not None else 0
@@ -206,13 +208,16 @@ class PSMethod:
     ``slow_factor`` > 1 makes this worker a straggler: after each step's computation it
     sleeps ``slow_factor - 1`` times that computation's duration; ``sleep_s`` adds a fixed
     emulated compute time per step (before the push). Both go through
-    :func:`mpicomm.clock.sleep`: slept on the wall clock, charged on the virtual one."""
+    :func:`mpicomm.clock.sleep`: slept on the wall clock, charged on the virtual one.
+    ``metrics``: a record per step (:meth:`mpicomm.observe.metrics.Metrics.observe` of
+    the store)."""
 
     owns_momentum = True
 
     def __init__(self, kv: Any, *, label: str | None = None, slow_factor: float = 1.0,
-                 sleep_s: float = 0.0) -> None:
+                 sleep_s: float = 0.0, metrics: Any = None) -> None:
         self.kv, self.slow_factor, self.sleep_s = kv, slow_factor, sleep_s
+        self.metrics = metrics
         self.label = label or f"ps-{kv.mode}"
         self.opt: Any = None
         self._t0 = harness.now()
@@ -242,6 +247,8 @@ class PSMethod:
         if self.sleep_s:
             clock.sleep(self.sleep_s)
         self.opt.step()
+        if self.metrics is not None:  # bytes pushed and pulled, staleness, the loss noted
+            self.metrics.observe(self.kv)
 
     def sent_bytes(self) -> int:
         return int(self.kv.stats()["bytes_pushed"])

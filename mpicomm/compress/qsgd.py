@@ -34,7 +34,7 @@ class QSGD(Compressor):
     shorter). For a bucket ``v`` with scale ``c = ||v||_2`` (the L2 norm, as in QSGD) and
     ``s = 2**bits - 1``, each entry is sent as a sign and a level
 
-        ``q_i = floor(|v_i| / c * s + u_i)``,  ``u_i ~ U[0, 1)`` i.i.d.,
+        q_i = floor(|v_i| / c * s + u_i),  u_i ~ U[0, 1) i.i.d.,
 
     (``q_i`` in ``0..s``) and decoded as ``sign(v_i) * q_i * c / s``. Since
     ``E[floor(a + u)] = a``, decoding is unbiased: ``E[D(C(x))] = x``. The variance per

@@ -6,7 +6,7 @@ sparse layer's ``Wire``, the parameter server's byte messages) calls
 MPI and :meth:`LinkDelay.after_receive` when it receives. Before such a message the
 sender sleeps
 
-    ``latency`` (once per burst)  +  ``alpha + beta * nbytes`` (every message)
+    latency (once per burst)  +  alpha + beta * nbytes (every message)
 
 so a message reaches the wire that much later. Two ways to switch it on:
 

@@ -40,7 +40,7 @@ Environment (read by :func:`platform_from_env`)::
     MPICOMM_VIRTUAL_DELAY           one-way latency between hosts (1ms, 50us, 0)
     MPICOMM_VIRTUAL_RANKS_PER_HOST  R (default 1); MPICOMM_HOST_SIZES overrides it
     MPICOMM_HOST_SIZES              consecutive ranks per host, e.g. 2,2,1
-    MPICOMM_VIRTUAL_SCHEDULE        a schedule file (``TIME|step N  RATE  DELAY`` lines)
+    MPICOMM_VIRTUAL_SCHEDULE        a schedule file (TIME|step N  RATE  DELAY lines)
     MPICOMM_VIRTUAL_SHM_RATE        shared-memory rate (default 80gbit = 10 GB/s)
     MPICOMM_VIRTUAL_SHM_DELAY       shared-memory latency (default 1us)
 """

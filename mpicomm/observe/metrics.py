@@ -9,9 +9,19 @@ record; :meth:`Metrics.record` closes it, keeps it (``metrics.last``,
     sync = GradientSync(model, "gtopk", metrics=metrics)   # records every step itself
     for x, y in loader:
         ...; loss.backward()
-        metrics.note(loss=float(loss))            # into this step's record
-        sync.step(opt)                            # observes the sync, writes the line
+        sync.step(opt, loss=loss)                 # observes the sync, writes the line
         print(metrics.last["compression"], metrics.last["comm_s"])
+    metrics.record("eval", accuracy=test_accuracy)  # a held-out number, when you have it
+
+The loss: only the loop knows it, so it is recorded where the loop hands it over:
+``GradientSync.step(opt, loss=loss)`` (or ``wait(loss=...)``),
+``DistributedOptimizer.step(loss=loss)`` (or the value its closure returns),
+``LocalSGD.step(loss)``, or ``metrics.note(loss=...)`` before the step for anything
+else (the DDP hook, a parameter server). ``examples/train.py``, ``examples/train_ps.py``
+and the benchmark harness (:mod:`mpicomm.bench.harness`) do it themselves, and add a
+record per epoch (training ``loss`` and ``accuracy``) and per evaluation (held-out
+numbers), whether the metrics come from ``--metrics`` or ``MPICOMM_METRICS``. Without
+a loss the plot's loss panels say how to record it.
 
     # or, without an integration: pull the counters of any source yourself
     metrics.observe(local_sgd, loss=float(loss))  # LocalSGD, GradientSync, DDP hook
@@ -72,13 +82,20 @@ from typing import Any
 from .. import clock
 from ..validate import check_int
 
-__all__ = ["Metrics", "metrics_from", "predict_step_comm"]
+__all__ = ["Metrics", "metrics_from", "predict_step_comm", "scalar"]
 
 
 def _world_rank() -> int:
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Get_rank()
+
+
+def scalar(value: Any) -> float:
+    """A number or a one-element tensor (a loss still attached to its graph, too) as a
+    float, without autograd's warning; the only cost is the device-to-host copy."""
+    detach = getattr(value, "detach", None)
+    return float(detach() if callable(detach) else value)
 
 
 def _jsonable(value: Any) -> Any:

@@ -5,7 +5,8 @@ against time, loss against cumulative bytes sent, the local-SGD period ``tau`` o
 steps, the collective chosen at each step, bytes sent per step with the compression
 ratio, and predicted against measured communication time (the prediction only where the
 cost model was calibrated on this machine: records with ``predicted_calibrated`` false
-are left out and the panel says "uncalibrated"). A panel without data says so.
+are left out and the panel says "uncalibrated"). A panel without data says so; the
+loss panels then say how to record the loss (:data:`LOSS_HINT`).
 Needs matplotlib (``pip install "mpicomm[plot]"``); nothing else in mpicomm imports it.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["load_records", "plot_metrics", "plot_trace", "span_depths", "png_path",
-           "METRIC_KEYS"]
+           "loss_note", "METRIC_KEYS", "LOSS_HINT"]
 
 #: Keys that a record of :class:`mpicomm.observe.metrics.Metrics` carries (every record
 #: has ``kind``, ``step``, ``rank`` and ``time_s``): a file whose records have none of
@@ -69,15 +70,54 @@ def _series(records: Iterable[dict[str, Any]], x: str, y: str, kind: str | None 
     return xs, ys
 
 
-def _empty(ax: Any, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} in the records", ha="center", va="center",
-            transform=ax.transAxes, color="gray")
+def _empty(ax: Any, what: str, hint: str = "") -> None:
+    ax.text(0.5, 0.5, f"no {what} in the records" + (f"\n{hint}" if hint else ""),
+            ha="center", va="center", transform=ax.transAxes, color="gray",
+            fontsize=8 if hint else None)
+
+
+#: How a loop gets its loss into the records: what an empty loss panel says.
+LOSS_HINT = ("record it: sync.step(opt, loss=loss), opt.step(loss=loss)\n"
+             "(DistributedOptimizer), local.step(loss) (LocalSGD)\n"
+             "or metrics.note(loss=...) before the step")
+
+def loss_note(records: list[dict[str, Any]]) -> str | None:
+    """One line saying how to get a loss curve when no step record has a ``loss``
+    (``python -m mpicomm plot`` prints it), else ``None``."""
+    if any(r.get("kind", "step") == "step" and r.get("loss") is not None for r in records):
+        return None
+    return "no step loss in the records (two panels without it); " + \
+        " ".join(LOSS_HINT.split())
+
+
+#: Records that carry an accuracy, by kind, and their label in the plot.
+ACCURACY_KINDS = {"epoch": "training accuracy (epoch)", "eval": "held-out accuracy",
+                  "step": "accuracy (step)"}
+
+
+def _accuracy(ax: Any, records: list[dict[str, Any]], x: str, scale: float) -> bool:
+    """Accuracy against ``x`` (divided by ``scale``) on a twin axis, a line per record
+    kind (training accuracy per epoch and held-out accuracy are different numbers);
+    whether there was any."""
+    twin = None
+    colors = iter(("tab:green", "tab:red", "tab:purple", "tab:brown"))
+    for kind in sorted({r.get("kind", "step") for r in records if "accuracy" in r}):
+        xs, acc = _series(records, x, "accuracy", kind)
+        if not acc:
+            continue
+        twin = twin or ax.twinx()
+        twin.plot([v / scale for v in xs], acc, "o-", ms=3, color=next(colors, None),
+                  label=ACCURACY_KINDS.get(kind, f"accuracy ({kind})"))
+    if twin is not None:
+        twin.set_ylabel("accuracy")
+        twin.legend(loc="lower right", fontsize=8)
+    return twin is not None
 
 
 def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
                  title: str | None = None) -> Path:
     """Draw the six panels of the module docstring into the PNG ``out``; return its path."""
-    source = "the records"
+    source = str(title) if title else "the records"
     if not isinstance(records, list):
         title = title or str(records)
         source = str(records)
@@ -93,26 +133,19 @@ def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
     t, loss = _series(records, "time_s", "loss", "step")
     if loss:
         a_time.plot(t, loss, lw=0.8, label="step loss")
-    te, acc = _series(records, "time_s", "accuracy")
-    if acc:
-        twin = a_time.twinx()
-        twin.plot(te, acc, "o-", color="tab:green", label="accuracy")
-        twin.set_ylabel("accuracy")
-    if not loss and not acc:
-        _empty(a_time, "loss or accuracy")
+        a_time.legend(loc="upper left", fontsize=8)
+    else:
+        _empty(a_time, "step loss", LOSS_HINT)
+    _accuracy(a_time, records, "time_s", 1.0)
     a_time.set(xlabel="time (s)", ylabel="loss", title="loss and accuracy over time")
 
     # loss / accuracy against bytes
     b, bl = _series(records, "total_sent_bytes", "loss", "step")
     if bl:
         a_bytes.plot([v / 1e6 for v in b], bl, lw=0.8)
-    be, bacc = _series(records, "total_sent_bytes", "accuracy")
-    if bacc:
-        twin = a_bytes.twinx()
-        twin.plot([v / 1e6 for v in be], bacc, "o-", color="tab:green")
-        twin.set_ylabel("accuracy")
-    if not bl and not bacc:
-        _empty(a_bytes, "loss")
+    _accuracy(a_bytes, records, "total_sent_bytes", 1e6)
+    if not bl:
+        _empty(a_bytes, "step loss", LOSS_HINT)
     a_bytes.set(xlabel="MB sent by this rank (cumulative)", ylabel="loss",
                 title="loss against bytes")
 
@@ -142,7 +175,9 @@ def plot_metrics(records: list[dict[str, Any]] | str | Path, out: str | Path,
         if dense:
             a_sent.plot(s2, [v / 1e3 for v in dense], lw=0.8, label="dense equivalent")
         a_sent.legend(loc="upper right")
-        a_sent.set_yscale("symlog")
+        values = [v for v in sent + dense if v > 0]
+        if values and max(values) > 10 * min(values):  # a log axis only for a wide range
+            a_sent.set_yscale("symlog")
     else:
         _empty(a_sent, "bytes")
     a_sent.set(xlabel="step", ylabel="kB per step (this rank)", title="traffic")

@@ -42,7 +42,7 @@ import torch
 
 from .. import clock
 from ..comm import Communicator, resolve
-from ..observe.metrics import metrics_from
+from ..observe.metrics import metrics_from, scalar
 from ..observe.timeline import Timeline
 from ..observe.trace import active as active_timeline
 from ..strategies import Strategy, StrategyStats
@@ -346,7 +346,7 @@ class GradientSync:
         self._stats.wait_seconds += clock.now() - start
         ok = self._conclude(step)
         if self.metrics is not None:
-            extra = {} if loss is None else {"loss": float(loss)}
+            extra = {} if loss is None else {"loss": scalar(loss)}
             self.metrics.observe(self, skipped=not ok, **extra)
         return ok
 

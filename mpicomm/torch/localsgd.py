@@ -43,6 +43,7 @@ from ..collectives import ALGORITHMS, allreduce, cost
 from ..comm import Communicator, Traffic, resolve
 from ..control.adacomm import AdaComm
 from ..fusion import Layout, LayoutCache, group, kind_of
+from ..observe.metrics import metrics_from, scalar
 from ..validate import check_algorithm, check_int
 from .replicas import broadcast_module, check_model
 
@@ -172,6 +173,11 @@ class LocalSGD:
         Seconds clock for ``interval_s`` (default ``mpicomm.clock.now``, the wall
         or the virtual clock); tests and benchmarks that exclude evaluation time pass
         their own.
+    metrics:
+        A ``mpicomm.observe.metrics.Metrics`` (or a path for a new one) that gets one
+        record per ``step`` (``tau``, ``rounds``, ``averaged``, bytes, and the ``loss``
+        passed to ``step``); default: one writing to ``MPICOMM_METRICS`` when that is
+        set, else none (no cost).
 
     Tuning: with communication time ``D`` per round and ``Y`` per local step, a fixed
     period speeds each step up by ``(1 + D/Y) / (1 + D/(tau Y))``; gains flatten once
@@ -183,7 +189,8 @@ class LocalSGD:
                  optimizer: torch.optim.Optimizer | None = None, *,
                  average_momentum: bool = False, average_buffers: bool = True,
                  comm: Communicator | None = None, algorithm: str = "auto",
-                 delay_s: Delay = 0.0, clock: Callable[[], float] = clock_now):
+                 delay_s: Delay = 0.0, clock: Callable[[], float] = clock_now,
+                 metrics: Any = None):
         self.model = check_model(model)
         if isinstance(period, AdaComm):
             self.adacomm: AdaComm | None = period
@@ -216,6 +223,7 @@ class LocalSGD:
         self.algorithm = algorithm
         self.delay_s = delay_s
         self.clock = clock
+        self.metrics = metrics_from(metrics)
         #: Averaging rounds done (scheduled ones and ``average`` calls).
         self.rounds = 0
         #: Calls to ``step`` (local steps taken).
@@ -290,9 +298,17 @@ class LocalSGD:
         """Count one local step; average if the period is reached. Returns whether it did.
 
         ``loss`` (a float or a scalar tensor, this step's training loss) is required with
-        AdaComm and ignored otherwise. Collective at averaging steps (and, with AdaComm,
-        at the first step, which agrees on ``F_0``).
+        AdaComm; with metrics on (``metrics=`` or ``MPICOMM_METRICS``) it goes into the
+        step's record, so that the plots have a loss curve. Collective at averaging steps
+        (and, with AdaComm, at the first step, which agrees on ``F_0``).
         """
+        averaged = self._step(loss)
+        if self.metrics is not None:
+            self.metrics.observe(self, **({} if loss is None else {"loss": scalar(loss)}))
+        return averaged
+
+    def _step(self, loss: Any) -> bool:
+        """``step`` without its metrics record."""
         if loss is not None:
             self._loss_sum = self._loss_sum + (loss.detach() if torch.is_tensor(loss)
                                                else float(loss))

@@ -5,8 +5,9 @@ For code written against the Horovod/DDP habit of "wrap the optimizer"::
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
     for x, y in loader:
         opt.zero_grad()
-        loss_fn(model(x), y).backward()     # buckets are averaged while this runs
-        opt.step()                          # waits for the averages, then steps
+        loss = loss_fn(model(x), y)
+        loss.backward()                     # buckets are averaged while this runs
+        opt.step(loss=loss)                 # waits for the averages, then steps
 
 It is a wrapper by *composition*: it holds the optimizer you built and a
 ``mpicomm.torch.GradientSync``, and forwards to them. Unlike Horovod's
@@ -90,8 +91,13 @@ class DistributedOptimizer:
         return getattr(self.optimizer, name)
 
     # ------------------------------------------------------------------ stepping
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
         """Wait for the averaged gradients, then step the wrapped optimizer.
+
+        ``loss`` (a number or a one-element tensor, this rank's): put into the step's
+        metrics record when metrics are on (``metrics=`` or ``MPICOMM_METRICS``), so
+        that the plots have a loss curve; with a ``closure``, what it returns is
+        recorded instead.
 
         With a ``closure`` (L-BFGS and friends), each evaluation of it - a forward and a
         backward - is followed by a wait, so the optimizer always sees averaged
@@ -101,7 +107,7 @@ class DistributedOptimizer:
         how often to evaluate it, so a skipped evaluation cannot skip the step: it leaves
         zero gradients for that evaluation and sets ``last_step_ok`` to ``False``.
         """
-        self.last_step_ok = self.sync.wait()
+        self.last_step_ok = self.sync.wait(loss=loss)
         if closure is None:
             if not self.last_step_ok:
                 return None
@@ -113,9 +119,9 @@ class DistributedOptimizer:
 
         def synchronized_closure() -> Any:
             with torch.enable_grad():
-                loss = closure()
-            self.last_step_ok = self.sync.wait() and self.last_step_ok
-            return loss
+                value = closure()
+            self.last_step_ok = self.sync.wait(loss=value) and self.last_step_ok
+            return value
 
         return self.optimizer.step(synchronized_closure)
 
