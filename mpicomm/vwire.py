@@ -242,7 +242,8 @@ def finish(tokens: Sequence[SendToken | RecvToken]) -> None:
     for aid, seq in found:
         m = eng.message(aid, seq)
         lbs.append(m["tsend"] + m["delay"] + m["nbytes"] / m["rate"])
-    eng.set_state(a.aid, vengine.RESOLVE, a.t, lb=max(lbs, default=a.t))
+    low = max(lbs, default=a.t)
+    eng.set_state(a.aid, vengine.RESOLVE, a.t, lb=low)
     try:
         for s in tokens:
             if isinstance(s, SendToken):
@@ -256,6 +257,14 @@ def finish(tokens: Sequence[SendToken | RecvToken]) -> None:
             m = eng.message(aid, seq)
             ordered.append((u0 + m["delay"], aid, seq, u1, m))
         ordered.sort(key=lambda x: x[:3])
+        # A message that queued on its sender's upload arrives no earlier than its upload
+        # ends plus the latency: raise the floor to that before waiting for downloads.
+        # With the send-time bound alone, a rank waiting for this one (on the sender's
+        # host, say) keeps a floor below the download's key, and the download, which
+        # waits for that rank's floor, is never resolved.
+        late = max([end, low] + [u1 + m["delay"] for _, _, _, u1, m in ordered])
+        if late > low:
+            eng.set_state(a.aid, vengine.RESOLVE, a.t, lb=late)
         local = eng.receiver_resolves(v.rank)
         for key, aid, seq, u1, m in ordered:
             if m["flags"] & vengine.INTRA:
