@@ -15,7 +15,8 @@ def hierarchy_section(r: dict[str, Any], table: Callable[..., str]) -> str:
     layout = (f"{len(sizes)} hosts of {'+'.join(str(s) for s in sizes)} ranks; "
               if sizes else "")
     rows = table(r.get("rows", []), ("d", "density", "k", "method", "time_ms", "pred_ms",
-                                     "sent_B", "x_flat", "overlap", "energy"))
+                                     "sent_B", "x_flat", "x_cyclic", "overlap",
+                                     "energy"))
     verdicts = [dict(t, verdict="-" if t.get("met") is None else
                      ("met" if t["met"] else "missed")) for t in r.get("targets", [])]
     return (f"{layout}x_flat: the flat baseline's time over the row's; pred_ms: the "
