@@ -50,6 +50,9 @@ STALL_S = 120.0
 #: Longest sleep between tests of a thread waiting in MPI under the virtual clock (its
 #: real waiting time is free, so it leaves the cores to the ranks that compute).
 POLL_S = 1e-3
+#: Longest real time between two resolution passes of a waiting thread when the shared
+#: table shows no change.
+_RETRY_S = 0.05
 _T = TypeVar("_T")
 
 
@@ -289,8 +292,15 @@ def _await(fn: Callable[[], _T | None], what: str) -> _T:
     v = clock._virtual
     assert v is not None
     eng, sleep, since = v.engine, 50e-6, time.monotonic()
+    seen, tried = -1, since
     while True:
-        eng.advance()
+        # resolve again only when the table changed since the last try (or now and
+        # then: an unlocked clock store may not count): P waiters re-scanning an
+        # unchanged table would take the lock from the ranks that make progress
+        version, moment = eng.version(), time.monotonic()
+        if version != seen or moment - tried > _RETRY_S:
+            seen, tried = version, moment
+            eng.advance()
         got = fn()
         if got is not None:
             return got
