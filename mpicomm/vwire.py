@@ -103,6 +103,7 @@ class SendToken:
     aid: int
     seq: int
     lb: float       # earliest completion
+    remote: bool = True     # to another host (through the upload link)
 
 
 @dataclass
@@ -133,11 +134,9 @@ def isend(mpi_comm: MPI.Comm, dest: int, tag: int, nbytes: int) -> SendToken:
     if seq is None:
         seq = _await(lambda: eng.try_post(a.aid, dst, info.cid, tag, ordinal,
                                           float(nbytes), a.t), "room for a message")
-    if v.platform.hosts[dst] == v.platform.hosts[v.rank]:
-        rate = v.platform.shm_rate
-    else:
-        rate = v.platform.conditions(a.t, a.step)[0]
-    return SendToken(a.aid, seq, a.t + nbytes / rate)
+    remote = v.platform.hosts[dst] != v.platform.hosts[v.rank]
+    rate = v.platform.conditions(a.t, a.step)[0] if remote else v.platform.shm_rate
+    return SendToken(a.aid, seq, a.t + nbytes / rate, remote)
 
 
 def irecv(mpi_comm: MPI.Comm, source: int, tag: int) -> RecvToken:
@@ -222,10 +221,21 @@ def block(tokens: Sequence[SendToken | RecvToken], sources: Sequence[int] = ()) 
     sends = [t for t in tokens if isinstance(t, SendToken)]
     srcs = {t.src for t in tokens if isinstance(t, RecvToken)} | set(sources)
     low = max([a.t] + [s.lb for s in sends])
+    last = _last_send(a.aid, sends)
     if srcs:
-        v.engine.set_state(a.aid, vengine.RECV, low, ranks=srcs)
+        v.engine.set_state(a.aid, vengine.RECV, low, ranks=srcs, send=last)
     else:
-        v.engine.set_state(a.aid, vengine.RESOLVE, a.t, lb=low)
+        v.engine.set_state(a.aid, vengine.RESOLVE, a.t, lb=low, send=last)
+
+
+def _last_send(aid: int, sends: Sequence[SendToken]) -> int:
+    """The last of actor ``aid``'s own sends to other hosts among ``sends`` (-1: none):
+    the engine raises the waiting actor's floor to its completion as its upload is
+    resolved. (While a thread waits in MPI for sends that queue on a busy upload link,
+    a floor from their send times alone would stay below what its receivers wait
+    for, and the receivers' downloads, which wait for that floor, would never be
+    resolved.)"""
+    return max((s.seq for s in sends if s.aid == aid and s.remote), default=-1)
 
 
 def finish(tokens: Sequence[SendToken | RecvToken]) -> None:
@@ -246,7 +256,8 @@ def finish(tokens: Sequence[SendToken | RecvToken]) -> None:
         m = eng.message(aid, seq)
         lbs.append(m["tsend"] + m["delay"] + m["nbytes"] / m["rate"])
     low = max(lbs, default=a.t)
-    eng.set_state(a.aid, vengine.RESOLVE, a.t, lb=low)
+    last = _last_send(a.aid, [t for t in tokens if isinstance(t, SendToken)])
+    eng.set_state(a.aid, vengine.RESOLVE, a.t, lb=low, send=last)
     try:
         for s in tokens:
             if isinstance(s, SendToken):
@@ -314,11 +325,18 @@ def _await(fn: Callable[[], _T | None], what: str) -> _T:
                                "virtual time)")
 
 
+_STATES = {vengine.RUNNING: "running", vengine.RECV: "waiting for messages",
+           vengine.RESOLVE: "waiting for a link", vengine.COLL: "in an MPI collective",
+           vengine.IDLE: "idle", vengine.JOIN: "joining a thread"}
+
+
 def _laggards(eng: vengine.Engine) -> str:
     with eng:
         floors = eng.floors()
+        kinds = {a: eng.a_wkind[a] for a in floors}
     low = sorted(floors.items(), key=lambda kv: kv[1])[:3]
-    return ", ".join(f"rank {a // eng.T} thread {a % eng.T} at {f:.6f} s" for a, f in low)
+    return ", ".join(f"rank {a // eng.T} thread {a % eng.T} at {f:.6f} s "
+                     f"({_STATES.get(kinds[a], 'state ' + str(kinds[a]))})" for a, f in low)
 
 
 # ---------------------------------------------------------------------- collectives

@@ -109,3 +109,31 @@ def test_hierarchical_allreduce_with_queued_segments_completes(comm, fast_stall,
             assert np.array_equal(got, want)
     assert runs[0] == runs[1]
     assert min(runs[0]) > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_senders_waiting_in_mpi_follow_their_queued_uploads(comm, fast_stall):
+    """Ranks 0 and 1 (host 0) each send four 1 MB messages to ranks 2 and 3 (host 1)
+    at once and wait for them in MPI; the receivers take them one at a time. The eight
+    messages queue on host 0's upload (8 ms each at 1 Gbit/s). A waiting sender's floor
+    must follow its queued uploads: from the send time alone it stays at 8 ms, below the
+    downloads the other receiver waits for, whose receiver then never posts the receive
+    that would complete this sender's MPI wait."""
+    if comm.size < 4:
+        pytest.skip("needs two hosts of two ranks")
+    n, count = 1_000_000, 4
+    with virtual(comm, _two_per_host(comm.size)) as vc:
+        ctx = Ctx.of(vc, ops_for("numpy", False))
+        buf = np.zeros(n, np.uint8)
+        rank = vc.rank
+        if rank < 2:
+            ctx.waitall([ctx.isend(buf, rank + 2, 5) for _ in range(count)])
+        elif rank < 4:
+            for _ in range(count):
+                ctx.recv(buf, rank - 2, 5)
+        times = vc.allgather_object(clock.now())
+    # host 0's upload: rank 0's four messages in [0, 32] ms, rank 1's in [32, 64] ms
+    ms = 1e-3
+    want = [32 * ms, 64 * ms, 32.1 * ms, 64.1 * ms] + [0.0] * (comm.size - 4)
+    assert times == pytest.approx(want, abs=1e-9)

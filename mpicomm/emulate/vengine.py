@@ -29,6 +29,9 @@ programs", IEEE TSE 1979):
   a message already posted to it from S, min over s in S of floor(s) + lookahead))``,
   the lookahead being the smallest one-way latency between the two ranks;
 * waiting for a link resolution: ``max(clock, that message's earliest completion)``;
+  waiting for its own sends (in MPI, or for a resolution), at least the completion of
+  the last of them to another host, followed as its upload is resolved: its upload's
+  end, or until then the upload link's free time plus its transmission;
 * inside an MPI collective: ``max(clock, clocks of the members already inside it,
   min floor of the members not yet inside)``;
 * idle or joining another thread of its rank: ``max(clock, min(stamp of work already
@@ -77,7 +80,7 @@ _VERSION = 4                  # header slot of the change counter
 POSTED, UPLOADED, DOWNLOADED, CONSUMED, INTRA, RELEASED = 1, 2, 4, 8, 16, 32
 
 _ACTOR_D = ("clock", "wlb", "qmin")
-_ACTOR_Q = ("status", "wkind", "wcomm", "wseq", "step", "seq", "head", "up")
+_ACTOR_Q = ("status", "wkind", "wcomm", "wseq", "wsend", "step", "seq", "head", "up")
 _MSG_D = ("nbytes", "tsend", "rate", "delay", "u0", "u1", "arr")
 _MSG_Q = ("dst", "comm", "tag", "ord", "step", "flags")
 
@@ -186,9 +189,12 @@ class Engine:
 
     def set_state(self, aid: int, kind: int, clock: float, lb: float = INF,
                   ranks: Iterable[int] = (), comm: int = 0, seq: int = 0,
-                  qmin: float = INF) -> None:
-        """Publish what actor ``aid`` waits for (see the module docstring)."""
+                  qmin: float = INF, send: int = -1) -> None:
+        """Publish what actor ``aid`` waits for (see the module docstring). ``send``:
+        the sequence number of the last of its own messages it waits to complete (-1:
+        none); its floor then follows that message's upload as it is resolved."""
         with self:
+            self.a_wsend[aid] = send + 1
             if kind in (RECV, COLL):
                 base = aid * self.P
                 self.a_wsrc[base:base + self.P] = bytes(self.P)
@@ -368,12 +374,18 @@ class Engine:
         for g, cands, pending in self._downloads():
             cands.sort()
             remote = [b for b in live if self.hosts[b // self.T] != g]
+            bounds: dict[int, float] | None = None
             for key, aid, seq in cands:
                 if pending <= key:   # a message not through its upload may come first
                     break
-                if floors is None:
-                    floors = self.floors(live)
-                if not self._quiet(floors, key - self.lookahead, aid, remote):
+                if bounds is None:
+                    if floors is None:
+                        floors = self.floors(live)
+                    # what a remote actor sends next leaves its host's upload link no
+                    # earlier than that link is free
+                    bounds = {b: max(floors.get(b, INF), self.up_free[self.hosts[b // self.T]])
+                              for b in remote}
+                if not self._quiet(bounds, key - self.lookahead, aid, remote):
                     break
                 i = self._slot(aid, seq)
                 start = max(key, self.dl_free[g])
@@ -476,6 +488,20 @@ class Engine:
             return self.m_u1[i] + self.m_delay[i]
         return self.m_tsend[i] + self.m_delay[i] + self.m_nbytes[i] / self.m_rate[i]
 
+    def _send_floor(self, aid: int) -> float:
+        """Earliest completion of the last send actor ``aid`` waits for: its upload's end
+        once resolved, else no earlier than the upload link's free time plus its
+        transmission (a send completes when it has left the link; the actor's own
+        sends leave in order, so the last one ends last)."""
+        seq = self.a_wsend[aid] - 1
+        if seq < self.a_head[aid]:
+            return 0.0      # completed and freed
+        i = self._slot(aid, seq)
+        if self.m_flags[i] & UPLOADED:
+            return self.m_u1[i]
+        free = self.up_free[self.hosts[aid // self.T]]
+        return max(self.m_tsend[i], free) + self.m_nbytes[i] / self.m_rate[i]
+
     def floors(self, live: list[int] | None = None) -> dict[int, float]:
         """Every live actor's floor (see the module docstring); call under the lock."""
         live = self._live() if live is None else live
@@ -497,6 +523,8 @@ class Engine:
         dependants: list[list[tuple[int, float, float]]] = [[] for _ in range(P)]
         for a in live:
             kind, c, rank = self.a_wkind[a], self.a_clock[a], a // T
+            if kind in (RESOLVE, RECV) and self.a_wsend[a]:
+                c = max(c, self._send_floor(a))
             if kind == RUNNING:
                 cand[a] = c
             elif kind == RESOLVE:
