@@ -50,6 +50,9 @@ STALL_S = 120.0
 #: Longest sleep between tests of a thread waiting in MPI under the virtual clock (its
 #: real waiting time is free, so it leaves the cores to the ranks that compute).
 POLL_S = 1e-3
+#: Longest real time between two resolution passes of a waiting thread when the shared
+#: table shows no change.
+_RETRY_S = 0.05
 _T = TypeVar("_T")
 
 
@@ -100,6 +103,7 @@ class SendToken:
     aid: int
     seq: int
     lb: float       # earliest completion
+    remote: bool = True     # to another host (through the upload link)
 
 
 @dataclass
@@ -130,11 +134,9 @@ def isend(mpi_comm: MPI.Comm, dest: int, tag: int, nbytes: int) -> SendToken:
     if seq is None:
         seq = _await(lambda: eng.try_post(a.aid, dst, info.cid, tag, ordinal,
                                           float(nbytes), a.t), "room for a message")
-    if v.platform.hosts[dst] == v.platform.hosts[v.rank]:
-        rate = v.platform.shm_rate
-    else:
-        rate = v.platform.conditions(a.t, a.step)[0]
-    return SendToken(a.aid, seq, a.t + nbytes / rate)
+    remote = v.platform.hosts[dst] != v.platform.hosts[v.rank]
+    rate = v.platform.conditions(a.t, a.step)[0] if remote else v.platform.shm_rate
+    return SendToken(a.aid, seq, a.t + nbytes / rate, remote)
 
 
 def irecv(mpi_comm: MPI.Comm, source: int, tag: int) -> RecvToken:
@@ -219,10 +221,21 @@ def block(tokens: Sequence[SendToken | RecvToken], sources: Sequence[int] = ()) 
     sends = [t for t in tokens if isinstance(t, SendToken)]
     srcs = {t.src for t in tokens if isinstance(t, RecvToken)} | set(sources)
     low = max([a.t] + [s.lb for s in sends])
+    last = _last_send(a.aid, sends)
     if srcs:
-        v.engine.set_state(a.aid, vengine.RECV, low, ranks=srcs)
+        v.engine.set_state(a.aid, vengine.RECV, low, ranks=srcs, send=last)
     else:
-        v.engine.set_state(a.aid, vengine.RESOLVE, a.t, lb=low)
+        v.engine.set_state(a.aid, vengine.RESOLVE, a.t, lb=low, send=last)
+
+
+def _last_send(aid: int, sends: Sequence[SendToken]) -> int:
+    """The last of actor ``aid``'s own sends to other hosts among ``sends`` (-1: none):
+    the engine raises the waiting actor's floor to its completion as its upload is
+    resolved. (While a thread waits in MPI for sends that queue on a busy upload link,
+    a floor from their send times alone would stay below what its receivers wait
+    for, and the receivers' downloads, which wait for that floor, would never be
+    resolved.)"""
+    return max((s.seq for s in sends if s.aid == aid and s.remote), default=-1)
 
 
 def finish(tokens: Sequence[SendToken | RecvToken]) -> None:
@@ -242,7 +255,9 @@ def finish(tokens: Sequence[SendToken | RecvToken]) -> None:
     for aid, seq in found:
         m = eng.message(aid, seq)
         lbs.append(m["tsend"] + m["delay"] + m["nbytes"] / m["rate"])
-    eng.set_state(a.aid, vengine.RESOLVE, a.t, lb=max(lbs, default=a.t))
+    low = max(lbs, default=a.t)
+    last = _last_send(a.aid, [t for t in tokens if isinstance(t, SendToken)])
+    eng.set_state(a.aid, vengine.RESOLVE, a.t, lb=low, send=last)
     try:
         for s in tokens:
             if isinstance(s, SendToken):
@@ -256,6 +271,14 @@ def finish(tokens: Sequence[SendToken | RecvToken]) -> None:
             m = eng.message(aid, seq)
             ordered.append((u0 + m["delay"], aid, seq, u1, m))
         ordered.sort(key=lambda x: x[:3])
+        # A message that queued on its sender's upload arrives no earlier than its upload
+        # ends plus the latency: raise the floor to that before waiting for downloads.
+        # With the send-time bound alone, a rank waiting for this one (on the sender's
+        # host, say) keeps a floor below the download's key, and the download, which
+        # waits for that rank's floor, is never resolved.
+        late = max([end, low] + [u1 + m["delay"] for _, _, _, u1, m in ordered])
+        if late > low:
+            eng.set_state(a.aid, vengine.RESOLVE, a.t, lb=late)
         local = eng.receiver_resolves(v.rank)
         for key, aid, seq, u1, m in ordered:
             if m["flags"] & vengine.INTRA:
@@ -280,8 +303,15 @@ def _await(fn: Callable[[], _T | None], what: str) -> _T:
     v = clock._virtual
     assert v is not None
     eng, sleep, since = v.engine, 50e-6, time.monotonic()
+    seen, tried = -1, since
     while True:
-        eng.advance()
+        # resolve again only when the table changed since the last try (or now and
+        # then: an unlocked clock store may not count): P waiters re-scanning an
+        # unchanged table would take the lock from the ranks that make progress
+        version, moment = eng.version(), time.monotonic()
+        if version != seen or moment - tried > _RETRY_S:
+            seen, tried = version, moment
+            eng.advance()
         got = fn()
         if got is not None:
             return got
@@ -295,11 +325,18 @@ def _await(fn: Callable[[], _T | None], what: str) -> _T:
                                "virtual time)")
 
 
+_STATES = {vengine.RUNNING: "running", vengine.RECV: "waiting for messages",
+           vengine.RESOLVE: "waiting for a link", vengine.COLL: "in an MPI collective",
+           vengine.IDLE: "idle", vengine.JOIN: "joining a thread"}
+
+
 def _laggards(eng: vengine.Engine) -> str:
     with eng:
         floors = eng.floors()
+        kinds = {a: eng.a_wkind[a] for a in floors}
     low = sorted(floors.items(), key=lambda kv: kv[1])[:3]
-    return ", ".join(f"rank {a // eng.T} thread {a % eng.T} at {f:.6f} s" for a, f in low)
+    return ", ".join(f"rank {a // eng.T} thread {a % eng.T} at {f:.6f} s "
+                     f"({_STATES.get(kinds[a], 'state ' + str(kinds[a]))})" for a, f in low)
 
 
 # ---------------------------------------------------------------------- collectives

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 import mpicomm
 from mpicomm.p2p import block_bounds
-from mpicomm.sparse import exact_topk, gtopk, hierarchical_topk
+from mpicomm.sparse import artopk, exact_topk, gtopk, hierarchical_topk, topk_allgather
 from mpicomm.sparse import reference as ref
 from mpicomm.sparse.hierarchical import lane_k
 from mpicomm.strategies import HierarchicalARTopK, HierarchicalGTopK, HierarchicalTopK
@@ -164,11 +164,20 @@ def check_sparse(comm: mpicomm.Communicator) -> None:
                 assert np.array_equal(update + np.sum(left, axis=0), total), (inner, k)
                 if k == d:  # nothing truncated: the exact sum
                     assert np.array_equal(update, total)
-    if topo.num_hosts == p:  # one rank per host: the flat gTop-k, bit for bit
+    if topo.num_hosts == p:  # one rank per host: the flat collectives, bit for bit
         picks = ref.truncate((np.arange(d), xs[comm.rank]), 9)
         flat_i, flat_v = gtopk(picks[0], picks[1], 9, comm)
         idx, val, _ = hierarchical_topk(xs[comm.rank], 9, comm, inner="gtopk")
         assert np.array_equal(idx, flat_i) and np.array_equal(val, flat_v)
+        flat_i, flat_v = artopk(xs[comm.rank], 9, step=5, comm=comm)
+        idx, val, _ = hierarchical_topk(xs[comm.rank], 9, comm, inner="artopk", step=5,
+                                        op="avg")
+        assert np.array_equal(idx, flat_i) and np.array_equal(val, flat_v)
+        flat = topk_allgather(picks[0], picks[1], d, comm=comm)
+        idx, val, _ = hierarchical_topk(xs[comm.rank], 9, comm, inner="allgather")
+        dense = np.zeros(d)
+        dense[idx] = val
+        assert np.array_equal(dense, flat)
     if topo.num_hosts == 1:  # one host: the exact top-k of the sum
         ex_i, ex_v = exact_topk(np.arange(d), xs[comm.rank], 9, comm)
         for inner in ("gtopk", "artopk", "allgather"):

@@ -157,3 +157,35 @@ def test_benchmark_suite_writes_its_rows_and_targets(tmp_path):
             assert 0 < r["overlap"] <= 1 and r["energy"] > 0, r
     assert {(t["collective"], t["target"]) for t in data["targets"]} == {
         ("dense", 1.5), ("gtopk", 1.3), ("allgather", None)}
+
+
+@pytest.mark.parametrize("hosts, per_host", [(8, 4), (16, 2), (2, 2)])
+def test_cyclic_ring_baseline_prices_every_step_across_the_network(hosts, per_host):
+    """The flat ring in cyclic host order sends R blocks through every port per step:
+    ``2(P-1)(α + R·n/P·β) + (P-1)/P·n·γ``, ``(P-1)/(H-1)`` times the hierarchy's
+    bandwidth term."""
+    from mpicomm.bench.hierarchy import cyclic_ring_prediction
+
+    net = cost.CostParams(alpha=1e-4, beta=8e-9, gamma=1e-10)
+    local = cost.CostParams(alpha=1e-6, beta=1e-10, gamma=1e-10)
+    p, n = hosts * per_host, 4e7
+    model = cost.HostCosts(Topology.from_sizes((per_host,) * hosts), local, net)
+    want = 2 * (p - 1) * (net.alpha + per_host * n / p * net.beta) + (p - 1) / p * n * net.gamma
+    assert cyclic_ring_prediction(n, model) == pytest.approx(want, rel=1e-9)
+
+
+def test_report_plots_the_hierarchy_results(tmp_path):
+    from mpicomm.bench.report import _plt
+    from mpicomm.bench.report_hierarchy import plot_hierarchy
+
+    def row(method, density, x_flat, x_cyclic=None):
+        return {"d": 1000, "density": density, "method": method, "x_flat": x_flat,
+                "x_cyclic": x_cyclic}
+
+    result = {"suite": "hierarchy", "ranks": 8, "host_sizes": [4, 4], "rows": [
+        row("dense/ring", 1.0, 1.0, 3.0), row("dense/ring_cyclic", 1.0, 0.33, 1.0),
+        row("dense/hierarchical", 1.0, 1.1, 3.3), row("gtopk", 0.01, 1.0),
+        row("hier_gtopk", 0.01, 1.2), row("hier_gtopk_sliced", 0.01, 2.5)]}
+    path = tmp_path / "h.png"
+    assert not plot_hierarchy([{"suite": "sparse"}], str(path), _plt())
+    assert plot_hierarchy([result], str(path), _plt()) and path.stat().st_size > 1000

@@ -11,7 +11,9 @@ simulated cluster: its times do not depend on the machine's load), e.g. 8 hosts 
 float32 (``x_r = sqrt(c)·T_shared + sqrt(1-c)·T_r``, Student-t) and the suite times:
 
 * ``dense/ring`` and ``dense/hierarchical``: ``mpicomm.allreduce(x, algorithm=...)`` of
-  the whole vector (plus any ``--dense`` algorithm);
+  the whole vector (plus any ``--dense`` algorithm), and ``dense/ring_cyclic``: the flat
+  ring over the same ranks in cyclic host order (ring neighbours on different hosts, as
+  after a round-robin placement; column ``x_cyclic``);
 * per density (k = ceil(density·d)), one whole aggregation step from the dense vector:
   ``gtopk`` (the flat baseline: the local top-k selection, then
   :func:`mpicomm.sparse.gtopk` over all P ranks), ``hier_gtopk`` and
@@ -29,7 +31,8 @@ on the virtual clock from the platform's rate, delay and shared-memory link),
 ``energy`` (``||S[I]||² / ||S[top-k of S]||²`` with ``S = Σ_r x_r``: how much of the
 best possible k-sparse update it captured; above 1 where a method returns more than
 k indices, as the Allgather's union does). ``targets`` lists the ratios against the
-flat ring (dense, target 1.5) and the flat gTop-k (per density, target 1.3).
+flat ring (dense, target 1.5; ``dense_cyclic`` against the cyclic ring) and the flat
+gTop-k (per density, target 1.3).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from ..collectives import cost
 from ..collectives.hierarchical import hierarchy
 from ..comm import Communicator, init
 from ..compress.topk_select import topk_indices
+from ..emulate.linkdelay import share_link
 from ..sparse import artopk, gtopk, hierarchical_topk, topk_allgather
 from ..topology import Topology
 from . import _clock
@@ -62,7 +66,7 @@ TARGETS = {"dense": 1.5, "gtopk": 1.3}
 #: The suite's clock (seconds): wall, or the virtual cluster's (``--clock virtual``).
 now: Callable[[], float] = clock.now
 COLUMNS = ("d", "density", "k", "method", "time_ms", "pred_ms", "sent_B", "x_flat",
-           "overlap", "energy")
+           "x_cyclic", "overlap", "energy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,23 +141,66 @@ def model(comm: Communicator) -> cost.HostCosts:
 
 
 # ---------------------------------------------------------------------- rows
+def cyclic_order(comm: Communicator) -> Communicator | None:
+    """``comm``'s ranks in cyclic host order (local rank 0 of hosts 0, 1, ..., then local
+    rank 1 of every host, ...): a flat ring over it crosses the network at every step,
+    as on a cluster whose launcher placed ranks round-robin over the hosts. ``None`` on
+    a layout without two link classes (or hosts of different sizes). Collective."""
+    t = comm.topology
+    if not t.hierarchical or not t.uniform:
+        return None
+    sub = comm.split(0, key=comm.local_rank * t.num_hosts + comm.node)
+    assert sub is not None
+    sub.traffic = comm.traffic      # its bytes count in the suite's measurement
+    share_link(comm, sub, _cyclic(t))
+    return sub
+
+
 def bench_dense(x: torch.Tensor, comm: Communicator, args: argparse.Namespace,
-                hosts: cost.HostCosts) -> list[dict[str, Any]]:
+                hosts: cost.HostCosts, cyclic: Communicator | None = None
+                ) -> list[dict[str, Any]]:
+    """The flat ring (host-major ranks: the baseline), the flat ring in cyclic order
+    (``cyclic``, when given), the hierarchical allreduce and any ``--dense``
+    algorithm."""
     xn, d = x.numpy(), x.numel()
+    cases: list[tuple[str, str, Communicator]] = [("dense/ring", "ring", comm)]
+    if cyclic is not None:
+        cases.append(("dense/ring_cyclic", "ring", cyclic))
+    cases += [(f"dense/{a}", a, comm) for a in ("hierarchical", *args.dense_algorithms)]
     rows = []
-    for algorithm in ("ring", "hierarchical", *args.dense_algorithms):
+    for method, algorithm, c in cases:
         seconds, sent, _ = measure(
-            lambda a=algorithm: coll.allreduce(xn, algorithm=a, comm=comm), comm,
+            lambda a=algorithm, c=c: coll.allreduce(xn, algorithm=a, comm=c), comm,
             args.repeats, args.warmup)
-        pred = cost.predict("allreduce", algorithm, 4 * d, comm.size, hosts=hosts) \
-            if comm.size > 1 else 0.0
-        rows.append({"d": d, "density": 1.0, "k": d, "method": f"dense/{algorithm}",
+        if comm.size == 1:
+            pred = 0.0
+        elif c is cyclic:
+            pred = cyclic_ring_prediction(4 * d, hosts)
+        else:
+            pred = cost.predict("allreduce", algorithm, 4 * d, comm.size, hosts=hosts)
+        rows.append({"d": d, "density": 1.0, "k": d, "method": method,
                      "seconds": seconds, "time_ms": seconds * 1e3, "sent_B": sent,
                      "pred_ms": pred * 1e3})
     base = rows[0]["seconds"]
     for r in rows:
         r["x_flat"] = base / r["seconds"] if r["seconds"] else None
+    if cyclic is not None:
+        scattered = rows[1]["seconds"]
+        for r in rows:
+            r["x_cyclic"] = scattered / r["seconds"] if r["seconds"] else None
     return rows
+
+
+def cyclic_ring_prediction(nbytes: float, hosts: cost.HostCosts) -> float:
+    """The two-link model of the flat ring in cyclic host order (:func:`cyclic_order`):
+    every step sends a block of ``n/P`` from every rank across the network, ``R`` per
+    host port, about ``2(P-1)(α_n + R·n/P·β_n)`` plus the reductions."""
+    return hosts.on_group("allreduce", "ring", nbytes, [_cyclic(hosts.topology)]).total
+
+
+def _cyclic(t: Topology) -> list[int]:
+    """The ranks of ``t`` in cyclic host order (:func:`cyclic_order`)."""
+    return sorted(range(t.size), key=lambda r: (t.local_rank(r), t.hosts[r]))
 
 
 def _flat(inner: str, x: torch.Tensor, k: int, comm: Communicator, step: list[int]
@@ -235,7 +282,9 @@ def bench_sparse(x: torch.Tensor, total: np.ndarray | None, density: float, comm
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The speed-ups of the best hierarchical row over its flat baseline, with the
-    targets (dense over the ring: 1.5; gTop-k: 1.3)."""
+    targets (dense over the ring: 1.5; gTop-k: 1.3). ``dense`` compares with the flat
+    ring over host-major ranks (the best a flat ring can do), ``dense_cyclic`` with
+    the flat ring in cyclic host order (a round-robin placement)."""
     out = []
     for d, density in sorted({(r["d"], r["density"]) for r in rows}):
         group = [r for r in rows if (r["d"], r["density"]) == (d, density)]
@@ -253,6 +302,13 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "predicted": _ratio_pred(group, best),
                         "target": want,
                         "met": None if want is None else bool(best["x_flat"] >= want)})
+            cyclic = [r for r in group if r["method"] == "dense/ring_cyclic"]
+            if kind == "dense" and cyclic and best.get("x_cyclic"):
+                pred = cyclic[0]["pred_ms"] / best["pred_ms"] if best["pred_ms"] else None
+                out.append({"d": d, "density": density, "collective": "dense_cyclic",
+                            "best": best["method"], "speedup": best["x_cyclic"],
+                            "predicted": pred, "target": want,
+                            "met": bool(best["x_cyclic"] >= want)})
     return out
 
 
@@ -342,8 +398,10 @@ def run(args: argparse.Namespace) -> int:
     if clock.started():  # deterministic: one timed run per row
         args.repeats, args.warmup = 1, 0
     topo: Topology = comm.topology
+    cyclic = None
     if comm.size > 1:
         hierarchy(comm)  # the sub-communicators, made once outside the timings
+        cyclic = cyclic_order(comm)
     hosts = model(comm)
     rows: list[dict[str, Any]] = []
     for d in args.sizes:
@@ -351,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
         total = coll.allreduce(x.numpy(), algorithm="ring", comm=comm)
         if comm.rank != 0:  # the accuracy columns are rank 0's
             total = None
-        rows.extend(bench_dense(x, comm, args, hosts))
+        rows.extend(bench_dense(x, comm, args, hosts, cyclic))
         for density in args.densities:
             rows.extend(bench_sparse(x, total, density, comm, args, hosts))
         del x, total
@@ -376,5 +434,7 @@ def run(args: argparse.Namespace) -> int:
                                                "network": asdict(hosts.network)},
                                "options": options, "rows": rows, "targets": summary,
                                "predicted": predicted})
+    if cyclic is not None:
+        cyclic.free()
     comm.barrier()
     return 0

@@ -14,7 +14,8 @@ bench-cluster`` write there), and writes
   against size per algorithm, measured solid, cost model dashed), ``sparse-scaling.png``
   (dense, Allgather Top-k, gTop-k and AR-Top-k against rank count, one panel per network,
   measured and predicted side by side), ``localsgd-*.png`` (training loss against time:
-  time-to-accuracy curves).
+  time-to-accuracy curves), ``hierarchy-speedups.png`` (hierarchical over flat
+  collectives per host layout, against the targets).
 
 ``adaptive`` gets its time-to-accuracy table, the L-GreCo comparison and the
 selector's targets marked met/missed. ``crossover`` results get a table of the three modes' median
@@ -42,7 +43,12 @@ from typing import Any
 from . import report_virtual
 from .ratios import is_rows
 from .report_control import adacomm_panel, has_adacomm
-from .report_hierarchy import hierarchy_section, virtual_conditions, virtual_label
+from .report_hierarchy import (
+    hierarchy_section,
+    plot_hierarchy,
+    virtual_conditions,
+    virtual_label,
+)
 from .report_ratios import section as ratios_section
 from .report_suites import adaptive_section, crossover_section
 from .report_training import plot_name, plot_runs, step_time_table, training_section
@@ -440,6 +446,8 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
                 made.append(name)
         if plot_sparse(results, os.path.join(plots, "sparse-scaling.png")):
             made.append("sparse-scaling.png")
+        if plot_hierarchy(results, os.path.join(plots, "hierarchy-speedups.png"), _plt()):
+            made.append("hierarchy-speedups.png")
         for r in results:
             if plot_runs(r, os.path.join(plots, plot_name(r)), _plt()):
                 r["_training_plot"] = f"{rel}/{plot_name(r)}"

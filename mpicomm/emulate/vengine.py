@@ -29,6 +29,9 @@ programs", IEEE TSE 1979):
   a message already posted to it from S, min over s in S of floor(s) + lookahead))``,
   the lookahead being the smallest one-way latency between the two ranks;
 * waiting for a link resolution: ``max(clock, that message's earliest completion)``;
+  waiting for its own sends (in MPI, or for a resolution), at least the completion of
+  the last of them to another host, followed as its upload is resolved: its upload's
+  end, or until then the upload link's free time plus its transmission;
 * inside an MPI collective: ``max(clock, clocks of the members already inside it,
   min floor of the members not yet inside)``;
 * idle or joining another thread of its rank: ``max(clock, min(stamp of work already
@@ -71,12 +74,13 @@ SLOTS = 2048
 THREADS = 8
 INF = float("inf")
 _MAGIC = 0x6D70636F6D6D7643  # "mpcommvC"
+_VERSION = 4                  # header slot of the change counter
 
 # message flags
 POSTED, UPLOADED, DOWNLOADED, CONSUMED, INTRA, RELEASED = 1, 2, 4, 8, 16, 32
 
 _ACTOR_D = ("clock", "wlb", "qmin")
-_ACTOR_Q = ("status", "wkind", "wcomm", "wseq", "step", "seq", "head", "up")
+_ACTOR_Q = ("status", "wkind", "wcomm", "wseq", "wsend", "step", "seq", "head", "up")
 _MSG_D = ("nbytes", "tsend", "rate", "delay", "u0", "u1", "arr")
 _MSG_Q = ("dst", "comm", "tag", "ord", "step", "flags")
 
@@ -126,6 +130,8 @@ class Engine:
             raise RuntimeError(f"virtual clock: {path} is not this job's table")
         self._lock = threading.Lock()
         self.host_actors = [0] * self.H     # filled by live_actors()
+        #: hosts whose downloads are resolved here (several ranks)
+        self._multi = [len(platform.ranks_of(g)) > 1 for g in range(self.H)]
 
     # ------------------------------------------------------------------ locking
     def __enter__(self) -> Engine:
@@ -136,6 +142,16 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._lock.release()
+
+    def version(self) -> int:
+        """A counter that moves whenever the table changes (a post, a state, a clock, a
+        resolution): a waiter that saw no change since its last :meth:`advance` need not
+        try again (a racy read; an unlocked clock store may be missed, so waiters
+        still advance now and then)."""
+        return self.hdr[_VERSION]
+
+    def _changed(self) -> None:
+        self.hdr[_VERSION] += 1
 
     def close(self) -> None:
         for name in list(vars(self)):
@@ -156,23 +172,29 @@ class Engine:
             self.a_wkind[aid] = RUNNING
             self.a_step[aid] = -1
             self.a_status[aid] = 1
+            self._changed()
         return aid
 
     def close_actor(self, aid: int) -> None:
         with self:
             self.a_wkind[aid] = DONE
             self.a_status[aid] = 0
+            self._changed()
 
     def set_clock(self, aid: int, clock: float) -> None:
         """Publish a running actor's clock (one aligned store: readers see the old or the
         new value, both valid floors)."""
         self.a_clock[aid] = clock
+        self.hdr[_VERSION] += 1     # unlocked: a lost increment only delays a waiter
 
     def set_state(self, aid: int, kind: int, clock: float, lb: float = INF,
                   ranks: Iterable[int] = (), comm: int = 0, seq: int = 0,
-                  qmin: float = INF) -> None:
-        """Publish what actor ``aid`` waits for (see the module docstring)."""
+                  qmin: float = INF, send: int = -1) -> None:
+        """Publish what actor ``aid`` waits for (see the module docstring). ``send``:
+        the sequence number of the last of its own messages it waits to complete (-1:
+        none); its floor then follows that message's upload as it is resolved."""
         with self:
+            self.a_wsend[aid] = send + 1
             if kind in (RECV, COLL):
                 base = aid * self.P
                 self.a_wsrc[base:base + self.P] = bytes(self.P)
@@ -183,10 +205,12 @@ class Engine:
             self.a_wcomm[aid], self.a_wseq[aid] = comm, seq
             self.a_qmin[aid] = qmin
             self.a_wkind[aid] = kind
+            self._changed()
 
     def set_qmin(self, aid: int, qmin: float) -> None:
         with self:
             self.a_qmin[aid] = qmin
+            self._changed()
 
     def set_step(self, aid: int, step: int) -> None:
         self.a_step[aid] = step
@@ -233,6 +257,7 @@ class Engine:
             else:
                 self.m_flags[i] = POSTED
             self.a_seq[aid] = seq + 1
+            self._changed()
             return seq
 
     def find(self, src: int, dst: int, comm: int, tag: int, ordinal: int
@@ -301,10 +326,12 @@ class Engine:
         """The sender will not wait for this message's completion."""
         with self:
             self.m_flags[self._slot(aid, seq)] |= RELEASED
+            self._changed()
 
     def consume(self, aid: int, seq: int) -> None:
         with self:
             self.m_flags[self._slot(aid, seq)] |= CONSUMED
+            self._changed()
 
     # ------------------------------------------------------------------ resolution
     def advance(self) -> None:
@@ -321,51 +348,82 @@ class Engine:
         for a in live:
             per_host[self.hosts[a // self.T]] += 1
         floors: dict[int, float] | None = None
-        progress = True
-        while progress:
-            progress = False
-            for h in range(self.H):
-                while True:
-                    nxt = self._next_upload(h, live)
-                    if nxt is None:
-                        break
-                    key, aid, seq = nxt
-                    if per_host[h] > 1:
-                        if floors is None:
-                            floors = self.floors(live)
-                        if not self._quiet(floors, key, aid,
-                                           (b for b in live if self.hosts[b // self.T] == h)):
-                            break
-                    i = self._slot(aid, seq)
-                    start = max(key, self.up_free[h])
-                    end = start + self.m_nbytes[i] / self.m_rate[i]
-                    self.up_free[h] = end
-                    self.m_u0[i], self.m_u1[i] = start, end
-                    self.m_flags[i] |= UPLOADED
-                    self.a_up[aid] = seq + 1
-                    progress = True
-            for g in range(self.H):
-                if len(self.platform.ranks_of(g)) < 2:
-                    continue      # one rank: the receiver resolves its own download
-                while True:
-                    nxt = self._next_download(g, live)
-                    if nxt is None:
-                        break
-                    key, aid, seq, blocked = nxt
-                    if blocked:
-                        break
+        resolved = False
+        # uploads (resolving one never enables another's conditions: the floors are
+        # fixed within this call), then the downloads they may have enabled
+        for h in range(self.H):
+            while True:
+                nxt = self._next_upload(h, live)
+                if nxt is None:
+                    break
+                key, aid, seq = nxt
+                if per_host[h] > 1:
                     if floors is None:
                         floors = self.floors(live)
-                    remote = (b for b in live if self.hosts[b // self.T] != g)
-                    if not self._quiet(floors, key - self.lookahead, aid, remote):
+                    if not self._quiet(floors, key, aid,
+                                       (b for b in live if self.hosts[b // self.T] == h)):
                         break
-                    i = self._slot(aid, seq)
-                    start = max(key, self.dl_free[g])
-                    end = start + self.m_nbytes[i] / self.m_rate[i]
-                    self.dl_free[g] = end
-                    self.m_arr[i] = max(end, self.m_u1[i] + self.m_delay[i])
-                    self.m_flags[i] |= DOWNLOADED
-                    progress = True
+                i = self._slot(aid, seq)
+                start = max(key, self.up_free[h])
+                end = start + self.m_nbytes[i] / self.m_rate[i]
+                self.up_free[h] = end
+                self.m_u0[i], self.m_u1[i] = start, end
+                self.m_flags[i] |= UPLOADED
+                self.a_up[aid] = seq + 1
+                resolved = True
+        for g, cands, pending in self._downloads():
+            cands.sort()
+            remote = [b for b in live if self.hosts[b // self.T] != g]
+            bounds: dict[int, float] | None = None
+            for key, aid, seq in cands:
+                if pending <= key:   # a message not through its upload may come first
+                    break
+                if bounds is None:
+                    if floors is None:
+                        floors = self.floors(live)
+                    # what a remote actor sends next leaves its host's upload link no
+                    # earlier than that link is free
+                    bounds = {b: max(floors.get(b, INF), self.up_free[self.hosts[b // self.T]])
+                              for b in remote}
+                if not self._quiet(bounds, key - self.lookahead, aid, remote):
+                    break
+                i = self._slot(aid, seq)
+                start = max(key, self.dl_free[g])
+                end = start + self.m_nbytes[i] / self.m_rate[i]
+                self.dl_free[g] = end
+                self.m_arr[i] = max(end, self.m_u1[i] + self.m_delay[i])
+                self.m_flags[i] |= DOWNLOADED
+                resolved = True
+        if resolved:
+            self._changed()
+
+    def _downloads(self) -> list[tuple[int, list[tuple[float, int, int]], float]]:
+        """Per host of several ranks with messages to resolve on its download link:
+        ``(host, [(download key, actor, seq)] of the messages through their upload,
+        lowest key a message still in its upload could have)`` (one scan of the
+        messages in flight)."""
+        multi = self._multi
+        cands: dict[int, list[tuple[float, int, int]]] = {}
+        pending: dict[int, float] = {}
+        hosts, flags_, dst_ = self.hosts, self.m_flags, self.m_dst
+        skip = DOWNLOADED | INTRA
+        for aid in range(self.A):
+            head, top = self.a_head[aid], self.a_seq[aid]
+            for seq in range(head, top):
+                i = aid * self.N + seq % self.N
+                flags = flags_[i]
+                if flags & skip or not flags & POSTED:
+                    continue
+                g = hosts[dst_[i]]
+                if not multi[g]:
+                    continue      # one rank: the receiver resolves its own download
+                if flags & UPLOADED:
+                    cands.setdefault(g, []).append((self.m_u0[i] + self.m_delay[i], aid, seq))
+                else:
+                    low = self.m_tsend[i] + self.m_delay[i]
+                    if low < pending.get(g, INF):
+                        pending[g] = low
+        return [(g, c, pending.get(g, INF)) for g, c in sorted(cands.items())]
 
     @staticmethod
     def _quiet(floors: dict[int, float], key: float, aid: int, actors: Iterable[int]) -> bool:
@@ -396,28 +454,6 @@ class Engine:
                         best = cand
         return best
 
-    def _next_download(self, g: int, live: list[int]
-                       ) -> tuple[float, int, int, bool] | None:
-        """The earliest (by download key) message to host ``g`` still to be resolved on
-        its download link; ``blocked`` when a message not yet through its upload could
-        still come before it."""
-        best, lowest_pending = None, INF
-        for aid in range(self.A):
-            for seq in range(self.a_head[aid], self.a_seq[aid]):
-                i = self._slot(aid, seq)
-                flags = self.m_flags[i]
-                if flags & (DOWNLOADED | INTRA) or self.hosts[self.m_dst[i]] != g:
-                    continue
-                if not flags & UPLOADED:
-                    lowest_pending = min(lowest_pending, self.m_tsend[i] + self.m_delay[i])
-                    continue
-                cand = (self.m_u0[i] + self.m_delay[i], aid, seq)
-                if best is None or cand < best:
-                    best = cand
-        if best is None:
-            return None
-        return best[0], best[1], best[2], lowest_pending <= best[0]
-
     def upload(self, aid: int, seq: int, release: bool = False
                ) -> tuple[float, float] | None:
         """The message's upload interval once resolved (None before). ``release``: the
@@ -428,6 +464,7 @@ class Engine:
                 return None
             if release:
                 self.m_flags[i] |= RELEASED
+                self._changed()
             return self.m_u0[i], self.m_u1[i]
 
     def arrival(self, aid: int, seq: int) -> float | None:
@@ -451,16 +488,31 @@ class Engine:
             return self.m_u1[i] + self.m_delay[i]
         return self.m_tsend[i] + self.m_delay[i] + self.m_nbytes[i] / self.m_rate[i]
 
+    def _send_floor(self, aid: int) -> float:
+        """Earliest completion of the last send actor ``aid`` waits for: its upload's end
+        once resolved, else no earlier than the upload link's free time plus its
+        transmission (a send completes when it has left the link; the actor's own
+        sends leave in order, so the last one ends last)."""
+        seq = self.a_wsend[aid] - 1
+        if seq < self.a_head[aid]:
+            return 0.0      # completed and freed
+        i = self._slot(aid, seq)
+        if self.m_flags[i] & UPLOADED:
+            return self.m_u1[i]
+        free = self.up_free[self.hosts[aid // self.T]]
+        return max(self.m_tsend[i], free) + self.m_nbytes[i] / self.m_rate[i]
+
     def floors(self, live: list[int] | None = None) -> dict[int, float]:
         """Every live actor's floor (see the module docstring); call under the lock."""
         live = self._live() if live is None else live
         T, P = self.T, self.P
         posted: dict[tuple[int, int], float] = {}   # (src rank, dst rank) -> min bound
+        flags_, N = self.m_flags, self.N
         for aid in range(self.A):   # messages of ended threads count too
             src = aid // T
             for seq in range(self.a_head[aid], self.a_seq[aid]):
-                i = self._slot(aid, seq)
-                if self.m_flags[i] & CONSUMED or not self.m_flags[i] & POSTED:
+                i = aid * N + seq % N
+                if flags_[i] & CONSUMED or not flags_[i] & POSTED:
                     continue
                 key = (src, self.m_dst[i])
                 lb = self._lower_bound(i)
@@ -471,18 +523,20 @@ class Engine:
         dependants: list[list[tuple[int, float, float]]] = [[] for _ in range(P)]
         for a in live:
             kind, c, rank = self.a_wkind[a], self.a_clock[a], a // T
+            if kind in (RESOLVE, RECV) and self.a_wsend[a]:
+                c = max(c, self._send_floor(a))
             if kind == RUNNING:
                 cand[a] = c
             elif kind == RESOLVE:
                 cand[a] = max(c, self.a_wlb[a])
             elif kind == RECV:
                 base, k = a * P, self.a_wlb[a]
-                for s in range(P):
-                    if self.a_wsrc[base + s]:
-                        k = min(k, posted.get((s, rank), INF))
-                        la = (self.platform.shm_delay if self.hosts[s] == self.hosts[rank]
-                              else self.lookahead)
-                        dependants[s].append((a, c, la))
+                waits = bytes(self.a_wsrc[base:base + P])
+                for s in (s for s, w in enumerate(waits) if w):
+                    k = min(k, posted.get((s, rank), INF))
+                    la = (self.platform.shm_delay if self.hosts[s] == self.hosts[rank]
+                          else self.lookahead)
+                    dependants[s].append((a, c, la))
                 cand[a] = max(c, k)
             elif kind == COLL:
                 base, low, others = a * P, c, []
