@@ -537,13 +537,13 @@ def test_a_tested_send_completes_at_its_virtual_time(comm):
     with virtual(comm) as vc:
         if vc.rank == 0:
             t0 = clock.now()
-            req = isend_bytes(vc.mpi, np.ones(n, dtype=np.uint8), 1, 9)
+            req = isend_bytes(vc.p2p, np.ones(n, dtype=np.uint8), 1, 9)
             time.sleep(0.05)              # MPI has delivered it by now, in real time
             assert not sent(req)          # still on the link in virtual time
             wait_sends([req], 0.0)
             assert clock.now() == pytest.approx(t0 + n / 125e6, rel=1e-9)
             clock.compute(1.0)            # later: done, and dropping it moves nothing
-            req = isend_bytes(vc.mpi, np.ones(8, dtype=np.uint8), 1, 9)
+            req = isend_bytes(vc.p2p, np.ones(8, dtype=np.uint8), 1, 9)
             clock.compute(1.0)
             t1 = clock.now()
             while not sent(req):
@@ -552,7 +552,7 @@ def test_a_tested_send_completes_at_its_virtual_time(comm):
         elif vc.rank == 1:
             status = MPI.Status()
             for _ in range(2):
-                recv_bytes(improbe(vc.mpi, 0, 9, status), status, None, vc.mpi)
+                recv_bytes(improbe(vc.p2p, 0, 9, status), status, None, vc.p2p)
         vc.barrier()
 
 
