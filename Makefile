@@ -219,7 +219,7 @@ bench-crossover: $(STAMP)
 VIRTUAL_NETS ?= 1gbit:100us 10gbit:50us
 VIRTUAL_RANKS ?= 4 8 16
 VIRTUAL_SUITES ?= collectives sparse localsgd crossover ps
-VIRTUAL_COSTS ?= $(BENCH_OUT)/vclock-costs.json
+VIRTUAL_COSTS ?= $(BENCH_OUT)/virtual/costs.json
 VIRTUAL_ARGS_collectives ?= --repeats 1
 VIRTUAL_ARGS_sparse ?= --sizes 1e6,1e7 --densities 0.01,0.001 --repeats 1 --warmup 0 \
 	--predict-ranks 32

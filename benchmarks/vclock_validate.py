@@ -11,10 +11,13 @@
    table measured again under the same hogs (``vclock-costs-hogs.json``) against the
    quiet one.
 4. ``vclock-validation.json``: per P and case the worst deviation from the closed form,
-   the largest relative difference of the loaded run's times, and of the loaded table.
+   the largest relative difference of the loaded run's times, and per table entry the
+   loaded / quiet ratio of ``per_unit``, ``per_call`` and the cost at the kernel's larger
+   calibration size. ``--load-only`` redoes step 1 and 3 only.
 
 Virtual times do not depend on the machine's load, so this may run on a busy machine;
-the load averages are recorded.
+the load averages are recorded. Run it under ``nice -n 10`` on a shared machine (the
+hogs inherit the niceness).
 """
 
 from __future__ import annotations
@@ -70,12 +73,65 @@ def _relative(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) / abs(x) for x, y in zip(a, b) if x), default=0.0)
 
 
+def _table_ratios(quiet: dict, loaded: dict) -> dict[str, dict[str, float | None]]:
+    """Per entry, loaded / quiet: ``per_unit``, ``per_call`` and the cost charged at the
+    kernel's larger calibration size (what a large operation is charged)."""
+    sys.path.insert(0, str(ROOT))
+    from mpicomm import compress, costtable, sparse  # noqa: F401  (register the kernels)
+
+    sizes = {op: k.sizes[1] for op, k in costtable.kernels().items()}
+    out: dict[str, dict[str, float | None]] = {}
+    for op, q in sorted(quiet.items()):
+        h = loaded[op]
+        n = sizes.get(op, 1)
+        at_q, at_h = q["per_call"] + q["per_unit"] * n, h["per_call"] + h["per_unit"] * n
+        out[op] = {"per_unit": h["per_unit"] / q["per_unit"] if q["per_unit"] else None,
+                   "per_call": h["per_call"] / q["per_call"] if q["per_call"] else None,
+                   "size": n, "at_size": at_h / at_q if at_q else None}
+    return out
+
+
+def _table_pairs(args: argparse.Namespace, out: Path) -> list[dict]:
+    """``--table-pairs`` (quiet, hogs) cost tables measured back to back, each pair's
+    per-entry ratios: the hogs' effect with the shared machine's load about the same."""
+    turns = ["--turns", args.turns] if args.turns else []
+    pairs = []
+    for i in range(args.table_pairs):
+        paths = [out / f"vclock-costs-pair{i}-{kind}.json" for kind in ("quiet", "hogs")]
+        pair: dict = {"loadavg": [os.getloadavg()]}
+        _run(args.load_ranks, ["costs", *turns, "--json", str(paths[0])], args.timeout)
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(2)]
+        try:
+            time.sleep(2)
+            pair["loadavg"].append(os.getloadavg())
+            _run(args.load_ranks, ["costs", *turns, "--json", str(paths[1])], args.timeout)
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        pair["loadavg"].append(os.getloadavg())
+        a, b = (json.loads(p.read_text())["ops"] for p in paths)
+        pair["ratios"] = _table_ratios(a, b)
+        pair["max_dev_at_size"] = max(abs(r["at_size"] - 1) for r in pair["ratios"].values()
+                                      if r["at_size"] is not None)
+        pairs.append(pair)
+    return pairs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="2-16", help="rank counts, e.g. 2-16 or 8")
     ap.add_argument("--nets", default="1gbit:100us,10gbit:50us,100mbit:1ms")
     ap.add_argument("--sizes", default="1e4,1e6")
     ap.add_argument("--load-ranks", type=int, default=8)
+    ap.add_argument("--load-only", action="store_true",
+                    help="only step 3 (the closed-form files of step 2 are read as they are)")
+    ap.add_argument("--table-pairs", type=int, default=0,
+                    help="then N more (quiet, hogs) table pairs back to back: the hogs' "
+                         "effect apart from the shared machine's drifting load")
+    ap.add_argument("--turns", default=None, help="ranks that measure each table")
+    ap.add_argument("--pairs-only", action="store_true",
+                    help="only the --table-pairs, added to the existing summary")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args()
@@ -83,14 +139,22 @@ def main() -> int:
         ap.error(f"--ranks must include --load-ranks {args.load_ranks}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.pairs_only:
+        summary = json.loads((out / "vclock-validation.json").read_text())
+        summary["load"]["table_pairs"] = _table_pairs(args, out)
+        (out / "vclock-validation.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(json.dumps(summary["load"]["table_pairs"], indent=2))
+        return 0
     costs = out / "vclock-costs.json"
     loads = {"start": os.getloadavg()}
     _run(args.load_ranks, ["costs", "--json", str(costs)], args.timeout)
+    loads["quiet_costs"] = os.getloadavg()
     common = ["vclock", "--nets", args.nets, "--sizes", args.sizes, "--costs", str(costs)]
     summary: dict = {"nets": args.nets, "sizes": args.sizes, "per_ranks": {}}
     for p in _ranks(args.ranks):
         path = out / f"vclock-{p}.json"
-        _run(p, [*common, "--json", str(path)], args.timeout)
+        if not args.load_only:
+            _run(p, [*common, "--json", str(path)], args.timeout)
         summary["per_ranks"][p] = _worst(json.loads(path.read_text())["results"])
     loads["before_hogs"] = os.getloadavg()
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(2)]
@@ -101,6 +165,7 @@ def main() -> int:
         _run(args.load_ranks, [*common, "--json", str(loaded)], args.timeout)
         loaded_costs = out / "vclock-costs-hogs.json"
         _run(args.load_ranks, ["costs", "--json", str(loaded_costs)], args.timeout)
+        loads["hogs_costs"] = os.getloadavg()
     finally:
         for h in hogs:
             h.kill()
@@ -109,12 +174,19 @@ def main() -> int:
     hot = json.loads(loaded.read_text())
     q_ops = json.loads(costs.read_text())["ops"]
     h_ops = json.loads(loaded_costs.read_text())["ops"]
+    ratios = _table_ratios(q_ops, h_ops)
     summary["load"] = {
-        "ranks": args.load_ranks, "hogs": 2, "loadavg": loads,
+        "ranks": args.load_ranks, "hogs": 2, "nice": os.nice(0), "loadavg": loads,
         "max_rel_diff_virtual_times": _relative(quiet["signature"], hot["signature"]),
         "cost_table_rel_diff": {op: (h_ops[op]["per_unit"] - e["per_unit"]) / e["per_unit"]
                                 for op, e in q_ops.items() if e["per_unit"] > 0},
+        "cost_table_ratios": ratios,
+        "cost_table_max_dev_at_size": max(abs(r["at_size"] - 1) for r in ratios.values()
+                                          if r["at_size"] is not None),
     }
+    pairs = _table_pairs(args, out)
+    if pairs:
+        summary["load"]["table_pairs"] = pairs
     (out / "vclock-validation.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return 0

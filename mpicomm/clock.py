@@ -373,7 +373,7 @@ def describe() -> dict[str, Any]:
             "costs": v.table.to_json()}
 
 
-def calibrate(ops: list[str] | None = None, repeats: int = 5,
+def calibrate(ops: list[str] | None = None, repeats: int = costtable.REPEATS,
               mpi_comm: MPI.Comm | None = None, turns: int | None = None) -> CostTable:
     """Measure the registered compute kernels (:func:`mpicomm.costtable.calibrate`,
     ranks taking turns) into the clock's table; collective over ``mpi_comm`` (default
@@ -384,7 +384,7 @@ def calibrate(ops: list[str] | None = None, repeats: int = 5,
     return measured
 
 
-def calibrate_calls(calls: dict[str, Any], repeats: int = 5,
+def calibrate_calls(calls: dict[str, Any], repeats: int = costtable.REPEATS,
                     mpi_comm: MPI.Comm | None = None, turns: int | None = None) -> CostTable:
     """Measure whole operations (``{"step": fn, ...}``, zero-argument callables; ranks
     taking turns, :func:`mpicomm.costtable.measure_calls`) into the clock's table, each

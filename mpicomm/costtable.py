@@ -14,12 +14,17 @@ either **measured** by :func:`calibrate` or **declared** by the caller
 
 Calibration: the ranks take turns, one computing at a time while the others sleep in a
 non-spinning barrier; each times every kernel with its thread's CPU time
-(``time.thread_time``; torch limited to one thread meanwhile) at two sizes, ``repeats``
-times each; the medians give a two-point fit of ``per_call`` and ``per_unit``, and the
-table takes, per entry, the median over the ranks. Every rank gets the same table.
-Costs are therefore single-core CPU seconds of this machine. Cost: about
-``ranks x kernels x 2 sizes x (repeats + 1)`` kernel runs (a second or two per rank for
-the standard set).
+(``time.thread_time``; torch limited to one thread meanwhile) at two sizes. A timed
+sample is a batch of calls lasting at least 2 ms of CPU time (so short kernels are not
+lost in the timer's overhead), and a size's cost is the *minimum* over ``repeats``
+samples: other processes only ever add to a sample (preemptions refill caches, memory
+bandwidth is shared), so the least-disturbed sample is the stable one. The two sizes
+give ``per_unit`` (the slope) and ``per_call`` (the rest at the small size), exact at
+both, from the minimum over every sample of every rank that measured (samples are
+taken round-robin over the kernels, so each kernel's are spread over the whole pass).
+Every rank gets the same table. Costs are therefore single-core CPU seconds of this
+machine. Cost: ``ranks x kernels x 2 sizes x repeats`` samples of >= 2 ms (a few
+seconds per rank for the standard set).
 
 Kernels: a compute site's layer registers the kernel that measures its work with
 :func:`register_kernel` when it is imported (the core registers ``reduce`` and
@@ -43,7 +48,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -53,7 +57,7 @@ from typing import Any
 from mpi4py import MPI
 
 __all__ = ["OpCost", "CostTable", "Kernel", "register_kernel", "kernels", "calibrate",
-           "measure_calls",
+           "measure_calls", "cpu_seconds", "REPEATS",
            "FORMAT", "ENV_COSTS", "load_from_env"]
 
 FORMAT = "mpicomm-cost-table/1"
@@ -61,6 +65,8 @@ ENV_COSTS = "MPICOMM_VIRTUAL_COSTS"
 #: Longest sleep of a rank waiting for its turn (it must not take the CPU from the rank
 #: that measures).
 TURN_POLL_S = 1e-3
+#: Timed samples per kernel and size (see :func:`cpu_seconds`).
+REPEATS = 7
 
 
 @dataclass(frozen=True)
@@ -197,33 +203,62 @@ def _core_kernels() -> None:
 _core_kernels()
 
 
-def _cpu_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
+#: CPU time one timed sample lasts at least: a short kernel runs in a batch of calls, so
+#: the timer's resolution and the per-sample overhead stay well below 1% of a sample.
+SAMPLE_S = 2e-3
+#: Most calls in one batch (a kernel of a few hundred nanoseconds).
+MAX_BATCH = 2000
+
+
+class _Sampler:
+    """One timed call site: ``sample()`` runs a batch of calls lasting at least
+    :data:`SAMPLE_S` of this thread's CPU time and keeps the least seconds per call."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        fn()                                    # warm up: allocations, caches, imports
         start = time.thread_time()
         fn()
-        times.append(time.thread_time() - start)
-    return statistics.median(times)
+        once = time.thread_time() - start
+        self.fn, self.best = fn, math.inf
+        self.batch = max(1, min(MAX_BATCH, math.ceil(SAMPLE_S / max(once, 1e-7))))
+
+    def sample(self) -> None:
+        fn, start = self.fn, time.thread_time()
+        for _ in range(self.batch):
+            fn()
+        self.best = min(self.best, (time.thread_time() - start) / self.batch)
 
 
-def _measure_local(chosen: Mapping[str, Kernel], repeats: int) -> dict[str, tuple[float, float]]:
+def cpu_seconds(calls: Mapping[Any, Callable[[], Any]], repeats: int) -> dict[Any, float]:
+    """This thread's CPU seconds per call of each of ``calls``: the minimum over
+    ``repeats`` samples, each a batch of calls lasting at least :data:`SAMPLE_S`, taken
+    round-robin over the calls (after one warm-up call each).
+
+    The minimum, not the median: what else runs on the machine only ever adds to a
+    sample (a preemption's cache and TLB refill, memory bandwidth taken by others), so
+    the least-disturbed sample is the one closest to the call's own cost. Round-robin
+    spreads each call's samples over the whole measurement, so a burst of someone else's
+    work spoils a few samples of every call rather than all samples of one. With torch
+    imported it runs on one thread meanwhile."""
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None
     if torch is not None:
         torch.set_num_threads(1)
     try:
-        out = {}
-        for op, k in chosen.items():
-            (n1, n2) = k.sizes
-            t1 = _cpu_seconds(k.make(n1), repeats)
-            t2 = _cpu_seconds(k.make(n2), repeats)
-            per_unit = max(0.0, (t2 - t1) / (n2 - n1))
-            out[op] = (max(0.0, t1 - per_unit * n1), per_unit)
-        return out
+        samplers = {key: _Sampler(fn) for key, fn in calls.items()}
+        for _ in range(repeats):
+            for sampler in samplers.values():
+                sampler.sample()
+        return {key: sampler.best for key, sampler in samplers.items()}
     finally:
         if torch is not None and threads is not None:
             torch.set_num_threads(threads)
+
+
+def _two_point(n1: int, t1: float, n2: int, t2: float) -> tuple[float, float]:
+    """``(per_call, per_unit)`` through ``(n1, t1)`` and ``(n2, t2)``, clamped at 0."""
+    per_unit = max(0.0, (t2 - t1) / (n2 - n1))
+    return max(0.0, t1 - per_unit * n1), per_unit
 
 
 def _quiet_barrier(mpi_comm: MPI.Comm) -> None:
@@ -235,12 +270,12 @@ def _quiet_barrier(mpi_comm: MPI.Comm) -> None:
 
 
 def calibrate(mpi_comm: MPI.Comm | None = None, ops: list[str] | None = None,
-              repeats: int = 5, turns: int | None = None) -> CostTable:
+              repeats: int = REPEATS, turns: int | None = None) -> CostTable:
     """Measure the registered kernels (``ops``: a subset) with the ranks of ``mpi_comm``
     (an mpi4py communicator, default the world) taking turns; collective, and every rank
     gets the same table (see the module docstring). ``turns``: how many ranks (the
-    first ones) measure, default all (the median over more ranks is steadier; each turn
-    adds its measuring time)."""
+    first ones) measure, default all (the minimum over more samples is steadier; each
+    turn adds its measuring time)."""
     mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
     names = sorted(_KERNELS) if ops is None else list(ops)
     unknown = [n for n in names if n not in _KERNELS]
@@ -249,54 +284,56 @@ def calibrate(mpi_comm: MPI.Comm | None = None, ops: list[str] | None = None,
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     chosen = {n: _KERNELS[n] for n in names}
-    return _by_turns(mpi_comm, turns, repeats, lambda: _measure_local(chosen, repeats),
-                     {op: k.unit for op, k in chosen.items()})
+
+    def local() -> dict[tuple[str, int], float]:
+        return cpu_seconds({(op, n): k.make(n) for op, k in chosen.items()
+                            for n in k.sizes}, repeats)
+
+    best = _by_turns(mpi_comm, turns, local)
+    table = _table(mpi_comm, turns, repeats)
+    for op, k in chosen.items():
+        (n1, n2) = k.sizes
+        per_call, per_unit = _two_point(n1, best[op, n1], n2, best[op, n2])
+        table.ops[op] = OpCost(per_call, per_unit, k.unit, "measured")
+    return table
 
 
 def measure_calls(calls: Mapping[str, Callable[[], Any]], mpi_comm: MPI.Comm | None = None,
-                  repeats: int = 5, turns: int | None = None) -> CostTable:
+                  repeats: int = REPEATS, turns: int | None = None) -> CostTable:
     """Like :func:`calibrate` for whole operations: each of ``calls`` (a zero-argument
     callable, e.g. a model's forward) is timed as it is, ``per_call`` seconds, unit
     ``call``. Collective; the same table on every rank."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-
-    def local() -> dict[str, tuple[float, float]]:
-        torch = sys.modules.get("torch")
-        threads = torch.get_num_threads() if torch is not None else None
-        if torch is not None:
-            torch.set_num_threads(1)
-        try:
-            return {op: (_cpu_seconds(fn, repeats), 0.0) for op, fn in calls.items()}
-        finally:
-            if torch is not None and threads is not None:
-                torch.set_num_threads(threads)
-
     mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    return _by_turns(mpi_comm, turns, repeats, local, {op: "call" for op in calls})
+    best = _by_turns(mpi_comm, turns, lambda: cpu_seconds(calls, repeats))
+    table = _table(mpi_comm, turns, repeats)
+    for op in calls:
+        table.ops[op] = OpCost(best[op], 0.0, "call", "measured")
+    return table
 
 
-def _by_turns(mpi_comm: MPI.Comm, turns: int | None, repeats: int,
-              local: Callable[[], dict[str, tuple[float, float]]],
-              units: Mapping[str, str]) -> CostTable:
+def _by_turns(mpi_comm: MPI.Comm, turns: int | None,
+              local: Callable[[], dict[Any, float]]) -> dict[Any, float]:
     """The first ``turns`` ranks run ``local()`` one after another (the others asleep);
-    per op, the median over them of ``(per_call, per_unit)``."""
+    per key, the minimum over them (every rank gets the same)."""
     size = mpi_comm.Get_size()
     turns = size if turns is None else max(1, min(int(turns), size))
-    mine: dict[str, tuple[float, float]] | None = None
+    mine: dict[Any, float] | None = None
     for turn in range(turns):
         if turn == mpi_comm.Get_rank():
             mine = local()
         _quiet_barrier(mpi_comm)
     everyone = [r for r in mpi_comm.allgather(mine) if r is not None]
-    table = CostTable(info={
-        "timer": "thread_time", "repeats": repeats, "ranks": turns,
+    return {key: min(r[key] for r in everyone) for key in everyone[0]}
+
+
+def _table(mpi_comm: MPI.Comm, turns: int | None, repeats: int) -> CostTable:
+    size = mpi_comm.Get_size()
+    return CostTable(info={
+        "timer": "thread_time", "statistic": "min", "sample_s": SAMPLE_S,
+        "repeats": repeats, "ranks": size if turns is None else max(1, min(int(turns), size)),
         "machine": {"node": platform.node(), "processor": platform.processor(),
                     "cpus": os.cpu_count()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     })
-    for op, unit in units.items():
-        per_call = statistics.median(r[op][0] for r in everyone)
-        per_unit = statistics.median(r[op][1] for r in everyone)
-        table.ops[op] = OpCost(per_call, per_unit, unit, "measured")
-    return table

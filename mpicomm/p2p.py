@@ -423,12 +423,11 @@ def recv_object(msg: MPI.Message, delay: LinkDelay | None = None,
 def sent(request: MPI.Request) -> bool:
     """Whether a send request has completed (``MPI_Test``), for loops that drop their
     finished sends without waiting; under the virtual clock the sender then does not
-    wait for that message's completion time (:func:`mpicomm.vwire.release`)."""
-    if not request.Test():
-        return False
+    wait for that message's completion time; a send still on its link in virtual time
+    is not done yet, whatever MPI says (:func:`mpicomm.vwire.sent`)."""
     if vwire.active():
-        vwire.release(request)
-    return True
+        return vwire.sent(request)
+    return request.Test()
 
 
 def wait_sends(requests: Sequence[MPI.Request], poll_s: float,

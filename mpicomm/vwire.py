@@ -39,7 +39,7 @@ from .emulate import vengine
 from .emulate.linkdelay import world_ranks
 
 __all__ = ["active", "register", "SendToken", "RecvToken", "isend", "irecv", "probed",
-           "next_source", "release",
+           "next_source", "sent", "release",
            "track", "complete", "block", "finish", "collective", "small_collective_cost",
            "link_alpha_beta", "world_rank", "start_collective", "complete_collectives",
            "Started", "STALL_S", "POLL_S"]
@@ -177,6 +177,31 @@ def next_source(mpi_comm: MPI.Comm, tags: Sequence[int],
 
     src, tag = _await(decide, "the next message of a wildcard receive")
     return info.world.index(src), tag
+
+
+def sent(request: MPI.Request) -> bool:
+    """Whether a tracked send is complete for a loop that tests and drops its sends:
+    MPI has completed it *and* its message left the upload link by this thread's time
+    (then it is released: the thread will not wait for it). A send that MPI finished
+    early in real time but that is still on the link in virtual time stays pending, so
+    a later wait takes its completion time: what the clock reads never depends on when
+    the real transfer happened to finish."""
+    entry = _tracked.get(id(request))
+    token = entry[1] if entry is not None and entry[0] is request else None
+    if isinstance(token, SendToken):
+        v, a = _state()
+        if token.lb > a.t:
+            return False
+        up = v.engine.upload(token.aid, token.seq)
+        if up is None:
+            v.engine.advance()
+            up = v.engine.upload(token.aid, token.seq)
+        if up is None or up[1] > a.t:
+            return False
+    if not request.Test():
+        return False
+    release(request)
+    return True
 
 
 def release(request: MPI.Request) -> None:

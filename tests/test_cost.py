@@ -49,7 +49,8 @@ def test_costs_are_positive_and_grow_with_size(collective, algorithm, p):
     ("allreduce", "ring", 4, 1000, (6, 1500, 750)),
     ("allreduce", "ring", 5, 1000, (8, 1600, 800)),
     ("allreduce", "recursive_doubling", 4, 1000, (2, 2000, 2000)),
-    ("allreduce", "recursive_doubling", 5, 1000, (4, 4000, 3000)),   # + fold 2α 2nβ nγ
+    ("allreduce", "recursive_doubling", 5, 1000, (3, 4000, 3000)),   # + fold α 2nβ nγ
+    ("allreduce", "recursive_doubling", 7, 1000, (4, 4000, 3000)),   # + fold 2α 2nβ nγ
     ("allreduce", "rabenseifner", 4, 1000, (4, 1500, 750)),
     ("allreduce", "rabenseifner", 6, 1000, (6, 3500, 1750)),         # p2 = 4, + fold
     ("allgather", "ring", 4, 1000, (3, 750, 0)),
@@ -94,7 +95,12 @@ def test_sparse_formulas():
     k, s = 1000, 8
     assert cost.topk_allgather(k, s, 4, c) == pytest.approx(3 * c.alpha + 3 * k * s * c.beta)
     assert cost.gtopk(k, s, 8, c) == pytest.approx(3 * (c.alpha + k * s * c.beta))
-    assert cost.gtopk(k, s, 6, c) == pytest.approx(4 * (c.alpha + k * s * c.beta))
+    # P = 6: the two folded virtual ranks differ in one bit, so the slowest path has
+    # one latency less than the textbook fold's two
+    assert cost.gtopk(k, s, 6, c) == pytest.approx(3 * c.alpha + 4 * k * s * c.beta)
+    assert cost.gtopk(k, s, 7, c) == pytest.approx(4 * (c.alpha + k * s * c.beta))
+    # P = 3: the unfolded rank sends at once; one latency less than the textbook fold
+    assert cost.gtopk(k, s, 3, c) == pytest.approx(2 * c.alpha + 3 * k * s * c.beta)
     assert cost.gtopk(k, s, 1, c) == 0.0
     ring = cost.artopk_ring(k, 4, 4, 4, c)
     assert ring == pytest.approx(cost.broadcast_binomial(4 * k, 4, c)
@@ -129,25 +135,103 @@ def test_predict_rejects_unknown_names():
 def test_choose_latency_vs_bandwidth(p):
     c = CostParams(alpha=10e-6, beta=1 / 10e9, gamma=1 / 20e9)
     assert choose("allreduce", 8, p, c) == "recursive_doubling"
-    assert choose("allreduce", 4e9, p, c) in ("ring", "rabenseifner")
-    # large: no Bruck (its local copies cost more than the messages it saves); recursive
-    # doubling on powers of two (lg p < p - 1 messages, same bytes), ring otherwise
+    # blocks of one ring segment: the textbook choices. No Bruck (its local copies cost
+    # more than the messages it saves); recursive doubling/halving on powers of two
+    # (lg p < p - 1 messages, same bytes), ring otherwise
+    one_segment = p * 512 * 1024
+    assert choose("allreduce", one_segment, p, c) in ("ring", "rabenseifner")
     power_of_two = p == fold_layout(p)[0]
-    assert choose("allgather", 4e9, p, c) == ("recursive_doubling" if power_of_two and p > 2
-                                              else "ring")
+    assert choose("allgather", one_segment, p, c) == (
+        "recursive_doubling" if power_of_two and p > 2 else "ring")
     assert choose("broadcast", 8, p, c) == "binomial"
     if p >= 3:
         assert choose("broadcast", 4e9, p, c) == "scatter_allgather"
     halving_wins = p > 2 and power_of_two
-    assert choose("reduce_scatter", 4e9, p, c) == ("recursive_halving" if halving_wins
-                                                   else "ring")
+    if p > 2:  # (at p = 2 both are one exchange)
+        assert choose("reduce_scatter", one_segment, p, c) == (
+            "recursive_halving" if halving_wins else "ring")
+    # blocks of many segments: the ring pipelines, paying about one latency per pass and
+    # hiding its reductions behind the transfers, and wins every bandwidth-bound case
+    for collective in ("allreduce", "allgather", "reduce_scatter"):
+        assert choose(collective, 4e9, p, c) == "ring", collective
 
 
 def test_choose_prefers_rabenseifner_on_powers_of_two_and_ring_otherwise():
     c = CostParams(alpha=10e-6, beta=1 / 10e9, gamma=1 / 20e9)
-    assert choose("allreduce", 4e9, 4, c) == "rabenseifner"   # 4α < 6α, same bytes
-    assert choose("allreduce", 4e9, 5, c) == "ring"           # the fold costs 2nβ
-    assert choose("allgather", 8, 5, c) == "bruck"            # ⌈lg 5⌉ = 3 < 4 messages
+    n = 4 * 512 * 1024      # ring blocks of one segment
+    assert choose("allreduce", n, 4, c) == "rabenseifner"   # 4α < 6α, same bytes
+    assert choose("allreduce", 5 * n / 4, 5, c) == "ring"   # the fold costs 2nβ
+    assert choose("allgather", 8, 5, c) == "bruck"          # ⌈lg 5⌉ = 3 < 4 messages
+
+
+def test_ring_pipelines_segments():
+    """A block of m segments: the upload link never idles once the first segment has
+    arrived, so a bandwidth-bound pass pays the latency once (not p - 1 times) and the
+    reduce-scatter's reductions hide behind the transfers but for the last segment."""
+    c = CostParams(alpha=1e-3, beta=1e-8, gamma=1e-10)
+    seg = float(mpicomm.config.ring_segment_bytes())
+    p, block = 4, 8 * seg
+    assert cost.ring_allgather_pass(block, p, c) == pytest.approx(
+        c.alpha + (p - 1) * block * c.beta)
+    assert cost.ring_reduce_scatter_pass(block, p, c) == pytest.approx(
+        c.alpha + (p - 1) * block * c.beta + seg * c.gamma)
+    assert cost.allreduce_ring(p * block, p, c) == pytest.approx(
+        cost.ring_reduce_scatter_pass(block, p, c) + cost.ring_allgather_pass(block, p, c))
+    # one segment per block: the textbook (p-1)(α + Bβ [+ Bγ])
+    small = seg / 2
+    assert cost.ring_allgather_pass(small, p, c) == pytest.approx(
+        (p - 1) * (c.alpha + small * c.beta))
+    assert cost.ring_reduce_scatter_pass(small, p, c) == pytest.approx(
+        (p - 1) * (c.alpha + small * (c.beta + c.gamma)))
+
+
+def _ring_events(block: float, p: int, c: CostParams, reduce: bool) -> float:
+    """The segmented ring pass event by event, as the algorithm runs on every rank
+    (symmetric: the left neighbour's k-th upload starts when this rank's does): a
+    segment is reduced when it has arrived and the processor is free, and uploaded when
+    reduced and the link is free; the pass ends at the last reduction or upload."""
+    seg = mpicomm.config.ring_segment_bytes()
+    sizes = [min(seg, block - a) for a in range(0, int(block), seg)]
+    start, link, cpu = {}, 0.0, 0.0
+    for j, size in enumerate(sizes):
+        start[0, j], link = link, link + size * c.beta
+    for step in range(1, p):
+        for j, size in enumerate(sizes):
+            cpu = max(cpu, start[step - 1, j] + c.alpha + size * c.beta)
+            cpu += size * c.gamma if reduce else 0.0
+            if step < p - 1:
+                start[step, j] = max(cpu, link)
+                link = start[step, j] + size * c.beta
+    return max(cpu, link)
+
+
+def _butterfly_events(p: int, a: float, b: float, g: float) -> float:
+    """Fold-in, exchanges, fold-out as ``allreduce(algorithm="recursive_doubling")`` runs
+    them: an exchange ends at max(own time, partner's time + a) + b + g."""
+    p2, rem = fold_layout(p)
+    t = [a + b + g if v < rem else 0.0 for v in range(p2)]
+    mask = 1
+    while mask < p2:
+        t = [max(t[v], t[v ^ mask] + a) + b + g for v in range(p2)]
+        mask <<= 1
+    return max([t[v] + a + b for v in range(rem)] + t[rem:])
+
+
+def test_ring_and_butterfly_formulas_are_the_critical_path():
+    rng = np.random.default_rng(7)
+    seg = mpicomm.config.ring_segment_bytes()
+    for _ in range(400):
+        p = int(rng.integers(2, 20))
+        block = float(rng.choice([rng.integers(1, 6 * seg), seg, 2 * seg + 1]))
+        c = CostParams(*(10.0 ** rng.uniform(lo, hi) for lo, hi in
+                         ((-7, -2), (-11, -7), (-12, -8))))
+        assert cost.ring_reduce_scatter_pass(block, p, c) == pytest.approx(
+            _ring_events(block, p, c, True), rel=1e-9)
+        assert cost.ring_allgather_pass(block, p, c) == pytest.approx(
+            _ring_events(block, p, c, False), rel=1e-9)
+        a, b, g = c.alpha, block * c.beta, block * c.gamma
+        assert cost.folded_butterfly(p, a, b, g) == pytest.approx(
+            _butterfly_events(p, a, b, g), rel=1e-9)
 
 
 def test_allgather_crossover_from_bruck_to_ring():

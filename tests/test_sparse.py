@@ -199,8 +199,14 @@ def test_cost_formulas():
     for p in (2, 3, 4, 5, 8, 16):
         p2 = 1 << (p.bit_length() - 1)
         extra = 2 if p != p2 else 0
-        assert cost.gtopk(k, s, p, c) == pytest.approx(
-            (math.log2(p2) + extra) * (c.alpha + k * s * c.beta))
+        # the fold adds two messages' bytes and one or two latencies (the unfolded
+        # ranks start at once: see cost.folded_butterfly)
+        alpha_only = cost.CostParams(alpha=1.0, beta=0.0, gamma=0.0)
+        beta_only = cost.CostParams(alpha=0.0, beta=1.0, gamma=0.0)
+        assert cost.gtopk(k, s, p, beta_only) == pytest.approx((math.log2(p2) + extra) * k * s)
+        assert math.log2(p2) + extra / 2 <= cost.gtopk(k, s, p, alpha_only) \
+            <= math.log2(p2) + extra
+        assert cost.gtopk(k, s, p, c) <= (math.log2(p2) + extra) * (c.alpha + k * s * c.beta)
         assert cost.topk_allgather(k, s, p, c) == pytest.approx((p - 1) * (c.alpha
                                                                            + k * s * c.beta))
         assert cost.artopk_ring(k, 4, 4, p, c) == pytest.approx(

@@ -18,6 +18,7 @@ import pytest
 
 import mpicomm
 from mpicomm.collectives import cost
+from mpicomm.p2p import fold_layout
 from mpicomm.strategies import GTopK, HierarchicalGTopK
 from mpicomm.topology import ENV_HOST_SIZES, Topology, parse_host_sizes
 
@@ -132,17 +133,28 @@ def test_one_rank_per_host_is_the_flat_model(p):
             want = cost.FORMULAS[collective][a](n, p, NET)
             if (collective, a) == ("allgather", "bruck"):
                 want -= (n + n / p) * NET.gamma  # the rotation copies are no transfer
-            assert hosts.flat(collective, a, n).total == pytest.approx(want, rel=1e-12), \
-                (collective, a)
+            got = hosts.flat(collective, a, n).total
+            if p != fold_layout(p)[0] and a == "recursive_doubling" \
+                    and collective == "allreduce":
+                # lock-step rounds: an upper bound of the folded butterfly's critical path
+                assert got >= want * (1 - 1e-12), (collective, a)
+            else:
+                assert got == pytest.approx(want, rel=1e-12), (collective, a)
     k, ib, vb = 1000, 4, 4
-    assert hosts.flat_sparse("gtopk", k, ib, vb).total == pytest.approx(
-        cost.gtopk(k, ib + vb, p, NET))
+    sparse_gtopk = hosts.flat_sparse("gtopk", k, ib, vb).total
+    if p == fold_layout(p)[0]:
+        assert sparse_gtopk == pytest.approx(cost.gtopk(k, ib + vb, p, NET))
+    else:
+        assert sparse_gtopk >= cost.gtopk(k, ib + vb, p, NET)
     assert hosts.flat_sparse("allgather", k, ib, vb).total == pytest.approx(
         cost.topk_allgather(k, ib + vb, p, NET))
     assert hosts.flat_sparse("artopk", k, ib, vb).total == pytest.approx(
         cost.artopk_ring(k, ib, vb, p, NET))
-    assert hosts.flat_sparse("artopk", k, ib, vb, "recursive_doubling").total == \
-        pytest.approx(cost.artopk_tree(k, ib, vb, p, NET))
+    tree = hosts.flat_sparse("artopk", k, ib, vb, "recursive_doubling").total
+    if p == fold_layout(p)[0]:
+        assert tree == pytest.approx(cost.artopk_tree(k, ib, vb, p, NET))
+    else:
+        assert tree >= cost.artopk_tree(k, ib, vb, p, NET)
 
 
 def test_one_host_prices_the_local_link():
@@ -160,9 +172,11 @@ def test_hierarchical_closed_forms(hosts, per_host):
     gamma = ((r - 1) / r * n + (h - 1) / h * n / r) * NET.gamma
     assert hc.hierarchical_allreduce(n, "ring").total == pytest.approx(
         local + network + gamma, rel=1e-9)
-    # the flat ring crosses each port once per step: the flat formula on the network
+    # the flat ring crosses each port once per step: the flat (one-segment, lock-step)
+    # formula on the network
+    p = h * r
     assert hc.flat("allreduce", "ring", n).total == pytest.approx(
-        cost.allreduce_ring(n, h * r, NET))
+        2 * (p - 1) * NET.alpha + (p - 1) / p * n * (2 * NET.beta + NET.gamma))
     # a flat butterfly sends every local rank's message through the port
     k, s = 1e4, 8
     lg_r, lg_h = math.log2(r), math.log2(h)

@@ -2,11 +2,12 @@
 
 ``mpiexec -n P python -m mpicomm.bench costs --json costs.json`` imports every layer that
 charges compute (collectives, compressors, the sparse layer), lets the ranks take turns
-measuring every kernel (:func:`mpicomm.costtable.calibrate`: thread CPU time, medians of
-``--repeats``, the median over the ranks that measured) and writes the table, which
-``MPICOMM_VIRTUAL_COSTS=costs.json`` (or a suite's ``--costs``) then reuses, so that
-every run of a comparison is charged the same. ``--turns N`` lets only the first N ranks
-measure (faster; each turn takes a second or two).
+measuring every kernel (:func:`mpicomm.costtable.calibrate`: thread CPU time at two
+sizes, the minimum over ``--repeats`` rounds of samples of every rank that measured) and
+writes the table, which ``MPICOMM_VIRTUAL_COSTS=costs.json`` (or a suite's
+``--costs``) then reuses, so that every run of a comparison is charged the same.
+``--turns N`` lets only the first N ranks measure (faster; each turn takes a few
+seconds).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from ._util import UsageError, machine, print_table
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per kernel and size")
+    ap.add_argument("--repeats", type=int, default=costtable.REPEATS,
+                    help="timed samples per kernel and size (their minimum counts)")
     ap.add_argument("--turns", type=int, default=None,
                     help="ranks that measure, one after another (default: all)")
     ap.add_argument("--ops", default="", help="only these ops (comma-separated)")

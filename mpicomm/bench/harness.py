@@ -423,7 +423,7 @@ def step_costs(spec: Spec, w: workloads.Workload, comm: Communicator, lr: float,
     ``weight_decay`` is the recipe's (in the loss with ``spec.decay_in_loss``).
 
     Measured once per (workload, options, batch, optimizer settings) in this process with
-    :func:`mpicomm.torch.costs.calibrate_model` (every rank of ``comm`` in turn, medians;
+    :func:`mpicomm.torch.costs.calibrate_model` (every rank of ``comm`` in turn, minima;
     on the first batch of epoch 0, the model's state restored afterwards), then reused, so
     every run of a benchmark on the same model is charged alike. Entries the caller
     declared (``mpicomm.clock.declare("forward", ...)``, all three) are kept: that is how

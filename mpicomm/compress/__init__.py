@@ -83,8 +83,8 @@ def _cost_kernels() -> None:
             payload = c.compress(x, name="calibration")
             return lambda: c.decompress(payload)
 
-        register_kernel(f"compress:{name}", compress, "element", (1 << 12, 1 << 18))
-        register_kernel(f"decompress:{name}", decompress, "element", (1 << 12, 1 << 18))
+        register_kernel(f"compress:{name}", compress, "element", (1 << 14, 1 << 20))
+        register_kernel(f"decompress:{name}", decompress, "element", (1 << 14, 1 << 20))
 
     for name in REGISTRY:
         kernels_of(name)

@@ -69,8 +69,8 @@ def _cost_kernels() -> None:
 
         return run
 
-    register_kernel("select", select, "element", (1 << 14, 1 << 19))
-    register_kernel("merge", merge, "pair", (1 << 12, 1 << 17))
+    register_kernel("select", select, "element", (1 << 14, 1 << 20))
+    register_kernel("merge", merge, "pair", (1 << 12, 1 << 18))
     register_kernel("scatter", scatter, "element", (1 << 14, 1 << 20))
 
 

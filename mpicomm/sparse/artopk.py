@@ -25,7 +25,7 @@ Cost (ib/vb = index/value bytes, ib = 4 below 2^31 entries; see
 :func:`mpicomm.collectives.cost.artopk_ring` / ``artopk_tree``):
 
 * ring:  ⌈lg P⌉(α + k·ib·β) + 2(P-1)α + 2(P-1)/P·k·vb·β  (+ (P-1)/P·k·vb·γ)
-* tree:  ⌈lg P⌉(α + k·ib·β) + lg p2·(α + k·vb·β) (+ fold: 2α + 2k·vb·β)
+* tree:  ⌈lg P⌉(α + k·ib·β) + lg p2·(α + k·vb·β) (+ fold: up to 2α + 2k·vb·β)
 * var adds an allgather of P float64: (P-1)(α + 8β).
 
 Per-rank bytes *sent*: the index broadcast costs a rank ``children · k · ib`` (the root

@@ -37,8 +37,10 @@ index space of 2^31 or more; ``m`` = pairs a message holds, ``m <= k``):
 With every rank holding >= k pairs and every union >= k: ``lg p2 * k * s`` bytes sent per
 rank in the group (+ ``k*s`` for fold partners), ``k*s`` for the folded-out ranks.
 
-Cost (critical path): (lg p2 + 2·fold)·(α + k·s·β) + merge compute O(k log k) per round,
-``fold`` = 1 when P is not a power of two (:func:`mpicomm.collectives.cost.gtopk`).
+Cost (critical path): lg p2·(α + k·s·β) + merge compute O(k log k) per round at a power
+of two; a non-power of two adds the fold's two messages of k·s bytes and one or two
+latencies (the unfolded ranks start the first round at once:
+:func:`mpicomm.collectives.cost.gtopk`, :func:`~mpicomm.collectives.cost.folded_butterfly`).
 Versus the ring Allgather Top-k, (P-1)(α + k·s·β) and (P-1)·k·s bytes per rank: gTop-k
 sends the same at P = 2, 2/3 of it at P = 4, 3/7 at P = 8 and 4/15 at P = 16 (the
 busiest rank of a non-power-of-two P sends one message more: 3/4 at P = 5).

@@ -3,7 +3,7 @@
 Under the virtual clock (``mpicomm.clock``) a training loop's own compute costs
 nothing unless it is charged. ``calibrate_model`` measures one model's step with the
 ranks taking turns (``mpicomm.clock.calibrate_calls``: thread CPU time, one torch
-thread, medians) and enters three per-call costs in the table:
+thread, the minimum of repeated samples) and enters three per-call costs in the table:
 
 ``forward``    ``loss_fn(model(inputs), target)`` with autograd recording;
 ``backward``   ``loss.backward()`` (forward + backward measured, minus ``forward``);

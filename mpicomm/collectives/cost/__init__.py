@@ -6,6 +6,18 @@ Model (Hockney; Thakur, Rabenseifner & Gropp, IJHPCA 2005): sending one message 
 ``p`` the algorithms that need a power of two fold the extra ranks in and out, which adds
 the terms marked *fold* below (``p2`` is the largest power of two <= p).
 
+Each formula is the critical path of the algorithm as mpicomm runs it, with every rank's
+port full duplex (a send and a receive at once), one upload and one download at a time,
+and sends that leave when posted. Two consequences the textbook forms miss:
+
+* **Folds** (recursive doubling, gTop-k): the ranks left out of the fold start the first
+  exchange at once, so a non-power-of-two ``p`` adds between one and two message times,
+  not always two (:func:`folded_butterfly`: ``p = 3`` costs ``2α + 3nβ + 2nγ``).
+* **Ring segments**: a ring block larger than ``MPICOMM_RING_SEGMENT_BYTES`` is cut into
+  segments that are forwarded as they arrive; once a block spans several segments the
+  ring pays the latency about once per pass instead of ``p-1`` times
+  (:func:`ring_reduce_scatter_pass`, :func:`ring_allgather_pass`).
+
 Sizes: for allreduce, reduce-scatter and broadcast ``n`` is the size of one rank's
 vector; for allgather it is the *total* gathered size (MPICH's convention). The sparse
 formulas take ``k`` (entries per rank) and ``s`` (bytes per entry on the wire).
@@ -13,24 +25,31 @@ formulas take ``k`` (entries per rank) and ``s`` (bytes per entry on the wire).
 ==============================  ===============================================================
 algorithm                       time
 ==============================  ===============================================================
-allreduce ring                  2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ
-allreduce recursive doubling    lg p2·(α + nβ + nγ)                      fold: 2α + 2nβ + nγ
+allreduce ring                  2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ  (one segment per block;
+                                larger blocks pipeline: down to 2α + 2(p-1)/p·nβ + ...)
+allreduce recursive doubling    lg p2·(α + nβ + nγ)            fold: up to 2α + 2nβ + nγ
+                                (exactly: :func:`folded_butterfly` with nβ, nγ)
 allreduce Rabenseifner          2 lg p2·α + 2(p2-1)/p2·nβ + (p2-1)/p2·nγ  fold: 2α + 2nβ + nγ
-allgather ring                  (p-1)α + (p-1)/p·nβ
+allgather ring                  (p-1)α + (p-1)/p·nβ        (one segment per block; see above)
 allgather Bruck                 ⌈lg p⌉α + (p-1)/p·nβ + (n + n/p)γ     (local rotation copies)
 allgather recursive doubling    lg p2·α + (p-1)/p·nβ                     fold: 2α + (n/p + n)β
 allgather direct                (p-1)α + (p-1)/p·nβ       (as ring; all messages posted at once)
 broadcast binomial              ⌈lg p⌉(α + nβ)
 broadcast scatter + allgather   (⌈lg p⌉ + p - 1)α + 2(p-1)/p·nβ
-reduce-scatter ring             (p-1)α + (p-1)/p·n(β + γ)
+reduce-scatter ring             (p-1)α + (p-1)/p·n(β + γ)  (one segment per block; see above)
 reduce-scatter rec. halving     lg p2·α + (p2-1)/p2·n(β + γ)        fold: 2α + n(β + γ) + n/p·β
 reduce-scatter direct           (p-1)α + (p-1)/p·n(β + γ)   (as ring; all messages posted at once)
 Top-k via allgather (ring)      (p-1)α + (p-1)·k·s·β
-gTop-k (butterfly)              lg p2·(α + k·s·β)                        fold: 2(α + k·s·β)
+gTop-k (butterfly)              lg p2·(α + k·s·β)              fold: up to 2(α + k·s·β)
+                                (exactly: :func:`folded_butterfly` with k·s·β, no γ)
 AR-Top-k (ring)                 bcast of k indices + ring allreduce of k values
 AR-Top-k (tree)                 bcast of k indices + recursive-doubling allreduce of k values
 PS push + pull (S servers)      2α + 2W(n/S)β + W(n/S)γ   (busiest server port; Table I: S=1)
 ==============================  ===============================================================
+
+The fold terms of Rabenseifner, the recursive-doubling allgather and recursive halving
+are the textbook ones, an upper bound of their critical path (their unfolded ranks also
+start early).
 
 **Two link classes** (:mod:`mpicomm.collectives.cost.hosts`): on a cluster whose hosts
 hold several ranks each, :class:`HostCosts` prices every algorithm round by round with
@@ -80,11 +99,14 @@ from .flat import (
     artopk_tree,
     broadcast_binomial,
     broadcast_scatter_allgather,
+    folded_butterfly,
     gtopk,
     ps_push_pull,
     reduce_scatter_direct,
     reduce_scatter_recursive_halving,
     reduce_scatter_ring,
+    ring_allgather_pass,
+    ring_reduce_scatter_pass,
     topk_allgather,
 )
 from .hosts import HOST_ALGORITHMS, SPARSE_INNER, HostCosts, Seconds, host_costs
@@ -99,7 +121,7 @@ __all__ = ["CostParams", "ComputeParams", "predict", "choose", "FORMULAS", "cali
            "allgather_recursive_doubling", "broadcast_binomial",
            "broadcast_scatter_allgather", "reduce_scatter_ring", "reduce_scatter_direct",
            "reduce_scatter_recursive_halving", "topk_allgather", "gtopk", "artopk_ring",
-           "artopk_tree"]
+           "artopk_tree", "folded_butterfly", "ring_reduce_scatter_pass", "ring_allgather_pass"]
 
 #: Collectives with a hierarchical algorithm (``algorithm="hierarchical"``).
 HIERARCHICAL = ("allreduce", "allgather")

@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from ...config import ring_segment_bytes
 from .params import CostParams
 
 __all__ = ["FORMULAS", "allreduce_ring", "allreduce_recursive_doubling",
            "allreduce_rabenseifner", "allgather_ring", "allgather_bruck", "allgather_direct",
            "allgather_recursive_doubling", "broadcast_binomial", "broadcast_scatter_allgather",
            "reduce_scatter_ring", "reduce_scatter_direct", "reduce_scatter_recursive_halving",
-           "topk_allgather", "gtopk", "artopk_ring", "artopk_tree", "ps_push_pull"]
+           "topk_allgather", "gtopk", "artopk_ring", "artopk_tree", "ps_push_pull",
+           "ring_reduce_scatter_pass", "ring_allgather_pass", "folded_butterfly"]
 
 
 def _lg(p: int) -> float:
@@ -28,19 +30,105 @@ def _fold(p: int) -> int:
 
 
 # ---------------------------------------------------------------------- dense
-def allreduce_ring(n: float, p: int, c: CostParams) -> float:
+def _segments(block: float) -> tuple[float, float, float]:
+    """``(first, middle, last)`` bytes of a ring block cut into segments of
+    ``MPICOMM_RING_SEGMENT_BYTES``: the first segment, the full segments between it and
+    the last, and the last one (0 when the block is a single segment)."""
+    seg = float(ring_segment_bytes())
+    if block <= seg:
+        return block, 0.0, 0.0
+    count = math.ceil(block / seg)
+    last = block - (count - 1) * seg
+    return seg, block - seg - last, last
+
+
+def ring_reduce_scatter_pass(block: float, p: int, c: CostParams) -> float:
+    r"""Critical path of the segmented ring reduce-scatter (``p-1`` steps of one block of
+    ``B`` bytes, cut into segments: the first of ``s`` bytes, the last of ``r``, ``m`` in
+    all; a segment is reduced and forwarded as soon as it arrives).
+
+    The pass is a grid of events (step, segment): a segment's send follows its arrival
+    and reduction (``α + c(β+γ)`` down the grid), and each rank's upload link and
+    processor are serial (``cβ`` and ``cγ`` along it). The longest path is one of
+
+    * latency-bound: ``(p-1)(α + s(β+γ)) + (B-s-r)·max(β,γ) + rγ`` or
+      ``(p-1)α + (p-2)s(β+γ) + Bβ + rγ`` (every step waits for its first segment);
+    * upload-bound: ``α + (p-1)Bβ + rγ`` (the link never idles: latency paid once);
+    * reduction-bound: ``α + sβ + (p-1)Bγ`` (the processor never idles).
+
+    With one segment (``m = 1``, ``s = B``, ``r = 0``) all are at most the textbook
+    ``(p-1)(α + Bβ + Bγ)``. Sends leave when posted (eager), links are full duplex.
+    """
     if p == 1:
         return 0.0
-    f = (p - 1) / p
-    return 2 * (p - 1) * c.alpha + 2 * f * n * c.beta + f * n * c.gamma
+    s, mid, r = _segments(block)
+    a, b, g = c.alpha, c.beta, c.gamma
+    last = r if r else s
+    tail = max(0.0, s * g - r * b) if r else 0.0  # last down at the last full segment
+    return max((p - 1) * (a + s * (b + g)) + mid * max(b, g) + r * g,
+               (p - 1) * a + (p - 2) * s * (b + g) + block * b + last * g + tail,
+               a + (p - 1) * block * b + last * g + tail,
+               a + s * b + (p - 1) * block * g)
+
+
+def ring_allgather_pass(block: float, p: int, c: CostParams) -> float:
+    r"""Critical path of the segmented ring allgather (``p-1`` steps of ``B`` bytes, the
+    first segment ``s``; see :func:`ring_reduce_scatter_pass`):
+    ``max((p-1)α + (p-2)sβ + Bβ, α + (p-1)Bβ)``: every step waits for its first segment,
+    or the upload link never idles. One segment: ``(p-1)(α + Bβ)``."""
+    if p == 1:
+        return 0.0
+    s = _segments(block)[0]
+    return max((p - 1) * c.alpha + ((p - 2) * s + block) * c.beta,
+               c.alpha + (p - 1) * block * c.beta)
+
+
+def allreduce_ring(n: float, p: int, c: CostParams) -> float:
+    """Segmented ring reduce-scatter then ring allgather of blocks ``B = n/p``
+    (:func:`ring_reduce_scatter_pass` + :func:`ring_allgather_pass`). Blocks of one
+    segment: the textbook ``2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ``; larger blocks pipeline
+    and pay the latency about once per pass: ``2α + 2(p-1)/p·nβ`` when bandwidth-bound."""
+    if p == 1:
+        return 0.0
+    return ring_reduce_scatter_pass(n / p, p, c) + ring_allgather_pass(n / p, p, c)
+
+
+def folded_butterfly(p: int, a: float, b: float, g: float) -> float:
+    r"""Critical path of a butterfly (recursive doubling) of ``lg p2`` exchanges costing
+    ``a`` latency, ``b`` transfer and ``g`` local work (a reduction, a merge) each, with
+    the fold of a non-power-of-two ``p`` (``rem = p - p2`` pairs: the even rank of a pair
+    sends to the odd one, which works ``g`` on it, and gets the result back).
+
+    Sends leave when posted, so the ``p2 - rem`` unfolded ranks start the first exchange
+    at time 0 while the folded ones are still receiving; an exchange completes at
+    ``max(own time, partner's time + a) + b + g``. Unrolled, virtual rank ``v`` finishes
+    at ``L(b+g) + max_w(start_w + a·popcount(v XOR w))`` (``L = lg p2``), and the last
+    rank is done at
+
+    ``L(a+b+g)``  (``rem = 0``), else
+    ``L(b+g) + a + b + g + max(b + (h+1)a, La)``,  ``h = bit_length(rem-1)``:
+
+    the slowest path either starts at a folded rank and ends at one (``h`` = most bits in
+    which two folded virtual ranks differ) or starts at a folded rank and ends at an
+    unfolded one ``L`` bits away. ``rem ≥ p2/2 + 1`` gives the textbook
+    ``L(a+b+g) + 2a + 2b + g``; ``p = 3`` gives ``2a + 3b + 2g``, one latency less.
+    """
+    if p == 1:
+        return 0.0
+    p2 = _p2(p)
+    lg = p2.bit_length() - 1
+    rem = p - p2
+    if rem == 0:
+        return lg * (a + b + g)
+    h = (rem - 1).bit_length()
+    return lg * (b + g) + a + b + g + max(b + (h + 1) * a, lg * a)
 
 
 def allreduce_recursive_doubling(n: float, p: int, c: CostParams) -> float:
-    if p == 1:
-        return 0.0
-    rounds = _lg(_p2(p))
-    fold = _fold(p) * (2 * c.alpha + 2 * n * c.beta + n * c.gamma)
-    return rounds * (c.alpha + n * c.beta + n * c.gamma) + fold
+    """Fold-in, ``lg p2`` exchanges of the whole vector, fold-out:
+    :func:`folded_butterfly` with ``a = α``, ``b = nβ``, ``g = nγ`` (at most
+    ``lg p2·(α + nβ + nγ) + fold (2α + 2nβ + nγ)``)."""
+    return folded_butterfly(p, c.alpha, n * c.beta, n * c.gamma)
 
 
 def allreduce_rabenseifner(n: float, p: int, c: CostParams) -> float:
@@ -53,7 +141,9 @@ def allreduce_rabenseifner(n: float, p: int, c: CostParams) -> float:
 
 
 def allgather_ring(n: float, p: int, c: CostParams) -> float:
-    return (p - 1) * c.alpha + (p - 1) / p * n * c.beta
+    """Segmented ring of blocks ``n/p`` (:func:`ring_allgather_pass`): ``(p-1)α +
+    (p-1)/p·nβ`` while a block is one segment."""
+    return ring_allgather_pass(n / p, p, c)
 
 
 def allgather_bruck(n: float, p: int, c: CostParams) -> float:
@@ -91,7 +181,9 @@ def broadcast_scatter_allgather(n: float, p: int, c: CostParams) -> float:
 
 
 def reduce_scatter_ring(n: float, p: int, c: CostParams) -> float:
-    return (p - 1) * c.alpha + (p - 1) / p * n * (c.beta + c.gamma)
+    """Segmented ring of blocks ``n/p`` (:func:`ring_reduce_scatter_pass`):
+    ``(p-1)α + (p-1)/p·n(β + γ)`` while a block is one segment."""
+    return ring_reduce_scatter_pass(n / p, p, c)
 
 
 def reduce_scatter_direct(n: float, p: int, c: CostParams) -> float:
@@ -115,10 +207,10 @@ def topk_allgather(k: float, s: float, p: int, c: CostParams) -> float:
 
 
 def gtopk(k: float, s: float, p: int, c: CostParams) -> float:
-    """Butterfly gTop-k: lg p2 rounds of k pairs, plus the fold-in/fold-out step."""
-    if p == 1:
-        return 0.0
-    return (_lg(_p2(p)) + 2 * _fold(p)) * (c.alpha + k * s * c.beta)
+    """Butterfly gTop-k: lg p2 rounds of k pairs, plus the fold-in/fold-out step, on the
+    critical path of :func:`folded_butterfly` (``a = α``, ``b = k·s·β``, no merge
+    time): ``lg p2·(α + k·s·β)`` at a power of two, at most ``2(α + k·s·β)`` more."""
+    return folded_butterfly(p, c.alpha, k * s * c.beta, 0.0)
 
 
 def artopk_ring(k: float, index_bytes: float, value_bytes: float, p: int,

@@ -11,8 +11,11 @@ of *rounds* of concurrent messages; a round costs
 * otherwise ``max(alpha_loc + n·beta_loc)`` over its messages;
 
 reductions add ``gamma`` (the ``network`` parameters' gamma, the calibrated machine's)
-per byte as in the flat formulas. With one rank per host this is exactly the flat
-model of :mod:`mpicomm.collectives.cost.flat`; with host-major placement a ring still
+per byte as in the flat formulas. With one rank per host this is the flat model of
+:mod:`mpicomm.collectives.cost.flat` where the algorithm runs in lock-step rounds (a
+power-of-two butterfly, a ring whose blocks are one segment each) and an upper bound of
+it otherwise (the flat formulas follow the critical path: the unfolded ranks of a
+butterfly start early, a ring's segments pipeline); with host-major placement a ring still
 crosses the network once per host per step (its flat formula holds with the network's
 parameters), while a butterfly's rounds whose partners sit on other hosts push every
 local rank's message through one port at once:
