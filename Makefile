@@ -340,7 +340,7 @@ CTL_SEL_EPOCHS ?= 7
 CTL_SEL_SEEDS ?= 3
 CTL_SEL_STATIC ?= $(CTL_GRID)
 CTL_ADAPTIVE = $(PY) -m mpicomm.bench adaptive --workload mnist1d-cnn \
-	  --epochs $(CTL_SEL_EPOCHS) --lr 0.05 --target 0.95 --eval-every 50 \
+	  --epochs $(CTL_SEL_EPOCHS) --lr 0.05 --target 0.975 --eval-every 50 \
 	  --seeds $(CTL_SEL_SEEDS) --static $(CTL_SEL_STATIC) --lgreco-families "" \
 	  --clock virtual
 bench-controllers-selector: $(STAMP)

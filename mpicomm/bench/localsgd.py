@@ -274,6 +274,17 @@ def train_method(method: str, schedule: str, seed: int, delay_s: float,
                r.extra["rounds"], r.sent_bytes, taus, decisions, r.record())
 
 
+def sync_as(runs: list[Run], method: str, schedule: str, seed: int) -> Run:
+    """The synchronous run of ``schedule`` and ``seed`` under another name: ``LocalSGD``
+    with period 1 *is* that run (the same code on the same seed gives the same curve),
+    so ``tau=1`` is reported from it rather than trained twice."""
+    sync = next((r for r in runs if (r.method, r.schedule, r.seed)
+                 == (METHOD_SYNC, schedule, seed)), None)
+    if sync is None:
+        raise ValueError(f"no {METHOD_SYNC} run of schedule {schedule!r}, seed {seed}")
+    return dataclasses.replace(sync, method=method)
+
+
 def round_time(args: argparse.Namespace, comm: Communicator) -> float:
     """``D`` on the declared link: the cost model's allreduce of the workload's parameters
     (float32) at this rank count, with the algorithm it picks for that size."""
@@ -398,11 +409,8 @@ def run(args: argparse.Namespace) -> int:
     for schedule in schedules:
         for seed in range(args.seed_offset, args.seed_offset + args.seeds):
             for method in methods:
-                if method == "tau=1":  # LocalSGD with period 1 *is* the sync run: the
-                    # same code, the same seed, so the same curve (not trained twice)
-                    sync = next(r for r in runs if (r.method, r.schedule, r.seed)
-                                == (METHOD_SYNC, schedule, seed))
-                    r = dataclasses.replace(sync, method=method)
+                if method == "tau=1":
+                    r = sync_as(runs, method, schedule, seed)
                 else:
                     r = train_method(method, schedule, seed, delay_s, args, comm,
                                      model_clock)
