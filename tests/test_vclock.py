@@ -434,8 +434,12 @@ def test_a_reported_step_sets_the_network_of_every_thread_of_the_rank(comm, tmp_
         for step in (1, 5, 6):
             clock.report_step(step)
             out: list[float] = []
-            thread = threading.Thread(target=lambda: out.extend((_elapsed(
-                vc, lambda: mpicomm.allreduce(x, algorithm="ring", comm=vc)), clock.now())))
+
+            def helper(out: list[float] = out) -> None:
+                took = _elapsed(vc, lambda: mpicomm.allreduce(x, algorithm="ring", comm=vc))
+                out.extend((took, clock.now()))
+
+            thread = threading.Thread(target=helper)
             with clock.waiting_for_threads():
                 thread.start()
                 thread.join()
