@@ -87,7 +87,7 @@ def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(tmp_path)
         assert len(line) >= run["steps"] - 2
         assert all(p[1] in ("dense", "allgather_topk", "gtopk", "artopk_ring",
                             "artopk_tree", "powersgd") and 0 < p[2] <= 1 for p in line)
-        assert {(p[3], p[4]) for p in line} == {(pytest.approx(0.1), pytest.approx(0.1))}
+        assert all(p[3:] == [pytest.approx(0.1), pytest.approx(0.1)] for p in line)
     assert data["summary"]["auto_vs_best_static_target"] == 1.05   # a constant network
     assert "ratio_moves" not in data["summary"]
     assert data["rows"][0]["overhead_pct"] is None   # dense has no controllers
