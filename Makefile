@@ -18,8 +18,8 @@
 #                             declared step time, cost-model averaging round) at 1 Gbit/s
 #                             and 100 Mbit/s, constant lr and lr decay, 3 seeds, then report
 #   make bench-controllers-selector  auto vs dense and 12 fixed (scheme, ratio) on
-#                             mnist1d-cnn, 8 ranks, a network flipping twice and a
-#                             constant one (injected link, quiet 8-core machine)
+#                             mnist1d-cnn, 4 ranks, a network flipping twice and a
+#                             constant one (virtual clock), L-GreCo on text-lm
 #   make bench-ratios         compression ratios at no accuracy loss: dense and the default
 #                             compressing strategies on mnist1d-cnn and text-lm at 8 and 16
 #                             ranks x 3 seeds (benchmarks/results/ratios/, hours on a small
@@ -300,44 +300,60 @@ bench-workloads: $(STAMP)
 	done
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 
-# AdaComm (the paper's rule and the measured-noise rule) against sync and every fixed
-# period on mnist1d-cnn (8 000 training signals), on the local SGD bench's model clock:
-# t = steps x Y + rounds x D, Y declared (CTL_STEP_MS), D the cost model's allreduce of
-# the parameters at CTL_NP ranks on the link: load-independent, no sleeping. One
-# command per network; JSON under $(BENCH_OUT)/controllers, then the report.
-CTL_NP ?= 2
+# AdaComm (the paper's rule; CTL_NOISE=both adds the measured-noise rule) against sync
+# and every fixed period on mnist1d-cnn (4 000 training signals, 32 channels: 8 106
+# parameters), on the local SGD bench's model clock: t = steps x Y + rounds x D, Y
+# declared (CTL_STEP_MS, about this model's step on one CPU core), D the cost model's
+# allreduce of the parameters at CTL_NP ranks on the link: load-independent, no
+# sleeping. One command per network; JSON under $(BENCH_OUT)/controllers, then the
+# report. About 30 CPU-minutes at 8 ranks.
+CTL_NP ?= 8
 CTL_SEEDS ?= 3
-CTL_STEP_MS ?= 10
-CTL_BUDGET_S ?= 60
+CTL_STEP_MS ?= 1
+CTL_BUDGET_S ?= 4
+CTL_NOISE ?= constant
 CTL_LOCALSGD = $(PY) -m mpicomm.bench localsgd --workload mnist1d-cnn \
-	  --option train_examples=8000 --clock model --step-ms $(CTL_STEP_MS) \
-	  --budget-s $(CTL_BUDGET_S) --taus 1,2,4,8,16,32 --schedules fixed,decay \
-	  --adacomm-noise both --seeds $(CTL_SEEDS) --eval-every 100
+	  --option train_examples=4000 --option channels=32 --clock model \
+	  --step-ms $(CTL_STEP_MS) --budget-s $(CTL_BUDGET_S) --taus 1,2,4,8,16,32 \
+	  --schedules fixed,decay --adacomm-noise $(CTL_NOISE) --seeds $(CTL_SEEDS) \
+	  --eval-every 100
 bench-controllers: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/controllers
-	$(MPIEXEC) -n $(CTL_NP) $(CTL_LOCALSGD) --rate-gbit 1 --latency-us 100 \
-	  --json $(BENCH_OUT)/controllers/localsgd-mnist1d-1gbit-$(CTL_NP).json
 	$(MPIEXEC) -n $(CTL_NP) $(CTL_LOCALSGD) --rate-gbit 0.1 --latency-us 1000 \
-	  --json $(BENCH_OUT)/controllers/localsgd-mnist1d-100mbit-$(CTL_NP).json
+	  --json $(BENCH_OUT)/controllers/localsgd-mnist1d-c32-100mbit-$(CTL_NP).json
+	$(MPIEXEC) -n $(CTL_NP) $(CTL_LOCALSGD) --rate-gbit 1 --latency-us 100 \
+	  --json $(BENCH_OUT)/controllers/localsgd-mnist1d-c32-1gbit-$(CTL_NP).json
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 
-# auto against dense and a grid of 12 fixed (scheme, ratio) on mnist1d-cnn at 8 ranks,
-# 13 epochs (2 028 steps), 3 seeds: a network that flips twice (10 Gbit/s 50 us, then
-# 100 Mbit/s 5 ms from epoch 4, then 1 Gbit/s 1 ms from epoch 9) and a constant 1 Gbit/s
-# 1 ms. The injected link of bench adaptive (wall clock): needs a quiet machine with 8
-# cores; JSON under $(BENCH_OUT)/controllers.
+# auto against dense and a grid of fixed (scheme, ratio) on mnist1d-cnn (128 channels,
+# 105 738 parameters) on the virtual clock (load-independent), CTL_SEL_NP ranks on as
+# many hosts, CTL_SEL_EPOCHS epochs (2 184 steps at 4 ranks), CTL_SEL_SEEDS seeds: a
+# network that flips twice (benchmarks/schedule-controllers-flips.txt: 10 Gbit/s 50 us,
+# 100 Mbit/s 5 ms from step 700, 1 Gbit/s 1 ms from step 1400) and a constant 1 Gbit/s
+# 1 ms; then L-GreCo against uniform top-k densities on text-lm. CTL_GRID is the full
+# grid of 12; CTL_SEL_STATIC the subset run (default all of it).
 CTL_GRID = allgather_topk@0.1,allgather_topk@0.01,allgather_topk@0.001,gtopk@0.1,gtopk@0.01,$\
 	gtopk@0.001,artopk_ring@0.1,artopk_ring@0.01,artopk_ring@0.001,artopk_tree@0.1,$\
 	artopk_tree@0.01,artopk_tree@0.001
-CTL_ADAPTIVE = $(PY) -m mpicomm.bench adaptive --workload mnist1d-cnn --epochs 13 \
-	  --lr 0.05 --target 0.95 --eval-every 20 --seeds 3 --static $(CTL_GRID) \
-	  --lgreco-families topk
+CTL_SEL_NP ?= 4
+CTL_SEL_EPOCHS ?= 7
+CTL_SEL_SEEDS ?= 3
+CTL_SEL_STATIC ?= $(CTL_GRID)
+CTL_ADAPTIVE = $(PY) -m mpicomm.bench adaptive --workload mnist1d-cnn \
+	  --epochs $(CTL_SEL_EPOCHS) --lr 0.05 --target 0.975 --eval-every 50 \
+	  --seeds $(CTL_SEL_SEEDS) --static $(CTL_SEL_STATIC) --lgreco-families "" \
+	  --clock virtual
 bench-controllers-selector: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/controllers
-	$(MPIEXEC) -n 8 $(CTL_ADAPTIVE) --schedule 0:10:50,4:0.1:5000,9:1:1000 \
-	  --json $(BENCH_OUT)/controllers/adaptive-mnist1d-flips-8.json
-	$(MPIEXEC) -n 8 $(CTL_ADAPTIVE) --schedule 0:1:1000 \
-	  --json $(BENCH_OUT)/controllers/adaptive-mnist1d-constant-8.json
+	$(MPIEXEC) -n $(CTL_SEL_NP) $(CTL_ADAPTIVE) --rate 10gbit --delay 50us \
+	  --virtual-schedule benchmarks/schedule-controllers-flips.txt \
+	  --json $(BENCH_OUT)/controllers/adaptive-mnist1d-flips-$(CTL_SEL_NP).json
+	$(MPIEXEC) -n $(CTL_SEL_NP) $(CTL_ADAPTIVE) --rate 1gbit --delay 1ms \
+	  --json $(BENCH_OUT)/controllers/adaptive-mnist1d-constant-$(CTL_SEL_NP).json
+	$(MPIEXEC) -n $(CTL_SEL_NP) $(PY) -m mpicomm.bench adaptive --workload text-lm \
+	  --only lgreco --lgreco-families topk --lgreco-ratio 0.01 --lgreco-steps 200 \
+	  --eval-every 100 --target 1000 --clock virtual --rate 1gbit --delay 1ms \
+	  --json $(BENCH_OUT)/controllers/lgreco-text-lm-$(CTL_SEL_NP).json
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 
 report: $(STAMP)

@@ -125,6 +125,7 @@ class _Virtual:
         self.lock = threading.Lock()
         self.free = list(range(engine.T - 1, 0, -1))   # actor slots of this rank's threads
         self.main: _Actor | None = None
+        self.step = -1                   # the training step reported (report_step)
         self.actors: list[_Actor] = []   # keeps the helper threads' actors closable at exit
 
     def actor(self) -> _Actor:
@@ -138,6 +139,9 @@ class _Virtual:
             start_t = self.main.t if self.main is not None else 0.0
             aid = self.engine.open_actor(self.rank, index, start_t)
             a = _Actor(self.engine, aid, start_t, self)
+            if self.step >= 0:      # a helper thread sends on the rank's current step
+                a.step = self.step
+                self.engine.set_step(aid, self.step)
             self.local.actor = a
         return a
 
@@ -234,19 +238,24 @@ def join(t: float) -> None:
 def report_step(step: int) -> None:
     """The training step this thread has reached, for ``step N`` schedule entries.
 
-    Virtual clock: the step travels with every message sent from then on, and a rank
-    learns a later step from any message it receives (reporting it on one rank reaches
-    the others through the next collective); the network conditions of a message are
-    those of its sender's step. Wall clock: the emulated cluster's step file
+    Virtual clock: the step is the rank's, for every thread of it (the helper threads
+    that send a gradient synchronization's messages included), and travels with every
+    message sent from then on; the network conditions of a message are those of its
+    sender's step. Wall clock: the emulated cluster's step file
     (:func:`mpicomm.emulate.linkdelay.report_step`; a no-op outside it)."""
     v = _virtual
     if v is None:
         linkdelay.report_step(step)
     else:
-        a = v.actor()
-        if step != a.step:
-            a.step = int(step)
-            v.engine.set_step(a.aid, a.step)
+        step = int(step)
+        if step != v.step:
+            v.step = step
+            T = v.engine.T
+            for aid in range(v.rank * T, (v.rank + 1) * T):  # open or not: set alike
+                v.engine.set_step(aid, step)
+            for a in (getattr(v.local, "actor", None), v.main):
+                if a is not None:
+                    a.step = step
 
 
 @contextlib.contextmanager

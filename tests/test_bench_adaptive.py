@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpicomm.bench.adaptive import median_row
+from mpicomm.bench.adaptive import median_row, ratio_moves
 
 from .launch import run_job
 
@@ -34,11 +34,29 @@ def test_median_row_takes_medians_and_counts_a_miss_as_infinitely_slow():
     assert one["time_to_target_s"] == 3.0 and one["runs"] == runs[:1]
 
 
+def test_ratio_moves_compares_the_ratio_before_a_change_with_the_settled_one():
+    line = [(s, "gtopk", 0.1 if s < 5 else 0.01 if s < 12 else 0.02,
+             10.0 if s < 4 else 0.1 if s < 10 else 1.0, 0.05 if s < 4 else 5.0)
+            for s in range(16)]
+    moves = ratio_moves(line, settle=3)
+    assert [m["step"] for m in moves] == [4, 10]
+    first, second = moves
+    assert (first["ratio_before"], first["ratio_after"]) == (0.1, 0.01)   # step 7
+    assert first["factor"] == pytest.approx(10.0)
+    assert (first["from_gbit"], first["to_gbit"], first["to_delay_ms"]) == (10.0, 0.1, 5.0)
+    assert (second["ratio_before"], second["ratio_after"]) == (0.01, 0.02)  # step 13
+    assert second["factor"] == pytest.approx(2.0)
+    # a change too close to the end: the ratio at the last step
+    assert ratio_moves(line[:12], settle=5)[-1]["ratio_after"] == 0.01
+    assert ratio_moves([(0, "dense", 1.0, 1.0, 1.0)]) == []
+
+
 def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(tmp_path):
     out = tmp_path / "adaptive.json"
     result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--epochs", "2",
                          "--hidden", "32", "--static", "gtopk@0.1", "--seeds", "2",
-                         "--target", "0.3", "--lgreco-families", "", "--json", str(out)],
+                         "--target", "0.3", "--lgreco-families", "", "--schedule", "0:0.1:100",
+                         "--json", str(out)],
                      timeout=240)
     assert result.returncode == 0, result.output
     data = json.loads(out.read_text())
@@ -62,6 +80,16 @@ def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(tmp_path)
                             "probes", "windows"}
         assert own["calibration_s"] > 0 and min(own.values()) >= 0
         assert 0 < run["overhead_pct"] < 100
+        # one entry per step: the scheme and ratio against the injected link's schedule
+        line = run["timeline"]
+        # (a step's times are agreed during the next one: the last may be missing)
+        assert [p[0] for p in line] == list(range(len(line)))
+        assert len(line) >= run["steps"] - 2
+        assert all(p[1] in ("dense", "allgather_topk", "gtopk", "artopk_ring",
+                            "artopk_tree", "powersgd") and 0 < p[2] <= 1 for p in line)
+        assert all(p[3:] == [pytest.approx(0.1), pytest.approx(0.1)] for p in line)
+    assert data["summary"]["auto_vs_best_static_target"] == 1.05   # a constant network
+    assert "ratio_moves" not in data["summary"]
     assert data["rows"][0]["overhead_pct"] is None   # dense has no controllers
     assert data["options"]["seeds"] == 2 and data["options"]["eval_every"] == 1
 

@@ -189,6 +189,47 @@ def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> N
                        "lgreco_bytes_ratio_qsgd": ""}
 
 
+def test_report_renders_auto_on_a_changing_virtual_network(tmp_path: Path) -> None:
+    """A virtual-clock ``adaptive`` result: the changing-network bound of the target,
+    the overhead and ratio-move verdicts, the table of moves and the choices' plot."""
+    pytest.importorskip("matplotlib")
+    res = tmp_path / "results"
+    line = [[s, "dense" if s < 3 else "gtopk", 1.0 if s < 3 else 0.02,
+             10.0 if s < 3 else 0.1, 0.05 if s < 3 else 5.0] for s in range(6)]
+    rows = [{"method": "gtopk@0.01", "time_to_target_s": 10.0, "final_acc": 0.97},
+            {"method": "auto", "time_to_target_s": 9.0, "final_acc": 0.97,
+             "timeline": line, "runs": [{"seed": 0, "timeline": line}]}]
+    moves = [{"step": 3, "from_gbit": 10.0, "to_gbit": 0.1, "to_delay_ms": 5.0,
+              "scheme_before": "dense", "ratio_before": 1.0, "scheme_after": "gtopk",
+              "ratio_after": 0.02, "factor": 50.0}]
+    summary = {"auto_vs_best_static": 0.9, "auto_overhead_pct": 0.5,
+               "auto_vs_best_static_target": 0.85, "ratio_moves": moves,
+               "ratio_move_factor_min": 50.0}
+    write(res, "adaptive-flips-4.json", {
+        "suite": "adaptive", "machine": machine(None, 4), "ranks": 4,
+        "clock": {"mode": "virtual", "platform": {"rate_bits": 1e10, "delay_s": 5e-5,
+                                                  "hosts": 4, "host_sizes": [1] * 4}},
+        "options": {"workload": "mnist1d-cnn", "option": [], "epochs": 7, "batch": 32,
+                    "target": 0.95, "link": "virtual", "rate": "10gbit", "delay": "50us",
+                    "virtual_schedule": "/x/flips.txt", "seeds": 1},
+        "rows": rows, "lgreco": [], "summary": summary})
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main(["--results", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "`mnist1d-cnn` , 7 epochs" in text and "schedule `flips.txt`" in text
+    verdict = {c[0]: (c[-2], c[-1]) for c in (
+        [x.strip() for x in ln.strip("|").split("|")] for ln in text.splitlines()
+        if ln.startswith(("| auto_", "| ratio_"))) if len(c) == 4}
+    assert verdict["auto_vs_best_static"] == (
+        "auto's time-to-accuracy <= 0.85x the best static (strategy, ratio)", "MISSED")
+    assert verdict["auto_overhead_pct"][1] == "met"
+    assert verdict["ratio_move_factor_min"][1] == "met"
+    assert "| 3 | 10 | 0.1 | 5 | dense | 1 | gtopk | 0.02 | 50 |" in text
+    png = tmp_path / "benchmarks" / "virtual-adaptive-flips-4-choices.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"({png.name})" in text.replace(
+        "benchmarks/", "")
+
+
 def _training_run(label: str, ranks: int, step_ms: float, corpus: bool = False
                   ) -> dict[str, Any]:
     data = {"corpus": {"root": "/lib", "files": ["a.py", "b.py"], "bytes": 123,
@@ -306,3 +347,16 @@ def test_report_seed_claims_from_virtual_runs_beside_model_and_wall(tmp_path: Pa
     assert ("| 1gbit, 0.1 ms | 8 | 1000000 | 0.01 | 4 | 8 | 8 | 1.5 | 3 | 3 | 1.5 | 1.5 | 1.5 |"
             in claims[0])
     assert "(virtual)" in text and "(virtual)" not in claims[1].split("\n## ")[0]
+
+
+def test_bench_localsgd_reports_tau_1_from_the_sync_run():
+    from mpicomm.bench.localsgd import Run, sync_as
+
+    runs = [Run("sync", "fixed", 0, [(0.0, 2.0), (1.0, 0.5)], steps=10),
+            Run("sync", "decay", 0, [(0.0, 2.0), (1.0, 0.4)], steps=10),
+            Run("tau=4", "fixed", 0, [(0.0, 2.0), (0.5, 0.6)], steps=30)]
+    tau1 = sync_as(runs, "tau=1", "decay", 0)
+    assert tau1.method == "tau=1" and tau1.curve == runs[1].curve and tau1.steps == 10
+    assert runs[1].method == "sync"                     # the sync run itself is kept
+    with pytest.raises(ValueError, match="no sync run"):
+        sync_as(runs, "tau=1", "fixed", 1)

@@ -431,6 +431,33 @@ def test_helper_thread_overlaps_the_main_threads_compute(comm):
     assert after_long == pytest.approx(1.0)                           # hidden behind
 
 
+@pytest.mark.mpi
+def test_a_reported_step_sets_the_network_of_every_thread_of_the_rank(comm, tmp_path):
+    # the main thread reports the training step; a helper thread (as a gradient
+    # synchronization's) sends on the conditions of that step
+    schedule = tmp_path / "schedule.txt"
+    schedule.write_text("step 5 100mbit 100us\n")
+    x = np.ones(250_000, dtype=np.float32)
+    times = []
+    with virtual(comm, MPICOMM_VIRTUAL_SCHEDULE=str(schedule)) as vc:
+        for step in (1, 5, 6):
+            clock.report_step(step)
+            out: list[float] = []
+
+            def helper(out: list[float] = out) -> None:
+                took = _elapsed(vc, lambda: mpicomm.allreduce(x, algorithm="ring", comm=vc))
+                out.extend((took, clock.now()))
+
+            thread = threading.Thread(target=helper)
+            with clock.waiting_for_threads():
+                thread.start()
+                thread.join()
+            clock.join(out[1])      # the main thread goes on from the helper's end
+            times.append(out[0])
+    if comm.size > 1:   # 1 Gbit/s before step 5, 100 Mbit/s from it on
+        assert times[1] > 5 * times[0] and times[2] == pytest.approx(times[1])
+
+
 def test_bad_platform_is_one_clear_error_on_every_rank():
     res = run_job(3, [sys.executable, "-c", "import mpicomm; mpicomm.init()"], timeout=120,
                   MPICOMM_CLOCK="virtual", MPICOMM_VIRTUAL_RATE="0")

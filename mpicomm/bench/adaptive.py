@@ -76,6 +76,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import clock
 from ..comm import Communicator, init
 from ..emulate.linkdelay import ENV_RANKS_PER_HOST, report_step, set_link
 from ..strategies import AutoStrategy, Dense, Strategy
@@ -115,6 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "mpicomm.emulate.linkdelay latency, the emulator's --schedule)")
     parser.add_argument("--static", default=",".join(DEFAULT_STATIC),
                         help="comma-separated scheme@ratio static baselines")
+    parser.add_argument("--only", default="",
+                        help="comma-separated subset of the methods to run (dense, a "
+                             "static scheme@ratio, auto; 'lgreco': none of them, the "
+                             "L-GreCo comparison only); default all")
     parser.add_argument("--window", type=int, default=1,
                         help="auto: exploration window (steps per candidate ratio)")
     parser.add_argument("--lgreco-ratio", type=float, default=0.01)
@@ -158,7 +163,8 @@ def make_strategy(method: str) -> Strategy:
     return s
 
 
-def spec(args: argparse.Namespace, seed: int, label: str, epochs: int | None = None) -> Spec:
+def spec(args: argparse.Namespace, seed: int, label: str, epochs: int | None = None,
+         max_steps: int | None = None) -> Spec:
     """The harness's run: ``--workload`` (``digits-mlp`` 64-hidden-hidden-10 unless
     ``--option`` says otherwise), SGD with momentum 0.9."""
     from .train import parse_options
@@ -169,18 +175,18 @@ def spec(args: argparse.Namespace, seed: int, label: str, epochs: int | None = N
     return Spec(workload=args.workload, seed=seed, batch=args.batch, options=options,
                 epochs=args.epochs if epochs is None else epochs, lr=args.lr, momentum=0.9,
                 weight_decay=0.0, clip_norm=0.0, eval_every=max(1, args.eval_every),
-                target=args.target, label=label)
+                target=args.target, label=label, max_steps=max_steps)
 
 
 def train(method: str, comm: Communicator, args: argparse.Namespace,
-          strategy: Strategy | None = None, seed: int = 0, epochs: int | None = None
-          ) -> dict[str, Any]:
+          strategy: Strategy | None = None, seed: int = 0, epochs: int | None = None,
+          max_steps: int | None = None) -> dict[str, Any]:
     """One run of ``method`` through the time-to-accuracy harness: the time (max over
     ranks, evaluation excluded) until the test accuracy, checked every
     ``args.eval_every`` steps, first reaches ``args.target``; ``seed`` picks the initial
     model and the batch order."""
     schedule = parse_schedule(args.schedule)
-    sp = spec(args, seed, method, epochs)
+    sp = spec(args, seed, method, epochs, max_steps)
     w = harness_build(sp, comm)
     if strategy is None:
         strategy = (AutoStrategy(window=args.window,
@@ -192,6 +198,8 @@ def train(method: str, comm: Communicator, args: argparse.Namespace,
         if args.link == "injected":  # the strategy is bound to its communicator by now
             set_link(strategy.comm, *link_at(schedule, epoch))
 
+    if args.link == "virtual":  # every method meets the schedule's `step N` entries
+        clock.report_step(0)    # from its own step 0 (calibration included)
     if args.link == "emulated":
         # step 0 on the step-0 network: the emulator re-arms its `step N` entries when
         # the reported count goes back (polled every 20 ms; the ranks re-read the delay
@@ -215,6 +223,7 @@ def train(method: str, comm: Communicator, args: argparse.Namespace,
         row["choices"] = " ".join(f"{k}:{v}" for k, v in sorted(counts.items()))
         row["cr_history"] = ([(h.step, h.reason, h.ratio) for h in strategy.controller.history]
                              if strategy.controller is not None else [])
+        row["timeline"] = timeline(strategy, args, w.info.steps_per_epoch)
         errors = [abs(rec.measured - rec.predicted) / rec.measured for rec in strategy.records
                   if rec.measured > 0]
         row["pred_rel_err_median"] = float(np.median(errors)) if errors else None
@@ -225,6 +234,53 @@ def train(method: str, comm: Communicator, args: argparse.Namespace,
         row["overhead_pct"] = (100 * sum(own[k] for k in own if k.endswith("_s"))
                                / r.seconds if r.seconds else None)
     return row
+
+
+def network_at(args: argparse.Namespace, step: int, steps_per_epoch: int
+               ) -> tuple[float, float]:
+    """``(Gbit/s, one-way ms)`` of the network training step ``step`` (from 0) ran on:
+    the virtual platform's schedule, or the injected link's by epoch (``nan`` on the
+    emulated cluster, whose network the bench does not see)."""
+    platform = clock.platform()
+    if args.link == "virtual" and platform is not None:
+        rate, delay = platform.conditions(0.0, step)
+        return rate * 8 / 1e9, delay * 1e3
+    if args.link == "injected":
+        alpha, beta = link_at(parse_schedule(args.schedule), step // steps_per_epoch)
+        return 1 / (beta * GBPS), alpha * 1e3
+    return math.nan, math.nan
+
+
+def timeline(strategy: AutoStrategy, args: argparse.Namespace, steps_per_epoch: int
+             ) -> list[tuple[int, str, float, float, float]]:
+    """auto's choice at every step against the network: ``(step, scheme, ratio, Gbit/s,
+    one-way ms)``, the scheme of the step's largest bucket (its first record)."""
+    out: list[tuple[int, str, float, float, float]] = []
+    for rec in strategy.records:
+        if out and out[-1][0] == rec.step:
+            continue
+        out.append((rec.step, rec.scheme, rec.ratio,
+                    *network_at(args, rec.step, steps_per_epoch)))
+    return out
+
+
+def ratio_moves(line: list[tuple[int, str, float, float, float]], settle: int = 100
+                ) -> list[dict[str, Any]]:
+    """For every change of the network in ``timeline``'s steps: the ratio in force just
+    before it, the ratio ``settle`` steps after it (or at the next change, if sooner),
+    and their ratio (>= 1: the factor the chosen ratio moved by)."""
+    out = []
+    changes = [i for i in range(1, len(line)) if line[i][3:] != line[i - 1][3:]]
+    for n, i in enumerate(changes):
+        end = changes[n + 1] - 1 if n + 1 < len(changes) else len(line) - 1
+        j = min(i + settle, end)
+        before, after = line[i - 1][2], line[j][2]
+        out.append({"step": line[i][0], "from_gbit": line[i - 1][3],
+                    "to_gbit": line[i][3], "to_delay_ms": line[i][4],
+                    "ratio_before": before, "ratio_after": after,
+                    "scheme_before": line[i - 1][1], "scheme_after": line[j][1],
+                    "factor": max(before, after) / min(before, after)})
+    return out
 
 
 def lgreco_rows(comm: Communicator, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -242,7 +298,8 @@ def lgreco_rows(comm: Communicator, args: argparse.Namespace) -> list[dict[str, 
                        "schemes": (FAMILY_SCHEMES[family],)}
         for name, every in (("uniform", 1 << 30), ("lgreco", 10)):
             s = AutoStrategy(lgreco=True, lgreco_every=every, lgreco_acc_steps=5, **options)
-            row = train(f"{family} {name}", comm, args, strategy=s, epochs=epochs)
+            row = train(f"{family} {name}", comm, args, strategy=s, epochs=epochs,
+                        max_steps=args.lgreco_steps)
             row["family"], row["setting"] = family, name
             history = s.lgreco.history if s.lgreco is not None else []
             if history:
@@ -295,25 +352,43 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(default_threads(comm))  # ranks of a node share its cores
     methods = ["dense", *[m for m in args.static.split(",") if m], "auto"]
+    only = [m for m in args.only.split(",") if m]
+    if only:
+        unknown = sorted(set(only) - set(methods) - {"lgreco"})
+        if unknown:
+            raise UsageError(f"--only {unknown}: not among the methods {methods}")
+        methods = [m for m in methods if m in only]
     runs = [[train(m, comm, args, seed=s) for s in range(args.seeds)] for m in methods]
     records = [run.pop("record") for per_method in runs for run in per_method]
     rows = [median_row(r) for r in runs]
-    dense = rows[0]
+    by_name = dict(zip(methods, rows))
+    dense, auto = by_name.get("dense"), by_name.get("auto")
     for r in rows:
         r["x_dense"] = (dense["time_to_target_s"] / r["time_to_target_s"]
-                        if r["time_to_target_s"] and dense["time_to_target_s"] else None)
+                        if dense and r["time_to_target_s"] and dense["time_to_target_s"]
+                        else None)
         r.setdefault("choices", "")
         r.setdefault("overhead_pct", None)
-    static = [r for r in rows[1:-1] if r["time_to_target_s"]]
+    static = [r for r in rows if r["method"] not in ("dense", "auto") and
+              r["time_to_target_s"]]
     best = min(static, key=lambda r: r["time_to_target_s"]) if static else None
-    auto = rows[-1]
-    summary = {
+    summary: dict[str, Any] = {
         "auto_vs_best_static": (auto["time_to_target_s"] / best["time_to_target_s"]
-                                if best and auto["time_to_target_s"] else None),
+                                if auto and best and auto["time_to_target_s"] else None),
         "best_static": best["method"] if best else None,
-        "auto_speedup_vs_dense": auto["x_dense"],
-        "auto_acc_loss_points": 100 * (dense["final_acc"] - auto["final_acc"]),
+        "auto_speedup_vs_dense": auto["x_dense"] if auto else None,
+        "auto_acc_loss_points": (100 * (dense["final_acc"] - auto["final_acc"])
+                                 if auto and dense else None),
+        "auto_overhead_pct": auto["overhead_pct"] if auto else None,
     }
+    moves = [ratio_moves(run["timeline"]) for run in auto["runs"]] if auto else []
+    # the selector's target: <= 0.85x the best fixed choice on a network that changes,
+    # <= 1.05x on a constant one
+    summary["auto_vs_best_static_target"] = 0.85 if any(moves) else 1.05
+    if any(moves):
+        summary["ratio_moves"] = moves[0]
+        summary["ratio_move_factor_min"] = float(np.median(
+            [min(m["factor"] for m in per_seed) for per_seed in moves if per_seed]))
     lg = lgreco_rows(comm, args)
     for row in lg:
         records.append(row.pop("record"))
@@ -324,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
             if per_layer["sent_kB_step"] else None)
         summary[f"lgreco_dp_size_vs_uniform{tag}"] = per_layer.get("dp_size_vs_uniform")
     if comm.rank == 0:
-        print(f"# adaptive: {comm.size} ranks, digits MLP 64-{args.hidden}-{args.hidden}-10, "
+        print(f"# adaptive: {comm.size} ranks, {args.workload} {args.option}, "
               f"batch {args.batch}/rank, {args.epochs} epochs, target acc {args.target}, "
               + (f"injected link schedule {args.schedule} (EPOCH:Gbit/s:alpha_us)"
                  if args.link == "injected" else

@@ -18,7 +18,9 @@ Setup (every choice is an option):
   (``LocalSGD(delay_s=D)``) on top of the real allreduce, emulating a slow network.
   ``--delay-ms auto`` sets ``D`` to ``--delay-factor`` (8) times the median local step
   time measured here first, so communication dominates as in the paper's setting.
-* Methods: tau = 1 (synchronous), fixed tau in ``--taus`` (4, 16), and AdaComm
+* Methods: tau = 1 (synchronous), fixed tau in ``--taus`` (4, 16; a ``1`` there is the
+  synchronous run itself, reported under both names: ``LocalSGD`` with period 1 runs the
+  same code on the same seed), and AdaComm
   (``tau0 = --tau0``, wall-clock intervals of ``--interval-s``, default budget/12, i.e.
   about 12 decisions per run; ``f_inf = 0``, ``p = 1``). Each run gets the same
   wall-clock training budget ``--budget-s`` and the same seed; ``--seeds`` runs repeat it.
@@ -272,6 +274,17 @@ def train_method(method: str, schedule: str, seed: int, delay_s: float,
                r.extra["rounds"], r.sent_bytes, taus, decisions, r.record())
 
 
+def sync_as(runs: list[Run], method: str, schedule: str, seed: int) -> Run:
+    """The synchronous run of ``schedule`` and ``seed`` under another name: ``LocalSGD``
+    with period 1 *is* that run (the same code on the same seed gives the same curve),
+    so ``tau=1`` is reported from it rather than trained twice."""
+    sync = next((r for r in runs if (r.method, r.schedule, r.seed)
+                 == (METHOD_SYNC, schedule, seed)), None)
+    if sync is None:
+        raise ValueError(f"no {METHOD_SYNC} run of schedule {schedule!r}, seed {seed}")
+    return dataclasses.replace(sync, method=method)
+
+
 def round_time(args: argparse.Namespace, comm: Communicator) -> float:
     """``D`` on the declared link: the cost model's allreduce of the workload's parameters
     (float32) at this rank count, with the algorithm it picks for that size."""
@@ -396,7 +409,11 @@ def run(args: argparse.Namespace) -> int:
     for schedule in schedules:
         for seed in range(args.seed_offset, args.seed_offset + args.seeds):
             for method in methods:
-                r = train_method(method, schedule, seed, delay_s, args, comm, model_clock)
+                if method == "tau=1":
+                    r = sync_as(runs, method, schedule, seed)
+                else:
+                    r = train_method(method, schedule, seed, delay_s, args, comm,
+                                     model_clock)
                 runs.append(r)
                 if comm.rank == 0:
                     print(f"#   {schedule:5s} seed {seed} {method:8s} steps {r.steps:6d} "

@@ -42,7 +42,7 @@ from typing import Any
 
 from . import report_virtual
 from .ratios import is_rows
-from .report_control import adacomm_panel, has_adacomm
+from .report_control import adacomm_panel, has_adacomm, has_timeline, plot_adaptive
 from .report_hierarchy import (
     hierarchy_section,
     plot_hierarchy,
@@ -443,6 +443,10 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
             elif r["suite"] == "localsgd" and r.get("curves"):
                 name = f"{stem(r)}.png"
                 plot_localsgd(r, os.path.join(plots, name))
+                made.append(name)
+            elif r["suite"] == "adaptive" and has_timeline(r):
+                name = f"{stem(r)}-choices.png"
+                plot_adaptive(r, os.path.join(plots, name), _plt())
                 made.append(name)
         if plot_sparse(results, os.path.join(plots, "sparse-scaling.png")):
             made.append("sparse-scaling.png")

@@ -14,8 +14,13 @@ Table = Callable[..., str]
 
 #: The selector's targets for ``bench adaptive``: summary key -> (test, wording).
 ADAPTIVE_TARGETS: dict[str, tuple[Any, str]] = {
-    "auto_vs_best_static": (lambda v: v <= 1.1, "auto's time-to-accuracy <= 1.1x the best "
-                            "static (strategy, ratio)"),
+    "auto_vs_best_static": (lambda v, target=1.1: v <= target,
+                            "auto's time-to-accuracy <= {target}x the best static "
+                            "(strategy, ratio)"),
+    "auto_overhead_pct": (lambda v: v <= 3.0, "calibration, probes and exploration "
+                          "<= 3% of auto's run"),
+    "ratio_move_factor_min": (lambda v: v >= 2.0, "the chosen ratio moves >= 2x after "
+                              "every change of the network (median over seeds)"),
     "auto_speedup_vs_dense": (lambda v: v >= 2.0, "auto >= 2x faster than dense"),
     "auto_acc_loss_points": (lambda v: v <= 1.0, "auto loses <= 1 point of final accuracy"),
     "lgreco_bytes_ratio": (lambda v: v >= 1.5, "L-GreCo (top-k) >= 1.5x fewer bytes per "
@@ -28,10 +33,20 @@ def adaptive_section(r: dict[str, Any], table: Table) -> str:
     targets (met or missed) from the run's own ratios."""
     opts = r.get("options", {})
     schedule = (r.get("machine", {}).get("network") or {}).get("schedule")
-    out = [f"Digits MLP 64-{opts.get('hidden')}-{opts.get('hidden')}-10, "
+    model = (f"Digits MLP 64-{opts.get('hidden')}-{opts.get('hidden')}-10"
+             if opts.get("workload", "digits-mlp") == "digits-mlp" else
+             f"`{opts.get('workload')}` {' '.join(opts.get('option') or [])}")
+    network = None
+    if opts.get("link") == "virtual":
+        network = (f"virtual clock, {r.get('ranks')} ranks, rate {opts.get('rate')} delay "
+                   f"{opts.get('delay')}")
+        if opts.get("virtual_schedule"):
+            network += f", schedule `{os.path.basename(opts['virtual_schedule'])}`"
+    out = [f"{model}, "
            f"{opts.get('epochs')} epochs, batch {opts.get('batch')}/rank, target accuracy "
            f"{opts.get('target')}; network: "
-           + (f"injected schedule `{opts.get('schedule')}` (EPOCH:Gbit/s:alpha_us)"
+           + (network if network else
+              f"injected schedule `{opts.get('schedule')}` (EPOCH:Gbit/s:alpha_us)"
               if opts.get("link") != "emulated" else
               f"emulated cluster, schedule `{os.path.basename(schedule or '')}`"
               ) + (f"; medians of {opts['seeds']} runs (batch orders), accuracy checked every "
@@ -46,14 +61,26 @@ def adaptive_section(r: dict[str, Any], table: Table) -> str:
     summary = r.get("summary", {})
     rows = []
     for key, value in summary.items():
+        if key == "ratio_moves":
+            continue
         test = ADAPTIVE_TARGETS.get(key)
-        verdict = ""
+        verdict, wording = "", test[1] if test else ""
         if test is not None:
-            verdict = "no result" if value is None else ("met" if test[0](value)
-                                                          else "MISSED")
-        rows.append({"measure": key, "value": value,
-                     "target": test[1] if test else "", "verdict": verdict})
+            bound = summary.get(f"{key}_target")
+            met = None if value is None else (test[0](value) if bound is None
+                                                  else test[0](value, bound))
+            wording = wording.format(target=1.1 if bound is None else bound)
+            verdict = "no result" if met is None else ("met" if met else "MISSED")
+        rows.append({"measure": key, "value": value, "target": wording,
+                     "verdict": verdict})
     out.append(table(rows, ("measure", "value", "target", "verdict")))
+    if summary.get("ratio_moves"):
+        out.append("auto's ratio around every change of the network (first seed; "
+                   "`factor` = the larger over the smaller):\n")
+        out.append(table(summary["ratio_moves"], ("step", "from_gbit", "to_gbit",
+                                                  "to_delay_ms", "scheme_before",
+                                                  "ratio_before", "scheme_after",
+                                                  "ratio_after", "factor")))
     return "\n".join(out)
 
 
