@@ -24,20 +24,19 @@ class GTopK(SparsifyingStrategy):
         c_r    = g_r + e_r                    # error feedback (e_r = 0 without it)
         L_r    = top-k of |c_r|,  v_r = c_r[L_r]
         (I, V) = gtopk({(L_j, v_j)}_j, k)     # butterfly merge-and-truncate, every rank
-        e_r    = c_r with the positions L_r ∩ I zeroed
-                 # local picks that did not survive (L_r \ I) stay in the residual:
-                 # the A.3 put-back rule
+        A_r    = the picks of L_r whose own value reached V (tracked along the butterfly)
+        e_r    = c_r with the positions A_r zeroed   # every other pick stays
         u      = zeros(d);  u[I] = V / P      # division by P for every index
 
-    Per-rank bookkeeping is exact: ``c_r = e_r + c_r·1[L_r ∩ I]``. The global update is
-    *not* the exact top-k of the sum for P > 2 (A.6): a value in V may miss
-    contributions of ranks whose pair was truncated in an intermediate merge, and those
-    ranks still count the index as consumed (A.3's note), so that mass is lost.
-    ``own_contribution=True`` (ours, not the paper's) zeroes only the picks whose *own
-    value* reached V (tracked locally along the butterfly, no extra traffic; folded-out
-    ranks of a non-power-of-two P keep the index rule) and puts the rest back, so that
-    on a power of two ``Σ_r c_r = P·u + Σ_r e_r`` holds (up to the rounding of the
-    merges' sums), as for AR-Top-k. ``k = max(1, ceil(density·d))`` (or the given
+    The global update is *not* the exact top-k of the sum for P > 2: a value in V may
+    miss contributions of ranks whose pair was truncated in an intermediate merge. The
+    default (``own_contribution=True``, ours, not the paper's) puts those truncated
+    picks back into their rank's residual (tracked locally, no extra traffic; a
+    folded-out rank of a non-power-of-two P keeps the index rule), so that on a power
+    of two ``Σ_r c_r = P·u + Σ_r e_r`` holds (up to the rounding of the merges' sums):
+    no gradient mass is lost, as for AR-Top-k. ``own_contribution=False`` is the
+    paper's rule ``A_r = L_r ∩ I``: a rank whose pair was truncated on the way still
+    counts the index as sent, and that mass is lost. ``k = max(1, ceil(density·d))`` (or the given
     ``k``), capped at ``d``; neither given means ``density=0.01``. With ``density=1`` no
     merge truncates and ``u`` is the exact mean.
 
@@ -74,7 +73,7 @@ class GTopK(SparsifyingStrategy):
     name = "gtopk"
 
     def __init__(self, density: float | None = None, k: int | None = None, *,
-                 error_feedback: bool = True, own_contribution: bool = False,
+                 error_feedback: bool = True, own_contribution: bool = True,
                  comm: Any = None,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
                  momentum_correction: float | str = ADOPT,
