@@ -493,7 +493,7 @@ def simulate(which: str, p: int, steps: list[list[np.ndarray]], k: int, name: st
 
 EF_SPARSE = {
     "topk": lambda k: TopKAllgather(k=k),
-    "gtopk": lambda k: GTopK(k=k),
+    "gtopk": lambda k: GTopK(k=k, own_contribution=False),  # the replay: the paper's rule
     "artopk": lambda k: ARTopK(k=k),
     "artopk-var": lambda k: ARTopK(k=k, source="var"),
     "randomk": lambda k: RandomKAllreduce(k=k, seed=3),
