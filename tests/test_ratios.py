@@ -140,3 +140,18 @@ def test_ratios_suite_rows_on_a_short_run(tmp_path):
         assert row["density"] == (0.01 if row["strategy"] == "gtopk" else None)
         assert row["bytes_vs_dense"] > (10 if row["strategy"] == "gtopk" else 2)
     assert collect([r for r in runs if r["label"] != "dense"]) == []  # no reference
+
+
+def test_collect_compares_runs_of_the_same_length():
+    """A run cut short is compared with the dense run of its own length, never with a
+    longer one of the same seed."""
+    def run(label, steps, acc, sent):
+        return {"workload": "w", "ranks": 8, "seed": 0, "steps": steps, "label": label,
+                "metric": "accuracy", "direction": "max", "density": 0.01,
+                "curve": [{"accuracy": acc}], "sent_bytes_total": sent}
+
+    rows = collect([run("dense", 100, 0.90, 1000), run("dense", 400, 0.98, 4000),
+                    run("gtopk", 100, 0.89, 10), run("gtopk+ef", 400, 0.97, 40)])
+    got = {r["strategy"]: (r["metric_gap"], r["bytes_vs_dense"]) for r in rows}
+    assert got == {"gtopk": (pytest.approx(-1.0), 100.0),
+                   "gtopk+ef": (pytest.approx(-1.0), 100.0)}

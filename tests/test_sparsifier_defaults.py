@@ -1,4 +1,5 @@
-"""The sparsifiers' default recipe: momentum correction taken over from the optimizer.
+"""The sparsifiers' default recipe: momentum correction taken over from the optimizer
+(and, for gTop-k, the put-back of truncated picks).
 
 ``strategies.make("topk" | "gtopk" | "artopk")`` defaults to
 ``momentum_correction="optimizer"``: at the first ``GradientSync.step(optimizer)`` the
@@ -82,3 +83,17 @@ def test_adopt_momentum_only_from_plain_sgd():
     assert strategies.make("topk").describe()["momentum_correction"] == "optimizer"
     with pytest.raises(ValueError, match="'optimizer'"):
         strategies.make("artopk", momentum_correction="sgd")
+
+
+def test_gtopk_default_puts_truncated_picks_back():
+    """gTop-k's default keeps the mass of a pick whose own value was truncated on the
+    butterfly (``own_contribution=True``); the paper's index rule is opt-in, and the
+    experiments' labels keep every option off unless a modifier names it."""
+    from mpicomm.bench.recipes import label_strategy
+
+    assert strategies.make("gtopk").own_contribution is True
+    assert strategies.make("gtopk", own_contribution=False).describe()[
+        "own_contribution"] is False
+    assert label_strategy("gtopk", density=0.01).strategy.own_contribution is True
+    assert label_strategy("gtopk+ef", density=0.01).strategy.own_contribution is False
+    assert label_strategy("gtopk+ef+own", density=0.01).strategy.own_contribution is True

@@ -493,7 +493,7 @@ def simulate(which: str, p: int, steps: list[list[np.ndarray]], k: int, name: st
 
 EF_SPARSE = {
     "topk": lambda k: TopKAllgather(k=k),
-    "gtopk": lambda k: GTopK(k=k),
+    "gtopk": lambda k: GTopK(k=k, own_contribution=False),  # the replay: the paper's rule
     "artopk": lambda k: ARTopK(k=k),
     "artopk-var": lambda k: ARTopK(k=k, source="var"),
     "randomk": lambda k: RandomKAllreduce(k=k, seed=3),
@@ -541,7 +541,7 @@ def test_gtopk_residual_put_back(comm):
     """A.3: compensated == residual + (this rank's local picks that survived globally);
     picks dropped by the global selection stay in the residual."""
     p, k, d = comm.size, 4, 40
-    strategy = GTopK(k=k).bind(comm)
+    strategy = GTopK(k=k, own_contribution=False).bind(comm)
     e_prev = np.zeros(d)
     saw_dropped = False
     for t in range(6):

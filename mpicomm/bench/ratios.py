@@ -156,11 +156,15 @@ def metric_gap(run: dict[str, Any], dense: dict[str, Any]) -> float:
 
 def collect(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row (:data:`ROW_KEYS`) per non-dense run that has a dense run of the same
-    workload, rank count and seed (the last one read, if several)."""
-    dense = {(r["workload"], r["ranks"], r["seed"]): r for r in runs if r["label"] == "dense"}
+    workload, rank count, seed and number of steps (the last one read, if several): a
+    run cut short is never compared with a full-length dense run."""
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["workload"], r["ranks"], r["seed"], r["steps"]
+
+    dense = {key(r): r for r in runs if r["label"] == "dense"}
     rows = []
     for r in runs:
-        ref = dense.get((r["workload"], r["ranks"], r["seed"]))
+        ref = dense.get(key(r))
         if r["label"] == "dense" or ref is None:
             continue
         rows.append({"workload": r["workload"], "strategy": r["label"],

@@ -147,8 +147,8 @@ def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
         "momentum_masking": "mcnomask" not in mods,
         "clip_norm": clip_norm if "clip" in mods else None,
     }
-    if "own" in mods:
-        if base != "gtopk":
-            raise ValueError(f"{label!r}: the 'own' modifier is for gtopk only")
-        kwargs["own_contribution"] = True
+    if "own" in mods and base != "gtopk":
+        raise ValueError(f"{label!r}: the 'own' modifier is for gtopk only")
+    if base == "gtopk":
+        kwargs["own_contribution"] = "own" in mods
     return Recipe(BASES[base](**kwargs), mc)

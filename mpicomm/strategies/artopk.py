@@ -52,7 +52,10 @@ class ARTopK(SparsifyingStrategy):
     ``GradientSync.step(optimizer)`` an SGD optimizer's momentum m moves into the
     memory and the optimizer's is set to 0). Cost: no bytes; one velocity buffer of the
     bucket's size and one multiply-add per element per step. ``momentum_correction=0.0``
-    keeps plain error feedback with the optimizer's momentum.
+    keeps plain error feedback with the optimizer's momentum. Whole-run bytes against a
+    dense ring allreduce (ring, 4-byte values and indices, summed over the ranks):
+    ``2(P-1)·d`` words against ``2(P-1)·k`` values plus ``(P-1)·k`` broadcast indices,
+    i.e. ``2 / (3·density)``: 67x at density 0.01, 667x at 0.001, flat in P.
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
@@ -73,7 +76,9 @@ class ARTopK(SparsifyingStrategy):
     residual poorly) that the momentum amplifies into late oscillations (one seed ended
     12 pp below dense): decay the learning rate at the end, warm the density up
     (``schedule``), or use ``momentum_correction`` (no amplification, slower in very few
-    steps); tests/test_accuracy_scale.py replays that run.
+    steps); tests/test_accuracy_scale.py replays that run. The update changes k entries
+    per step, so a run of T steps updates each parameter about ``T·density`` times: keep
+    that above ~20.
     """
 
     name = "artopk"
