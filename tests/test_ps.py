@@ -553,5 +553,8 @@ def test_ps_cost_formula():
         assert ps_push_pull(1e6, w, 1, c) == pytest.approx(
             paper_predict("ps", 1e6, w + 1, c.alpha, c.beta), rel=1e-12)
     assert ps_push_pull(1e6, 4, 4, c) == pytest.approx(2 * 3e-5 + 2e6 * 1e-9)
+    assert ps_push_pull(1e6, 4, 2, c) == pytest.approx(2 * 3e-5 + 4e6 * 1e-9)
+    # more servers than workers: a worker's port carries its n bytes each way
+    assert ps_push_pull(1e6, 2, 4, c) == pytest.approx(2 * 3e-5 + 2e6 * 1e-9)
     with pytest.raises(ValueError):
         ps_push_pull(1.0, 0, 1, c)
