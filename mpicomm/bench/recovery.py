@@ -243,6 +243,27 @@ def victims(scenario: str, ranks: int, servers: int) -> list[int]:
     return list(range(ranks))
 
 
+def summarize(rows: list[dict[str, Any]], scenarios: list[str]
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per scenario: the verdicts and restart times, and the median of every phase."""
+    summary, phases = [], []
+    for scenario in scenarios:
+        mine = [r for r in rows if r["scenario"] == scenario]
+        timed = [r for r in mine if "kill_to_train_s" in r]
+        restart = [r["kill_to_train_s"] - (r["load_s"] or 0) for r in timed]
+        summary.append({"scenario": scenario, "trials": len(mine),
+                        "passed": sum(r["passed"] for r in mine),
+                        "median_kill_to_train_s": _median([r["kill_to_train_s"]
+                                                           for r in timed]),
+                        "max_kill_to_train_s": max((r["kill_to_train_s"] for r in timed),
+                                                   default=None),
+                        "max_restart_s_without_load": max(restart, default=None),
+                        "max_load_s": max((r["load_s"] or 0 for r in timed), default=None)})
+        phases.append({"scenario": scenario, **{
+            name: _median([r[name] for r in timed if name in r]) for name, _, _ in PHASES}})
+    return summary, phases
+
+
 def run(args: argparse.Namespace) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
@@ -256,8 +277,20 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     root = args.workdir or tempfile.mkdtemp(prefix="mpicomm-recovery-")
     common = dict(steps=args.steps, every=args.every, servers=args.servers)
-    rows, references = [], {}
+    rows: list[dict[str, Any]] = []
+    references: dict[str, str] = {}
     t0 = time.perf_counter()
+
+    def save() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The JSON so far (after every trial: an interrupted run keeps its trials)."""
+        summary, phases = summarize(rows, scenarios)
+        kept = [{k: v for k, v in r.items() if k not in ("log", "save")} for r in rows]
+        write_json(args.json, {"suite": "recovery", "machine": machine(),
+                               "ranks": args.ranks, "args": vars(args),
+                               "load_average": os.getloadavg(), "summary": summary,
+                               "phases": phases, "trials": kept})
+        return summary, phases
+
     for scenario in scenarios:
         mode = _JOB_MODE[scenario]
         if mode in ("sync", "peer") and mode not in references:
@@ -278,32 +311,15 @@ def run(args: argparse.Namespace) -> int:
                   f"resumed from {trial['restored_step']}: "
                   f"{'pass' if trial['passed'] else 'FAIL (' + trial['log'] + ')'}",
                   flush=True)
-    summary, phases = [], []
-    for scenario in scenarios:
-        mine = [r for r in rows if r["scenario"] == scenario]
-        timed = [r for r in mine if "kill_to_train_s" in r]
-        restart = [r["kill_to_train_s"] - (r["load_s"] or 0) for r in timed]
-        summary.append({"scenario": scenario, "trials": len(mine),
-                        "passed": sum(r["passed"] for r in mine),
-                        "median_kill_to_train_s": _median([r["kill_to_train_s"]
-                                                           for r in timed]),
-                        "max_kill_to_train_s": max((r["kill_to_train_s"] for r in timed),
-                                                   default=None),
-                        "max_restart_s_without_load": max(restart, default=None),
-                        "max_load_s": max((r["load_s"] or 0 for r in timed), default=None)})
-        phases.append({"scenario": scenario, **{
-            name: _median([r[name] for r in timed if name in r]) for name, _, _ in PHASES}})
+            if args.json:
+                save()
+    summary, phases = save()
     print_table(summary, ["scenario", "trials", "passed", "median_kill_to_train_s",
                           "max_kill_to_train_s", "max_restart_s_without_load", "max_load_s"])
     print("median phase of a restart (s; each ends when the last rank is through it):")
     print_table(phases, ["scenario", *(name for name, _, _ in PHASES)])
-    load = os.getloadavg()
-    print(f"(took {time.perf_counter() - t0:.0f} s; load average {load[0]:.1f}: restart "
-          "times need a quiet machine)")
-    kept = [{k: v for k, v in r.items() if k not in ("log", "save")} for r in rows]
-    write_json(args.json, {"suite": "recovery", "machine": machine(), "ranks": args.ranks,
-                           "args": vars(args), "load_average": load, "summary": summary,
-                           "phases": phases, "trials": kept})
+    print(f"(took {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}: "
+          "restart times need a quiet machine)")
     if not args.workdir:
         shutil.rmtree(root, ignore_errors=True)
     return 0 if all(r["passed"] for r in rows) else 1
