@@ -88,8 +88,8 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
 	bench-vclock-wall bench-virtual bench-workloads bench-controllers \
-	bench-controllers-selector bench-ratios bench-recovery bench-recovery-restart report \
-	lint docs clean gpu-check
+	bench-controllers-selector bench-ratios bench-recovery bench-recovery-restart \
+	bench-ps-convergence report lint docs clean gpu-check
 
 install: $(STAMP)
 
@@ -305,6 +305,16 @@ bench-recovery: $(STAMP)
 bench-recovery-restart: $(STAMP)
 	$(PY) -m mpicomm.bench recovery --scenarios peer,sync-worker --trials 3 --ranks 3 \
 	  --steps 24 --every 4 --seed 3 --json benchmarks/results/recovery-restart-quiet.json
+	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md
+
+# SSP(2) against BSP and async with a 3x straggler: time to 90% test accuracy on the
+# digits MLP, and the straggler's steps per second, on the virtual clock (the results do
+# not depend on the load; about 10 minutes of a shared 2-core machine).
+bench-ps-convergence: $(STAMP)
+	nice -n 10 $(MPIEXEC) -n 4 $(PY) -m mpicomm.bench ps --sections straggler,convergence \
+	  --conv-steps 120 --conv-eval 10 --clock virtual --rate 1gbit --delay 100us \
+	  --costs benchmarks/results/vclock-costs.json \
+	  --json benchmarks/results/virtual/ps-convergence-1gbit-4.json
 	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md
 
 bench-workloads: $(STAMP)
