@@ -88,7 +88,8 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
 	bench-vclock-wall bench-virtual bench-workloads bench-controllers \
-	bench-controllers-selector bench-ratios report lint docs clean gpu-check
+	bench-controllers-selector bench-ratios bench-recovery bench-recovery-restart \
+	bench-ps-convergence report lint docs clean gpu-check
 
 install: $(STAMP)
 
@@ -283,6 +284,37 @@ bench-ratios: $(STAMP)
 	done
 	$(PY) -m mpicomm.bench ratios --collect $(RATIOS_OUT)/ratios \
 	  --rows $(RATIOS_OUT)/compression-ratios.json
+	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md
+
+# Kill -9 a rank at a random step and check the resume (mpicomm.bench.recovery): 10
+# trials per scenario, one job at a time, niced; the verdicts do not depend on the load
+# (the restart times do). One JSON per scenario, then the report.
+RECOVERY_SCENARIOS ?= sync-server sync-worker async ssp peer
+RECOVERY_ARGS ?= --trials 10 --ranks 3 --steps 24 --every 4 --seed 2
+bench-recovery: $(STAMP)
+	failed=""; for s in $(RECOVERY_SCENARIOS); do \
+	  nice -n 10 $(PY) -m mpicomm.bench recovery --scenarios $$s $(RECOVERY_ARGS) \
+	    --json benchmarks/results/recovery-$$s.json || failed="$$failed $$s"; \
+	done; \
+	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md; \
+	if [ -n "$$failed" ]; then echo "scenarios with a failed trial:$$failed"; exit 1; fi
+
+# The wall-clock time from a kill to training again, split into phases (about 1-2
+# minutes; needs a quiet machine): 3 kills each of a GradientSync rank and of a
+# parameter-server worker at 3 ranks.
+bench-recovery-restart: $(STAMP)
+	$(PY) -m mpicomm.bench recovery --scenarios peer,sync-worker --trials 3 --ranks 3 \
+	  --steps 24 --every 4 --seed 3 --json benchmarks/results/recovery-restart-quiet.json
+	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md
+
+# SSP(2) against BSP and async with a 3x straggler: time to 90% test accuracy on the
+# digits MLP, and the straggler's steps per second, on the virtual clock (the results do
+# not depend on the load; about 10 minutes of a shared 2-core machine).
+bench-ps-convergence: $(STAMP)
+	nice -n 10 $(MPIEXEC) -n 4 $(PY) -m mpicomm.bench ps --sections straggler,convergence \
+	  --conv-steps 120 --conv-eval 10 --clock virtual --rate 1gbit --delay 100us \
+	  --costs benchmarks/results/vclock-costs.json \
+	  --json benchmarks/results/virtual/ps-convergence-1gbit-4.json
 	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md
 
 bench-workloads: $(STAMP)

@@ -12,7 +12,10 @@ cmd``) in a process group of its own and waits for it:
 * anything else (a rank killed by a signal, an uncaught exception ending the job through
   ``MPI_Abort``, an out-of-memory kill): every process left in the job's group is
   killed, and the command starts again, up to ``restarts`` times. Each start gets
-  ``MPICOMM_RESTART`` = the number of restarts so far (0 for the first run).
+  ``MPICOMM_RESTART`` = the number of restarts so far (0 for the first run), and a
+  restart also ``MPICOMM_RESTART_FAILED_AT`` (when the launcher of the failed attempt
+  was seen to exit) and ``MPICOMM_RESTART_LAUNCHED_AT`` (when this one was started),
+  both ``time.time()`` seconds, so that a job can split its restart time into phases.
 
 MPICH's ``mpiexec`` (Hydra) ends the other ranks when one dies; the kill of the process
 group afterwards covers launchers that leave some behind, so nothing of an attempt
@@ -37,10 +40,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["supervise", "describe_status", "ENV_RESTART", "NO_RESTART"]
+__all__ = ["supervise", "describe_status", "ENV_RESTART", "ENV_FAILED_AT", "ENV_LAUNCHED_AT",
+           "NO_RESTART"]
 
 #: Exported to every rank: how many times the job was restarted before this start.
 ENV_RESTART = "MPICOMM_RESTART"
+#: Exported on a restart: ``time.time()`` when the failed attempt's launcher exited.
+ENV_FAILED_AT = "MPICOMM_RESTART_FAILED_AT"
+#: Exported on a restart: ``time.time()`` just before this attempt's launcher started.
+ENV_LAUNCHED_AT = "MPICOMM_RESTART_LAUNCHED_AT"
 #: The exit status that is never restarted (usage errors, as argparse exits).
 NO_RESTART = 2
 
@@ -96,12 +104,16 @@ def supervise(argv: Sequence[str], env: dict[str, str], restarts: int,
 
 def _attempts(argv: Sequence[str], env: dict[str, str], restarts: int,
               say: Callable[[str], None]) -> int:
-    status = 0
+    status, failed_at = 0, None
     for attempt in range(restarts + 1):
         env = {**env, ENV_RESTART: str(attempt)}
+        if failed_at is not None:
+            env[ENV_FAILED_AT] = repr(failed_at)
+            env[ENV_LAUNCHED_AT] = repr(time.time())
         proc = subprocess.Popen(list(argv), env=env, start_new_session=True)
         try:
             status = proc.wait()
+            failed_at = time.time()
         except (KeyboardInterrupt, _Terminated) as exc:
             sig = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
             with contextlib.suppress(ProcessLookupError, PermissionError):

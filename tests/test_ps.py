@@ -560,5 +560,42 @@ def test_ps_cost_formula():
         assert ps_push_pull(1e6, w, 1, c) == pytest.approx(
             paper_predict("ps", 1e6, w + 1, c.alpha, c.beta), rel=1e-12)
     assert ps_push_pull(1e6, 4, 4, c) == pytest.approx(2 * 3e-5 + 2e6 * 1e-9)
+    assert ps_push_pull(1e6, 4, 2, c) == pytest.approx(2 * 3e-5 + 4e6 * 1e-9)
+    # more servers than workers: a worker's port carries its n bytes each way
+    assert ps_push_pull(1e6, 2, 4, c) == pytest.approx(2 * 3e-5 + 2e6 * 1e-9)
     with pytest.raises(ValueError):
         ps_push_pull(1.0, 0, 1, c)
+
+
+@pytest.mark.mpi
+def test_push_pull_reaches_the_alpha_beta_bound_on_the_virtual_clock(comm):
+    """Two servers, one 1 MiB key split over both, 1 Gbit/s and 100 us links: a push +
+    pull step within 10% of ``2 alpha + 2 max(W/S, 1) n beta``. That needs the staggered
+    order (every server answering worker 0 first costs ``(W + S - 1)(n/S) beta`` each
+    way: 1.33x the bound at 3 workers)."""
+    from mpicomm import clock
+
+    from .test_vclock import virtual
+
+    if comm.size < 3:
+        pytest.skip("needs two servers and a worker")
+    n, servers = 1 << 20, 2
+    workers = comm.size - servers
+    step = 0.0
+    with virtual(comm) as vc:
+        kv = KVStore(vc, servers=servers, mode="sync", lr=0.0)
+        wc = vc.split(0 if kv.is_worker else None)
+        if kv.is_worker:
+            g = np.ones(n // 4, dtype=np.float32)
+            kv.init("g", g)
+            for _ in range(2):
+                wc.barrier()
+                t0 = clock.now()
+                kv.push("g", g)
+                kv.pull("g", out=g)
+                step = wc.allreduce_value(clock.now() - t0, "max")
+            wc.free()
+        finish(kv)
+    if kv.is_worker:
+        bound = 2 * 100e-6 + 2 * max(workers / servers, 1.0) * n * 8e-9
+        assert 0.95 * bound <= step <= 1.1 * bound, (step, bound)

@@ -89,6 +89,23 @@ def test_bad_arguments_are_one_line_before_any_start(tmp_path, args, message):
         message in lines[0], res.stdout
 
 
+def test_restart_phases_add_up_along_the_slowest_rank():
+    """Each phase ends when the last rank is through it; missing stages are left out."""
+    base = {"failed_at": 10.5, "launched_at": 10.6, "restart": 1}
+    marks = [dict(base, rank=0, process_at=10.7, module_at=11.0, main_at=12.0, init_at=12.1,
+                  restored_at=12.3, first_step_at=12.5),
+             dict(base, rank=1, process_at=10.8, module_at=11.2, main_at=11.9, init_at=12.1,
+                  restored_at=12.4, first_step_at=None),
+             dict(base, rank=2, process_at=float("nan"), module_at=11.1, main_at=12.0,
+                  init_at=12.2, restored_at=12.2)]
+    phases = recovery.restart_phases(10.0, marks)
+    assert phases == pytest.approx({
+        "detect_s": 0.5, "relaunch_s": 0.1, "spawn_s": 0.2, "python_mpi_s": 0.4,
+        "imports_s": 0.8, "init_s": 0.2, "restore_s": 0.2, "first_step_s": 0.1})
+    assert sum(phases.values()) == pytest.approx(12.5 - 10.0)
+    assert recovery.restart_phases(10.0, [{"rank": 0, "module_at": 11.0}]) == {}
+
+
 # ---------------------------------------------------------------------- kill -9
 STEPS, EVERY = 12, 4
 

@@ -10,7 +10,10 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    run: the prediction ``2 alpha + 2 W (n/S) beta + W (n/S) gamma``
    (:func:`mpicomm.collectives.cost.ps_push_pull`, alpha/beta/gamma fitted by
    :func:`mpicomm.collectives.calibrate.measure` at the start) and mpicomm's ring
-   allreduce of the same ``n`` bytes over the W workers (measured and predicted).
+   allreduce of the same ``n`` bytes over the W workers (measured and predicted), and
+   the alpha-beta bound of the pattern, ``bound_ms = 2 alpha + 2 max(W/S, 1) n beta``
+   (every server link carries ``W`` pieces of ``n/S`` bytes each way, every worker link
+   ``n``; no compute), with ``ps/bound``. Target: ``ps/bound <= 1.5`` at 1-16 MB.
 2. **Straggler** (``straggler``): ``digits-mlp`` (MLP 64-64-10) through the
    time-to-accuracy harness, plain SGD on 1 server; each step a worker computes a real
    minibatch gradient and then sleeps ``--compute-ms`` (worker 0: ``--slow-factor`` times
@@ -29,6 +32,15 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    PowerSGD rank 4 push (per worker, error feedback) and a dense push with QSGD-compressed
    pulls (deltas to the servers' mirror). Target: top-k test accuracy within 1 point of
    dense (the target's); the other rows are reported with their gap and bytes.
+5. **Time to a target** (``convergence``, not in the default sections): BSP, async and
+   SSP (``--staleness``) with the straggler of section 2 on ``--conv-workload``
+   (``digits-mlp``: MLP 64-64-10; or ``mnist1d-cnn``), the same total of pushes each
+   (``W * --conv-steps``). Every ``--conv-eval`` of its steps the last worker (a fast
+   one) evaluates the model it has pulled on the test set, locally (no barrier, so the
+   modes keep their pace; under the virtual clock the evaluation costs no time);
+   ``time_to_target_s``: the first such point at or above ``--target`` accuracy. The
+   claim of Ho et al. (NIPS 2013, "More Effective Distributed ML via a Stale Synchronous
+   Parallel Parameter Server"): SSP reaches it sooner than both BSP and async.
 4. **Compressed pulls** (``pull``): every worker pushes a random gradient of one key of
    ``--pull-bytes`` bytes (float32) and pulls it through ``--pull-compressors``, sync
    mode, ``--repeats`` steps after a warm-up step; per step: the pull encodings the
@@ -40,6 +52,7 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any
 
@@ -51,11 +64,11 @@ from . import _clock
 from ._util import UsageError, machine, median_seconds, print_table, write_json
 from .harness import default_threads
 
-SECTIONS = ("comm", "straggler", "accuracy", "pull")
+SECTIONS = ("comm", "straggler", "accuracy", "pull", "convergence")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sections", default=",".join(SECTIONS),
+    parser.add_argument("--sections", default=",".join(SECTIONS[:4]),
                         help=f"comma-separated subset of {', '.join(SECTIONS)}")
     parser.add_argument("--servers", default="1,2", help="server counts to measure")
     parser.add_argument("--sizes", default="65536,1048576,4194304",
@@ -71,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pull-bytes", type=int, default=1 << 20, help="pull: bytes per key")
     parser.add_argument("--pull-compressors", default="qsgd,topk",
                         help="pull: compressors to measure (and dense pulls)")
+    parser.add_argument("--conv-workload", default="digits-mlp",
+                        help="convergence: digits-mlp or mnist1d-cnn")
+    parser.add_argument("--conv-steps", type=int, default=300,
+                        help="convergence: pushes per worker (total W times this)")
+    parser.add_argument("--conv-eval", type=int, default=5,
+                        help="convergence: the observer evaluates every this many steps")
+    parser.add_argument("--target", type=float, default=0.9,
+                        help="convergence: test accuracy to reach")
     _clock.add_arguments(parser)
 
 
@@ -99,6 +120,7 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
     from ..collectives.cost import allreduce_ring, ps_push_pull
 
     params = calibrate.measure(comm)
+    links = dataclasses.replace(params, gamma=0.0)   # the alpha-beta bound: no compute
     rows = []
     for servers in [int(s) for s in args.servers.split(",")]:
         if not 1 <= servers < comm.size:
@@ -120,9 +142,11 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
 
                 ps_s = median_seconds(step, wc, repeats=args.repeats)
                 ar_s = median_seconds(ring, wc, repeats=args.repeats)
+                bound = ps_push_pull(nbytes, workers, servers, links)
                 rows.append({"servers": servers, "workers": workers, "bytes": nbytes,
                              "ps_ms": ps_s * 1e3,
                              "ps_pred_ms": ps_push_pull(nbytes, workers, servers, params) * 1e3,
+                             "bound_ms": bound * 1e3, "ps/bound": ps_s / bound,
                              "ring_ms": ar_s * 1e3,
                              "ring_pred_ms": allreduce_ring(nbytes, workers, params) * 1e3,
                              "ps/ring": ps_s / ar_s if ar_s else float("nan")})
@@ -132,8 +156,11 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
         print(f"\n== push+pull per step vs prediction and ring allreduce over the workers "
               f"(alpha {params.alpha * 1e6:.1f} us, beta {1 / params.beta / 1e9:.2f} GB/s, "
               f"gamma {1 / params.gamma / 1e9:.2f} GB/s)")
-        print_table(rows, ["servers", "workers", "bytes", "ps_ms", "ps_pred_ms", "ring_ms",
-                           "ring_pred_ms", "ps/ring"])
+        print_table(rows, ["servers", "workers", "bytes", "ps_ms", "ps_pred_ms", "bound_ms",
+                           "ps/bound", "ring_ms", "ring_pred_ms", "ps/ring"])
+        worst = max((r["ps/bound"] for r in rows), default=float("nan"))
+        print(f"target push+pull within 1.5x of the alpha-beta bound: "
+              f"{'met' if worst <= 1.5 else 'NOT met'} (worst {worst:.2f}x)")
     return rows
 
 
@@ -240,6 +267,68 @@ def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[s
     return rows
 
 
+# ---------------------------------------------------------------------- 5. convergence
+def bench_convergence(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
+    """Time to ``--target`` test accuracy of BSP, async and SSP (module docstring, 5)."""
+    from .harness import Spec, now, train
+    from .sync import PSMethod
+
+    options = {"hidden": 64, "layers": 1} if args.conv_workload == "digits-mlp" else {}
+    rows = []
+    for mode in ("sync", "async", "ssp"):
+        kw = {"staleness": args.staleness} if mode == "ssp" else {}
+        kv, wc = _store(comm, 1, mode=mode, lr=0.1, **kw)
+        if kv.is_worker:
+            assert wc is not None
+            observer = wc.size - 1
+            total = kv.workers * args.conv_steps
+            pause = args.compute_ms / 1e3 * (args.slow_factor if wc.rank == 0 else 1.0)
+            spec = Spec(workload=args.conv_workload, options=options, batch=32, epochs=None,
+                        budget_s=float("inf"), eval_every=None, epoch_stats=False,
+                        label=mode)
+            curve: list[tuple[float, int, float]] = []
+            t0 = [0.0]
+
+            def on_step(step: int, ctx: Any, kv: Any = kv, mode: str = mode,
+                        total: int = total, curve: list = curve, t0: list = t0,
+                        observer: int = observer, wc: Communicator = wc) -> None:
+                if wc.rank == observer and step % args.conv_eval == 0:
+                    point = ctx.workload.evaluate(ctx.model, None, "test")
+                    curve.append((now() - t0[0], step, point["accuracy"]))
+                ctx.stop = (step >= args.conv_steps if mode == "sync"
+                            else kv.stats()["server_pushes"] >= total)
+
+            wc.barrier()
+            t0[0] = now()
+            r = train(spec, PSMethod(kv, sleep_s=pause), wc, on_step=on_step)
+            wall = wc.allreduce_value(now() - t0[0], "max")
+            curve = wc.bcast_object(curve, root=observer)
+            hit = next(((t, s) for t, s, a in curve if a >= args.target), None)
+            rows.append({"mode": mode if mode != "ssp" else f"ssp(s={args.staleness})",
+                         "workload": args.conv_workload, "workers": kv.workers,
+                         "target": args.target,
+                         "time_to_target_s": None if hit is None else hit[0],
+                         "observer_steps_to_target": None if hit is None else hit[1],
+                         "best_accuracy": max((a for _, _, a in curve), default=None),
+                         "final_accuracy": r.final_metric("accuracy"), "wall_s": wall,
+                         "max_staleness": wc.allreduce_value(kv.stats()["max_staleness"],
+                                                             "max"),
+                         "curve": [list(p) for p in curve]})
+        _finish(kv, wc)
+    rows = comm.bcast_object(rows, root=0)
+    if comm.rank == 0 and rows:
+        print(f"\n== time to {args.target:g} test accuracy ({args.conv_workload}), worker 0 "
+              f"{args.slow_factor:g}x slower")
+        print_table(rows, ["mode", "workers", "time_to_target_s", "observer_steps_to_target",
+                           "best_accuracy", "final_accuracy", "wall_s", "max_staleness"])
+        times = {r["mode"].split("(")[0]: r["time_to_target_s"] for r in rows}
+        if all(v is not None for v in times.values()):
+            ssp = times["ssp"]
+            print(f"SSP vs BSP: {times['sync'] / ssp:.2f}x sooner, vs async: "
+                  f"{times['async'] / ssp:.2f}x (claim: both above 1)")
+    return rows
+
+
 # ---------------------------------------------------------------------- 3. accuracy
 def bench_accuracy(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
     from ..compress import QSGD, PowerSGD, TopK
@@ -304,6 +393,8 @@ def run(args: argparse.Namespace) -> int:
         out["accuracy"] = bench_accuracy(args, comm)
     if "pull" in sections:
         out["pull"] = bench_pull(args, comm)
+    if "convergence" in sections:
+        out["convergence"] = bench_convergence(args, comm)
     if comm.rank == 0:
         note = ("times are the virtual cluster's, independent of the load" if clock.started()
                 else "timings on a shared machine are noisy, ratios from one run are the "

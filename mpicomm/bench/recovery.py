@@ -24,8 +24,12 @@ which resumes from its newest complete checkpoint. Scenarios (``--scenarios``):
 Per trial: the step and rank killed, the step resumed from, the exit status, and
 ``kill_to_train_s`` = from the kill to the end of the first step after the restore,
 with ``load_s`` (the restore itself) beside it. Target: ``kill_to_train_s - load_s <
-10`` s. Timings need a quiet machine (each restart starts ``N`` Python processes that
-import torch).
+10`` s. That time is split into phases (:data:`PHASES`) from the timestamps the launcher
+(``MPICOMM_RESTART_FAILED_AT``, ``_LAUNCHED_AT``) and every rank of the restarted job
+(``phases-<rank>.json``, :data:`mpicomm.bench.recovery_job.PHASES`) write; each phase
+ends when the last rank is through it, so the phases add up to ``kill_to_train_s``.
+Timings need a quiet machine (each restart starts ``N`` Python processes that import
+torch); the correctness checks do not.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +55,40 @@ _JOB_MODE = {"sync-server": "sync", "sync-worker": "sync", "peer": "peer", "asyn
 #: Launcher variables of a parent MPI job that a child job must not inherit.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "OMPI_COMM_", "OMPI_MCA_orte_", "MPI_LOCAL",
                       "PRTE_MCA_ess")
+
+
+#: The phases of a restart: (name, from, to) over the timestamps of the kill, the
+#: launcher and the slowest rank of the restarted job.
+PHASES = (
+    ("detect_s", "killed_at", "failed_at"),         # the launcher (mpiexec) sees the
+                                                    # death, ends the other ranks, exits
+    ("relaunch_s", "failed_at", "launched_at"),     # the supervisor starts mpiexec again
+    ("spawn_s", "launched_at", "process_at"),       # mpiexec starts every rank's process
+    ("python_mpi_s", "process_at", "module_at"),    # Python, import mpicomm, MPI_Init
+    ("imports_s", "module_at", "main_at"),          # import torch and the job's modules
+    ("init_s", "main_at", "init_at"),               # mpicomm.init
+    ("restore_s", "init_at", "restored_at"),        # build the model, find and load the
+                                                    # newest complete checkpoint
+    ("first_step_s", "restored_at", "first_step_at"),  # the first step after it
+)
+
+
+def restart_phases(killed_at: float, marks: list[dict[str, Any]]) -> dict[str, float]:
+    """The :data:`PHASES` of one restart from every rank's ``phases-<rank>.json``
+    (``marks``): each stage's time is the latest over the ranks; missing stages are left
+    out."""
+    def latest(name: str) -> float | None:
+        vals = [m[name] for m in marks if isinstance(m.get(name), (int, float))
+                and m[name] == m[name]]
+        return max(vals) if vals else None
+
+    at = {"killed_at": killed_at, **{name: latest(name) for _, name, _ in PHASES[1:]},
+          "first_step_at": latest("first_step_at")}
+    out = {}
+    for phase, start, end in PHASES:
+        if at.get(start) is not None and at.get(end) is not None:
+            out[phase] = at[end] - at[start]
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +181,9 @@ def kill_trial(mode: str, ranks: int, victim: int, kill_step: int, workdir: str,
     if killed_at is not None and resumed.get("first_step_at"):
         out["kill_to_train_s"] = resumed["first_step_at"] - killed_at
         out["load_s"] = resumed.get("load_s")
+        marks = [json.loads(_read(os.path.join(progress, name)) or "{}")
+                 for name in sorted(os.listdir(progress)) if name.startswith("phases-")]
+        out.update(restart_phases(killed_at, marks))
     for key in ("exactly_once", "applied", "expected", "twice", "missing",
                 "server_staleness", "worker_staleness"):
         if key in facts:
@@ -164,6 +206,10 @@ def reference_run(mode: str, ranks: int, workdir: str, *, steps: int, every: int
     if res.returncode != 0 or not os.path.exists(save):
         raise RuntimeError(f"reference run of {mode} failed ({res.returncode}):\n{res.stdout}")
     return save
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def bitwise_equal(a: str, b: str) -> bool:
@@ -197,6 +243,27 @@ def victims(scenario: str, ranks: int, servers: int) -> list[int]:
     return list(range(ranks))
 
 
+def summarize(rows: list[dict[str, Any]], scenarios: list[str]
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per scenario: the verdicts and restart times, and the median of every phase."""
+    summary, phases = [], []
+    for scenario in scenarios:
+        mine = [r for r in rows if r["scenario"] == scenario]
+        timed = [r for r in mine if "kill_to_train_s" in r]
+        restart = [r["kill_to_train_s"] - (r["load_s"] or 0) for r in timed]
+        summary.append({"scenario": scenario, "trials": len(mine),
+                        "passed": sum(r["passed"] for r in mine),
+                        "median_kill_to_train_s": _median([r["kill_to_train_s"]
+                                                           for r in timed]),
+                        "max_kill_to_train_s": max((r["kill_to_train_s"] for r in timed),
+                                                   default=None),
+                        "max_restart_s_without_load": max(restart, default=None),
+                        "max_load_s": max((r["load_s"] or 0 for r in timed), default=None)})
+        phases.append({"scenario": scenario, **{
+            name: _median([r[name] for r in timed if name in r]) for name, _, _ in PHASES}})
+    return summary, phases
+
+
 def run(args: argparse.Namespace) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
@@ -210,8 +277,20 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     root = args.workdir or tempfile.mkdtemp(prefix="mpicomm-recovery-")
     common = dict(steps=args.steps, every=args.every, servers=args.servers)
-    rows, references = [], {}
+    rows: list[dict[str, Any]] = []
+    references: dict[str, str] = {}
     t0 = time.perf_counter()
+
+    def save() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The JSON so far (after every trial: an interrupted run keeps its trials)."""
+        summary, phases = summarize(rows, scenarios)
+        kept = [{k: v for k, v in r.items() if k not in ("log", "save")} for r in rows]
+        write_json(args.json, {"suite": "recovery", "machine": machine(),
+                               "ranks": args.ranks, "args": vars(args),
+                               "load_average": os.getloadavg(), "summary": summary,
+                               "phases": phases, "trials": kept})
+        return summary, phases
+
     for scenario in scenarios:
         mode = _JOB_MODE[scenario]
         if mode in ("sync", "peer") and mode not in references:
@@ -232,27 +311,15 @@ def run(args: argparse.Namespace) -> int:
                   f"resumed from {trial['restored_step']}: "
                   f"{'pass' if trial['passed'] else 'FAIL (' + trial['log'] + ')'}",
                   flush=True)
-    summary = []
-    for scenario in scenarios:
-        mine = [r for r in rows if r["scenario"] == scenario]
-        restart = [r["kill_to_train_s"] - (r["load_s"] or 0) for r in mine
-                   if "kill_to_train_s" in r]
-        summary.append({"scenario": scenario, "trials": len(mine),
-                        "passed": sum(r["passed"] for r in mine),
-                        "max_kill_to_train_s": max((r["kill_to_train_s"] for r in mine
-                                                    if "kill_to_train_s" in r), default=None),
-                        "max_restart_s_without_load": max(restart, default=None),
-                        "max_load_s": max((r["load_s"] or 0 for r in mine
-                                           if "kill_to_train_s" in r), default=None)})
-    print_table(summary, ["scenario", "trials", "passed", "max_kill_to_train_s",
-                          "max_restart_s_without_load", "max_load_s"])
-    load = os.getloadavg()
-    print(f"(took {time.perf_counter() - t0:.0f} s; load average {load[0]:.1f}: restart "
-          "times need a quiet machine)")
-    kept = [{k: v for k, v in r.items() if k not in ("log", "save")} for r in rows]
-    write_json(args.json, {"suite": "recovery", "machine": machine(), "ranks": args.ranks,
-                           "args": vars(args), "load_average": load, "summary": summary,
-                           "trials": kept})
+            if args.json:
+                save()
+    summary, phases = save()
+    print_table(summary, ["scenario", "trials", "passed", "median_kill_to_train_s",
+                          "max_kill_to_train_s", "max_restart_s_without_load", "max_load_s"])
+    print("median phase of a restart (s; each ends when the last rank is through it):")
+    print_table(phases, ["scenario", *(name for name, _, _ in PHASES)])
+    print(f"(took {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}: "
+          "restart times need a quiet machine)")
     if not args.workdir:
         shutil.rmtree(root, ignore_errors=True)
     return 0 if all(r["passed"] for r in rows) else 1

@@ -1,3 +1,4 @@
+# ruff: noqa: E402
 """The training job that the recovery benchmark (and its tests) kill and restart.
 
 Run under ``python -m mpicomm run -n N --restarts K --checkpoint-dir DIR -- python -m
@@ -26,16 +27,24 @@ Modes:
 ``--progress DIR``: every rank writes ``pid-<rank>`` (its process id, per start) and rank 0
 ``step`` (the last step done) so that a harness can kill a chosen rank at a chosen step;
 after a restart rank 0 writes ``resumed.json`` with the time of its first step after the
-restore and the restore's duration. ``--json PATH``: rank 0 writes the run's facts.
+restore and the restore's duration, and every rank ``phases-<rank>.json``: the
+``time.time()`` of each stage of its start (:data:`PHASES`) and the launcher's
+``MPICOMM_RESTART_FAILED_AT`` / ``_LAUNCHED_AT``. ``--json PATH``: rank 0 writes the
+run's facts.
 """
 
 from __future__ import annotations
+
+import time
+
+#: Python is up and ``mpicomm`` (with ``mpi4py``, so ``MPI_Init``) is imported; the
+#: imports below (torch) come after it on purpose.
+_MODULE_AT = time.time()
 
 import argparse
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import numpy as np
@@ -45,10 +54,27 @@ from ..checkpoint import Checkpointer, CheckpointError
 from ..cli import RankZeroParser
 from ..comm import Communicator, init
 from ..ps import KVStore
-from ..supervise import ENV_RESTART
+from ..supervise import ENV_FAILED_AT, ENV_LAUNCHED_AT, ENV_RESTART
 from ..torch import GradientSync, PSOptimizer
 
 MODES = ("peer", "sync", "async", "ssp")
+#: The stages of a start, in order, each a ``time.time()`` in ``phases-<rank>.json``:
+#: the process exists; Python and ``mpicomm`` (``MPI_Init``) are loaded; torch and the
+#: rest too (``main`` entered); ``mpicomm.init`` done; the checkpoint restored; the
+#: first step done (workers).
+PHASES = ("process_at", "module_at", "main_at", "init_at", "restored_at", "first_step_at")
+
+
+def process_start_time() -> float:
+    """When this process started, in ``time.time()`` seconds (Linux ``/proc``, to a clock
+    tick: 10 ms), or ``nan`` where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        since_boot = ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return float("nan")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,18 +118,36 @@ def batch(seed: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 class Progress:
     """The files a harness watches (module docstring); no-ops without a folder."""
 
-    def __init__(self, folder: str | None, rank: int) -> None:
+    def __init__(self, folder: str | None, rank: int, main_at: float, init_at: float
+                 ) -> None:
         self.folder, self.rank = folder, rank
         self.restart = int(os.environ.get(ENV_RESTART, "0"))
         self.first_step_at: float | None = None
+        self.marks: dict[str, float | None] = {
+            "process_at": process_start_time(), "module_at": _MODULE_AT, "main_at": main_at,
+            "init_at": init_at}
+        for name, var in (("failed_at", ENV_FAILED_AT), ("launched_at", ENV_LAUNCHED_AT)):
+            self.marks[name] = float(os.environ[var]) if os.environ.get(var) else None
         if folder:
             _write(os.path.join(folder, f"pid-{rank}"), f"{os.getpid()} {self.restart}")
 
+    def restored(self, load_s: float) -> None:
+        """The checkpoint is loaded (or there was none); servers' last stage."""
+        self.marks["restored_at"] = time.time()
+        self.marks["load_s"] = load_s
+        self._phases()
+
     def step(self, step: int) -> None:
         if self.first_step_at is None:
-            self.first_step_at = time.time()
+            self.first_step_at = self.marks["first_step_at"] = time.time()
+            self._phases()
         if self.folder and self.rank == 0:
             _write(os.path.join(self.folder, "step"), f"{step} {self.restart}")
+
+    def _phases(self) -> None:
+        if self.folder and self.restart:
+            _write(os.path.join(self.folder, f"phases-{self.rank}.json"),
+                   json.dumps({"rank": self.rank, "restart": self.restart, **self.marks}))
 
     def resumed(self, ckpt: Checkpointer, restored_step: int | None) -> None:
         if self.folder and self.rank == 0 and self.restart:
@@ -132,6 +176,7 @@ def run_peer(args: argparse.Namespace, comm: Communicator, progress: Progress
     sync = GradientSync(model, args.strategy, comm=comm, density=args.density)
     ckpt = Checkpointer(comm=comm, every=args.every, model=model, optimizer=opt, sync=sync)
     resumed = ckpt.restore()
+    progress.restored(ckpt.stats.load_s)
     start = resumed.position["step"] if resumed else 0
     for step in range(start, args.steps):
         x, y = batch(args.seed, comm.rank, step)
@@ -167,6 +212,7 @@ def run_ps(args: argparse.Namespace, comm: Communicator, progress: Progress
     ckpt = Checkpointer(comm=comm, every=args.every, kv=kv, **objects)
     wc = comm.split(0 if kv.is_worker else None)
     resumed = ckpt.restore()
+    progress.restored(ckpt.stats.load_s)
     start = resumed.position["step"] if resumed and resumed.position else 0
     facts: dict[str, Any] = {"restored_step": resumed.step if resumed else None}
     if kv.is_server:
@@ -226,13 +272,15 @@ def run_ps(args: argparse.Namespace, comm: Communicator, progress: Progress
 
 
 def main(argv: list[str] | None = None) -> int:
+    main_at = time.time()
     args = parse_args(argv)
     comm = init()
+    init_at = time.time()
     torch.set_num_threads(1)
     if args.progress and comm.rank == 0:
         os.makedirs(args.progress, exist_ok=True)
     comm.barrier()
-    progress = Progress(args.progress, comm.rank)
+    progress = Progress(args.progress, comm.rank, main_at, init_at)
     try:
         facts = run_peer(args, comm, progress) if args.mode == "peer" else \
             run_ps(args, comm, progress)

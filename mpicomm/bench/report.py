@@ -50,6 +50,7 @@ from .report_hierarchy import (
     virtual_label,
 )
 from .report_ratios import section as ratios_section
+from .report_recovery import recovery_section
 from .report_suites import adaptive_section, crossover_section
 from .report_training import plot_name, plot_runs, step_time_table, training_section
 
@@ -380,10 +381,13 @@ def section(r: dict[str, Any]) -> str:
         return head + crossover_section(r, table)
     if suite == "hierarchy":
         return head + hierarchy_section(r, table)
+    if suite == "recovery":
+        return head + recovery_section(r, table)
     if suite == "ps":
         return head + "\n".join(f"**{key}**\n\n{generic(r[key])}"
                                  for key in ("summary", "rows", "comm", "straggler",
-                                             "accuracy", "pull") if r.get(key))
+                                             "accuracy", "pull", "convergence")
+                                 if r.get(key))
     body = [f"{key}:\n\n" + generic(r[key]) for key in ("summary", "targets", "rows", "results",
                                                       "comm", "straggler", "accuracy")
             if r.get(key)]

@@ -21,15 +21,26 @@ That, and checkpointing ``last_seq`` with the values, is the exactly-once guaran
 
 Consistency (``c_w = last_seq[w]``, the pushes worker ``w`` made on the key so far):
 
-* sync: pushes of step ``t`` are held in per-worker slots until all ``W`` are in, then
-  ``p <- opt(p, sum_w g_w / W)`` (summed in worker order, so runs are reproducible);
-  a pull of ``w`` is served once ``version >= c_w``.
+* sync: pushes of step ``t`` are summed in worker order (so runs are reproducible) as
+  they come: a push is held in its worker's slot until the pushes of the workers before
+  it are in the sum, so the sum overlaps the arrivals and only the last push's addition
+  and the update follow the last arrival. Once all ``W`` are in,
+  ``p <- opt(p, sum_w g_w / W)``; a pull of ``w`` is served once ``version >= c_w``.
 * async: every push is applied at once as ``opt(p, g / W)``; pulls are served at once.
 * ssp(s): applied as async; a pull of ``w`` is served once every worker still open has
   ``c_v >= c_w - s`` (a worker that closed no longer holds the others back).
 
 Staleness of a served pull: ``c_w - min_v c_v`` (how far the worker being served is ahead
 of the slowest worker); ``max_staleness`` is its maximum.
+
+Order of the replies: pulls that become ready together (a sync step's ``W`` pulls, once
+its update is done) are answered starting from worker ``s W / S`` for server ``s`` and
+wrapping around, and each worker pushes and pulls its pieces starting from server
+``w mod S``: at any moment the ``S`` servers send to (and receive from) different
+workers, so no worker's link carries two servers' pieces at once while another idles.
+Without that stagger (every server answering worker 0 first) a step takes about
+``(W + S - 1) (n/S) beta`` each way instead of ``max(W/S, 1) n beta``. A dense reply is
+packed once per version and header and the same buffer sent to every worker it fits.
 
 Compressed pulls (a ``pull_compressor``): the server keeps one ``mirror`` per piece and
 a chain of encodings. At most once per version, when a pull finds the value changed
@@ -89,6 +100,8 @@ class PieceState:
     version: int = 0
     last_seq: np.ndarray = field(default=None)  # type: ignore[assignment]
     slots: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    sums: dict[int, tuple[torch.Tensor | None, int]] = field(default_factory=dict)
+    reply: tuple[tuple[int, ...], np.ndarray] | None = None  # the last dense reply packed
     push_view: PieceView | None = None  # layouts for the push / pull compressors
     pull_view: PieceView | None = None
     mirror: torch.Tensor | None = None  # compressed pulls (module docstring)
@@ -121,6 +134,8 @@ class Server:
         self.pieces: dict[tuple[int, int], PieceState] = {}
         self.closed = np.zeros(workers, dtype=bool)
         self.pending: list[tuple[int, PieceState]] = []  # (worker, piece) pulls waiting
+        servers = comm.size - workers
+        self.first = (comm.rank - workers) * workers // servers  # replies start here
         self.sends: list[tuple[MPI.Request, Any]] = []
         self.ckpt_requests = 0
         self.stats = {"max_staleness": 0, "pushes": 0, "pulls": 0, "bytes_pushed": 0,
@@ -215,18 +230,16 @@ class Server:
         self.stats["pushes"] += 1
         nbytes = grad.numel() * grad.element_size()
         if self.mode == "sync":
-            slots = st.slots.setdefault(seq, [None] * self.workers)
-            clock.charge("copy", nbytes)
-            slots[w] = grad.clone()
-            while (ready := st.slots.get(st.version + 1)) is not None and all(
-                    g is not None for g in ready):
-                del st.slots[st.version + 1]
-                total = ready[0]
-                for g in ready[1:]:
-                    clock.charge("reduce", nbytes)
-                    total = total + g
+            if self.codec is not None:  # a decoded push may share the codec's memory
+                clock.charge("copy", nbytes)
+                grad = grad.clone()
+            st.slots.setdefault(seq, [None] * self.workers)[w] = grad
+            self._accumulate(st, seq, nbytes)
+            while (ready := st.sums.get(st.version + 1)) is not None and \
+                    ready[1] == self.workers:
+                del st.slots[st.version + 1], st.sums[st.version + 1]
                 clock.charge("reduce", UPDATE_PASSES * nbytes)   # scale + update
-                self.optimizer.step(st.value, total / self.workers, st.opt)
+                self.optimizer.step(st.value, ready[0] / self.workers, st.opt)
                 st.version += 1
                 self.stats["updates"] += 1
         else:
@@ -235,6 +248,21 @@ class Server:
             st.version += 1
             self.stats["updates"] += 1
         self._serve_pending()
+
+    def _accumulate(self, st: PieceState, seq: int, nbytes: int) -> None:
+        """Add the held pushes of step ``seq`` that are next in worker order to its sum
+        (``g_0 + g_1 + ...``, left to right, whatever order they came in)."""
+        slots = st.slots[seq]
+        total, nxt = st.sums.get(seq, (None, 0))
+        while nxt < self.workers and (g := slots[nxt]) is not None:
+            if total is None:
+                total = g
+            else:
+                clock.charge("reduce", nbytes)
+                total = total + g if nxt == 1 else total.add_(g)  # the first sum: a new
+            slots[nxt] = None                                     # tensor, then in place
+            nxt += 1
+        st.sums[seq] = (total, nxt)
 
     def _decode(self, st: PieceState, m: wire.Message, step: int) -> torch.Tensor:
         """The dense gradient of a push (decoded with the piece's layout, see
@@ -266,6 +294,8 @@ class Server:
 
     def _serve_pending(self) -> None:
         keep = []
+        if len(self.pending) > 1:   # staggered over the servers (module docstring)
+            self.pending.sort(key=lambda item: (item[0] - self.first) % self.workers)
         for w, st in self.pending:
             if self._ready(w, st):
                 self._reply(w, st)
@@ -278,8 +308,14 @@ class Server:
         self.stats["max_staleness"] = max(self.stats["max_staleness"], stale)
         self.stats["pulls"] += 1
         arrays, number = self._pull_payload(w, st)
-        buf = wire.pack(wire.REPLY, st.key_id, st.index, stale, int(st.last_seq.sum()),
-                        st.version, number, arrays=arrays)
+        head = (stale, int(st.last_seq.sum()), st.version, number)
+        if number == 0 and st.reply is not None and st.reply[0] == head and \
+                arrays[0] is (st.value if st.mirror is None else st.mirror):
+            buf = st.reply[1]   # the same bytes for every worker: packed once
+        else:
+            buf = wire.pack(wire.REPLY, st.key_id, st.index, *head, arrays=arrays)
+            if number == 0:
+                st.reply = (head, buf)
         self.stats["bytes_pulled"] += buf.nbytes
         self.sends.append((isend_bytes(self.mpi, buf, w, wire.TAG_REPLY, self.delay), buf))
 

@@ -14,6 +14,9 @@ A worker talks to every server point to point on the store's private communicato
   first after a restore) or a compressed delta that the worker adds to its own copy of
   the piece, which then mirrors, bit for bit, the server's record of that copy.
 
+A worker sends its pieces starting from server ``w mod S`` (the servers answer in a
+matching staggered order), so that the workers do not all queue at server 0 first.
+
 Cost of a dense push + pull of ``n`` bytes with ``S`` servers (alpha-beta, one worker):
 ``S`` requests and ``S`` replies each way, ``about 2*alpha + 2*n*beta`` per worker plus
 the server's queueing; with ``W`` workers on one server link the server's port carries
@@ -214,9 +217,16 @@ class Worker:
         self.send_push(info, _flat_cpu(grad), seq)
         self.seq[info.key_id] = seq
 
+    def staggered(self, pieces: Sequence[Piece]) -> list[Piece]:
+        """``pieces`` starting from server ``rank mod S`` and wrapping around, so that the
+        workers spread their first pieces over the servers (:mod:`mpicomm.ps.server`)."""
+        if len(pieces) < 2:
+            return list(pieces)
+        return sorted(pieces, key=lambda p: (p.server - self.rank) % self.servers)
+
     def send_push(self, info: KeyInfo, flat: torch.Tensor, seq: int) -> None:
         """Send the pieces of one push numbered ``seq`` (also used to replay a push)."""
-        for p in info.pieces:
+        for p in self.staggered(info.pieces):
             part = flat[p.start:p.stop]
             if self.codec is not None:
                 assert self.ef is not None
@@ -261,7 +271,7 @@ class Worker:
         results = [torch.empty(i.numel, dtype=i.dtype) for i in infos]
         where = {}
         for slot, info in enumerate(infos):
-            for p in info.pieces:
+            for p in self.staggered(info.pieces):
                 where[(info.key_id, p.index)] = (slot, p)
                 buf = wire.pack(wire.PULL, info.key_id, p.index, self.rank)
                 self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(p.server),

@@ -235,8 +235,11 @@ def ps_push_pull(n: float, workers: int, servers: int, c: CostParams) -> float:
     ``n`` bytes, each key split evenly over ``servers``.
 
     The bottleneck is a server's port, which receives ``W`` pieces of ``n/S`` bytes and
-    sends as many back, and sums the ``W`` pushed pieces:
-    ``2 alpha + 2 W (n/S) beta + W (n/S) gamma``. The latency counts once each way (the
+    sends as many back, and sums the ``W`` pushed pieces, or with more servers than
+    workers a worker's port, which carries ``n`` each way:
+    ``2 alpha + 2 max(W/S, 1) n beta + W (n/S) gamma``. Reaching it needs the servers'
+    replies (and the workers' pushes) staggered so that no port idles while another
+    queues (:mod:`mpicomm.ps.server`). The latency counts once each way (the
     ``W`` messages are in flight together), as in Table I of Tyagi & Swany (their
     ``2 alpha + 2 (N-1) M beta`` with one server and ``N - 1 = W`` workers; their table
     has no gamma). Compare :func:`allreduce_ring` over the ``W`` workers, whose bandwidth
@@ -246,8 +249,8 @@ def ps_push_pull(n: float, workers: int, servers: int, c: CostParams) -> float:
     """
     if workers < 1 or servers < 1:
         raise ValueError(f"need workers >= 1 and servers >= 1, got {workers}, {servers}")
-    per_port = workers * n / servers
-    return 2 * c.alpha + 2 * per_port * c.beta + per_port * c.gamma
+    per_port = max(workers / servers, 1.0) * n
+    return 2 * c.alpha + 2 * per_port * c.beta + workers * n / servers * c.gamma
 
 
 FORMULAS: dict[str, dict[str, Callable[[float, int, CostParams], float]]] = {
