@@ -70,6 +70,10 @@ variable                            meaning
 ``MPICOMM_CHECKPOINT_DIR``          where :mod:`mpicomm.checkpoint` keeps checkpoints (set by
                                     ``python -m mpicomm run --checkpoint-dir DIR``).
 ``MPICOMM_RESTART``                 restarts so far, set by ``python -m mpicomm run --restarts``.
+``MPICOMM_RESTART_FAILED_AT``       set on a restart: ``time.time()`` when the failed
+                                    attempt's launcher exited.
+``MPICOMM_RESTART_LAUNCHED_AT``     set on a restart: ``time.time()`` when this attempt
+                                    was started (the restart's phases).
 ``MPICOMM_CACHE_DIR``               where :mod:`mpicomm.workloads` keeps generated data sets
                                     and corpus indexes (default ``$XDG_CACHE_HOME/mpicomm``,
                                     else ``~/.cache/mpicomm``).
