@@ -22,7 +22,7 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    repeatable). Sync runs ``--steps`` steps per worker; async and
    SSP (``--staleness``) run until the server has applied as many pushes in total
    (``W * steps``). Throughput = pushes applied / W / wall time (sync steps per second);
-   final loss = training-set cross-entropy of the final model. Target: async >= 1.5x
+   final loss = training-set cross-entropy of the final model. Target: async >= 2x
    sync's throughput, final loss within 10% of sync's. SSP is bounded by the straggler
    (the fast workers may lead by ``s`` steps only), so it lands near sync with a
    persistent straggler; it helps when slowness moves between workers.
@@ -261,8 +261,8 @@ def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[s
         print_table(rows, ["mode", "workers", "pushes", "wall_s", "steps_per_s", "speedup",
                            "final_loss", "loss/sync", "max_staleness"])
         a = rows[1]
-        ok = a["speedup"] >= 1.5 and a["loss/sync"] <= 1.10
-        print(f"target async >= 1.5x sync steps/s and final loss within 10%: "
+        ok = a["speedup"] >= 2.0 and a["loss/sync"] <= 1.10
+        print(f"target async >= 2x sync steps/s and final loss within 10%: "
               f"{'met' if ok else 'NOT met'} ({a['speedup']:.2f}x, {a['loss/sync']:.3f})")
     return rows
 
