@@ -70,7 +70,7 @@ def adaptive_section(r: dict[str, Any], table: Table) -> str:
             bound = summary.get(f"{key}_target")
             met = None if value is None else (test[0](value) if bound is None
                                                   else test[0](value, bound))
-            wording = wording.format(target=1.1 if bound is None else bound)
+            wording = wording.format(target=1.05 if bound is None else bound)
             verdict = "no result" if met is None else ("met" if met else "MISSED")
         rows.append({"measure": key, "value": value, "target": wording,
                      "verdict": verdict})

@@ -11,7 +11,7 @@ with ``MPICOMM_STAGING_CHUNK_BYTES`` set to each ``--chunks-mb`` value (``whole`
 chunk as large as the buffer: copy all, then communicate).
 Results are written into persistent ``out=`` buffers, as GradientSync does. Each row is
 the median over ``--repeats`` of the slowest rank's time; ``x_host`` is the row's time
-over the host row's. Issue 14's target: the best staged allreduce within 1.1x of host.
+over the host row's. Target: the best staged allreduce within 1.1x of host.
 """
 
 from __future__ import annotations

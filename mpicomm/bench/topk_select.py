@@ -21,7 +21,7 @@ median of ``--repeats`` runs (CUDA events on a GPU, ``perf_counter`` on the CPU)
 * ``TopK.compress``: the whole compressor (selection + gather of the values).
 
 ``x_topk`` is torch.topk's time divided by the row's (above 1: faster than torch.topk).
-Issue 14's targets on an H100 at d = 2.5e7: ``threshold`` (exact) x_topk >= 3 and
+Targets on an H100 at d = 2.5e7: ``threshold`` (exact) x_topk >= 3 and
 ``approx`` x_topk >= 10 with recall >= 0.95. Every exact row is checked against
 ``topk_indices`` (``exact`` column).
 """
