@@ -339,7 +339,7 @@ class Communicator:
                 raise error
             return
         verdict = None if error is None else (type(error).__name__, str(error))
-        everyone = self.allgather_object((verdict, name, tuple(sorted(description.items()))))
+        everyone = self.allgather_object((verdict, name, tuple(description.items())))
         for rank, (theirs, _, _) in enumerate(everyone):
             if theirs is None:
                 continue
@@ -451,15 +451,19 @@ def poll_until(test: Callable[[], Any], poll_s: float) -> Any:
 
 
 def describe_mismatch(calls: Sequence[tuple[str, tuple[tuple[str, Any], ...]]]) -> str | None:
-    """Explain the first difference between the per-rank call descriptions, or ``None``."""
+    """Explain the first difference between the per-rank call descriptions, or ``None``.
+
+    Fields are compared in the order the call described them (its arguments before what
+    follows from them: a shape mismatch is named rather than the different algorithm
+    ``auto`` picked for each shape)."""
     ref_name, ref_fields = calls[0]
     for rank, (name, fields) in enumerate(calls):
         if name != ref_name:
             return f"rank 0 calls {ref_name} but rank {rank} calls {name}"
-        if fields == ref_fields:
-            continue
         ref, other = dict(ref_fields), dict(fields)
-        for key in sorted(set(ref) | set(other)):
+        if ref == other:
+            continue
+        for key in [*ref, *(k for k in other if k not in ref)]:
             if ref.get(key) != other.get(key):
                 return (
                     f"ranks disagree on {name}: {key} is {ref.get(key)!r} on rank 0 "
