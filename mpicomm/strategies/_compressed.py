@@ -378,6 +378,19 @@ class SparsifyingStrategy(CompressedStrategy):
         """Bytes per rank (critical path) of this strategy's sparse collective with ``k``
         entries of a ``numel``-element buffer."""
 
+    density: float | None
+    k: int | None
+
+    def _sparse_k(self, flat: torch.Tensor, step: int) -> int | None:
+        """Entries to send of ``flat`` at its step ``step`` (:meth:`_k` at the strategy's
+        ``density`` / ``k``), or ``None`` when that step goes dense instead
+        (:meth:`sparse_dearer`). The same on every rank."""
+        numel = flat.shape[0]
+        k = self._k(numel, step, self.density, self.k)
+        if self.sparse_dearer(numel, k, flat.element_size(), k_of(numel, self.density, self.k)):
+            return None
+        return k
+
     def sparse_dearer(self, numel: int, k: int, itemsize: int, final_k: int) -> bool:
         """With ``warmup_dense``: is ``k`` a warm-up value (> ``final_k``) at which the
         sparse collective sends more bytes than a dense ring allreduce of the buffer?

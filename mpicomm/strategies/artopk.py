@@ -116,11 +116,10 @@ class ARTopK(SparsifyingStrategy):
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         own = self._step(name)
         step = own + self._slot(name)
-        numel = flat.shape[0]
-        k = self._k(numel, own, self.density, self.k)
-        if self.sparse_dearer(numel, k, flat.element_size(),
-                              k_of(numel, self.density, self.k)):
+        k = self._sparse_k(flat, own)
+        if k is None:
             return self._aggregate_dense(name, flat)
+        numel = flat.shape[0]
         c = self._compensate(name, flat)
         idx, mean = artopk(c, k, step, self.source, self.comm, self.state(name),
                            self.algorithm, grad=flat)

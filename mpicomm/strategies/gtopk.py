@@ -95,11 +95,10 @@ class GTopK(SparsifyingStrategy):
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         step = self._step(name)
-        numel = flat.shape[0]
-        k = self._k(numel, step, self.density, self.k)
-        if self.sparse_dearer(numel, k, flat.element_size(),
-                              k_of(numel, self.density, self.k)):
+        k = self._sparse_k(flat, step)
+        if k is None:
             return self._aggregate_dense(name, flat)
+        numel = flat.shape[0]
         c = self._compensate(name, flat)
         payload = TopK(k=k).compress(c, name=name)
         picks, values = payload.arrays["indices"], payload.arrays["values"]

@@ -94,11 +94,10 @@ class HierarchicalTopK(SparsifyingStrategy):
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         own = self._step(name)
-        numel = flat.shape[0]
-        k = self._k(numel, own, self.density, self.k)
-        if self.sparse_dearer(numel, k, flat.element_size(),
-                              k_of(numel, self.density, self.k)):
+        k = self._sparse_k(flat, own)
+        if k is None:
             return self._aggregate_dense(name, flat)
+        numel = flat.shape[0]
         c = self._compensate(name, flat)
         idx, mean, applied = hierarchical_topk(
             c, k, self.comm, inner=self.inner, sliced=self.sliced,

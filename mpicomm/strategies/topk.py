@@ -98,11 +98,10 @@ class TopKAllgather(SparsifyingStrategy):
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         step = self._step(name)
-        numel = flat.shape[0]
-        k = self._k(numel, step, self.density, self.k)
-        if self.sparse_dearer(numel, k, flat.element_size(),
-                              k_of(numel, self.density, self.k)):
+        k = self._sparse_k(flat, step)
+        if k is None:
             return self._aggregate_dense(name, flat)
+        numel = flat.shape[0]
         c = self._compensate(name, flat)
         if self.sampled:
             density = self.density if k == k_of(numel, self.density, None) else k / numel
