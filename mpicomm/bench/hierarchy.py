@@ -57,6 +57,7 @@ from ..sparse import artopk, gtopk, hierarchical_topk, topk_allgather
 from ..topology import Topology
 from . import _clock
 from ._util import UsageError, machine, positive_floats, print_table, write_json
+from .sparse import gradient
 
 DEFAULT_SIZES = (10_000_000,)
 DEFAULT_DENSITIES = (0.001, 0.01)
@@ -89,20 +90,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predict-sizes", type=lambda t: [int(v) for v in positive_floats(t)],
                         default=None, help="dense lengths of that table (default: --sizes)")
     _clock.add_arguments(parser)
-
-
-def gradient(d: int, rank: int, df: float, correlation: float, seed: int,
-             chunk: int = 1 << 20) -> torch.Tensor:
-    """This rank's float32 vector, drawn ``chunk`` elements at a time (a few MB of
-    float64 at once, so that many ranks on one machine fit in memory)."""
-    shared_rng = np.random.default_rng(seed)
-    own_rng = np.random.default_rng(seed + 1 + rank)
-    a, b = math.sqrt(correlation), math.sqrt(1 - correlation)
-    x = np.empty(d, dtype=np.float32)
-    for lo in range(0, d, chunk):
-        n = min(chunk, d - lo)
-        x[lo:lo + n] = a * shared_rng.standard_t(df, n) + b * own_rng.standard_t(df, n)
-    return torch.from_numpy(x)
 
 
 def measure(fn: Callable[[], Any], comm: Communicator, repeats: int,

@@ -119,11 +119,20 @@ def predicted(method: str, d: int, k: int, p: int, c: cost.CostParams) -> tuple[
 
 
 # ---------------------------------------------------------------------- inputs
-def gradient(d: int, rank: int, df: float, correlation: float, seed: int) -> torch.Tensor:
-    shared = np.random.default_rng(seed).standard_t(df, d)
-    own = np.random.default_rng(seed + 1 + rank).standard_t(df, d)
-    x = math.sqrt(correlation) * shared + math.sqrt(1 - correlation) * own
-    return torch.from_numpy(x.astype(np.float32))
+def gradient(d: int, rank: int, df: float, correlation: float, seed: int,
+             chunk: int = 1 << 20) -> torch.Tensor:
+    """This rank's float32 vector: ``sqrt(c)·shared + sqrt(1-c)·own`` of Student-t draws
+    (``df``), ``shared`` the same on every rank. Drawn ``chunk`` elements at a time (a
+    few MB of float64 at once, so that many ranks on one machine fit in memory); the
+    values do not depend on ``chunk``."""
+    shared_rng = np.random.default_rng(seed)
+    own_rng = np.random.default_rng(seed + 1 + rank)
+    a, b = math.sqrt(correlation), math.sqrt(1 - correlation)
+    x = np.empty(d, dtype=np.float32)
+    for lo in range(0, d, chunk):
+        n = min(chunk, d - lo)
+        x[lo:lo + n] = a * shared_rng.standard_t(df, n) + b * own_rng.standard_t(df, n)
+    return torch.from_numpy(x)
 
 
 # ---------------------------------------------------------------------- one case
