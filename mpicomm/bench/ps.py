@@ -104,6 +104,18 @@ def _store(comm: Communicator, servers: int, **kw: Any) -> tuple[Any, Communicat
     return kv, comm.split(0 if kv.is_worker else None)
 
 
+def _straggler_store(comm: Communicator, mode: str, args: argparse.Namespace
+                     ) -> tuple[Any, Communicator | None, float]:
+    """A one-server store in ``mode`` (SSP bounded by ``--staleness``) and this rank's
+    pause per step: ``--compute-ms``, ``--slow-factor`` times as long on worker 0 (the
+    straggler), 0 on the server."""
+    kw = {"staleness": args.staleness} if mode == "ssp" else {}
+    kv, wc = _store(comm, 1, mode=mode, lr=0.1, **kw)
+    if wc is None:
+        return kv, wc, 0.0
+    return kv, wc, args.compute_ms / 1e3 * (args.slow_factor if wc.rank == 0 else 1.0)
+
+
 def _finish(kv: Any, wc: Communicator | None) -> None:
     if kv.is_server:
         kv.serve()
@@ -222,12 +234,10 @@ def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[s
 
     rows = []
     for mode in ("sync", "async", "ssp"):
-        kw = {"staleness": args.staleness} if mode == "ssp" else {}
-        kv, wc = _store(comm, 1, mode=mode, lr=0.1, **kw)
+        kv, wc, pause = _straggler_store(comm, mode, args)
         if kv.is_worker:
             assert wc is not None
             target = kv.workers * args.steps
-            pause = args.compute_ms / 1e3 * (args.slow_factor if wc.rank == 0 else 1.0)
             spec = Spec(workload="digits-mlp", options={"hidden": 64, "layers": 1}, batch=32,
                         epochs=None, budget_s=float("inf"), eval_every=None,
                         epoch_stats=False, eval_split="train", label=mode)
@@ -276,13 +286,11 @@ def bench_convergence(args: argparse.Namespace, comm: Communicator) -> list[dict
     options = {"hidden": 64, "layers": 1} if args.conv_workload == "digits-mlp" else {}
     rows = []
     for mode in ("sync", "async", "ssp"):
-        kw = {"staleness": args.staleness} if mode == "ssp" else {}
-        kv, wc = _store(comm, 1, mode=mode, lr=0.1, **kw)
+        kv, wc, pause = _straggler_store(comm, mode, args)
         if kv.is_worker:
             assert wc is not None
             observer = wc.size - 1
             total = kv.workers * args.conv_steps
-            pause = args.compute_ms / 1e3 * (args.slow_factor if wc.rank == 0 else 1.0)
             spec = Spec(workload=args.conv_workload, options=options, batch=32, epochs=None,
                         budget_s=float("inf"), eval_every=None, epoch_stats=False,
                         label=mode)
