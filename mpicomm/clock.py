@@ -57,7 +57,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mpi4py import MPI
@@ -69,7 +69,8 @@ from .emulate.vnet import Platform, platform_from_env
 
 __all__ = ["now", "mode", "is_virtual", "charge", "compute", "sleep", "declare", "stamp",
            "join", "calibrate", "calibrate_calls", "cost_table", "platform", "describe",
-           "report_step", "Queue", "Handoff", "waiting_for_threads", "start", "started",
+           "report_step", "Queue", "Handoff", "waiting_for_threads", "start_thread", "start",
+           "started",
            "session", "reset_mode", "ENV_CLOCK", "MODES"]
 
 ENV_CLOCK = "MPICOMM_CLOCK"
@@ -106,13 +107,19 @@ class _Actor:
             self.t = t
             self.engine.set_clock(self.aid, t)
 
-    def __del__(self) -> None:   # the thread ended (or the process exits)
+    def close(self) -> None:
+        """The thread has ended: the actor stops counting and its slot is free (once)."""
+        owner, self.owner = self.owner, None
+        if owner is None:
+            return
         with contextlib.suppress(Exception):
-            if _virtual is not None and _virtual.engine is self.engine:
+            if _virtual is owner:
                 self.engine.close_actor(self.aid)
-                if self.owner is not None:
-                    with self.owner.lock:
-                        self.owner.free.append(self.aid % self.engine.T)
+                with owner.lock:
+                    owner.free.append(self.aid % self.engine.T)
+
+    def __del__(self) -> None:   # the thread ended (or the process exits)
+        self.close()
 
 
 class _Virtual:
@@ -123,25 +130,31 @@ class _Virtual:
         self.platform, self.engine, self.rank, self.table = platform_, engine, rank, table
         self.local = threading.local()
         self.lock = threading.Lock()
-        self.free = list(range(engine.T - 1, 0, -1))   # actor slots of this rank's threads
+        self.free = list(range(1, engine.T))   # actor slots of this rank's threads
         self.main: _Actor | None = None
         self.step = -1                   # the training step reported (report_step)
         self.actors: list[_Actor] = []   # keeps the helper threads' actors closable at exit
 
+    def open(self, start_t: float) -> _Actor:
+        """A new actor of this rank at ``start_t`` (the lowest free slot: the same slot
+        whatever order the threads ran in)."""
+        with self.lock:
+            if not self.free:
+                raise RuntimeError(f"virtual clock: more than {self.engine.T} threads of "
+                                   f"rank {self.rank} keep their own virtual time")
+            index = min(self.free)
+            self.free.remove(index)
+        aid = self.engine.open_actor(self.rank, index, start_t)
+        a = _Actor(self.engine, aid, start_t, self)
+        if self.step >= 0:      # a helper thread sends on the rank's current step
+            a.step = self.step
+            self.engine.set_step(aid, self.step)
+        return a
+
     def actor(self) -> _Actor:
         a = getattr(self.local, "actor", None)
         if a is None:
-            with self.lock:
-                if not self.free:
-                    raise RuntimeError(f"virtual clock: more than {self.engine.T} threads of "
-                                       f"rank {self.rank} keep their own virtual time")
-                index = self.free.pop()
-            start_t = self.main.t if self.main is not None else 0.0
-            aid = self.engine.open_actor(self.rank, index, start_t)
-            a = _Actor(self.engine, aid, start_t, self)
-            if self.step >= 0:      # a helper thread sends on the rank's current step
-                a.step = self.step
-                self.engine.set_step(aid, self.step)
+            a = self.open(self.main.t if self.main is not None else 0.0)
             self.local.actor = a
         return a
 
@@ -274,6 +287,40 @@ def waiting_for_threads() -> Iterator[None]:
         yield
     finally:
         v.engine.set_state(a.aid, vengine.RUNNING, a.t)
+
+
+def start_thread(target: Callable[[], None], name: str,
+                 daemon: bool = True) -> threading.Thread:
+    """Start a thread running ``target`` that keeps its own virtual time.
+
+    Virtual clock: the thread's clock is opened here, in the calling thread, at the
+    caller's time, so that it counts (as a floor on what it can still send) from this
+    point of the caller's program on, whenever the operating system first runs it; a
+    thread that opened its clock itself would do so at a moment that depends on the
+    scheduler, and the virtual times would not repeat. Start every thread that sends
+    through mpicomm or takes work from a :class:`Handoff` with it. Wall clock: a plain
+    ``threading.Thread``."""
+    v = _virtual
+    if v is None:
+        thread = threading.Thread(target=target, name=name, daemon=daemon)
+        thread.start()
+        return thread
+    actor = v.open(v.actor().t)
+
+    def run() -> None:
+        v.local.actor = actor
+        try:
+            target()
+        finally:
+            actor.close()
+
+    thread = threading.Thread(target=run, name=name, daemon=daemon)
+    try:
+        thread.start()
+    except BaseException:
+        actor.close()
+        raise
+    return thread
 
 
 class Handoff:

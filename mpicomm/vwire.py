@@ -436,6 +436,8 @@ def complete_collectives(started: Sequence[Started], requests: Sequence[MPI.Requ
         for s in started:
             alpha, beta = link_alpha_beta(s.mpi_comm)
             a.to(float(s.latest[0]) + cost(alpha, beta, s.mpi_comm.Get_size()))
+        for s in started:
+            v.engine.left_collective(v.rank, _info(s.mpi_comm).cid, s.seq)
     finally:
         v.engine.set_state(a.aid, vengine.RUNNING, a.t)
 
@@ -447,14 +449,15 @@ def collective(mpi_comm: MPI.Intracomm, run: Callable[[], _T],
     v, a = _state()
     info = _info(mpi_comm)
     info.coll_seq += 1
-    entry = a.t
+    seq, entry = info.coll_seq, a.t
     v.engine.set_state(a.aid, vengine.COLL, entry, ranks=info.world, comm=info.cid,
-                       seq=info.coll_seq)
+                       seq=seq)
     try:
         result = run()
         latest = mpi_comm.allreduce(entry, op=MPI.MAX)
         alpha, beta = link_alpha_beta(mpi_comm)
         a.to(latest + cost(alpha, beta, mpi_comm.Get_size()))
+        v.engine.left_collective(v.rank, info.cid, seq)
     finally:
         v.engine.set_state(a.aid, vengine.RUNNING, a.t)
     return result

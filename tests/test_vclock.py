@@ -12,6 +12,7 @@ import random
 import sys
 import threading
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -246,6 +247,20 @@ def test_engine_collective_floor(engine):
     with engine:
         f = engine.floors()
     assert f[0] == f[2] == f[4] == 3.0     # every member inside: the latest entry
+
+
+def test_engine_collective_floor_ignores_a_member_that_has_left(engine):
+    # ranks 1-3 left collective 1 of communicator 7 and went on (to 5.0); rank 0, still
+    # inside (MPI has not returned yet), leaves at about 1.0, and may send from there on
+    engine.set_state(0, vengine.COLL, 1.0, ranks=[0, 1, 2, 3], comm=7, seq=1)
+    for rank in (1, 2, 3):
+        engine.left_collective(rank, 7, 1)
+        engine.set_clock(2 * rank, 5.0)
+    with engine:
+        assert engine.floors()[0] == 1.0
+    engine.left_collective(3, 7 + vengine.LEFT_SLOTS, 4)   # the same slot, another comm:
+    with engine:                                          # rank 3 may not have entered
+        assert engine.floors()[0] == 5.0
 
 
 # ---------------------------------------------------------------------- under mpiexec
@@ -530,11 +545,20 @@ def test_crossover_overlaps_one_jobs_sync_with_the_others_compute(comm):
         return TorchJob(name, model, torch.optim.SGD(model.parameters(), lr=0.01), data,
                         torch.nn.functional.mse_loss, strategy="dense")
 
-    def run() -> tuple[float, float, float, list[float]]:
+    def run(late_start: float = 0.0) -> tuple[float, float, float, list[float]]:
         with virtual(comm) as vc:
             for op in ("forward", "backward", "optimizer"):
                 clock.declare(op, 0.01)
-            with CrossoverScheduler([job("a", 0, 4), job("b", 1, 4)], comm=vc) as sched:
+            start_thread = clock.start_thread
+
+            def late(target, name, daemon=True):   # the OS runs the sync threads late
+                def body() -> None:
+                    time.sleep(late_start)
+                    target()
+                return start_thread(body, name, daemon)
+
+            with mock.patch.object(clock, "start_thread", late), \
+                    CrossoverScheduler([job("a", 0, 4), job("b", 1, 4)], comm=vc) as sched:
                 stats = sched.run()
             compute = sum(j.compute_seconds for j in stats.jobs.values())
             sync = sum(j.sync_seconds for j in stats.jobs.values())
@@ -543,6 +567,8 @@ def test_crossover_overlaps_one_jobs_sync_with_the_others_compute(comm):
 
     total, compute, sync, losses = run()
     assert run() == (total, compute, sync, losses)        # repeatable, bit for bit
+    # whenever the operating system first runs a thread (here: rank 1's, late)
+    assert run(0.3 if comm.rank == 1 else 0.0) == (total, compute, sync, losses)
     assert compute == pytest.approx(2 * 4 * 0.03)         # forward + backward + optimizer
     assert total >= compute - 1e-12
     if comm.size > 1:     # a job's averaging hides behind the other job's compute

@@ -64,10 +64,10 @@ noisy: use the medians over ``--repeats`` and re-run on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import statistics
-import threading
 import time
 from typing import Any
 
@@ -209,12 +209,10 @@ def run_colocated(jobs: list[Any], comm: Communicator,
     try:
         for job, job_comm in zip(jobs, comms):
             job.setup(job_comm)
-        threads = [threading.Thread(target=body, args=(j,), name=f"colocated-{j.name}")
-                   for j in jobs]
         comm.barrier()
         start = clock.now()
-        for t in threads:
-            t.start()
+        threads = [clock.start_thread(functools.partial(body, j), name=f"colocated-{j.name}",
+                                      daemon=False) for j in jobs]
         for t in threads:
             t.join()
         seconds = slowest(comm, clock.now() - start)

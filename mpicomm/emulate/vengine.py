@@ -33,7 +33,10 @@ programs", IEEE TSE 1979):
   the last of them to another host, followed as its upload is resolved: its upload's
   end, or until then the upload link's free time plus its transmission;
 * inside an MPI collective: ``max(clock, clocks of the members already inside it,
-  min floor of the members not yet inside)``;
+  min floor of the members not yet inside)``; a member that has already left it (each
+  rank records the last collective it left per communicator) adds nothing: everyone
+  has entered then, and the waiting actor leaves as soon as MPI returns (a floor taken
+  from where that member has gone since would be too high);
 * idle or joining another thread of its rank: ``max(clock, min(stamp of work already
   handed to it, floors of the other threads of its rank))``.
 
@@ -72,6 +75,8 @@ SLOTS = 2048
 #: Actors (threads with their own clock) alive at once per rank (a rank's main thread,
 #: GradientSync's communication thread, a Crossover job's sync thread, ...).
 THREADS = 8
+#: Communicators per rank whose last collective left is remembered (slot: id modulo).
+LEFT_SLOTS = 64
 INF = float("inf")
 _MAGIC = 0x6D70636F6D6D7643  # "mpcommvC"
 _VERSION = 4                  # header slot of the change counter
@@ -107,6 +112,7 @@ class Engine:
         layout += [(f"m_{n}", "d", self.A * self.N) for n in _MSG_D]
         layout += [(f"m_{n}", "q", self.A * self.N) for n in _MSG_Q]
         layout += [("a_wsrc", "B", self.A * self.P)]
+        layout += [("r_lcid", "q", self.P * LEFT_SLOTS), ("r_lseq", "q", self.P * LEFT_SLOTS)]
         offset, spans = 0, {}
         for name, fmt, count in layout:
             size = 1 if fmt == "B" else 8
@@ -155,7 +161,7 @@ class Engine:
 
     def close(self) -> None:
         for name in list(vars(self)):
-            if name.startswith(("a_", "m_")) or name in ("hdr", "up_free", "dl_free"):
+            if name.startswith(("a_", "m_", "r_")) or name in ("hdr", "up_free", "dl_free"):
                 getattr(self, name).release()
         self._mm.close()
         os.close(self._fd)
@@ -206,6 +212,19 @@ class Engine:
             self.a_qmin[aid] = qmin
             self.a_wkind[aid] = kind
             self._changed()
+
+    def left_collective(self, rank: int, comm: int, seq: int) -> None:
+        """Rank ``rank`` has left collective number ``seq`` on communicator ``comm``."""
+        with self:
+            i = rank * LEFT_SLOTS + comm % LEFT_SLOTS
+            if self.r_lcid[i] != comm or self.r_lseq[i] < seq:
+                self.r_lcid[i], self.r_lseq[i] = comm, seq
+            self._changed()
+
+    def _has_left(self, rank: int, comm: int, seq: int) -> bool:
+        """Whether ``rank`` is known to have left collective ``seq`` on ``comm``."""
+        i = rank * LEFT_SLOTS + comm % LEFT_SLOTS
+        return self.r_lcid[i] == comm and self.r_lseq[i] >= seq
 
     def set_qmin(self, aid: int, qmin: float) -> None:
         with self:
@@ -549,7 +568,7 @@ class Engine:
                               and self.a_wseq[b] == seq]
                     if inside:
                         low = max(low, max(self.a_clock[b] for b in inside))
-                    else:
+                    elif not self._has_left(m, comm, seq):
                         others.append(m)
                 for m in others:
                     dependants[m].append((a, low, 0.0))

@@ -170,9 +170,7 @@ class _SyncThread:
         self._stopping = False
         self.error: BaseException | None = None
         self.error_step = -1
-        self._thread = threading.Thread(target=self._run, name=f"crossover-sync-{job.name}",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = clock.start_thread(self._run, name=f"crossover-sync-{job.name}")
 
     def start(self, step: int) -> None:
         with self._cond:

@@ -93,8 +93,7 @@ class BucketPipeline:
         self._thread_error: BaseException | None = None
         self.thread: threading.Thread | None = None
         if threaded:
-            self.thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
-            self.thread.start()
+            self.thread = clock.start_thread(self._run, name=THREAD_NAME)
 
     # ------------------------------------------------------------------ autograd side
     def counted(self, slot: int) -> bool:
