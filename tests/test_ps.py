@@ -534,6 +534,13 @@ def test_wire_roundtrip():
     assert (m.op, m.key_id, m.piece, m.a, m.b, m.c) == (wire.PUSH, 7, 1, 11, 2, 13)
     assert all(torch.equal(x, y) for x, y in zip(arrays, m.arrays))
     assert wire.reply_nbytes(5, 8) == len(wire.pack(wire.REPLY, 0, 0, arrays=arrays[:1]))
+    # detached: the header announces the arrays, which travel on their own
+    head = wire.pack(wire.PUSH, 7, 1, 11, 2, 13, 4, arrays=arrays, detached=True)
+    m = wire.unpack(head)
+    assert (m.op, m.key_id, m.piece, m.a, m.b, m.c, m.d) == (wire.PUSH, 7, 1, 11, 2, 13, 4)
+    assert m.arrays == [] and m.follow == [(t.dtype, t.numel()) for t in arrays]
+    assert len(head) == (wire.FIXED + 2 * len(arrays)) * 8
+    assert wire.message_nbytes(arrays) == len(wire.pack(wire.PUSH, 0, 0, arrays=arrays))
 
 
 def test_backoff_windows_from_environment(monkeypatch):
@@ -542,6 +549,12 @@ def test_backoff_windows_from_environment(monkeypatch):
     monkeypatch.setenv("MPICOMM_PS_MAX_SLEEP_US", "250")
     b = wire.Backoff()
     assert (b.spin_s, b.max_s) == pytest.approx((3e-3, 250e-6))
+    b.expect(1e-3)   # an expected reply lengthens the no-sleep window, never shortens it
+    assert b.spin_s == pytest.approx(3e-3)
+    b.expect(0.02)
+    assert b.spin_s == pytest.approx(0.02)
+    b.expect(60.0)
+    assert b.spin_s == wire.SPIN_CAP_S
     monkeypatch.setenv("MPICOMM_PS_SPIN_US", "-1")
     with pytest.raises(ValueError, match="MPICOMM_PS_SPIN_US"):
         wire.Backoff()

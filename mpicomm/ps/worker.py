@@ -118,6 +118,7 @@ class Worker:
         self.seq: dict[int, int] = {}
         self.sends: list[tuple[MPI.Request, Any]] = []
         self.byte_s = 0.0  # seconds per byte of the last large detached receive (0: none)
+        self.server_ranks = [self.server_rank(s) for s in range(servers)]
         self.stats = {"max_staleness": 0, "pushes": 0, "pulls": 0, "bytes_pushed": 0,
                       "bytes_pulled": 0, "server_pushes": 0, "wait_s": 0.0,
                       "staleness": 0}
@@ -125,10 +126,6 @@ class Worker:
     def server_rank(self, server: int) -> int:
         """The rank (in the store's communicator) of server index ``server``."""
         return self.workers + server
-
-    @property
-    def _server_ranks(self) -> list[int]:
-        return [self.server_rank(s) for s in range(self.servers)]
 
     # ------------------------------------------------------------------ init
     def init_many(self, items: Sequence[tuple[Hashable, Any]]) -> None:
@@ -317,7 +314,7 @@ class Worker:
         status = MPI.Status()
         while where:
             msg = improbe(self.mpi, MPI.ANY_SOURCE, wire.TAG_REPLY, status,
-                          sources=self._server_ranks)
+                          sources=self.server_ranks)
             if msg is None:
                 self._reap()
                 backoff.idle(urgent=bool(self.sends))
