@@ -381,12 +381,15 @@ def recv_bytes(msg: MPI.Message, status: MPI.Status, delay: LinkDelay | None = N
 
 
 def isend_bytes(mpi: MPI.Intracomm, buf: np.ndarray, dest: int, tag: int,
-                delay: LinkDelay | None = None) -> MPI.Request:
+                delay: LinkDelay | None = None, nbytes: int | None = None) -> MPI.Request:
     """``MPI_Isend`` of a packed byte message; the emulated link's delay (if any) is
-    waited first, as for every other message of this module."""
-    before_send(delay, None, dest, buf.nbytes)
+    waited first, as for every other message of this module. ``nbytes`` (default the
+    buffer's): the bytes it stands for on the emulated link and the virtual clock (a
+    header whose payload follows in messages of their own)."""
+    nbytes = buf.nbytes if nbytes is None else nbytes
+    before_send(delay, None, dest, nbytes)
     if vwire.active():
-        token = vwire.isend(mpi, dest, tag, buf.nbytes)
+        token = vwire.isend(mpi, dest, tag, nbytes)
         return vwire.track(mpi.Isend([buf, MPI.BYTE], dest, tag), token)
     return mpi.Isend([buf, MPI.BYTE], dest, tag)
 

@@ -71,6 +71,7 @@ TAG_PS_REQUEST = tag("ps", 1)   # worker -> server: push, pull, close, checkpoin
 TAG_PS_REPLY = tag("ps", 2)     # server -> worker: pull replies
 TAG_PS_CONTROL = tag("ps", 3)   # worker 0 <-> server: init / restore and acks
 TAG_PS_STATE = tag("ps", 4)     # server -> worker 0: shard state for a checkpoint
+TAG_PS_DATA = tag("ps", 5)      # either way: the arrays of a detached push or reply
 # Calibration ping-pong (mpicomm.collectives.calibrate.pingpong: bench collectives,
 # mpicomm.control.calibration, mpicomm.jobinfo.measure_link).
 TAG_CALIBRATE = tag("control", 1)

@@ -155,6 +155,75 @@ def test_async_pushes_scaled_by_workers(comm):
         finish(kv)
 
 
+def _grads(step: int, workers: int, n: int) -> list[torch.Tensor]:
+    """Every worker's float32 gradient of ``step`` (each worker can compute all)."""
+    return [torch.from_numpy(np.random.default_rng([step, w]).standard_normal(n)
+                             .astype(np.float32)) for w in range(workers)]
+
+
+@pytest.mark.mpi
+def test_dense_path_is_bitwise_and_exactly_once(comm, split_small):
+    """The dense path (pushes received into the servers' own buffers, sums and the
+    ``1/W`` scaling in place, replies sent from the values, pulls received straight into
+    ``out``): sync SGD equals, bit for bit, ``p - lr * ((g_0 + g_1 + ...) / W)`` summed
+    left to right in float32, with the key split over the servers; a replayed push
+    (already applied) is skipped and its values drained, so the next push is intact;
+    async and SSP apply every push exactly once (the value after ``N`` pushes of ones
+    is ``N`` steps of ``p - lr / W``, and the servers count ``N`` updates per piece)."""
+    n, lr, steps = 1000, 0.25, 5
+    for servers, workers in splits(comm.size):
+        for mode in ("sync", "async", "ssp"):
+            kw = {"staleness": 1} if mode == "ssp" else {}
+            kv = KVStore(comm, servers=servers, mode=mode, lr=lr, **kw)
+            wc = worker_comm(comm, servers)
+            pieces = 0
+            if kv.is_worker:
+                kv.init("w", np.zeros(n, dtype=np.float32))
+                info = kv._worker.info("w")
+                pieces = len(info.pieces)
+                ref = torch.zeros(n, dtype=torch.float32)
+                out = np.empty(n, dtype=np.float32)
+                for step in range(steps):
+                    gs = _grads(step, workers, n) if mode == "sync" else \
+                        [torch.ones(n, dtype=torch.float32)] * workers
+                    if mode == "sync" and step == 3:   # replay of push 3, other values
+                        for p in info.pieces:
+                            sends = wire.isend_detached(
+                                kv._worker.mpi, kv._worker.server_rank(p.server),
+                                wire.TAG_REQUEST, wire.PUSH, info.key_id, p.index, 3,
+                                kv.worker_rank, 3, arrays=[torch.full((p.numel,), 7.0)])
+                            MPI.Request.Waitall([r for r, _ in sends])
+                    kv.push("w", gs[kv.worker_rank].numpy())
+                    if step % 3 == 0:    # a new array, numpy out=, torch out=
+                        got = torch.from_numpy(kv.pull("w"))
+                    elif step % 3 == 1:
+                        kv.pull("w", out=out)
+                        got = torch.from_numpy(out.copy())
+                    else:
+                        got = kv.pull("w", out=torch.empty(n)).clone()
+                    if mode == "sync":
+                        total = gs[0].clone()
+                        for g in gs[1:]:
+                            total.add_(g)
+                        ref.add_(total / workers, alpha=-lr)
+                        assert torch.equal(got, ref), (servers, step)
+                wc.barrier()   # every push is in before the final pull
+                final = torch.from_numpy(kv.pull("w"))
+                if mode != "sync":
+                    for _ in range(steps * workers):
+                        ref.add_(torch.ones(n) / workers, alpha=-lr)
+                assert torch.equal(final, ref), (mode, servers)
+                wc.free()
+            stats = finish(kv)
+            pieces = max(comm.allgather_object(pieces))
+            if kv.is_server:
+                held = len(kv._server.pieces)
+                updates = steps * (1 if mode == "sync" else workers) * held
+                assert stats["updates"] == updates, (mode, stats)
+                assert stats["duplicates"] == (workers * held if mode == "sync" else 0)
+            comm.barrier()
+
+
 def _run_steps(kv: KVStore, params: dict, prob, steps: range) -> None:
     for _ in steps:
         for k in SHAPES:
@@ -465,6 +534,13 @@ def test_wire_roundtrip():
     assert (m.op, m.key_id, m.piece, m.a, m.b, m.c) == (wire.PUSH, 7, 1, 11, 2, 13)
     assert all(torch.equal(x, y) for x, y in zip(arrays, m.arrays))
     assert wire.reply_nbytes(5, 8) == len(wire.pack(wire.REPLY, 0, 0, arrays=arrays[:1]))
+    # detached: the header announces the arrays, which travel on their own
+    head = wire.pack(wire.PUSH, 7, 1, 11, 2, 13, 4, arrays=arrays, detached=True)
+    m = wire.unpack(head)
+    assert (m.op, m.key_id, m.piece, m.a, m.b, m.c, m.d) == (wire.PUSH, 7, 1, 11, 2, 13, 4)
+    assert m.arrays == [] and m.follow == [(t.dtype, t.numel()) for t in arrays]
+    assert len(head) == (wire.FIXED + 2 * len(arrays)) * 8
+    assert wire.message_nbytes(arrays) == len(wire.pack(wire.PUSH, 0, 0, arrays=arrays))
 
 
 def test_backoff_windows_from_environment(monkeypatch):
@@ -473,6 +549,12 @@ def test_backoff_windows_from_environment(monkeypatch):
     monkeypatch.setenv("MPICOMM_PS_MAX_SLEEP_US", "250")
     b = wire.Backoff()
     assert (b.spin_s, b.max_s) == pytest.approx((3e-3, 250e-6))
+    b.expect(1e-3)   # an expected reply lengthens the no-sleep window, never shortens it
+    assert b.spin_s == pytest.approx(3e-3)
+    b.expect(0.02)
+    assert b.spin_s == pytest.approx(0.02)
+    b.expect(60.0)
+    assert b.spin_s == wire.SPIN_CAP_S
     monkeypatch.setenv("MPICOMM_PS_SPIN_US", "-1")
     with pytest.raises(ValueError, match="MPICOMM_PS_SPIN_US"):
         wire.Backoff()

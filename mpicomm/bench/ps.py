@@ -14,6 +14,13 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    the alpha-beta bound of the pattern, ``bound_ms = 2 alpha + 2 max(W/S, 1) n beta``
    (every server link carries ``W`` pieces of ``n/S`` bytes each way, every worker link
    ``n``; no compute), with ``ps/bound``. Target: ``ps/bound <= 1.5`` at 1-16 MB.
+   Alpha and beta are those of the measured link (:func:`calibrate.measure`: a ping-pong
+   of 8 B to 4 MiB between two ranks, blocking sends from preallocated buffers; on one
+   host the shared-memory link), the same as the ring's prediction uses; they are in
+   each row (``alpha_us``, ``link_GBps``). Also in each row, measured in the same run
+   right after the store: ``pingpong_ms``, a plain ping-pong (:func:`calibrate.pingpong`,
+   median round trip) of ``max(W/S, 1) n`` bytes between worker 0 and server 0, the
+   pattern's link time without the model's fit, and ``ps/pingpong``.
 2. **Straggler** (``straggler``): ``digits-mlp`` (MLP 64-64-10) through the
    time-to-accuracy harness, plain SGD on 1 server; each step a worker computes a real
    minibatch gradient and then sleeps ``--compute-ms`` (worker 0: ``--slow-factor`` times
@@ -163,13 +170,23 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
                              "ring_pred_ms": allreduce_ring(nbytes, workers, params) * 1e3,
                              "ps/ring": ps_s / ar_s if ar_s else float("nan")})
             _finish(kv, wc)
+            link = int(max(workers / servers, 1.0) * nbytes)
+            if comm.rank in (0, workers):
+                rt = 2 * calibrate.pingpong(comm, link, repeats=args.repeats, peer=workers)
+                if comm.rank == 0:
+                    rows[-1].update({"pingpong_ms": rt * 1e3,
+                                     "ps/pingpong": rows[-1]["ps_ms"] / 1e3 / rt,
+                                     "alpha_us": params.alpha * 1e6,
+                                     "link_GBps": 1 / params.beta / 1e9})
+            comm.barrier()
     rows = comm.bcast_object(rows, root=0)
     if comm.rank == 0:
         print(f"\n== push+pull per step vs prediction and ring allreduce over the workers "
               f"(alpha {params.alpha * 1e6:.1f} us, beta {1 / params.beta / 1e9:.2f} GB/s, "
               f"gamma {1 / params.gamma / 1e9:.2f} GB/s)")
         print_table(rows, ["servers", "workers", "bytes", "ps_ms", "ps_pred_ms", "bound_ms",
-                           "ps/bound", "ring_ms", "ring_pred_ms", "ps/ring"])
+                           "ps/bound", "pingpong_ms", "ps/pingpong", "ring_ms", "ring_pred_ms",
+                           "ps/ring"])
         worst = max((r["ps/bound"] for r in rows), default=float("nan"))
         print(f"target push+pull within 1.5x of the alpha-beta bound: "
               f"{'met' if worst <= 1.5 else 'NOT met'} (worst {worst:.2f}x)")

@@ -181,7 +181,9 @@ class KVStore:
         self._as_worker("init").init_many([(key, value)])
 
     def push(self, key: Hashable, grad: Any) -> None:
-        """Send ``grad`` (the key's shape and dtype) for ``key``; returns without waiting."""
+        """Send ``grad`` (the key's shape and dtype) for ``key``. A dense push is sent
+        from ``grad`` itself (no copy) and returns once the servers hold it, so ``grad``
+        may change right after; a compressed push returns at once."""
         self._as_worker("push").push(key, grad)
 
     def pull(self, key: Hashable, out: Any = None) -> Any:

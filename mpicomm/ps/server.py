@@ -39,8 +39,17 @@ wrapping around, and each worker pushes and pulls its pieces starting from serve
 ``w mod S``: at any moment the ``S`` servers send to (and receive from) different
 workers, so no worker's link carries two servers' pieces at once while another idles.
 Without that stagger (every server answering worker 0 first) a step takes about
-``(W + S - 1) (n/S) beta`` each way instead of ``max(W/S, 1) n beta``. A dense reply is
-packed once per version and header and the same buffer sent to every worker it fits.
+``(W + S - 1) (n/S) beta`` each way instead of ``max(W/S, 1) n beta``.
+
+Dense data path (no copy, no allocation in the steady state): a dense push arrives in the
+detached form (:mod:`mpicomm.ps.wire`) and its values are received into one of the
+piece's spare buffers (``spare``; one per push in flight, kept for the next step); sync
+sums add into the first pushed buffer in place, the ``1/W`` scaling divides in place
+(skipped for ``W = 1``: ``x / 1 == x`` exactly), the buffers go back to ``spare`` after
+the update. A dense reply is sent straight from the piece's values; an update that
+finds such a send still in flight first moves the values to a new buffer (copy on
+write), so a reply never carries a half-updated value. Compressed pushes and replies are
+inline messages as before.
 
 Compressed pulls (a ``pull_compressor``): the server keeps one ``mirror`` per piece and
 a chain of encodings. At most once per version, when a pull finds the value changed
@@ -101,7 +110,9 @@ class PieceState:
     last_seq: np.ndarray = field(default=None)  # type: ignore[assignment]
     slots: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     sums: dict[int, tuple[torch.Tensor | None, int]] = field(default_factory=dict)
-    reply: tuple[tuple[int, ...], np.ndarray] | None = None  # the last dense reply packed
+    reply: tuple[tuple[int, ...], np.ndarray] | None = None  # the last mirror reply packed
+    spare: list[torch.Tensor] = field(default_factory=list)  # receive buffers of pushes
+    reading: list[MPI.Request] = field(default_factory=list)  # replies sent from value
     push_view: PieceView | None = None  # layouts for the push / pull compressors
     pull_view: PieceView | None = None
     mirror: torch.Tensor | None = None  # compressed pulls (module docstring)
@@ -189,8 +200,13 @@ class Server:
     # ------------------------------------------------------------------ requests
     def _handle(self, source: int, m: wire.Message, nbytes: int) -> None:
         if m.op == wire.PUSH:
+            st = self._piece(m)
+            grad = None
+            if m.follow:   # dense, detached: into a spare buffer of the piece
+                grad = st.spare.pop() if st.spare else torch.empty_like(st.value)
+                nbytes += wire.recv_detached(self.mpi, source, m, [grad])
             self.stats["bytes_pushed"] += nbytes
-            self._push(self._piece(m), m)
+            self._push(st, m, grad)
         elif m.op == wire.PULL:
             self.pending.append((m.a, self._piece(m)))
             self._serve_pending()
@@ -212,16 +228,22 @@ class Server:
             raise RuntimeError(f"{wire.OP_NAMES.get(m.op, m.op)} for key id {m.key_id} piece "
                                f"{m.piece}, which this server does not hold") from None
 
-    def _push(self, st: PieceState, m: wire.Message) -> None:
-        seq, w, step = m.a, m.b, m.c
+    def _push(self, st: PieceState, m: wire.Message, grad: torch.Tensor | None) -> None:
+        """Apply (or hold, in sync mode) the push ``m``: its dense gradient received
+        into ``grad`` (a buffer of this server's own), or inline in ``m``."""
+        seq, w = m.a, m.b
         last = int(st.last_seq[w])
         if seq <= last:  # already applied (a replay after restore, a resend): skip
             self.stats["duplicates"] += 1
+            if grad is not None:
+                self._release(st, grad, True)
             return
         if seq != last + 1:
             raise RuntimeError(f"lost update: worker {w} pushed key {st.name} with sequence "
                                f"number {seq}, the last applied was {last}")
-        grad = self._decode(st, m, step)
+        owned = grad is not None or self.codec is None  # inline dense: a fresh buffer
+        if grad is None:
+            grad = self._decode(st, m, m.c)
         if grad.shape != st.value.shape or grad.dtype != st.value.dtype:
             raise RuntimeError(f"push of key {st.name} by worker {w}: got {grad.dtype} "
                                f"{tuple(grad.shape)}, hold {st.value.dtype} "
@@ -230,7 +252,7 @@ class Server:
         self.stats["pushes"] += 1
         nbytes = grad.numel() * grad.element_size()
         if self.mode == "sync":
-            if self.codec is not None:  # a decoded push may share the codec's memory
+            if not owned:  # a decoded push may share the codec's memory
                 clock.charge("copy", nbytes)
                 grad = grad.clone()
             st.slots.setdefault(seq, [None] * self.workers)[w] = grad
@@ -239,15 +261,32 @@ class Server:
                     ready[1] == self.workers:
                 del st.slots[st.version + 1], st.sums[st.version + 1]
                 clock.charge("reduce", UPDATE_PASSES * nbytes)   # scale + update
-                self.optimizer.step(st.value, ready[0] / self.workers, st.opt)
-                st.version += 1
-                self.stats["updates"] += 1
+                self._update(st, ready[0], True)
         else:
             clock.charge("reduce", UPDATE_PASSES * nbytes)
-            self.optimizer.step(st.value, grad / self.workers, st.opt)
-            st.version += 1
-            self.stats["updates"] += 1
+            self._update(st, grad, owned)
         self._serve_pending()
+
+    def _update(self, st: PieceState, total: torch.Tensor, owned: bool) -> None:
+        """``p <- opt(p, total / W)``: in place where ``total`` is this server's own
+        (bit for bit ``total / W``), on a new buffer where a reply still reads ``p``."""
+        if self.workers > 1 or not owned:
+            total = total.div_(self.workers) if owned else total / self.workers
+        if st.reading:
+            st.reading = [r for r in st.reading if not r.Test()]
+            if st.reading:     # copy on write: the replies in flight keep the old buffer
+                st.value = st.value.clone()
+                st.reading = []
+        self.optimizer.step(st.value, total, st.opt)
+        st.version += 1
+        self.stats["updates"] += 1
+        self._release(st, total, True)
+
+    def _release(self, st: PieceState, grad: torch.Tensor, owned: bool) -> None:
+        """Keep an owned buffer of the piece's size for the next push's values."""
+        if owned and len(st.spare) <= self.workers and grad.shape == st.value.shape and \
+                grad.dtype == st.value.dtype and grad.is_contiguous():
+            st.spare.append(grad)
 
     def _accumulate(self, st: PieceState, seq: int, nbytes: int) -> None:
         """Add the held pushes of step ``seq`` that are next in worker order to its sum
@@ -257,10 +296,11 @@ class Server:
         while nxt < self.workers and (g := slots[nxt]) is not None:
             if total is None:
                 total = g
-            else:
+            else:   # every held gradient is this server's own buffer: sum into the first
                 clock.charge("reduce", nbytes)
-                total = total + g if nxt == 1 else total.add_(g)  # the first sum: a new
-            slots[nxt] = None                                     # tensor, then in place
+                total = total.add_(g)
+                self._release(st, g, True)
+            slots[nxt] = None
             nxt += 1
         st.sums[seq] = (total, nxt)
 
@@ -307,8 +347,17 @@ class Server:
         stale = max(0, int(st.last_seq[w]) - self._slowest(w, st))
         self.stats["max_staleness"] = max(self.stats["max_staleness"], stale)
         self.stats["pulls"] += 1
+        head = (stale, int(st.last_seq.sum()), st.version)
+        if self.pull_codec is None:   # dense: straight from the values (module docstring)
+            sends = wire.isend_detached(self.mpi, w, wire.TAG_REPLY, wire.REPLY, st.key_id,
+                                        st.index, *head, 0, arrays=[st.value],
+                                        delay=self.delay)
+            st.reading += [r for r, _ in sends[1:]]
+            self.sends += sends
+            self.stats["bytes_pulled"] += wire.message_nbytes([st.value])
+            return
         arrays, number = self._pull_payload(w, st)
-        head = (stale, int(st.last_seq.sum()), st.version, number)
+        head = (*head, number)
         if number == 0 and st.reply is not None and st.reply[0] == head and \
                 arrays[0] is (st.value if st.mirror is None else st.mirror):
             buf = st.reply[1]   # the same bytes for every worker: packed once

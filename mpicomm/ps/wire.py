@@ -3,20 +3,35 @@
 Layout (all little-endian, native MPI bytes)::
 
     int64[8]  fixed header: op, key id, piece index, a, b, c, d, number of arrays n
-    int64[2n] per array: dtype code, element count
-    bytes     the arrays, each padded to 8 bytes
+    int64[2|n|] per array: dtype code, element count
+    bytes     the arrays, each padded to 8 bytes (only if n >= 0)
 
 ``a..d`` depend on ``op``: a push carries (sequence number, worker, step), a pull
-(worker), a reply (staleness, pushes applied so far, version). One message per request
-keeps the matching trivial (a matched probe receives it whole, so requests from many
-workers never interleave) at the price of one copy of the payload into the buffer.
+(worker), a reply (staleness, pushes applied so far, version).
+
+Two forms. *Inline* (``n >= 0``): one message holds the header and the arrays, so a
+matched probe receives it whole and requests from many workers never interleave, at the
+price of one copy of the payload into the buffer (compressed payloads, small messages).
+*Detached* (``n < 0``, :func:`isend_detached`): the header, then each of the ``-n``
+arrays as its own message with ``TAG_DATA`` straight from the array's memory; the
+receiver of the header receives the arrays next, from the header's source, straight
+into memory of its own (:func:`recv_detached`: the server's receive buffers, a worker's
+``out``). MPI keeps the messages of one source and tag in order and the receiver takes a
+header's arrays before it probes again, so a header's arrays are always the next
+``TAG_DATA`` messages of its source. The dense push and the dense pull reply go this
+way: no copy and no allocation on either side, one more latency per message
+(microseconds; noncontiguous MPI datatypes that would join the two parts were 5-10x
+slower than contiguous messages on MPICH's shared memory). The virtual clock and the
+emulated link's delay see one message of the inline form's size (the header carries the
+charge for its arrays), so their times do not depend on the form.
 
 Also here: the polling waits (:class:`Backoff`). MPICH's blocking waits spin on a core; a
 server or a worker held back by bounded staleness may wait for seconds, so every wait in
 this package probes or tests, yields the CPU for the first 200 us of an idle period, then
 sleeps with an exponential backoff from ``BACKOFF_MIN_S`` to 1 ms (so a reply after a
 long idle period is late by at most 1 ms; a busy server never sleeps, nor does a rank
-whose own sends are in flight). Both windows are settings (``MPICOMM_PS_SPIN_US``,
+whose own sends are in flight, nor a worker within the time its pull's reply is
+expected to take, :meth:`Backoff.expect`). Both windows are settings (``MPICOMM_PS_SPIN_US``,
 ``MPICOMM_PS_MAX_SLEEP_US``): a longer spin window or shorter sleeps cut the latency of
 push+pull right after an idle gap (the gap between steps) at the price of CPU time
 while waiting; with compute steps much longer than the push+pull, the defaults cost
@@ -28,7 +43,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,11 +52,13 @@ from mpi4py import MPI
 
 from .. import vwire
 from ..config import env_int
-from ..tags import TAG_PS_CONTROL, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
+from ..emulate.linkdelay import LinkDelay
+from ..p2p import isend_bytes
+from ..tags import TAG_PS_CONTROL, TAG_PS_DATA, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
 
 __all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "TAG_REQUEST", "TAG_REPLY", "TAG_CONTROL",
-           "TAG_STATE", "Message", "pack", "unpack", "reply_nbytes", "Backoff",
-           "wait_requests", "probe_wait"]
+           "TAG_STATE", "TAG_DATA", "Message", "pack", "unpack", "reply_nbytes", "Backoff",
+           "wait_requests", "probe_wait", "isend_detached", "recv_detached", "message_nbytes"]
 
 # operations
 PUSH, PULL, CLOSE, CKPT, REPLY = 1, 2, 3, 4, 5
@@ -51,6 +69,7 @@ TAG_REQUEST = TAG_PS_REQUEST   # binary
 TAG_REPLY = TAG_PS_REPLY       # binary
 TAG_CONTROL = TAG_PS_CONTROL   # pickled objects (init / restore, acks)
 TAG_STATE = TAG_PS_STATE       # pickled object (checkpoint)
+TAG_DATA = TAG_PS_DATA         # binary: the arrays of a detached message
 
 FIXED = 8
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
@@ -70,6 +89,8 @@ class Message:
     c: int
     d: int
     arrays: list[torch.Tensor]
+    #: detached form: the (dtype, element count) of each array that follows
+    follow: list[tuple[torch.dtype, int]] = field(default_factory=list)
 
 
 def _pad(n: int) -> int:
@@ -77,23 +98,27 @@ def _pad(n: int) -> int:
 
 
 def pack(op: int, key_id: int, piece: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0,
-         arrays: Sequence[torch.Tensor] = ()) -> np.ndarray:
-    """One message as a uint8 buffer (the arrays are copied in; CPU tensors)."""
+         arrays: Sequence[torch.Tensor] = (), detached: bool = False) -> np.ndarray:
+    """One message as a uint8 buffer (the arrays are copied in; CPU tensors); with
+    ``detached`` only the header, which announces the arrays (module docstring)."""
     flat = [t.detach().reshape(-1) for t in arrays]
     head = FIXED + 2 * len(flat)
-    sizes = [_pad(t.numel() * t.element_size()) for t in flat]
-    buf = np.zeros(head * 8 + sum(sizes), dtype=np.uint8)
+    sizes = [0 if detached else _pad(t.numel() * t.element_size()) for t in flat]
+    buf = np.empty(head * 8 + sum(sizes), dtype=np.uint8)
     words = buf[:head * 8].view(np.int64)
-    words[:FIXED] = (op, key_id, piece, a, b, c, d, len(flat))
+    words[:FIXED] = (op, key_id, piece, a, b, c, d, -len(flat) if detached else len(flat))
     pos = head * 8
     for i, (t, size) in enumerate(zip(flat, sizes)):
         if t.dtype not in _CODE:
             raise TypeError(f"cannot send a {t.dtype} array")
         words[FIXED + 2 * i:FIXED + 2 * i + 2] = (_CODE[t.dtype], t.numel())
+        if detached:
+            continue
         nbytes = t.numel() * t.element_size()
         if nbytes:
             src = t.cpu().contiguous().view(torch.uint8).numpy()
             buf[pos:pos + nbytes] = src
+        buf[pos + nbytes:pos + size] = 0
         pos += size
     return buf
 
@@ -102,21 +127,78 @@ def unpack(buf: np.ndarray) -> Message:
     """Decode a buffer made by :func:`pack`; the arrays are torch views into ``buf``."""
     words = buf[:FIXED * 8].view(np.int64)
     n = int(words[7])
-    desc = buf[FIXED * 8:(FIXED + 2 * n) * 8].view(np.int64)
+    desc = buf[FIXED * 8:(FIXED + 2 * abs(n)) * 8].view(np.int64)
+    kinds = [(_DTYPES[int(desc[2 * i])], int(desc[2 * i + 1])) for i in range(abs(n))]
+    if n < 0:
+        return Message(*(int(w) for w in words[:7]), [], kinds)
     pos = (FIXED + 2 * n) * 8
     arrays = []
     raw = torch.from_numpy(buf)
-    for i in range(n):
-        dtype, numel = _DTYPES[int(desc[2 * i])], int(desc[2 * i + 1])
+    for dtype, numel in kinds:
         nbytes = numel * dtype.itemsize
         arrays.append(raw[pos:pos + nbytes].view(dtype))
         pos += _pad(nbytes)
     return Message(*(int(w) for w in words[:7]), arrays)
 
 
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, as a numpy view (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("a detached array must be a contiguous CPU tensor")
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def isend_detached(mpi: MPI.Intracomm, dest: int, tag: int, op: int, key_id: int, piece: int,
+                   a: int = 0, b: int = 0, c: int = 0, d: int = 0,
+                   arrays: Sequence[torch.Tensor] = (), delay: LinkDelay | None = None
+                   ) -> list[tuple[MPI.Request, Any]]:
+    """Send a message in the detached form (module docstring): the header with ``tag``,
+    then every array from its own memory with ``TAG_DATA``. Returns the ``(request,
+    buffer)`` pairs; each buffer must stay unchanged until its request completes. The
+    header stands for the inline message's bytes on the virtual clock and the emulated
+    link."""
+    head = pack(op, key_id, piece, a, b, c, d, arrays=arrays, detached=True)
+    total = message_nbytes(arrays)
+    sends: list[tuple[MPI.Request, Any]] = [
+        (isend_bytes(mpi, head, dest, tag, delay, nbytes=total), head)]
+    for t in arrays:
+        sends.append((mpi.Isend([_raw(t), MPI.BYTE], dest, TAG_DATA), t))
+    return sends
+
+
+def recv_detached(mpi: MPI.Intracomm, source: int, m: Message,
+                  into: Sequence[torch.Tensor]) -> int:
+    """Receive the arrays that follow header ``m`` from ``source`` straight into ``into``
+    (contiguous CPU tensors of the announced dtypes and sizes); returns their bytes
+    padded as in the inline form (the message's size for statistics)."""
+    if len(into) != len(m.follow):
+        raise RuntimeError(f"{OP_NAMES.get(m.op, m.op)} of key id {m.key_id} piece {m.piece} "
+                           f"announces {len(m.follow)} arrays, {len(into)} expected")
+    status = MPI.Status()
+    total = 0
+    for (dtype, numel), t in zip(m.follow, into):
+        if t.dtype != dtype or t.numel() != numel:
+            raise RuntimeError(f"{OP_NAMES.get(m.op, m.op)} of key id {m.key_id} piece "
+                               f"{m.piece}: {numel} {dtype} announced, {t.numel()} "
+                               f"{t.dtype} expected")
+        mpi.Recv([_raw(t), MPI.BYTE], source, TAG_DATA, status)
+        got = status.Get_count(MPI.BYTE)
+        if got != numel * dtype.itemsize:
+            raise RuntimeError(f"detached array of {got} bytes, {numel * dtype.itemsize} "
+                               "announced")
+        total += _pad(got)
+    return total
+
+
 def reply_nbytes(numel: int, itemsize: int) -> int:
     """Size of a pull reply carrying one array of ``numel`` elements."""
     return (FIXED + 2) * 8 + _pad(numel * itemsize)
+
+
+def message_nbytes(arrays: Sequence[torch.Tensor]) -> int:
+    """Size of the inline message carrying ``arrays`` (what a detached one stands for)."""
+    return (FIXED + 2 * len(arrays)) * 8 + sum(_pad(t.numel() * t.element_size())
+                                               for t in arrays)
 
 
 class Backoff:
@@ -141,6 +223,11 @@ class Backoff:
         self.delay = 0.0
         self.since: float | None = None
 
+    def expect(self, seconds: float) -> None:
+        """Poll without sleeping for at least ``seconds`` (at most ``SPIN_CAP_S``) of
+        the next idle period: a reply expected that soon is not waited for asleep."""
+        self.spin_s = max(self.spin_s, min(seconds, SPIN_CAP_S))
+
     def idle(self, urgent: bool = False) -> None:
         now = time.perf_counter()
         if self.since is None:
@@ -158,13 +245,17 @@ class Backoff:
 
 
 BACKOFF_MIN_S, BACKOFF_MAX_S = 20e-6, None  # None: MPICOMM_PS_MAX_SLEEP_US (1000 us)
+#: The longest no-sleep window :meth:`Backoff.expect` grants (an expected transfer).
+SPIN_CAP_S = 0.05
 
 
-def wait_requests(requests: list[MPI.Request]) -> None:
-    """Complete ``requests`` without spinning a core (tests, then sleeps with backoff)."""
+def wait_requests(requests: list[MPI.Request], urgent: bool = False) -> None:
+    """Complete ``requests`` without spinning a core (tests, then sleeps with backoff;
+    ``urgent``: tests and yields, never sleeps: for this rank's own large sends, which
+    move only while it calls into MPI)."""
     backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S)
     while requests and not MPI.Request.Testall(requests):
-        backoff.idle()
+        backoff.idle(urgent)
 
 
 def probe_wait(comm: MPI.Intracomm, source: int, tag: int) -> tuple[MPI.Message, MPI.Status]:

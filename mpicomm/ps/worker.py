@@ -3,16 +3,25 @@
 A worker talks to every server point to point on the store's private communicator:
 
 * ``push``: one message per piece of the key (see :mod:`mpicomm.ps.sharding`), sent with
-  ``MPI_Isend`` and completed lazily (the call returns at once; a later call, ``pull``
-  or ``close`` waits for the sends). Every push of a key carries the worker's next
-  sequence number for that key (1, 2, ...). With a compressor, each piece is compressed
-  on its own (name ``"<key>/<piece>"``, layout :mod:`mpicomm.ps.codec`) after error
-  feedback, which stays on the worker.
+  ``MPI_Isend``. Every push of a key carries the worker's next sequence number for that
+  key (1, 2, ...). A dense push goes in the detached form (:mod:`mpicomm.ps.wire`):
+  straight from the caller's gradient, no copy, so ``push`` returns once the servers
+  hold the bytes (the caller may then change the gradient; MPI only moves a large
+  message while both sides call into it, so a send left in flight would not have moved
+  much before the next call anyway). With a compressor, each piece is compressed on its
+  own (name ``"<key>/<piece>"``, layout :mod:`mpicomm.ps.codec`) after error feedback,
+  which stays on the worker; those sends own their buffers and complete lazily (a later
+  call waits for them).
 * ``pull``: one small request per piece, then the replies are received by matched probe
-  as they come (a server may hold a pull back for consistency) and copied into place.
-  With a pull compressor a reply is either the whole piece (the first pull, and the
-  first after a restore) or a compressed delta that the worker adds to its own copy of
-  the piece, which then mirrors, bit for bit, the server's record of that copy.
+  as they come (a server may hold a pull back for consistency). A dense reply's values
+  are received straight into place (``out`` itself for ``pull(key, out=...)`` on the
+  CPU). With a pull compressor a reply is either the whole piece (the first pull, and
+  the first after a restore) or a compressed delta that the worker adds to its own copy
+  of the piece, which then mirrors, bit for bit, the server's record of that copy.
+* Waiting for a reply: the worker polls without sleeping for about twice the time the
+  reply's bytes took to arrive last time (:meth:`Worker.expected_wait`: the server's
+  update and the transfer), then backs off (:class:`mpicomm.ps.wire.Backoff`); a reply
+  that comes while the worker sleeps is late by up to a sleep.
 
 A worker sends its pieces starting from server ``w mod S`` (the servers answer in a
 matching staggered order), so that the workers do not all queue at server 0 first.
@@ -26,6 +35,7 @@ the server's queueing; with ``W`` workers on one server link the server's port c
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +55,10 @@ from . import wire
 from .codec import Codec, PieceView, pull_name
 from .sharding import Piece, ShardPlan
 
-__all__ = ["KeyInfo", "Worker", "piece_name"]
+__all__ = ["KeyInfo", "Worker", "piece_name", "LARGE_BYTES"]
+
+#: Detached receives at least this large time the link for :meth:`Worker.expected_wait`.
+LARGE_BYTES = 1 << 16
 
 
 def piece_name(key: Hashable, index: int) -> str:
@@ -104,6 +117,8 @@ class Worker:
         self.keys: dict[Hashable, KeyInfo] = {}
         self.seq: dict[int, int] = {}
         self.sends: list[tuple[MPI.Request, Any]] = []
+        self.byte_s = 0.0  # seconds per byte of the last large detached receive (0: none)
+        self.server_ranks = [self.server_rank(s) for s in range(servers)]
         self.stats = {"max_staleness": 0, "pushes": 0, "pulls": 0, "bytes_pushed": 0,
                       "bytes_pulled": 0, "server_pushes": 0, "wait_s": 0.0,
                       "staleness": 0}
@@ -111,10 +126,6 @@ class Worker:
     def server_rank(self, server: int) -> int:
         """The rank (in the store's communicator) of server index ``server``."""
         return self.workers + server
-
-    @property
-    def _server_ranks(self) -> list[int]:
-        return [self.server_rank(s) for s in range(self.servers)]
 
     # ------------------------------------------------------------------ init
     def init_many(self, items: Sequence[tuple[Hashable, Any]]) -> None:
@@ -209,13 +220,17 @@ class Worker:
             raise TypeError(f"{what} of key {info.key!r}: dtype {xi.dtype}, the key has "
                             f"{str(info.dtype).replace('torch.', '')}")
 
-    def push(self, key: Hashable, grad: Any) -> None:
+    def push(self, key: Hashable, grad: Any, wait: bool = True) -> None:
+        """Push ``grad``; with ``wait=False`` a dense push may still be reading ``grad``
+        when the call returns (the caller then leaves it unchanged until :meth:`flush`)."""
         info = self.info(key)
         self.check_value(info, grad, "push")
         self._reap()
         seq = self.seq[info.key_id] + 1
-        self.send_push(info, _flat_cpu(grad), seq)
+        sends = self.send_push(info, _flat_cpu(grad), seq)
         self.seq[info.key_id] = seq
+        if wait and sends:
+            self._wait([r for r, _ in sends])
 
     def staggered(self, pieces: Sequence[Piece]) -> list[Piece]:
         """``pieces`` starting from server ``rank mod S`` and wrapping around, so that the
@@ -224,26 +239,35 @@ class Worker:
             return list(pieces)
         return sorted(pieces, key=lambda p: (p.server - self.rank) % self.servers)
 
-    def send_push(self, info: KeyInfo, flat: torch.Tensor, seq: int) -> None:
-        """Send the pieces of one push numbered ``seq`` (also used to replay a push)."""
+    def send_push(self, info: KeyInfo, flat: torch.Tensor, seq: int
+                  ) -> list[tuple[MPI.Request, Any]]:
+        """Send the pieces of one push numbered ``seq``; returns the sends that read
+        ``flat`` itself (a dense push's), also kept in :attr:`sends`."""
+        reading: list[tuple[MPI.Request, Any]] = []
         for p in self.staggered(info.pieces):
             part = flat[p.start:p.stop]
-            if self.codec is not None:
-                assert self.ef is not None
-                name = piece_name(info.key, p.index)
-                comp = self.ef.compensate(name, part)
-                payload, sent = self.codec.encode(self.view(self.codec, info, p), comp, name,
-                                                  seq)
-                self.ef.update(name, comp, sent)
-                arrays = self.codec.arrays(payload)
-            else:
-                arrays = [part]
+            if self.codec is None:
+                sends = wire.isend_detached(self.mpi, self.server_rank(p.server),
+                                            wire.TAG_REQUEST, wire.PUSH, info.key_id, p.index,
+                                            seq, self.rank, seq, arrays=[part],
+                                            delay=self.delay)
+                self.stats["bytes_pushed"] += wire.message_nbytes([part])
+                reading += sends
+                self.sends += sends
+                continue
+            assert self.ef is not None
+            name = piece_name(info.key, p.index)
+            comp = self.ef.compensate(name, part)
+            payload, sent = self.codec.encode(self.view(self.codec, info, p), comp, name, seq)
+            self.ef.update(name, comp, sent)
+            arrays = self.codec.arrays(payload)
             buf = wire.pack(wire.PUSH, info.key_id, p.index, seq, self.rank, seq,
                             arrays=arrays)
             self.stats["bytes_pushed"] += buf.nbytes
             self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(p.server),
                                               wire.TAG_REQUEST, self.delay), buf))
         self.stats["pushes"] += 1
+        return reading
 
     def pull(self, key: Hashable, out: Any = None) -> Any:
         info = self.info(key)
@@ -253,11 +277,12 @@ class Worker:
                           else out.flags.c_contiguous)
             if not contiguous:
                 raise ValueError("pull: out must be contiguous")
-        flat = self.pull_many([info])[0]
-        if out is not None:
-            target = to_torch(out).detach().reshape(-1)
-            target.copy_(flat)
-            if inspect(out).is_cuda:
+        target = None if out is None else to_torch(out).detach().reshape(-1)
+        direct = target is not None and target.device.type == "cpu"
+        flat = self.pull_many([info], [target if direct else None])[0]
+        if target is not None:
+            if not direct:
+                target.copy_(flat)
                 torch.cuda.current_stream(target.device).synchronize()
             return out
         result = flat.reshape(info.shape)
@@ -265,24 +290,31 @@ class Worker:
             result = result.to(info.device)
         return from_torch(result, like=info.like())
 
-    def pull_many(self, infos: Sequence[KeyInfo]) -> list[torch.Tensor]:
-        """Request every piece of ``infos`` at once; return their flat CPU values."""
+    def pull_many(self, infos: Sequence[KeyInfo],
+                  outs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """Request every piece of ``infos`` at once; return their flat CPU values (in
+        ``outs[i]``, flat contiguous CPU tensors of the key's dtype, where given)."""
         t0 = clock.now()
-        results = [torch.empty(i.numel, dtype=i.dtype) for i in infos]
+        outs = outs if outs is not None else [None] * len(infos)
+        results = [torch.empty(i.numel, dtype=i.dtype) if o is None else o
+                   for i, o in zip(infos, outs)]
         where = {}
+        expected = 0
         for slot, info in enumerate(infos):
             for p in self.staggered(info.pieces):
                 where[(info.key_id, p.index)] = (slot, p)
+                expected += p.numel * info.dtype.itemsize
                 buf = wire.pack(wire.PULL, info.key_id, p.index, self.rank)
                 self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(p.server),
                                                   wire.TAG_REQUEST, self.delay), buf))
         seen_pushes = None
         stalest = 0
         backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
+        backoff.expect(self.expected_wait(expected))
         status = MPI.Status()
         while where:
             msg = improbe(self.mpi, MPI.ANY_SOURCE, wire.TAG_REPLY, status,
-                          sources=self._server_ranks)
+                          sources=self.server_ranks)
             if msg is None:
                 self._reap()
                 backoff.idle(urgent=bool(self.sends))
@@ -291,8 +323,17 @@ class Worker:
             buf = recv_bytes(msg, status, self.delay, self.mpi)
             m = wire.unpack(buf)
             slot, p = where.pop((m.key_id, m.piece))
-            results[slot][p.start:p.stop] = self._received(infos[slot], p, m)
-            self.stats["bytes_pulled"] += buf.nbytes
+            nbytes = buf.nbytes
+            if m.follow:   # a dense value, detached: straight into place
+                t1 = time.perf_counter()
+                got = wire.recv_detached(self.mpi, status.Get_source(), m,
+                                         [results[slot][p.start:p.stop]])
+                if got >= LARGE_BYTES:
+                    self.byte_s = (time.perf_counter() - t1) / got
+                nbytes += got
+            else:
+                results[slot][p.start:p.stop] = self._received(infos[slot], p, m)
+            self.stats["bytes_pulled"] += nbytes
             self.stats["max_staleness"] = max(self.stats["max_staleness"], m.a)
             stalest = max(stalest, m.a)
             seen_pushes = m.b if seen_pushes is None else min(seen_pushes, m.b)
@@ -303,6 +344,12 @@ class Worker:
             self.stats["server_pushes"] = seen_pushes
         self.stats["wait_s"] += clock.now() - t0
         return results
+
+    def expected_wait(self, nbytes: int) -> float:
+        """How long a pull of ``nbytes`` may take once requested when the servers have
+        its values: the transfer at the last measured rate, twice (the server's update
+        pass streams the bytes too); 0 before a large reply was measured."""
+        return 2 * nbytes * self.byte_s
 
     def view(self, codec: Codec, info: KeyInfo, p: Piece) -> PieceView:
         """How ``codec`` lays out piece ``p`` of ``info`` (see :mod:`mpicomm.ps.codec`)."""
@@ -333,9 +380,10 @@ class Worker:
             self.sends = [(r, b) for r, b in self.sends if not sent(r)]
 
     def _wait(self, requests: list[MPI.Request]) -> None:
-        """Complete sends without spinning (:func:`mpicomm.ps.wire.wait_requests`), timed
-        by the virtual clock where it runs."""
-        wait_sends(requests, 0.0, lambda reqs, _: wire.wait_requests(reqs))
+        """Complete this worker's own sends (:func:`mpicomm.ps.wire.wait_requests`,
+        polling without sleeping: a large message moves only while the sender calls
+        into MPI), timed by the virtual clock where it runs."""
+        wait_sends(requests, 0.0, lambda reqs, _: wire.wait_requests(reqs, urgent=True))
 
     def flush(self) -> None:
         self._wait([r for r, _ in self.sends])

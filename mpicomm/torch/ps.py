@@ -79,20 +79,27 @@ class PSOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Push every gradient, then pull every parameter (in place)."""
+        """Push every gradient, then pull every parameter (in place). The pushes read
+        the gradients in place while the next ones go out (no copy); the step returns
+        once every send is complete."""
         worker = self.kv._as_worker("push")
         for name, p in self.params:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            worker.push(name, g)
+            worker.push(name, g, wait=False)
         self.steps += 1
         self.pull()
+        worker.flush()
 
     @torch.no_grad()
     def pull(self) -> None:
-        """Overwrite the module's parameters with the servers' current values."""
-        values = self.kv._as_worker("pull").pull_many(self._infos)
-        for (_, p), v in zip(self.params, values):
-            p.copy_(v.reshape(p.shape))
+        """Overwrite the module's parameters with the servers' current values (dense
+        values are received straight into CPU parameters)."""
+        direct = [p.detach().reshape(-1) if p.device.type == "cpu" and p.is_contiguous()
+                  else None for _, p in self.params]
+        values = self.kv._as_worker("pull").pull_many(self._infos, direct)
+        for (_, p), v, d in zip(self.params, values, direct):
+            if d is None:
+                p.copy_(v.reshape(p.shape))
 
     def stats(self) -> dict[str, Any]:
         return self.kv.stats()
