@@ -108,12 +108,15 @@ def test_bench_adaptive_rejects_zero_seeds():
 def test_bench_adaptive_stops_a_fixed_choice_at_the_target_and_auto_at_the_end(tmp_path):
     out = tmp_path / "adaptive.json"
     result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--epochs", "2",
-                         "--hidden", "32", "--static", "gtopk@0.1", "--only", "gtopk@0.1,auto",
+                         "--hidden", "32", "--static", "gtopk@0.1", "--only",
+                         "dense,gtopk@0.1,auto",
                          "--target", "0.3", "--stop-at-target", "--lgreco-families", "",
                          "--schedule", "0:0.1:100", "--json", str(out)], timeout=240)
     assert result.returncode == 0, result.output
-    fixed, auto = json.loads(out.read_text())["rows"]
-    assert fixed["stopped_at_target"] and not auto["stopped_at_target"]
+    dense, fixed, auto = json.loads(out.read_text())["rows"]
+    assert fixed["stopped_at_target"]
+    assert not auto["stopped_at_target"] and not dense["stopped_at_target"]
+    assert dense["steps"] == auto["steps"]      # dense runs to the end: the reference
     stopped = fixed["runs"][0]
     # checked every step: the run ended at the step that reached the target
     assert stopped["steps"] < auto["steps"]

@@ -53,9 +53,9 @@ Run under MPI with 4+ ranks, e.g.
   method N times with different seeds (initial model and batch order) and reports the
   medians (one test image is 0.28 points of accuracy, so whether a run crosses 0.96 a
   few steps earlier or later is partly luck; the per-run numbers are in the JSON).
-  ``--stop-at-target`` ends dense's and each static method's run at the check that
-  reaches the target (a fixed choice's later steps cannot change its time to it; auto
-  always runs to the end, for its final accuracy); ``--max-steps`` ends every run early
+  ``--stop-at-target`` ends each static method's run at the check that reaches the
+  target (a fixed choice's later steps cannot change its time to it; dense and auto run
+  to the end, for their final accuracies); ``--max-steps`` ends every run early
   (per-step times on one network). Under the virtual clock, methods run as separate jobs
   (``--only``) with the same cost table (``--costs``) compare exactly:
   ``benchmarks/adaptive_merge.py`` puts their results together.
@@ -139,9 +139,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per method (batch order seeds 0..N-1); medians reported")
     parser.add_argument("--stop-at-target", action="store_true",
-                        help="dense and the static methods end at the first check that "
-                             "reaches --target (their time to it is known by then; the "
-                             "final accuracy reported is that check's); auto runs to the end")
+                        help="each static method ends at the first check that reaches "
+                             "--target (its time to it is known by then; the final "
+                             "accuracy reported is that check's); dense and auto run to "
+                             "the end")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="end every run after so many steps (per-step times on one "
                              "network); default: --epochs")
@@ -205,7 +206,8 @@ def train(method: str, comm: Communicator, args: argparse.Namespace,
               max_steps if max_steps is not None else args.max_steps)
     w = harness_build(sp, comm)
     # a fixed choice's later steps cannot change its time to the target
-    stop_at_target = args.stop_at_target and strategy is None and method != "auto"
+    stop_at_target = args.stop_at_target and strategy is None and method not in (
+        "auto", "dense")
     if strategy is None:
         strategy = (AutoStrategy(window=args.window,
                                  total_steps=sp.epochs * w.info.steps_per_epoch)
