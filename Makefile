@@ -18,7 +18,7 @@
 #                             declared step time, cost-model averaging round) at 1 Gbit/s
 #                             and 100 Mbit/s, constant lr and lr decay, 3 seeds, then report
 #   make bench-controllers-selector  auto vs dense and 12 fixed (scheme, ratio) on
-#                             mnist1d-cnn, 4 ranks, a network flipping twice and a
+#                             mnist1d-cnn, 8 ranks, a network flipping twice and a
 #                             constant one (virtual clock), L-GreCo on text-lm
 #   make bench-ratios         compression ratios at no accuracy loss: dense and the default
 #                             compressing strategies on mnist1d-cnn and text-lm at 8 and 16
@@ -359,22 +359,27 @@ bench-controllers: $(STAMP)
 
 # auto against dense and a grid of fixed (scheme, ratio) on mnist1d-cnn (128 channels,
 # 105 738 parameters) on the virtual clock (load-independent), CTL_SEL_NP ranks on as
-# many hosts, CTL_SEL_EPOCHS epochs (2 184 steps at 4 ranks), CTL_SEL_SEEDS seeds: a
+# many hosts, CTL_SEL_EPOCHS epochs (2 028 steps at 8 ranks), CTL_SEL_SEEDS seeds: a
 # network that flips twice (benchmarks/schedule-controllers-flips.txt: 10 Gbit/s 50 us,
 # 100 Mbit/s 5 ms from step 700, 1 Gbit/s 1 ms from step 1400) and a constant 1 Gbit/s
-# 1 ms; then L-GreCo against uniform top-k densities on text-lm. CTL_GRID is the full
-# grid of 12; CTL_SEL_STATIC the subset run (default all of it).
+# 1 ms; then L-GreCo against uniform top-k densities on text-lm at 1 Gbit/s and at
+# 100 Mbit/s (where the exchange is a sizeable part of its step). Every job charges
+# compute from one cost table (benchmarks/costs-controllers-mnist1d.json: the model's
+# step declared), so methods may also run as separate jobs (--only) and be merged with
+# benchmarks/adaptive_merge.py; a fixed choice stops at the target (--stop-at-target),
+# dense and auto run to the end. CTL_GRID is the full grid of 12; CTL_SEL_STATIC the
+# subset run (default all of it).
 CTL_GRID = allgather_topk@0.1,allgather_topk@0.01,allgather_topk@0.001,gtopk@0.1,gtopk@0.01,$\
 	gtopk@0.001,artopk_ring@0.1,artopk_ring@0.01,artopk_ring@0.001,artopk_tree@0.1,$\
 	artopk_tree@0.01,artopk_tree@0.001
-CTL_SEL_NP ?= 4
-CTL_SEL_EPOCHS ?= 7
+CTL_SEL_NP ?= 8
+CTL_SEL_EPOCHS ?= 13
 CTL_SEL_SEEDS ?= 3
 CTL_SEL_STATIC ?= $(CTL_GRID)
 CTL_ADAPTIVE = $(PY) -m mpicomm.bench adaptive --workload mnist1d-cnn \
 	  --epochs $(CTL_SEL_EPOCHS) --lr 0.05 --target 0.975 --eval-every 50 \
 	  --seeds $(CTL_SEL_SEEDS) --static $(CTL_SEL_STATIC) --lgreco-families "" \
-	  --clock virtual
+	  --clock virtual --costs benchmarks/costs-controllers-mnist1d.json --stop-at-target
 bench-controllers-selector: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/controllers
 	$(MPIEXEC) -n $(CTL_SEL_NP) $(CTL_ADAPTIVE) --rate 10gbit --delay 50us \
@@ -386,6 +391,10 @@ bench-controllers-selector: $(STAMP)
 	  --only lgreco --lgreco-families topk --lgreco-ratio 0.01 --lgreco-steps 200 \
 	  --eval-every 100 --target 1000 --clock virtual --rate 1gbit --delay 1ms \
 	  --json $(BENCH_OUT)/controllers/lgreco-text-lm-$(CTL_SEL_NP).json
+	$(MPIEXEC) -n $(CTL_SEL_NP) $(PY) -m mpicomm.bench adaptive --workload text-lm \
+	  --only lgreco --lgreco-families topk --lgreco-ratio 0.01 --lgreco-steps 60 \
+	  --eval-every 20 --target 1500 --clock virtual --rate 100mbit --delay 1ms \
+	  --json $(BENCH_OUT)/controllers/lgreco-text-lm-100mbit-$(CTL_SEL_NP).json
 	$(PY) -m mpicomm.bench report --results $(BENCH_OUT)
 
 report: $(STAMP)

@@ -99,3 +99,81 @@ def test_bench_adaptive_rejects_zero_seeds():
                      timeout=120)
     assert result.returncode == 2, result.output
     assert "--seeds and --eval-every must be >= 1" in result.output
+    result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--max-steps",
+                         "0"], timeout=120)
+    assert result.returncode == 2, result.output
+    assert "--max-steps must be >= 1" in result.output
+
+
+def test_bench_adaptive_stops_a_fixed_choice_at_the_target_and_auto_at_the_end(tmp_path):
+    out = tmp_path / "adaptive.json"
+    result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--epochs", "2",
+                         "--hidden", "32", "--static", "gtopk@0.1", "--only",
+                         "dense,gtopk@0.1,auto",
+                         "--target", "0.3", "--stop-at-target", "--lgreco-families", "",
+                         "--schedule", "0:0.1:100", "--json", str(out)], timeout=240)
+    assert result.returncode == 0, result.output
+    dense, fixed, auto = json.loads(out.read_text())["rows"]
+    assert fixed["stopped_at_target"]
+    assert not auto["stopped_at_target"] and not dense["stopped_at_target"]
+    assert dense["steps"] == auto["steps"]      # dense runs to the end: the reference
+    stopped = fixed["runs"][0]
+    # checked every step: the run ended at the step that reached the target
+    assert stopped["steps"] < auto["steps"]
+    assert stopped["time_to_target_s"] == pytest.approx(stopped["seconds"])
+    assert fixed["final_acc"] >= 0.3
+    # every run ends after --max-steps steps
+    result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--epochs", "2",
+                         "--hidden", "32", "--static", "gtopk@0.1", "--only", "gtopk@0.1",
+                         "--target", "2", "--max-steps", "3", "--lgreco-families", "",
+                         "--schedule", "0:0.1:100", "--json", str(out)], timeout=240)
+    assert result.returncode == 0, result.output
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["steps"] == 3 and row["time_to_target_s"] is None
+    assert not row["stopped_at_target"]
+
+
+def _merge_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "adaptive_merge.py"
+    spec = importlib.util.spec_from_file_location("adaptive_merge", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(only, rows, **options):
+    opts = {"workload": "mnist1d-cnn", "target": 0.9, "seeds": 1, "only": only,
+            "json": f"{only}.json", **options}
+    return {"suite": "adaptive", "ranks": 8, "clock": {"mode": "virtual"}, "options": opts,
+            "rows": rows, "lgreco": [], "summary": {}, "training_runs": [{"label": only}]}
+
+
+def test_adaptive_merge_puts_separate_jobs_together_and_recomputes_the_targets():
+    merge = _merge_module().merge
+    auto = dict(_run(0, 8.0, 0.97, 20.0), method="auto", timeline=[])
+    auto["runs"] = [auto]
+    fixed = [dict(_run(0, t, 0.96, 30.0), method=m, stopped_at_target=True)
+             for m, t in (("gtopk@0.1", 10.0), ("artopk_tree@0.01", 12.0))]
+    dense = dict(_run(0, 16.0, 0.975, 40.0), method="dense", stopped_at_target=False)
+    parts = [_result("auto", [auto]), _result("gtopk", fixed, stop_at_target=True),
+             _result("dense", [dense])]
+    out = merge(parts, ["a", "g", "d"])
+    assert [r["method"] for r in out["rows"]] == ["dense", "gtopk@0.1", "artopk_tree@0.01",
+                                                  "auto"]
+    s = out["summary"]
+    assert s["best_static"] == "gtopk@0.1" and s["auto_vs_best_static"] == pytest.approx(0.8)
+    assert s["auto_speedup_vs_dense"] == pytest.approx(2.0)
+    assert s["auto_acc_loss_points"] == pytest.approx(0.5)
+    assert s["auto_vs_best_static_target"] == 1.05      # no change of the network
+    assert len(out["training_runs"]) == 3 and out["options"]["merged_from"] == ["a", "g", "d"]
+    # a dense run stopped at the target has no final accuracy to compare with
+    parts[2]["rows"][0]["stopped_at_target"] = True
+    assert merge(parts, ["a", "g", "d"])["summary"]["auto_acc_loss_points"] is None
+    # jobs of different comparisons are refused
+    with pytest.raises(ValueError, match="options \\['target'\\] differ"):
+        merge([parts[0], _result("dense", [dense], target=0.8)], ["a", "d"])
+    with pytest.raises(ValueError, match="appears twice"):
+        merge([parts[0], parts[0]], ["a", "b"])

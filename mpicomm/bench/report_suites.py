@@ -26,6 +26,8 @@ ADAPTIVE_TARGETS: dict[str, tuple[Any, str]] = {
                              "of dense"),
     "lgreco_bytes_ratio": (lambda v: v >= 2.0, "L-GreCo (top-k) >= 2x fewer bytes per "
                            "step than uniform at the same total error"),
+    "lgreco_time_to_target_ratio": (lambda v: v <= 0.9, "L-GreCo (top-k) reaches the "
+                                    "target in <= 0.9x uniform's time"),
 }
 
 

@@ -1,0 +1,76 @@
+"""Merge ``bench adaptive`` results of one comparison run as separate jobs (``--only``).
+
+Under the virtual clock every method's times are the simulated cluster's, so methods run
+one job at a time (one per ``--only``) compare exactly as if run in one job, provided the
+jobs share the workload, ranks, seeds, target, platform and cost table: this script
+checks that, puts the rows together (dense first, auto last), recomputes the targets
+(:func:`mpicomm.bench.adaptive.summarize`) and writes one result the report renders::
+
+    python benchmarks/adaptive_merge.py OUT.json auto.json gtopk.json dense.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from mpicomm.bench.adaptive import summarize
+
+#: Options that may differ between the merged jobs (which methods, where the JSON went,
+#: whether a fixed choice stopped at the target).
+PER_JOB = ("only", "json", "static", "stop_at_target", "lgreco_families")
+
+
+def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
+    """One result from ``results`` (same suite, ranks, options but ``PER_JOB``, clock)."""
+    if not results:
+        raise ValueError("nothing to merge")
+    first = results[0]
+    for path, r in zip(sources, results):
+        if r.get("suite") != "adaptive":
+            raise ValueError(f"{path}: not a bench adaptive result")
+        for key in ("ranks", "clock"):
+            if r.get(key) != first.get(key):
+                raise ValueError(f"{path}: {key} differs from {sources[0]}'s")
+        same = {k: v for k, v in r["options"].items() if k not in PER_JOB}
+        want = {k: v for k, v in first["options"].items() if k not in PER_JOB}
+        if same != want:
+            diff = sorted(k for k in set(same) | set(want) if same.get(k) != want.get(k))
+            raise ValueError(f"{path}: options {diff} differ from {sources[0]}'s")
+    rows = [row for r in results for row in r["rows"]]
+    names = [row["method"] for row in rows]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a method appears twice: {names}")
+    rows.sort(key=lambda row: (row["method"] != "dense", row["method"] == "auto"))
+    summary = summarize(rows)
+    lgreco = [row for r in results for row in r.get("lgreco", [])]
+    for r in results:
+        summary.update({k: v for k, v in r["summary"].items() if k.startswith("lgreco_")})
+    options = dict(first["options"], only=",".join(row["method"] for row in rows),
+                   merged_from=list(sources))
+    return {"suite": "adaptive", "machine": first.get("machine"), "ranks": first["ranks"],
+            "options": options, "clock": first.get("clock"), "rows": rows,
+            "lgreco": lgreco, "summary": summary,
+            "training_runs": [run for r in results for run in r.get("training_runs", [])]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("inputs", nargs="+")
+    args = ap.parse_args()
+    results = []
+    for path in args.inputs:
+        with open(path) as f:
+            results.append(json.load(f))
+    merged = merge(results, args.inputs)
+    with open(args.out, "w") as f:
+        json.dump(merged, f, indent=1)
+    for key, value in merged["summary"].items():
+        if key != "ratio_moves":
+            print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
