@@ -319,8 +319,8 @@ bench-ps-convergence: $(STAMP)
 
 # The same on mnist1d-cnn (32 channels, 8 000 training signals), 3 seeds, a persistent
 # straggler and transient ones (each worker slow at a step with probability 1/3); the
-# target is the accuracy BSP reaches at 85% of its steps (about 45 minutes of a shared
-# 2-core machine under load).
+# target is the accuracy BSP reaches at 85% of its steps (about 2 hours of a 2-core
+# machine at a load of 40; run it on a quiet machine).
 bench-ps-convergence-mnist1d: $(STAMP)
 	nice -n 10 $(MPIEXEC) -n 4 $(PY) -m mpicomm.bench ps --sections convergence \
 	  --conv-workload mnist1d-cnn --conv-options channels=32,train_examples=8000 \
