@@ -33,6 +33,14 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    sync's throughput, final loss within 10% of sync's. SSP is bounded by the straggler
    (the fast workers may lead by ``s`` steps only), so it lands near sync with a
    persistent straggler; it helps when slowness moves between workers.
+   ``--stragglers`` picks the straggler models (:class:`StragglerPause`): ``fixed``
+   (worker 0 slow at every step) and ``random`` (every worker slow at any one step with
+   probability ``--straggler-p``, default ``1/W``: one slow worker per step on average,
+   the same total slowness as ``fixed``; drawn from ``(seed, worker)``, so a step's
+   slowness is the same in BSP, async and SSP). Transient slowdowns (a slow step here and
+   there, which a staleness bound can absorb) are the case the bounded-staleness papers
+   argue for (Cipar et al., "Solving the Straggler Problem with Bounded Staleness",
+   HotOS 2013; Ho et al., below).
 3. **Accuracy** (``accuracy``): the examples' recipe (``digits-mlp``: MLP 64-128-128-10,
    SGD lr 0.05, momentum 0.9, weight decay 1e-3 on the server, batch 32 per worker) for
    ``--epochs`` epochs in sync mode, dense push against top-k 0.01 with error feedback,
@@ -40,14 +48,26 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    pulls (deltas to the servers' mirror). Target: top-k test accuracy within 1 point of
    dense (the target's); the other rows are reported with their gap and bytes.
 5. **Time to a target** (``convergence``, not in the default sections): BSP, async and
-   SSP (``--staleness``) with the straggler of section 2 on ``--conv-workload``
-   (``digits-mlp``: MLP 64-64-10; or ``mnist1d-cnn``), the same total of pushes each
-   (``W * --conv-steps``). Every ``--conv-eval`` of its steps the last worker (a fast
-   one) evaluates the model it has pulled on the test set, locally (no barrier, so the
-   modes keep their pace; under the virtual clock the evaluation costs no time);
-   ``time_to_target_s``: the first such point at or above ``--target`` accuracy. The
-   claim of Ho et al. (NIPS 2013, "More Effective Distributed ML via a Stale Synchronous
-   Parallel Parameter Server"): SSP reaches it sooner than both BSP and async.
+   SSP (``--staleness``) with the stragglers of section 2 on ``--conv-workload`` (any
+   workload of :mod:`mpicomm.workloads` with an accuracy, built and trained by the one
+   harness; ``digits-mlp`` defaults to MLP 64-64-10; ``--conv-options k=v,...`` sets
+   the workload's options), the same total of pushes each (``W * --conv-steps``). Every
+   ``--conv-eval`` of its steps the last worker (not the fixed straggler) evaluates the
+   model it has pulled on the test set, locally (no barrier, so the modes keep their
+   pace; under the virtual clock the evaluation costs no time). ``--target``: an
+   accuracy, or ``bsp:F``, the lowest over the seeds of the best accuracy BSP reached by
+   the fraction ``F`` of its steps (BSP's curve in steps is the same for every straggler
+   model). ``time_to_target_s``: the first point at or above the target;
+   ``pushes_to_target``: the pushes the server had applied by then (the statistical cost:
+   staleness raises it) and ``pushes_per_s`` (the step-rate gain), so that
+   ``time = pushes / rate`` splits a difference between modes into the two. Every
+   straggler model of ``--stragglers`` and seed of ``--seeds`` (initial model, batch
+   order and the random straggler's draws); ``slow_share``: the share of pushes that
+   came from slow steps; ``convergence_summary``: the medians over the seeds (of those
+   that reached the target) per straggler model and mode, with SSP's ratios
+   (:func:`~mpicomm.bench.straggler.convergence_summary`). The claim of Ho et al. (NIPS 2013, "More
+   Effective Distributed ML via a Stale Synchronous Parallel Parameter Server"): SSP
+   reaches it sooner than both BSP and async.
 4. **Compressed pulls** (``pull``): every worker pushes a random gradient of one key of
    ``--pull-bytes`` bytes (float32) and pulls it through ``--pull-compressors``, sync
    mode, ``--repeats`` steps after a warm-up step; per step: the pull encodings the
@@ -70,6 +90,16 @@ from ..comm import Communicator, init
 from . import _clock
 from ._util import UsageError, machine, median_seconds, print_table, write_json
 from .harness import default_threads
+from .straggler import (
+    StragglerPause,
+    conv_target,
+    convergence_summary,
+    parse_options,
+    parse_seeds,
+    parse_stragglers,
+    parse_target,
+    reach,
+)
 
 SECTIONS = ("comm", "straggler", "accuracy", "pull", "convergence")
 
@@ -87,6 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-factor", type=float, default=3.0,
                         help="straggler: worker 0 computes this many times longer")
     parser.add_argument("--staleness", type=int, default=2, help="straggler: SSP bound")
+    parser.add_argument("--stragglers", default="fixed",
+                        help="straggler/convergence: comma-separated straggler models, "
+                             "fixed (worker 0 always slow) and/or random (each worker "
+                             "slow at each step with probability --straggler-p)")
+    parser.add_argument("--straggler-p", type=float, default=None,
+                        help="random straggler: probability that a worker is slow at a "
+                             "step (default 1/W: one slow worker per step on average)")
     parser.add_argument("--epochs", type=int, default=30, help="accuracy: epochs")
     parser.add_argument("--pull-bytes", type=int, default=1 << 20, help="pull: bytes per key")
     parser.add_argument("--pull-compressors", default="qsgd,topk",
@@ -97,8 +134,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="convergence: pushes per worker (total W times this)")
     parser.add_argument("--conv-eval", type=int, default=5,
                         help="convergence: the observer evaluates every this many steps")
-    parser.add_argument("--target", type=float, default=0.9,
-                        help="convergence: test accuracy to reach")
+    parser.add_argument("--target", default="0.9",
+                        help="convergence: test accuracy to reach, or bsp:F: the accuracy "
+                             "BSP reaches at the fraction F of its steps (lowest over the "
+                             "seeds)")
+    parser.add_argument("--conv-options", default="",
+                        help="convergence: workload options, e.g. channels=32 (k=v,...)")
+    parser.add_argument("--seeds", default="0",
+                        help="convergence: comma-separated run seeds (medians over them)")
     _clock.add_arguments(parser)
 
 
@@ -111,16 +154,18 @@ def _store(comm: Communicator, servers: int, **kw: Any) -> tuple[Any, Communicat
     return kv, comm.split(0 if kv.is_worker else None)
 
 
-def _straggler_store(comm: Communicator, mode: str, args: argparse.Namespace
-                     ) -> tuple[Any, Communicator | None, float]:
+def _straggler_store(comm: Communicator, mode: str, args: argparse.Namespace,
+                     model: str = "fixed", seed: int = 0
+                     ) -> tuple[Any, Communicator | None, StragglerPause | None]:
     """A one-server store in ``mode`` (SSP bounded by ``--staleness``) and this rank's
-    pause per step: ``--compute-ms``, ``--slow-factor`` times as long on worker 0 (the
-    straggler), 0 on the server."""
+    pause per step (:class:`StragglerPause` of ``model`` with ``--compute-ms``,
+    ``--slow-factor``, ``--straggler-p``; ``None`` on the server)."""
     kw = {"staleness": args.staleness} if mode == "ssp" else {}
     kv, wc = _store(comm, 1, mode=mode, lr=0.1, **kw)
     if wc is None:
-        return kv, wc, 0.0
-    return kv, wc, args.compute_ms / 1e3 * (args.slow_factor if wc.rank == 0 else 1.0)
+        return kv, wc, None
+    return kv, wc, StragglerPause(model, wc.rank, wc.size, args.compute_ms / 1e3,
+                                  args.slow_factor, args.straggler_p, seed)
 
 
 def _finish(kv: Any, wc: Communicator | None) -> None:
@@ -250,108 +295,128 @@ def bench_straggler(args: argparse.Namespace, comm: Communicator) -> list[dict[s
     from .sync import PSMethod
 
     rows = []
-    for mode in ("sync", "async", "ssp"):
-        kv, wc, pause = _straggler_store(comm, mode, args)
-        if kv.is_worker:
-            assert wc is not None
-            target = kv.workers * args.steps
-            spec = Spec(workload="digits-mlp", options={"hidden": 64, "layers": 1}, batch=32,
-                        epochs=None, budget_s=float("inf"), eval_every=None,
-                        epoch_stats=False, eval_split="train", label=mode)
+    for kind in parse_stragglers(args.stragglers):
+        group = []
+        for mode in ("sync", "async", "ssp"):
+            kv, wc, pause = _straggler_store(comm, mode, args, kind)
+            if kv.is_worker:
+                assert wc is not None
+                target = kv.workers * args.steps
+                spec = Spec(workload="digits-mlp", options={"hidden": 64, "layers": 1},
+                            batch=32, epochs=None, budget_s=float("inf"), eval_every=None,
+                            epoch_stats=False, eval_split="train", label=mode)
 
-            def enough(step: int, ctx: Any, kv: Any = kv, mode: str = mode,
-                       target: int = target) -> None:
-                ctx.stop = (step >= args.steps if mode == "sync"
-                            else kv.stats()["server_pushes"] >= target)
+                def enough(step: int, ctx: Any, kv: Any = kv, mode: str = mode,
+                           target: int = target) -> None:
+                    ctx.stop = (step >= args.steps if mode == "sync"
+                                else kv.stats()["server_pushes"] >= target)
 
-            wc.barrier()
-            start = now()
-            r = train(spec, PSMethod(kv, sleep_s=pause), wc, on_step=enough)
-            stats = kv.stats()
-            wall = wc.allreduce_value(now() - start, "max")
-            pushes = wc.allreduce_value(r.steps, "sum")
-            staleness = wc.allreduce_value(stats["max_staleness"], "max")
-            rows.append({"mode": mode if mode != "ssp" else f"ssp(s={args.staleness})",
-                         "workers": kv.workers, "pushes": pushes, "wall_s": wall,
-                         "steps_per_s": pushes / kv.workers / wall,
-                         "final_loss": r.final_metric("loss"), "max_staleness": staleness})
-        _finish(kv, wc)
-    rows = comm.bcast_object(rows, root=0)
-    if rows:
-        sync = rows[0]
-        for r in rows:
-            r["speedup"] = r["steps_per_s"] / sync["steps_per_s"]
-            r["loss/sync"] = r["final_loss"] / sync["final_loss"]
+                wc.barrier()
+                start = now()
+                r = train(spec, PSMethod(kv, pause=pause), wc, on_step=enough)
+                stats = kv.stats()
+                wall = wc.allreduce_value(now() - start, "max")
+                pushes = wc.allreduce_value(r.steps, "sum")
+                staleness = wc.allreduce_value(stats["max_staleness"], "max")
+                group.append({"straggler": kind,
+                              "mode": mode if mode != "ssp" else f"ssp(s={args.staleness})",
+                              "workers": kv.workers, "pushes": pushes, "wall_s": wall,
+                              "steps_per_s": pushes / kv.workers / wall,
+                              "final_loss": r.final_metric("loss"),
+                              "max_staleness": staleness})
+            _finish(kv, wc)
+        group = comm.bcast_object(group, root=0)
+        for r in group:
+            r["speedup"] = r["steps_per_s"] / group[0]["steps_per_s"]
+            r["loss/sync"] = r["final_loss"] / group[0]["final_loss"]
+        rows += group
     if comm.rank == 0 and rows:
-        print(f"\n== straggler: worker 0 computes {args.slow_factor:g}x longer "
+        print(f"\n== straggler: a slow step computes {args.slow_factor:g}x longer "
               f"({args.compute_ms:g} ms vs {args.compute_ms * args.slow_factor:g} ms per step)")
-        print_table(rows, ["mode", "workers", "pushes", "wall_s", "steps_per_s", "speedup",
-                           "final_loss", "loss/sync", "max_staleness"])
-        a = rows[1]
-        ok = a["speedup"] >= 2.0 and a["loss/sync"] <= 1.10
-        print(f"target async >= 2x sync steps/s and final loss within 10%: "
-              f"{'met' if ok else 'NOT met'} ({a['speedup']:.2f}x, {a['loss/sync']:.3f})")
+        print_table(rows, ["straggler", "mode", "workers", "pushes", "wall_s", "steps_per_s",
+                           "speedup", "final_loss", "loss/sync", "max_staleness"])
+        for a in rows[1::3]:
+            ok = a["speedup"] >= 2.0 and a["loss/sync"] <= 1.10
+            print(f"{a['straggler']}: target async >= 2x sync steps/s and final loss within "
+                  f"10%: {'met' if ok else 'NOT met'} ({a['speedup']:.2f}x, "
+                  f"{a['loss/sync']:.3f})")
     return rows
 
 
 # ---------------------------------------------------------------------- 5. convergence
-def bench_convergence(args: argparse.Namespace, comm: Communicator) -> list[dict[str, Any]]:
-    """Time to ``--target`` test accuracy of BSP, async and SSP (module docstring, 5)."""
+def _conv_run(args: argparse.Namespace, comm: Communicator, mode: str, kind: str, seed: int,
+              options: dict[str, Any]) -> dict[str, Any] | None:
+    """One run of the time-to-target section; the row on the workers, None on the
+    server."""
     from .harness import Spec, now, train
     from .sync import PSMethod
 
-    options = {"hidden": 64, "layers": 1} if args.conv_workload == "digits-mlp" else {}
-    rows = []
-    for mode in ("sync", "async", "ssp"):
-        kv, wc, pause = _straggler_store(comm, mode, args)
-        if kv.is_worker:
+    kv, wc, pause = _straggler_store(comm, mode, args, kind, seed)
+    row = None
+    if kv.is_worker:
+        assert wc is not None and pause is not None
+        observer = wc.size - 1
+        total = kv.workers * args.conv_steps
+        spec = Spec(workload=args.conv_workload, options=options, seed=seed, batch=32,
+                    epochs=None, budget_s=float("inf"), eval_every=None,
+                    epoch_stats=False, label=mode)
+        curve: list[tuple[float, int, float, int]] = []
+        t0 = [0.0]
+
+        def on_step(step: int, ctx: Any) -> None:
             assert wc is not None
-            observer = wc.size - 1
-            total = kv.workers * args.conv_steps
-            spec = Spec(workload=args.conv_workload, options=options, batch=32, epochs=None,
-                        budget_s=float("inf"), eval_every=None, epoch_stats=False,
-                        label=mode)
-            curve: list[tuple[float, int, float]] = []
-            t0 = [0.0]
+            if wc.rank == observer and step % args.conv_eval == 0:
+                point = ctx.workload.evaluate(ctx.model, None, "test")
+                curve.append((now() - t0[0], step, point["accuracy"],
+                              kv.stats()["server_pushes"]))
+            ctx.stop = (step >= args.conv_steps if mode == "sync"
+                        else kv.stats()["server_pushes"] >= total)
 
-            def on_step(step: int, ctx: Any, kv: Any = kv, mode: str = mode,
-                        total: int = total, curve: list = curve, t0: list = t0,
-                        observer: int = observer, wc: Communicator = wc) -> None:
-                if wc.rank == observer and step % args.conv_eval == 0:
-                    point = ctx.workload.evaluate(ctx.model, None, "test")
-                    curve.append((now() - t0[0], step, point["accuracy"]))
-                ctx.stop = (step >= args.conv_steps if mode == "sync"
-                            else kv.stats()["server_pushes"] >= total)
+        wc.barrier()
+        t0[0] = now()
+        r = train(spec, PSMethod(kv, pause=pause), wc, on_step=on_step)
+        wall = wc.allreduce_value(now() - t0[0], "max")
+        pushes = wc.allreduce_value(r.steps, "sum")
+        slow = wc.allreduce_value(pause.slow_steps, "sum")
+        curve = wc.bcast_object(curve, root=observer)
+        row = {"straggler": kind, "seed": seed,
+               "mode": mode if mode != "ssp" else f"ssp(s={args.staleness})",
+               "workload": args.conv_workload, "workers": kv.workers,
+               "pushes_per_s": pushes / wall, "slow_share": slow / pushes,
+               "best_accuracy": max((a for _, _, a, _ in curve), default=None),
+               "final_accuracy": r.final_metric("accuracy"), "wall_s": wall,
+               "max_staleness": wc.allreduce_value(kv.stats()["max_staleness"], "max"),
+               "curve": [list(p) for p in curve]}
+    _finish(kv, wc)
+    return row
 
-            wc.barrier()
-            t0[0] = now()
-            r = train(spec, PSMethod(kv, sleep_s=pause), wc, on_step=on_step)
-            wall = wc.allreduce_value(now() - t0[0], "max")
-            curve = wc.bcast_object(curve, root=observer)
-            hit = next(((t, s) for t, s, a in curve if a >= args.target), None)
-            rows.append({"mode": mode if mode != "ssp" else f"ssp(s={args.staleness})",
-                         "workload": args.conv_workload, "workers": kv.workers,
-                         "target": args.target,
-                         "time_to_target_s": None if hit is None else hit[0],
-                         "observer_steps_to_target": None if hit is None else hit[1],
-                         "best_accuracy": max((a for _, _, a in curve), default=None),
-                         "final_accuracy": r.final_metric("accuracy"), "wall_s": wall,
-                         "max_staleness": wc.allreduce_value(kv.stats()["max_staleness"],
-                                                             "max"),
-                         "curve": [list(p) for p in curve]})
-        _finish(kv, wc)
-    rows = comm.bcast_object(rows, root=0)
+
+def bench_convergence(args: argparse.Namespace, comm: Communicator
+                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Time to ``--target`` test accuracy of BSP, async and SSP (module docstring, 5):
+    the rows (every straggler model, seed and mode) and their summary."""
+    options = ({"hidden": 64, "layers": 1} if args.conv_workload == "digits-mlp" else {})
+    options.update(parse_options(args.conv_options))
+    rows = []
+    for kind in parse_stragglers(args.stragglers):
+        for seed in parse_seeds(args.seeds):
+            for mode in ("sync", "async", "ssp"):
+                row = _conv_run(args, comm, mode, kind, seed, options)
+                rows.append(comm.bcast_object(row, root=0))
+    target = conv_target(args.target, rows)
+    reach(rows, target)
+    summary = convergence_summary(rows)
     if comm.rank == 0 and rows:
-        print(f"\n== time to {args.target:g} test accuracy ({args.conv_workload}), worker 0 "
-              f"{args.slow_factor:g}x slower")
-        print_table(rows, ["mode", "workers", "time_to_target_s", "observer_steps_to_target",
-                           "best_accuracy", "final_accuracy", "wall_s", "max_staleness"])
-        times = {r["mode"].split("(")[0]: r["time_to_target_s"] for r in rows}
-        if all(v is not None for v in times.values()):
-            ssp = times["ssp"]
-            print(f"SSP vs BSP: {times['sync'] / ssp:.2f}x sooner, vs async: "
-                  f"{times['async'] / ssp:.2f}x (claim: both above 1)")
-    return rows
+        print(f"\n== time to {target:.4g} test accuracy (--target {args.target}), "
+              f"{args.conv_workload} {options}, a slow step {args.slow_factor:g}x longer")
+        print_table(rows, ["straggler", "seed", "mode", "time_to_target_s",
+                           "pushes_to_target", "pushes_per_s", "slow_share", "best_accuracy",
+                           "final_accuracy", "wall_s", "max_staleness"])
+        print("\n-- medians over the seeds")
+        print_table(summary, ["straggler", "mode", "reached", "time_to_target_s",
+                              "pushes_to_target", "pushes_per_s", "best_accuracy",
+                              "bsp/ssp", "async/ssp", "pushes_ratio", "rate_ratio"])
+    return rows, summary
 
 
 # ---------------------------------------------------------------------- 3. accuracy
@@ -405,6 +470,12 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise UsageError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    parse_stragglers(args.stragglers)
+    parse_seeds(args.seeds)
+    parse_options(args.conv_options)
+    parse_target(args.target)
+    if args.straggler_p is not None and not 0.0 <= args.straggler_p <= 1.0:
+        raise UsageError(f"--straggler-p must be in [0, 1], got {args.straggler_p}")
 
     out: dict[str, Any] = {"suite": "ps", "machine": machine(), "ranks": comm.size,
                            "args": vars(args), "clock": _clock.describe()}
@@ -419,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
     if "pull" in sections:
         out["pull"] = bench_pull(args, comm)
     if "convergence" in sections:
-        out["convergence"] = bench_convergence(args, comm)
+        out["convergence"], out["convergence_summary"] = bench_convergence(args, comm)
     if comm.rank == 0:
         note = ("times are the virtual cluster's, independent of the load" if clock.started()
                 else "timings on a shared machine are noisy, ratios from one run are the "

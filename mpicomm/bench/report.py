@@ -386,7 +386,8 @@ def section(r: dict[str, Any]) -> str:
     if suite == "ps":
         return head + "\n".join(f"**{key}**\n\n{generic(r[key])}"
                                  for key in ("summary", "rows", "comm", "straggler",
-                                             "accuracy", "pull", "convergence")
+                                             "accuracy", "pull", "convergence",
+                                             "convergence_summary")
                                  if r.get(key))
     body = [f"{key}:\n\n" + generic(r[key]) for key in ("summary", "targets", "rows", "results",
                                                       "comm", "straggler", "accuracy")

@@ -207,7 +207,8 @@ class PSMethod:
     :class:`~mpicomm.ps.KVStore`); the servers own lr, momentum and weight decay.
     ``slow_factor`` > 1 makes this worker a straggler: after each step's computation it
     sleeps ``slow_factor - 1`` times that computation's duration; ``sleep_s`` adds a fixed
-    emulated compute time per step (before the push). Both go through
+    emulated compute time per step (before the push), ``pause`` one drawn anew each step
+    (a callable returning seconds: a straggler that comes and goes). All go through
     :func:`mpicomm.clock.sleep`: slept on the wall clock, charged on the virtual one.
     ``metrics``: a record per step (:meth:`mpicomm.observe.metrics.Metrics.observe` of
     the store)."""
@@ -215,8 +216,9 @@ class PSMethod:
     owns_momentum = True
 
     def __init__(self, kv: Any, *, label: str | None = None, slow_factor: float = 1.0,
-                 sleep_s: float = 0.0, metrics: Any = None) -> None:
-        self.kv, self.slow_factor, self.sleep_s = kv, slow_factor, sleep_s
+                 sleep_s: float = 0.0, pause: Callable[[], float] | None = None,
+                 metrics: Any = None) -> None:
+        self.kv, self.slow_factor, self.sleep_s, self.pause = kv, slow_factor, sleep_s, pause
         self.metrics = metrics
         self.label = label or f"ps-{kv.mode}"
         self.opt: Any = None
@@ -246,6 +248,8 @@ class PSMethod:
             clock.sleep((self.slow_factor - 1) * (harness.now() - self._t0))
         if self.sleep_s:
             clock.sleep(self.sleep_s)
+        if self.pause is not None:
+            clock.sleep(self.pause())
         self.opt.step()
         if self.metrics is not None:  # bytes pushed and pulled, staleness, the loss noted
             self.metrics.observe(self.kv)
@@ -274,7 +278,8 @@ class PSMethod:
 
     def describe_setup(self) -> dict[str, Any]:
         return {"method": "parameter-server", "mode": self.kv.mode,
-                "slow_factor": self.slow_factor, "sleep_s": self.sleep_s}
+                "slow_factor": self.slow_factor, "sleep_s": self.sleep_s,
+                "pause": None if self.pause is None else str(self.pause)}
 
     def state_objects(self) -> dict[str, Any]:
         """Nothing besides the model: the store is checkpointed through ``kv=``."""
