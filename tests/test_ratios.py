@@ -101,6 +101,19 @@ def test_named_options_labels():
         label_strategy("powersgd:ranks=2")
 
 
+def test_sparsifier_labels_with_options_keep_the_default_recipe_at_the_density():
+    """``gtopk:flush_every=100``: the default recipe at ``density`` with that option."""
+    s = label_strategy("gtopk:flush_every=100", density=0.001).strategy
+    d = s.describe()
+    assert (d["density"], d["flush_every"], d["own_contribution"]) == (0.001, 100, True)
+    assert d["momentum_correction"] == "optimizer"
+    assert label_density("gtopk:flush_every=100", 0.001) == 0.001
+    assert label_density("artopk:flush_every=50,density=0.01", 0.001) == 0.01
+    assert label_strategy("artopk:flush_every=50,density=0.01",
+                          density=0.001).strategy.describe()["density"] == 0.01
+    assert label_density("topk:k=10", 0.001) is None
+
+
 def test_metric_gap_signs():
     acc = {"metric": "accuracy", "direction": "max"}
     ppl = {"metric": "perplexity", "direction": "min"}

@@ -233,3 +233,38 @@ def test_warmup_dense_steps_where_the_sparse_collective_sends_more(comm, which):
     if p >= 3:  # at 3+ ranks the first (dense) steps are dense, the last ones sparse
         assert got[0] and not got[-1]
     assert strategy.describe()["warmup_dense"] is True
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("which", ["topk", "gtopk", "artopk"])
+def test_flush_every_sends_every_hth_step_densely_and_empties_the_residual(comm, which):
+    """``flush_every=3``: steps 2 and 5 are the exact mean of the compensated buffers
+    with the residual flushed; the others are sparse (k entries per rank at most)."""
+    p, numel = comm.size, 300
+    strategy = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}[which](
+        density=0.01, flush_every=3).bind(comm)
+    k = k_for(numel, 0.01)
+    residual = np.zeros(numel)
+    got = []
+    for step in range(6):
+        rng = np.random.default_rng(step * 7 + comm.rank)
+        g = torch.from_numpy(rng.standard_normal(numel))
+        out = strategy.aggregate([g], ["w"])[0].numpy()
+        exact = np.mean(comm.allgather_object(g.numpy() + residual), axis=0)
+        residual = strategy.residual("w").numpy().copy()
+        got.append(strategy.stats.extra.get("dense_steps", 0))
+        if step % 3 == 2:
+            np.testing.assert_allclose(out, exact, rtol=1e-12, atol=1e-12)
+            assert not residual.any()
+        else:
+            assert np.count_nonzero(out) <= k * p
+            if p > 1:
+                assert residual.any()
+    assert got == [0, 0, 1, 1, 1, 2]
+    assert strategy.describe()["flush_every"] == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_flush_every_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="flush_every"):
+        GTopK(density=0.01, flush_every=bad)

@@ -19,7 +19,9 @@
   (``allgather_topk@0.01``, ``gtopk@0.01``, ``artopk_tree@0.01``, ...).
 * any other name of :func:`mpicomm.strategies.available` (``auto``, ``qsgd``,
   ``powersgd``, ...) with its defaults, or with options as ``NAME:KEY=VALUE[,KEY=VALUE]``
-  (``powersgd:rank=2``, ``qsgd:bits=4,bucket_size=128``; numbers, ``true``/``false``).
+  (``powersgd:rank=2``, ``qsgd:bits=4,bucket_size=128``; numbers, ``true``/``false``);
+  for ``topk``, ``gtopk`` and ``artopk`` that is the default recipe at ``density`` with
+  those options changed (``gtopk:flush_every=100``).
 
 ``ValueError`` (naming the grammar) for anything else.
 """
@@ -94,7 +96,13 @@ def named_options(label: str) -> tuple[str, dict[str, Any]] | None:
 
 def label_density(label: str, density: float) -> float | None:
     """The final density a label runs at: ``density`` for the sparsifiers' labels
-    (``topk``, ``gtopk``, ``artopk`` and their ``+MOD`` forms), ``None`` otherwise."""
+    (``topk``, ``gtopk``, ``artopk``, their ``+MOD`` forms and their ``BASE:KEY=VALUE``
+    forms, whose own ``density`` wins), ``None`` otherwise."""
+    named = named_options(label)
+    if named is not None:
+        if named[0] not in BASES or "k" in named[1]:
+            return None
+        return float(named[1].get("density", density))
     base = label.replace("-noef", "+noef").split("+")[0]
     return density if base in BASES else None
 
@@ -110,8 +118,11 @@ def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
         return _owned(strategies.make(label, density=density))
     named = named_options(label)
     if named is not None and named[0] in strategies.available():
+        options = dict(named[1])
+        if named[0] in BASES and "k" not in options:
+            options.setdefault("density", density)
         try:
-            return _owned(strategies.make(named[0], **named[1]))
+            return _owned(strategies.make(named[0], **options))
         except TypeError as exc:
             raise ValueError(f"strategy label {label!r}: {exc}") from None
     if "@" in label and "+" not in label:

@@ -89,7 +89,8 @@ class ARTopK(SparsifyingStrategy):
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
                  momentum_correction: float | str = ADOPT,
                  momentum_masking: bool = True,
-                 clip_norm: float | None = None, warmup_dense: bool = False):
+                 clip_norm: float | None = None, warmup_dense: bool = False,
+                 flush_every: int | None = None):
         self.density, self.k = sparsity(density, k)
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
@@ -105,7 +106,7 @@ class ARTopK(SparsifyingStrategy):
                          schedule=schedule,
                          momentum_correction=momentum_correction,
                          momentum_masking=momentum_masking, clip_norm=clip_norm,
-                         warmup_dense=warmup_dense)
+                         warmup_dense=warmup_dense, flush_every=flush_every)
 
     def state(self, name: str) -> ARTopKState:
         """The :class:`~mpicomm.sparse.ARTopKState` of buffer ``name`` (source, EWMA)."""

@@ -84,14 +84,15 @@ class GTopK(SparsifyingStrategy):
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
                  momentum_correction: float | str = ADOPT,
                  momentum_masking: bool = True,
-                 clip_norm: float | None = None, warmup_dense: bool = False):
+                 clip_norm: float | None = None, warmup_dense: bool = False,
+                 flush_every: int | None = None):
         self.density, self.k = sparsity(density, k)
         self.own_contribution = check_flag("own_contribution", own_contribution)
         super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
                          schedule=schedule,
                          momentum_correction=momentum_correction,
                          momentum_masking=momentum_masking, clip_norm=clip_norm,
-                         warmup_dense=warmup_dense)
+                         warmup_dense=warmup_dense, flush_every=flush_every)
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         step = self._step(name)

@@ -75,7 +75,8 @@ class TopKAllgather(SparsifyingStrategy):
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, schedule: Any = None,
                  momentum_correction: float | str = ADOPT,
                  momentum_masking: bool = True,
-                 clip_norm: float | None = None, warmup_dense: bool = False):
+                 clip_norm: float | None = None, warmup_dense: bool = False,
+                 flush_every: int | None = None):
         self.density, self.k = sparsity(density, k)
         self.sampled = check_flag("sampled", sampled)
         if self.sampled and self.density is None:
@@ -88,7 +89,7 @@ class TopKAllgather(SparsifyingStrategy):
                          schedule=schedule,
                          momentum_correction=momentum_correction,
                          momentum_masking=momentum_masking, clip_norm=clip_norm,
-                         warmup_dense=warmup_dense)
+                         warmup_dense=warmup_dense, flush_every=flush_every)
 
     def _sampler(self, density: float) -> SampledTopK:
         if density not in self._samplers:
