@@ -32,9 +32,10 @@ Kernels: a compute site's layer registers the kernel that measures its work with
 them all and writes the table, which ``MPICOMM_VIRTUAL_COSTS=FILE`` then reuses in any
 later run, so that every method of a comparison is charged the same.
 
-File format (JSON)::
+File format (JSON; format 1, without ``select:kept``, is read too: see
+:data:`LATER_OPS`)::
 
-    {"format": "mpicomm-cost-table/1",
+    {"format": "mpicomm-cost-table/2",
      "ops": {"reduce": {"per_call": 2.1e-06, "per_unit": 1.9e-10, "unit": "byte",
                         "source": "measured"},
              "step":   {"per_call": 0.0123, "per_unit": 0.0, "unit": "call",
@@ -60,7 +61,12 @@ __all__ = ["OpCost", "CostTable", "Kernel", "register_kernel", "kernels", "calib
            "measure_calls", "cpu_seconds", "REPEATS",
            "FORMAT", "ENV_COSTS", "load_from_env"]
 
-FORMAT = "mpicomm-cost-table/1"
+FORMAT = "mpicomm-cost-table/2"
+#: Formats :meth:`CostTable.from_json` reads (format 2 added ``select:kept``).
+FORMATS = ("mpicomm-cost-table/1", FORMAT)
+#: Ops a table made before they existed may lack: such a table charges them nothing (as
+#: it did when it was made), and the run records them with ``source="absent"``.
+LATER_OPS = {"select:kept": "kept element"}
 ENV_COSTS = "MPICOMM_VIRTUAL_COSTS"
 #: Longest sleep of a rank waiting for its turn (it must not take the CPU from the rank
 #: that measures).
@@ -97,6 +103,8 @@ class CostTable:
 
     def cost(self, op: str, units: float = 1.0) -> float:
         entry = self.ops.get(op)
+        if entry is None and op in LATER_OPS:
+            entry = self.ops.setdefault(op, OpCost(0.0, 0.0, LATER_OPS[op], "absent"))
         if entry is None:
             raise KeyError(
                 f"virtual clock: the cost table has no entry for {op!r}. Measure it "
@@ -120,8 +128,9 @@ class CostTable:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str = "cost table") -> CostTable:
-        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
-            raise ValueError(f"{source}: not a cost table (expected \"format\": {FORMAT!r})")
+        if not isinstance(data, Mapping) or data.get("format") not in FORMATS:
+            raise ValueError(f"{source}: not a cost table (expected \"format\": one of "
+                             f"{', '.join(FORMATS)})")
         ops = {}
         for name, entry in dict(data.get("ops", {})).items():
             try:
@@ -165,17 +174,21 @@ class Kernel:
     make: Callable[[int], Callable[[], Any]]
     unit: str
     sizes: tuple[int, int] = (1 << 12, 1 << 20)
+    intercept: bool = True
 
 
 _KERNELS: dict[str, Kernel] = {}
 
 
 def register_kernel(op: str, make: Callable[[int], Callable[[], Any]], unit: str,
-                    sizes: tuple[int, int] = (1 << 12, 1 << 20)) -> None:
-    """Make :func:`calibrate` measure ``op`` (called by the layer that charges it)."""
+                    sizes: tuple[int, int] = (1 << 12, 1 << 20),
+                    intercept: bool = True) -> None:
+    """Make :func:`calibrate` measure ``op`` (called by the layer that charges it).
+    ``intercept=False``: only the slope is ``op``'s (``per_call`` 0), for a cost that
+    adds to another op's call (``make(m)`` then times that call with ``m`` more units)."""
     if not (isinstance(sizes, tuple) and len(sizes) == 2 and 0 < sizes[0] < sizes[1]):
         raise ValueError(f"sizes must be two increasing positive sizes, got {sizes!r}")
-    _KERNELS[op] = Kernel(make, unit, sizes)
+    _KERNELS[op] = Kernel(make, unit, sizes, bool(intercept))
 
 
 def kernels() -> dict[str, Kernel]:
@@ -294,7 +307,8 @@ def calibrate(mpi_comm: MPI.Comm | None = None, ops: list[str] | None = None,
     for op, k in chosen.items():
         (n1, n2) = k.sizes
         per_call, per_unit = _two_point(n1, best[op, n1], n2, best[op, n2])
-        table.ops[op] = OpCost(per_call, per_unit, k.unit, "measured")
+        table.ops[op] = OpCost(per_call if k.intercept else 0.0, per_unit, k.unit,
+                               "measured")
     return table
 
 

@@ -39,6 +39,10 @@ def test_parse_rate_and_delay() -> None:
             schedule.parse_delay(bad)
     assert netns.burst_bytes(1e8) == 128 * 1024
     assert netns.burst_bytes(1e10) == 1_250_000
+    assert netns.burst_bytes(1e8, 3028) == 3028 == netns.MIN_BURST
+    for bad in (1000, 3027, 4096.0, True):
+        with pytest.raises(ValueError, match="burst"):
+            netns.burst_bytes(1e8, bad)  # type: ignore[arg-type]
 
 
 def test_parse_schedule() -> None:
@@ -141,6 +145,9 @@ def test_job_env_and_wrapper() -> None:
     (["--hosts", "2", "--delay", "soon", "--", "true"], "bad delay"),
     (["--hosts", "2", "--timeout", "0", "--", "true"], "--timeout"),
     (["--hosts", "2", "--schedule", "/nonexistent", "--", "true"], "cannot read"),
+    (["--hosts", "2", "--rate", "1gbit", "--burst", "1000", "--", "true"], "burst"),
+    (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--burst", "4096", "--",
+      "true"], "--burst"),
 ])
 def test_bad_arguments_exit_2_before_creating_anything(argv: list[str], message: str,
                                                        capsys: pytest.CaptureFixture) -> None:

@@ -496,7 +496,12 @@ def write_report(results: Sequence[dict[str, Any]], notes: Sequence[str], out: s
         links(results),
         "## Seed claims: gTop-k and AR-Top-k against dense and Allgather Top-k\n",
         report_virtual.seed_claims_section(results, net, table),
-        "### The same claims on the wall clock (see the load averages above)\n",
+        "### The same claims on the wall clock, loaded (superseded by the table above)\n\n"
+        "Kept for reference only: these runs put 4-16 ranks on 2 cores beside other jobs "
+        "(load averages in the conditions table above), and the ping-pong above shows "
+        "what that did to the emulated links (measured latency and rate far from the "
+        "configured ones), so their times are the scheduler's, not the algorithms'. The "
+        "virtual-clock table above replaces them.\n",
         claims(results),
         remarks,
         ratios_text,

@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from . import linkdelay
-from .netns import Cluster, NetnsUnavailable, parse_rate, probe, remove_stale
+from .netns import Cluster, NetnsUnavailable, burst_bytes, parse_rate, probe, remove_stale
 from .schedule import Applier, parse_delay, read_schedule, write_atomic
 
 __all__ = ["main", "build_parser", "job_env", "WRAPPER"]
@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "mpicomm's point-to-point layer")
     ap.add_argument("--schedule", default=None,
                     help="file of `TIME|step N  RATE  DELAY` lines applied during the run")
+    ap.add_argument("--burst", type=int, default=None,
+                    help="tc token bucket in bytes (default 1 ms at the rate, at least "
+                         "128 KiB; as small as 3028 for a link that serialises every "
+                         "message at the rate)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="kill the job after SECONDS (exit status 124)")
     ap.add_argument("--no-shm", action="store_true",
@@ -154,6 +158,10 @@ def _check(args: argparse.Namespace) -> tuple[list[str], float | None, float, li
     if args.timeout is not None and args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     rate = None if args.rate is None else parse_rate(args.rate)
+    if args.burst is not None:
+        if args.clock == "virtual":
+            raise ValueError("--burst sizes the tc bucket; the virtual clock's links have none")
+        burst_bytes(rate or 1e8, args.burst)
     delay = parse_delay(args.delay)
     entries = read_schedule(args.schedule) if args.schedule else []
     return cmd, rate, delay, entries
@@ -253,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
                                                     signal.SIGHUP)}
-    cluster = Cluster(args.hosts, rate)
+    cluster = Cluster(args.hosts, rate, args.burst)
     rundir: str | None = None
     proc: subprocess.Popen | None = None
     applier: Applier | None = None
@@ -269,7 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.chmod(wrapper, 0o755)
         env = job_env(args.hosts, args.ranks_per_host, args.rate, delay, args.no_shm,
                       rundir, args.schedule)
-        shaped = f"{args.rate} (tc tbf)" if args.rate else "unshaped"
+        if rate is not None:
+            env["MPICOMM_EMU_BURST"] = str(burst_bytes(rate, args.burst))
+        shaped = (f"{args.rate} (tc tbf, bucket {burst_bytes(rate, args.burst)} B)"
+                  if rate is not None else "unshaped")
         _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s), rate {shaped}, "
              f"delay {delay * 1e3:g} ms (injected by mpicomm p2p), "
              f"namespaces {cluster.host(0)[:-1]}*")

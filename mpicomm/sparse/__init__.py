@@ -37,18 +37,26 @@ __all__ = ["topk_allgather", "gtopk", "artopk", "ARTopKState", "exact_topk",
 def _cost_kernels() -> None:
     """Register the sparse layer's compute for the virtual clock's cost table
     (:mod:`mpicomm.costtable`): ``select`` (top-k of 1% of ``n`` float32 values, per
-    value), ``merge`` (sparse union of two sorted sets of ``n/2`` pairs each, a third
-    of the indices shared, per pair), ``scatter`` (zero a dense vector of ``n`` and
-    scatter-add 1% of it, per element)."""
+    value), ``select:kept`` (what keeping ``m`` more of 2^18 values adds, per index: the
+    slope between ``m`` = 2^12 and 2^17, no per-call part), ``merge`` (sparse union of
+    two sorted sets of ``n/2`` pairs each, a third of the indices shared, per pair),
+    ``scatter`` (zero a dense vector of ``n`` and scatter-add 1% of it, per element)."""
     import torch
 
+    from ..compress.topk_select import SELECT_COST_DENSITY
     from ..costtable import register_kernel
     from .sets import truncate, union
 
     def select(n: int):  # type: ignore[no-untyped-def]
         gen = torch.Generator().manual_seed(0)
         idx, val = torch.arange(n), torch.randn(n, generator=gen)
-        return lambda: truncate(idx, val, max(1, n // 100))
+        return lambda: truncate(idx, val, max(1, int(SELECT_COST_DENSITY * n)))
+
+    def select_kept(m: int):  # type: ignore[no-untyped-def]
+        n = 1 << 18
+        gen = torch.Generator().manual_seed(0)
+        idx, val = torch.arange(n), torch.randn(n, generator=gen)
+        return lambda: truncate(idx, val, int(SELECT_COST_DENSITY * n) + m)
 
     def merge(n: int):  # type: ignore[no-untyped-def]
         gen = torch.Generator().manual_seed(0)
@@ -70,6 +78,8 @@ def _cost_kernels() -> None:
         return run
 
     register_kernel("select", select, "element", (1 << 14, 1 << 20))
+    register_kernel("select:kept", select_kept, "kept element", (1 << 12, 1 << 17),
+                    intercept=False)
     register_kernel("merge", merge, "pair", (1 << 12, 1 << 18))
     register_kernel("scatter", scatter, "element", (1 << 14, 1 << 20))
 
