@@ -33,10 +33,8 @@ programs", IEEE TSE 1979):
   the last of them to another host, followed as its upload is resolved: its upload's
   end, or until then the upload link's free time plus its transmission;
 * inside an MPI collective: ``max(clock, clocks of the members already inside it,
-  min floor of the members not yet inside)``; a member that has already left it (each
-  rank records the last collective it left per communicator) adds nothing: everyone
-  has entered then, and the waiting actor leaves as soon as MPI returns (a floor taken
-  from where that member has gone since would be too high);
+  min floor of the members not yet inside)``; a member that has left it adds nothing
+  (all have entered; where it has gone since would give too high a floor);
 * idle or joining another thread of its rank: ``max(clock, min(stamp of work already
   handed to it, floors of the other threads of its rank))``.
 
@@ -51,8 +49,7 @@ resolved by the receiving actor itself (:class:`mpicomm.emulate.vnet.GapLink`), 
 program order; downloads of hosts with several ranks here, in virtual-time order.
 
 Costs: every post, state change and resolution takes a process lock and an ``flock``
-(a few microseconds); a waiting actor re-checks with a sleeping backoff (50 us to 2 ms).
-"""
+(a few microseconds); a waiting actor re-checks with a sleeping backoff (50 us to 2 ms)."""
 
 from __future__ import annotations
 
@@ -150,10 +147,9 @@ class Engine:
         self._lock.release()
 
     def version(self) -> int:
-        """A counter that moves whenever the table changes (a post, a state, a clock, a
-        resolution): a waiter that saw no change since its last :meth:`advance` need not
-        try again (a racy read; an unlocked clock store may be missed, so waiters
-        still advance now and then)."""
+        """A counter that moves whenever the table changes: a waiter that saw no change
+        since its last :meth:`advance` need not try again (a racy read: an unlocked
+        clock store may be missed, so waiters still advance now and then)."""
         return self.hdr[_VERSION]
 
     def _changed(self) -> None:
@@ -188,8 +184,7 @@ class Engine:
             self._changed()
 
     def set_clock(self, aid: int, clock: float) -> None:
-        """Publish a running actor's clock (one aligned store: readers see the old or the
-        new value, both valid floors)."""
+        """Publish a running actor's clock (one aligned store: old or new, both floors)."""
         self.a_clock[aid] = clock
         self.hdr[_VERSION] += 1     # unlocked: a lost increment only delays a waiter
 
@@ -215,10 +210,9 @@ class Engine:
 
     def left_collective(self, rank: int, comm: int, seq: int) -> None:
         """Rank ``rank`` has left collective number ``seq`` on communicator ``comm``."""
-        with self:
+        with self:   # a rank leaves the collectives of a communicator in order
             i = rank * LEFT_SLOTS + comm % LEFT_SLOTS
-            if self.r_lcid[i] != comm or self.r_lseq[i] < seq:
-                self.r_lcid[i], self.r_lseq[i] = comm, seq
+            self.r_lcid[i], self.r_lseq[i] = comm, seq
             self._changed()
 
     def _has_left(self, rank: int, comm: int, seq: int) -> bool:
