@@ -62,6 +62,8 @@ variable                            meaning
                                     never by hand): number of hosts H;
 ``MPICOMM_EMU_RANKS_PER_HOST``      ranks per host R (world rank r lives on host ``r // R``);
 ``MPICOMM_EMU_RATE``                the configured link rate, for reports;
+``MPICOMM_EMU_BURST``               the links' token-bucket size in bytes (``--burst``), for
+                                    reports;
 ``MPICOMM_EMU_DELAY``               injected one-way delay in seconds between hosts;
 ``MPICOMM_EMU_DELAY_FILE``          file with the current delay, rewritten by ``--schedule``;
 ``MPICOMM_EMU_SCHEDULE``            the schedule file, for reports;
