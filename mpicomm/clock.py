@@ -70,8 +70,7 @@ from .emulate.vnet import Platform, platform_from_env
 __all__ = ["now", "mode", "is_virtual", "charge", "compute", "sleep", "declare", "stamp",
            "join", "calibrate", "calibrate_calls", "cost_table", "platform", "describe",
            "report_step", "Queue", "Handoff", "waiting_for_threads", "start_thread", "start",
-           "started",
-           "session", "reset_mode", "ENV_CLOCK", "MODES"]
+           "started", "session", "reset_mode", "ENV_CLOCK", "MODES"]
 
 ENV_CLOCK = "MPICOMM_CLOCK"
 MODES = ("wall", "virtual")
@@ -133,7 +132,6 @@ class _Virtual:
         self.free = list(range(1, engine.T))   # actor slots of this rank's threads
         self.main: _Actor | None = None
         self.step = -1                   # the training step reported (report_step)
-        self.actors: list[_Actor] = []   # keeps the helper threads' actors closable at exit
 
     def open(self, start_t: float) -> _Actor:
         """A new actor of this rank at ``start_t`` (the lowest free slot: the same slot

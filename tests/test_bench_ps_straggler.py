@@ -55,7 +55,7 @@ def test_bad_straggler_settings_are_one_clear_error(kw, message):
 def test_option_parsers_reject_bad_lists():
     assert straggler.parse_stragglers("fixed, random") == ["fixed", "random"]
     assert straggler.parse_seeds("0,1,2") == [0, 1, 2]
-    assert straggler.parse_options("channels=32") == {"channels": "32"}
+    assert straggler.parse_options("channels=32") == {"channels": 32}
     for parse, text in ((straggler.parse_stragglers, "fixed,slowly"),
                         (straggler.parse_stragglers, ""), (straggler.parse_seeds, "0,x"),
                         (straggler.parse_seeds, "-1"), (straggler.parse_options, "channels")):

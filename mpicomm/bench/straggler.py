@@ -163,8 +163,9 @@ def parse_target(text: str) -> None:
                          f"{text!r}")
 
 
-def parse_options(text: str) -> dict[str, str]:
-    pairs = [p.strip() for p in text.split(",") if p.strip()]
-    if any("=" not in p for p in pairs):
-        raise UsageError(f"--conv-options must be k=v pairs, got {text!r}")
-    return dict(p.split("=", 1) for p in pairs)
+def parse_options(text: str) -> dict[str, Any]:
+    """``--conv-options k=v,...``: the workload options (numbers) of the convergence
+    runs (:func:`mpicomm.bench.train.parse_options` on the comma-separated items)."""
+    from .train import parse_options as parse_items
+
+    return parse_items([p.strip() for p in text.split(",") if p.strip()], "--conv-options")

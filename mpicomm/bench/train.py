@@ -81,16 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _clock.add_arguments(parser)
 
 
-def parse_options(items: list[str]) -> dict[str, Any]:
+def parse_options(items: list[str], flag: str = "--option") -> dict[str, Any]:
+    """Workload options given as ``KEY=VALUE`` items (numbers); ``flag`` names the
+    command-line option in the error."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise UsageError(f"--option {item!r}: expected KEY=VALUE")
+            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE")
         try:
             out[key] = float(value) if any(c in value for c in ".e") else int(value)
         except ValueError:
-            raise UsageError(f"--option {item!r}: VALUE must be a number") from None
+            raise UsageError(f"{flag} {item!r}: VALUE must be a number") from None
     return out
 
 

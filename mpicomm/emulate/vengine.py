@@ -132,7 +132,6 @@ class Engine:
                 (self.P, self.T, self.N):
             raise RuntimeError(f"virtual clock: {path} is not this job's table")
         self._lock = threading.Lock()
-        self.host_actors = [0] * self.H     # filled by live_actors()
         #: hosts whose downloads are resolved here (several ranks)
         self._multi = [len(platform.ranks_of(g)) > 1 for g in range(self.H)]
 
