@@ -65,7 +65,7 @@ from mpi4py import MPI
 from . import costtable
 from .costtable import CostTable
 from .emulate import linkdelay, vengine
-from .emulate.vnet import Platform, platform_from_env
+from .emulate.vnet import ENV_STALL_S, Platform, platform_from_env, stall_seconds_from_env
 
 __all__ = ["now", "mode", "is_virtual", "charge", "compute", "sleep", "declare", "stamp",
            "join", "calibrate", "calibrate_calls", "cost_table", "platform", "describe",
@@ -132,6 +132,8 @@ class _Virtual:
         self.free = list(range(1, engine.T))   # actor slots of this rank's threads
         self.main: _Actor | None = None
         self.step = -1                   # the training step reported (report_step)
+        #: no-progress limit in real seconds (MPICOMM_VIRTUAL_STALL_S; None: the default)
+        self.stall_s: float | None = None
 
     def open(self, start_t: float) -> _Actor:
         """A new actor of this rank at ``start_t`` (the lowest free slot: the same slot
@@ -457,11 +459,19 @@ def start(mpi_comm: MPI.Intracomm | None = None) -> None:
     with _start_lock:
         if _virtual is None:
             world = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-            _begin(world, platform_from_env(world.Get_size()), costtable.load_from_env())
+            _begin(world, platform_from_env(world.Get_size()), costtable.load_from_env(),
+                   _stall_from_env())
             atexit.register(_stop)
 
 
-def _begin(world: MPI.Intracomm, plat: Platform, table: CostTable | None) -> None:
+def _stall_from_env() -> float | None:
+    """``MPICOMM_VIRTUAL_STALL_S`` (validated), or None when unset (then
+    :data:`mpicomm.vwire.STALL_S` applies)."""
+    return stall_seconds_from_env() if os.environ.get(ENV_STALL_S, "").strip() else None
+
+
+def _begin(world: MPI.Intracomm, plat: Platform, table: CostTable | None,
+           stall_s: float | None) -> None:
     global _virtual
     if world.Get_size() != MPI.COMM_WORLD.Get_size():
         raise RuntimeError("virtual clock: start it on the world communicator")
@@ -479,6 +489,7 @@ def _begin(world: MPI.Intracomm, plat: Platform, table: CostTable | None) -> Non
         table = costtable.calibrate(world, sorted(costtable.kernels()), turns=1)
         table.info["source"] = "measured at start"
     v = _Virtual(plat, engine, rank, table)
+    v.stall_s = stall_s
     main = _Actor(engine, rank * engine.T, 0.0)
     v.main = main
     v.local.actor = main
@@ -497,8 +508,9 @@ def session(plat: Platform, table: CostTable,
     if _virtual is not None:
         raise RuntimeError("a virtual clock already runs in this process")
     saved = _mode
+    stall_s = _stall_from_env()
     with _start_lock:
-        _begin(world, plat, table)
+        _begin(world, plat, table, stall_s)
         _mode = "virtual"
     try:
         yield

@@ -58,6 +58,8 @@ variable                            meaning
 ``MPICOMM_VIRTUAL_SHM_DELAY``       ... and its latency (default ``1us``);
 ``MPICOMM_VIRTUAL_COSTS``           ... the compute cost table to reuse (JSON; see
                                     :mod:`mpicomm.costtable`; ``docs/virtual-clock.md``).
+``MPICOMM_VIRTUAL_STALL_S``         ... real seconds a waiting rank tolerates no virtual
+                                    progress before it ends the job (default 120).
 ``MPICOMM_EMU_HOSTS``               emulated cluster (set by ``launchers/emulated-cluster``,
                                     never by hand): number of hosts H;
 ``MPICOMM_EMU_RANKS_PER_HOST``      ranks per host R (world rank r lives on host ``r // R``);

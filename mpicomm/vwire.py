@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from mpi4py import MPI
 
 from . import clock
-from .emulate import vengine
+from .emulate import vengine, vnet
 from .emulate.linkdelay import world_ranks
 
 __all__ = ["active", "register", "SendToken", "RecvToken", "isend", "irecv", "probed",
@@ -45,8 +45,9 @@ __all__ = ["active", "register", "SendToken", "RecvToken", "isend", "irecv", "pr
            "Started", "STALL_S", "POLL_S"]
 
 #: Real seconds a thread may wait for a resolution before the job is declared stuck
-#: (a thread blocked outside mpicomm, e.g. in a raw mpi4py call, holds back virtual time).
-STALL_S = 120.0
+#: (a thread blocked outside mpicomm, e.g. in a raw mpi4py call, holds back virtual
+#: time), unless ``MPICOMM_VIRTUAL_STALL_S`` set another limit when the clock started.
+STALL_S = vnet.DEFAULT_STALL_S
 #: Longest sleep between tests of a thread waiting in MPI under the virtual clock (its
 #: real waiting time is free, so it leaves the cores to the ranks that compute).
 POLL_S = 1e-3
@@ -343,8 +344,9 @@ def _await(fn: Callable[[], _T | None], what: str) -> _T:
         MPI.COMM_WORLD.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)   # keep MPI progressing
         time.sleep(sleep)
         sleep = min(2 * sleep, 2e-3)
-        if time.monotonic() - since > STALL_S:
-            raise RuntimeError(f"virtual clock: rank {v.rank} waited {STALL_S:g} s for "
+        limit = STALL_S if v.stall_s is None else v.stall_s
+        if time.monotonic() - since > limit:
+            raise RuntimeError(f"virtual clock: rank {v.rank} waited {limit:g} s for "
                                f"{what}; held back by {_laggards(eng)} (a thread blocked "
                                "outside mpicomm, e.g. in a raw mpi4py call, stops "
                                "virtual time)")

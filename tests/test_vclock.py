@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import mpicomm
-from mpicomm import clock, costtable
+from mpicomm import clock, costtable, vwire
 from mpicomm.arrayops import ops_for
 from mpicomm.costtable import CostTable, OpCost
-from mpicomm.emulate import vengine
+from mpicomm.emulate import vengine, vnet
 from mpicomm.emulate.vnet import FifoLink, GapLink, Platform, host_layout, platform_from_env
 from mpicomm.p2p import Ctx
 
@@ -294,6 +294,28 @@ def _elapsed(comm, fn) -> float:
     t0 = clock.now()
     fn()
     return comm.allreduce_value(clock.now() - t0, "max")
+
+
+def test_stall_limit_from_env():
+    assert vnet.stall_seconds_from_env({}) == vwire.STALL_S == 120.0
+    assert vnet.stall_seconds_from_env({"MPICOMM_VIRTUAL_STALL_S": " 600 "}) == 600.0
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(ValueError, match="MPICOMM_VIRTUAL_STALL_S"):
+            vnet.stall_seconds_from_env({"MPICOMM_VIRTUAL_STALL_S": bad})
+
+
+def test_a_wait_without_progress_ends_after_the_limit_the_env_sets(monkeypatch):
+    monkeypatch.setenv("MPICOMM_VIRTUAL_STALL_S", "0.3")
+    with clock.session(_platform(1), TABLE):
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="waited 0.3 s for a test's answer"):
+            vwire._await(lambda: None, "a test's answer")
+        assert time.monotonic() - t0 < 10
+    monkeypatch.setenv("MPICOMM_VIRTUAL_STALL_S", "never")
+    with pytest.raises(ValueError, match="MPICOMM_VIRTUAL_STALL_S"), \
+            clock.session(_platform(1), TABLE):
+        pass
+    assert clock._virtual is None
 
 
 @pytest.mark.mpi

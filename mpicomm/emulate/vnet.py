@@ -43,6 +43,9 @@ Environment (read by :func:`platform_from_env`)::
     MPICOMM_VIRTUAL_SCHEDULE        a schedule file (TIME|step N  RATE  DELAY lines)
     MPICOMM_VIRTUAL_SHM_RATE        shared-memory rate (default 80gbit = 10 GB/s)
     MPICOMM_VIRTUAL_SHM_DELAY       shared-memory latency (default 1us)
+    MPICOMM_VIRTUAL_STALL_S         real seconds a waiting rank tolerates no progress
+                                    before the job is declared stuck (default 120;
+                                    read by :func:`stall_seconds_from_env`)
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from .schedule import Entry, parse_delay, read_schedule
 
 __all__ = ["Platform", "platform_from_env", "host_layout", "FifoLink", "GapLink",
            "ENV_RATE", "ENV_DELAY", "ENV_RANKS_PER_HOST", "ENV_HOST_SIZES", "ENV_SCHEDULE",
-           "ENV_SHM_RATE", "ENV_SHM_DELAY", "DEFAULT_SHM_RATE", "DEFAULT_SHM_DELAY"]
+           "ENV_SHM_RATE", "ENV_SHM_DELAY", "DEFAULT_SHM_RATE", "DEFAULT_SHM_DELAY",
+           "ENV_STALL_S", "DEFAULT_STALL_S", "stall_seconds_from_env"]
 
 ENV_RATE = "MPICOMM_VIRTUAL_RATE"
 ENV_DELAY = "MPICOMM_VIRTUAL_DELAY"
@@ -66,11 +70,15 @@ ENV_HOST_SIZES = "MPICOMM_HOST_SIZES"
 ENV_SCHEDULE = "MPICOMM_VIRTUAL_SCHEDULE"
 ENV_SHM_RATE = "MPICOMM_VIRTUAL_SHM_RATE"
 ENV_SHM_DELAY = "MPICOMM_VIRTUAL_SHM_DELAY"
+ENV_STALL_S = "MPICOMM_VIRTUAL_STALL_S"
 
 #: Shared memory between ranks of one host: 10 GB/s and 1 us (a memcpy-bound MPI
 #: transport on one socket); set MPICOMM_VIRTUAL_SHM_RATE/_DELAY to model another.
 DEFAULT_SHM_RATE = "80gbit"
 DEFAULT_SHM_DELAY = "1us"
+#: Real seconds a rank may wait with no virtual progress before the job is declared
+#: stuck (a thread blocked outside mpicomm holds virtual time back).
+DEFAULT_STALL_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -244,6 +252,29 @@ def platform_from_env(size: int, env: Mapping[str, str] | None = None) -> Platfo
     shm_rate = _rate(ENV_SHM_RATE, env.get(ENV_SHM_RATE, "").strip() or DEFAULT_SHM_RATE)
     shm_delay = _delay(ENV_SHM_DELAY, env.get(ENV_SHM_DELAY, "").strip() or DEFAULT_SHM_DELAY)
     return Platform(rate, delay, hosts, shm_rate, shm_delay, schedule)
+
+
+def stall_seconds_from_env(env: Mapping[str, str] | None = None) -> float:
+    """Real seconds of no progress after which a waiting rank ends a virtual-clock job
+    (``MPICOMM_VIRTUAL_STALL_S``, default :data:`DEFAULT_STALL_S`).
+
+    The guard turns a hang (a thread blocked in a raw MPI call never advances its
+    virtual time) into an error naming the ranks that hold time back. On a heavily
+    oversubscribed machine a rank can go without CPU for a long time while nothing is
+    wrong: raise it there (for example 600 for 32 ranks on 2 cores). ``ValueError``
+    unless it is a number > 0.
+    """
+    env = os.environ if env is None else env
+    text = env.get(ENV_STALL_S, "").strip()
+    if not text:
+        return DEFAULT_STALL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{ENV_STALL_S} must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 class FifoLink:
