@@ -112,6 +112,18 @@ def oversubscribed(r: dict[str, Any]) -> bool:
     return clock_of(r) == "wall" and (load > cpus or (m.get("ranks") or 1) > cpus)
 
 
+def oversubscribed_note(r: dict[str, Any]) -> str:
+    """A warning line above the runs of an :func:`oversubscribed` result (else "")."""
+    if not oversubscribed(r):
+        return ""
+    m = r.get("machine", {})
+    load = (m.get("loadavg") or [0.0])[0]
+    return (f"Wall clock, {m.get('ranks') or 1} ranks on {m.get('cpus') or 1} cores, load "
+            f"average {load:.1f} at the start: `time_s`, `time_to_target_s` and `step_ms` "
+            "measure the machine's scheduler, not the method; compare the metric and the "
+            "bytes only.\n")
+
+
 def step_time_table(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median time per step (ms) of each workload and method by rank count and clock,
     from the ``train`` results; wall-clock results of an oversubscribed machine are left
@@ -144,6 +156,7 @@ def training_section(r: dict[str, Any], table: Any, plot_rel: str | None) -> str
         return ""
     out = [corpus_note(runs)]
     if r["suite"] not in OWN_TABLES:
+        out.append(oversubscribed_note(r))
         out.append(table(runs_table(r)))
     if plot_rel:
         out.append(f"![time to accuracy]({plot_rel})\n")
