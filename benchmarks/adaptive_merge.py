@@ -22,17 +22,34 @@ from mpicomm.bench.adaptive import summarize
 PER_JOB = ("only", "json", "static", "stop_at_target", "lgreco_families")
 
 
+def charged(clock: Any) -> Any:
+    """``clock`` as far as it decides the times charged: the cost table without its
+    format tag and without the ops recorded as ``absent`` (they charge nothing; a table
+    records one the first time a job looks it up, so a job that never ran gTop-k's
+    truncation lacks ``select:kept`` where another has it, and a format-1 table loaded
+    by the format-2 loader reads as format 2 with the same charges)."""
+    if not isinstance(clock, dict) or not isinstance(clock.get("costs"), dict):
+        return clock
+    costs = {k: v for k, v in clock["costs"].items() if k != "format"}
+    if isinstance(costs.get("ops"), dict):
+        costs["ops"] = {k: v for k, v in costs["ops"].items()
+                        if not (isinstance(v, dict) and v.get("source") == "absent")}
+    return dict(clock, costs=costs)
+
+
 def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
-    """One result from ``results`` (same suite, ranks, options but ``PER_JOB``, clock)."""
+    """One result from ``results`` (same suite, ranks, options but ``PER_JOB``, clock
+    as :func:`charged` reads it)."""
     if not results:
         raise ValueError("nothing to merge")
     first = results[0]
     for path, r in zip(sources, results):
         if r.get("suite") != "adaptive":
             raise ValueError(f"{path}: not a bench adaptive result")
-        for key in ("ranks", "clock"):
-            if r.get(key) != first.get(key):
-                raise ValueError(f"{path}: {key} differs from {sources[0]}'s")
+        if r.get("ranks") != first.get("ranks"):
+            raise ValueError(f"{path}: ranks differ from {sources[0]}'s")
+        if charged(r.get("clock")) != charged(first.get("clock")):
+            raise ValueError(f"{path}: clock differs from {sources[0]}'s")
         same = {k: v for k, v in r["options"].items() if k not in PER_JOB}
         want = {k: v for k, v in first["options"].items() if k not in PER_JOB}
         if same != want:

@@ -177,3 +177,32 @@ def test_adaptive_merge_puts_separate_jobs_together_and_recomputes_the_targets()
         merge([parts[0], _result("dense", [dense], target=0.8)], ["a", "d"])
     with pytest.raises(ValueError, match="appears twice"):
         merge([parts[0], parts[0]], ["a", "b"])
+
+
+def test_adaptive_merge_compares_clocks_by_what_they_charge():
+    merge = _merge_module().merge
+    op = {"per_call": 1e-3, "per_unit": 0.0, "unit": "call", "source": "declared"}
+    absent = {"per_call": 0.0, "per_unit": 0.0, "unit": "kept element", "source": "absent"}
+
+    def part(only, fmt, ops, method):
+        row = dict(_run(0, 10.0, 0.96, 20.0), method=method, stopped_at_target=False,
+                   timeline=[])
+        row["runs"] = [row]
+        r = _result(only, [row])
+        r["clock"] = {"mode": "virtual", "platform": {"rate_bits": 1e9},
+                      "costs": {"format": fmt, "ops": ops}}
+        return r
+
+    old = part("auto", "mpicomm-cost-table/1", {"forward": op}, "auto")
+    new = part("gtopk", "mpicomm-cost-table/2", {"forward": op, "select:kept": absent},
+               "gtopk@0.1")
+    assert len(merge([old, new], ["a", "g"])["rows"]) == 2
+    dearer = part("dense", "mpicomm-cost-table/2", {"forward": dict(op, per_call=2e-3)},
+                  "dense")
+    with pytest.raises(ValueError, match="clock differs"):
+        merge([old, dearer], ["a", "d"])
+    charged = part("dense", "mpicomm-cost-table/2",
+                   {"forward": op, "select:kept": dict(absent, source="measured",
+                                                       per_unit=1e-9)}, "dense")
+    with pytest.raises(ValueError, match="clock differs"):
+        merge([old, charged], ["a", "d"])
