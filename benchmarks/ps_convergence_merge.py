@@ -3,7 +3,7 @@
 
 Under the virtual clock a run's times are the simulated cluster's, so seeds run as
 separate jobs compare exactly as if run in one, provided the jobs share the ranks, the
-options (but ``--seeds`` and ``--json``) and the platform and cost table: this script
+options (but ``--seeds`` and ``--json``), the platform and the cost table's entries: this script
 checks that, puts the rows together in seed order, recomputes the target from every
 seed's BSP curve (:func:`mpicomm.bench.straggler.conv_target`: ``bsp:F`` is the lowest
 over all the seeds), each row's time to it and the medians
@@ -25,6 +25,13 @@ from mpicomm.bench.straggler import conv_target, convergence_summary, reach
 PER_JOB = ("seeds", "json")
 
 
+def _clock(r: dict[str, Any]) -> tuple[Any, ...]:
+    """What must match for virtual times to compare: the clock's mode, the platform
+    and the cost table's entries (not when or in which format version it was loaded)."""
+    c = r.get("clock") or {}
+    return c.get("mode"), c.get("platform"), (c.get("costs") or {}).get("ops")
+
+
 def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     """One result from ``results`` (same suite, ranks, clock, options but ``PER_JOB``)."""
     if not results:
@@ -33,9 +40,11 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     for path, r in zip(sources, results):
         if r.get("suite") != "ps" or "convergence" not in r:
             raise ValueError(f"{path}: not a bench ps convergence result")
-        for key in ("ranks", "clock"):
-            if r.get(key) != first.get(key):
-                raise ValueError(f"{path}: {key} differs from {sources[0]}'s")
+        if r.get("ranks") != first.get("ranks"):
+            raise ValueError(f"{path}: ranks differ from {sources[0]}'s")
+        if _clock(r) != _clock(first):
+            raise ValueError(f"{path}: clock (mode, platform or cost table entries) differs "
+                             f"from {sources[0]}'s")
         same = {k: v for k, v in r["args"].items() if k not in PER_JOB}
         want = {k: v for k, v in first["args"].items() if k not in PER_JOB}
         if same != want:
@@ -52,7 +61,7 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     out = dict(first)
     out["args"] = dict(first["args"], seeds=",".join(str(s) for s in seeds))
     out["machine"] = dict(first["machine"],
-                          loadavg=[r["machine"].get("loadavg") for r in results])
+                          loadavg_per_job=[r["machine"].get("loadavg") for r in results])
     out["merged_from"] = sources
     out["convergence"] = rows
     out["convergence_summary"] = convergence_summary(rows)
