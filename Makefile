@@ -89,7 +89,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
 	bench-vclock-wall bench-virtual bench-workloads bench-controllers \
 	bench-controllers-selector bench-ratios bench-recovery bench-recovery-restart \
-	bench-ps-convergence bench-ps-convergence-mnist1d report lint docs clean gpu-check
+	bench-ps-convergence bench-ps-convergence-mnist1d bench-ps-convergence-mnist1d-8 report lint docs clean gpu-check
 
 install: $(STAMP)
 
@@ -261,6 +261,7 @@ WL_STEPS ?= 60
 RATIOS_OUT ?= benchmarks/results
 RATIOS_RANKS ?= 8 16
 RATIOS_SEEDS ?= 3
+PS_CONV_SEEDS ?= 0,1,2
 RATIOS_DENSITIES ?= 0.001 0.01
 RATIOS_SPARSE ?= --strategy topk --strategy gtopk --strategy artopk
 RATIOS_OTHERS ?= --strategy powersgd:rank=2 --strategy powersgd:rank=4 --strategy qsgd:bits=4
@@ -328,6 +329,19 @@ bench-ps-convergence-mnist1d: $(STAMP)
 	  --target bsp:0.85 --clock virtual --rate 1gbit --delay 100us \
 	  --costs benchmarks/results/vclock-costs.json \
 	  --json benchmarks/results/virtual/ps-convergence-mnist1d-1gbit-4.json
+	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md
+
+# More workers (7 + 1 server), where async's staleness grows with W (the setting the SSP
+# paper argues for); the transient straggler only (each worker slow at a step with
+# probability 1/W), the same workload, steps, learning rate and target rule as above.
+# Seeds run as separate jobs merge with benchmarks/ps_convergence_merge.py.
+bench-ps-convergence-mnist1d-8: $(STAMP)
+	nice -n 10 $(MPIEXEC) -n 8 $(PY) -m mpicomm.bench ps --sections convergence \
+	  --conv-workload mnist1d-cnn --conv-options channels=32,train_examples=8000 \
+	  --stragglers random --seeds $(PS_CONV_SEEDS) --conv-steps 100 --conv-eval 5 \
+	  --target bsp:0.85 --clock virtual --rate 1gbit --delay 100us \
+	  --costs benchmarks/results/vclock-costs.json \
+	  --json benchmarks/results/virtual/ps-convergence-mnist1d-random-1gbit-8.json
 	$(PY) -m mpicomm.bench report --results benchmarks/results --out BENCHMARKS.md
 
 bench-workloads: $(STAMP)

@@ -560,6 +560,23 @@ def test_backoff_windows_from_environment(monkeypatch):
         wire.Backoff()
 
 
+def test_backoff_polls_without_timed_sleeps_in_its_spin_window(monkeypatch):
+    """The first ``spin_s`` of an idle period and every urgent wait only yield the core:
+    a timed ``time.sleep`` (even of 0 s) lasts at least the timer slack, 50 us on Linux,
+    which, once per poll, spaced out the pieces of a large message."""
+    slept = []
+    monkeypatch.setattr(wire.time, "sleep", slept.append)
+    b = wire.Backoff(spin_s=10.0)
+    for _ in range(5):
+        b.idle()
+        b.idle(urgent=True)
+    assert slept == []
+    b = wire.Backoff(spin_s=0.0)
+    b.idle()
+    b.idle()   # past the window: timed sleeps with backoff
+    assert slept and all(s > 0 for s in slept)
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "kv.pt"
     ckpt.write_atomic({"format": "other", "v": torch.ones(3)}, path)

@@ -1,0 +1,93 @@
+"""Merge ``bench ps --sections convergence`` results of one setting run as separate jobs
+(different ``--seeds``).
+
+Under the virtual clock a run's times are the simulated cluster's, so seeds run as
+separate jobs compare exactly as if run in one, provided the jobs share the ranks, the
+options (but ``--seeds`` and ``--json``), the platform and the cost table's entries: this script
+checks that, puts the rows together in seed order, recomputes the target from every
+seed's BSP curve (:func:`mpicomm.bench.straggler.conv_target`: ``bsp:F`` is the lowest
+over all the seeds), each row's time to it and the medians
+(:func:`~mpicomm.bench.straggler.convergence_summary`), and writes one result the report
+renders::
+
+    python benchmarks/ps_convergence_merge.py OUT.json seed0.json seeds12.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from mpicomm.bench.straggler import conv_target, convergence_summary, reach
+
+#: Options that may differ between the merged jobs.
+PER_JOB = ("seeds", "json")
+
+
+def _clock(r: dict[str, Any]) -> tuple[Any, ...]:
+    """What must match for virtual times to compare: the clock's mode, the platform
+    and the cost table's entries (not when or in which format version it was loaded)."""
+    c = r.get("clock") or {}
+    return c.get("mode"), c.get("platform"), (c.get("costs") or {}).get("ops")
+
+
+def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
+    """One result from ``results`` (same suite, ranks, clock, options but ``PER_JOB``)."""
+    if not results:
+        raise ValueError("nothing to merge")
+    first = results[0]
+    for path, r in zip(sources, results):
+        if r.get("suite") != "ps" or "convergence" not in r:
+            raise ValueError(f"{path}: not a bench ps convergence result")
+        if r.get("ranks") != first.get("ranks"):
+            raise ValueError(f"{path}: ranks differ from {sources[0]}'s")
+        if _clock(r) != _clock(first):
+            raise ValueError(f"{path}: clock (mode, platform or cost table entries) differs "
+                             f"from {sources[0]}'s")
+        same = {k: v for k, v in r["args"].items() if k not in PER_JOB}
+        want = {k: v for k, v in first["args"].items() if k not in PER_JOB}
+        if same != want:
+            diff = sorted(k for k in set(same) | set(want) if same.get(k) != want.get(k))
+            raise ValueError(f"{path}: options {diff} differ from {sources[0]}'s")
+    rows = [row for r in results for row in r["convergence"]]
+    keys = [(row["straggler"], row["seed"], row["mode"]) for row in rows]
+    if len(set(keys)) != len(keys):
+        raise ValueError("a (straggler, seed, mode) run appears in more than one result")
+    rows.sort(key=lambda row: (row["straggler"], row["seed"]))
+    target = conv_target(first["args"]["target"], rows)
+    reach(rows, target)
+    seeds = sorted({row["seed"] for row in rows})
+    out = dict(first)
+    out["args"] = dict(first["args"], seeds=",".join(str(s) for s in seeds))
+    out["machine"] = dict(first["machine"],
+                          loadavg_per_job=[r["machine"].get("loadavg") for r in results])
+    out["merged_from"] = sources
+    out["convergence"] = rows
+    out["convergence_summary"] = convergence_summary(rows)
+    out.pop("note", None)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="the merged JSON to write")
+    p.add_argument("inputs", nargs="+", help="bench ps convergence results to merge")
+    p.add_argument("--note", default=None, help="a sentence stored as the result's note")
+    args = p.parse_args(argv)
+    results = []
+    for path in args.inputs:
+        with open(path) as f:
+            results.append(json.load(f))
+    merged = merge(results, args.inputs)
+    if args.note:
+        merged["note"] = args.note
+    with open(args.out, "w") as f:
+        json.dump(merged, f, indent=1)
+    for s in merged["convergence_summary"]:
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
