@@ -102,15 +102,18 @@ def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(two_seeds
     assert data["options"]["seeds"] == 2 and data["options"]["eval_every"] == 1
 
 
-def test_bench_adaptive_rejects_zero_seeds():
-    result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--seeds", "0"],
-                     timeout=120)
-    assert result.returncode == 2, result.output
-    assert "--seeds and --eval-every must be >= 1" in result.output
-    result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--max-steps",
-                         "0"], timeout=120)
-    assert result.returncode == 2, result.output
-    assert "--max-steps must be >= 1" in result.output
+def test_bench_adaptive_rejects_zero_seeds(capsys):
+    """In this process: the checks come first in ``run`` (a UsageError under mpiexec is
+    one error line and status 2 on every rank: tests/test_bench_usage.py)."""
+    from mpicomm.bench.__main__ import main
+
+    for args, message in ((["--seeds", "0"], "--seeds and --eval-every must be >= 1"),
+                          (["--max-steps", "0"], "--max-steps must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            main(["adaptive", *args])
+        assert exc.value.code == 2, args
+        err = capsys.readouterr().err
+        assert message in err, err
 
 
 def test_bench_adaptive_stops_a_fixed_choice_at_the_target_and_auto_at_the_end(two_seeds,
