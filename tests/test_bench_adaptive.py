@@ -1,7 +1,8 @@
 """``python -m mpicomm.bench adaptive``: seeds, per-step accuracy checks, medians.
 
-``median_row`` is pure; one serial test starts a short child ``mpiexec`` job (3 ranks,
-tests/launch.py, about 15 s) and checks the JSON the bench writes.
+``median_row`` is pure; the serial tests below start short child ``mpiexec`` jobs
+(tests/launch.py) and check the JSON the bench writes: one 3-rank job of two seeds with
+``--stop-at-target`` (about 15 s) is shared by the two tests that read it.
 """
 
 from __future__ import annotations
@@ -51,15 +52,22 @@ def test_ratio_moves_compares_the_ratio_before_a_change_with_the_settled_one():
     assert ratio_moves([(0, "dense", 1.0, 1.0, 1.0)]) == []
 
 
-def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(tmp_path):
-    out = tmp_path / "adaptive.json"
+@pytest.fixture(scope="module")
+def two_seeds(tmp_path_factory):
+    """dense, gTop-k at 0.1 and auto for 2 epochs on 2 seeds at 3 ranks, the fixed choice
+    stopped at the target: the bench's JSON."""
+    out = tmp_path_factory.mktemp("adaptive") / "adaptive.json"
     result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--epochs", "2",
                          "--hidden", "32", "--static", "gtopk@0.1", "--seeds", "2",
-                         "--target", "0.3", "--lgreco-families", "", "--schedule", "0:0.1:100",
-                         "--json", str(out)],
+                         "--target", "0.3", "--stop-at-target", "--lgreco-families", "",
+                         "--schedule", "0:0.1:100", "--json", str(out)],
                      timeout=240)
     assert result.returncode == 0, result.output
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(two_seeds):
+    data = two_seeds
     assert [r["method"] for r in data["rows"]] == ["dense", "gtopk@0.1", "auto"]
     for row in data["rows"]:
         runs = row["runs"]
@@ -94,34 +102,32 @@ def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(tmp_path)
     assert data["options"]["seeds"] == 2 and data["options"]["eval_every"] == 1
 
 
-def test_bench_adaptive_rejects_zero_seeds():
-    result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--seeds", "0"],
-                     timeout=120)
-    assert result.returncode == 2, result.output
-    assert "--seeds and --eval-every must be >= 1" in result.output
-    result = run_job(2, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--max-steps",
-                         "0"], timeout=120)
-    assert result.returncode == 2, result.output
-    assert "--max-steps must be >= 1" in result.output
+def test_bench_adaptive_rejects_zero_seeds(capsys):
+    """In this process: the checks come first in ``run`` (a UsageError under mpiexec is
+    one error line and status 2 on every rank: tests/test_bench_usage.py)."""
+    from mpicomm.bench.__main__ import main
+
+    for args, message in ((["--seeds", "0"], "--seeds and --eval-every must be >= 1"),
+                          (["--max-steps", "0"], "--max-steps must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            main(["adaptive", *args])
+        assert exc.value.code == 2, args
+        err = capsys.readouterr().err
+        assert message in err, err
 
 
-def test_bench_adaptive_stops_a_fixed_choice_at_the_target_and_auto_at_the_end(tmp_path):
-    out = tmp_path / "adaptive.json"
-    result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--epochs", "2",
-                         "--hidden", "32", "--static", "gtopk@0.1", "--only",
-                         "dense,gtopk@0.1,auto",
-                         "--target", "0.3", "--stop-at-target", "--lgreco-families", "",
-                         "--schedule", "0:0.1:100", "--json", str(out)], timeout=240)
-    assert result.returncode == 0, result.output
-    dense, fixed, auto = json.loads(out.read_text())["rows"]
+def test_bench_adaptive_stops_a_fixed_choice_at_the_target_and_auto_at_the_end(two_seeds,
+                                                                            tmp_path):
+    dense, fixed, auto = two_seeds["rows"]
     assert fixed["stopped_at_target"]
     assert not auto["stopped_at_target"] and not dense["stopped_at_target"]
     assert dense["steps"] == auto["steps"]      # dense runs to the end: the reference
-    stopped = fixed["runs"][0]
-    # checked every step: the run ended at the step that reached the target
-    assert stopped["steps"] < auto["steps"]
-    assert stopped["time_to_target_s"] == pytest.approx(stopped["seconds"])
-    assert fixed["final_acc"] >= 0.3
+    for stopped, full in zip(fixed["runs"], auto["runs"]):
+        # checked every step: the run ended at the step that reached the target
+        assert stopped["steps"] < full["steps"]
+        assert stopped["time_to_target_s"] == pytest.approx(stopped["seconds"])
+        assert stopped["final_acc"] >= 0.3
+    out = tmp_path / "adaptive.json"
     # every run ends after --max-steps steps
     result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--epochs", "2",
                          "--hidden", "32", "--static", "gtopk@0.1", "--only", "gtopk@0.1",
