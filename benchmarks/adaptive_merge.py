@@ -16,45 +16,21 @@ import json
 from typing import Any
 
 from mpicomm.bench.adaptive import summarize
+from mpicomm.bench.merge import check_mergeable
 
 #: Options that may differ between the merged jobs (which methods, where the JSON went,
 #: whether a fixed choice stopped at the target).
 PER_JOB = ("only", "json", "static", "stop_at_target", "lgreco_families")
 
 
-def charged(clock: Any) -> Any:
-    """``clock`` as far as it decides the times charged: the cost table without its
-    format tag and without the ops recorded as ``absent`` (they charge nothing; a table
-    records one the first time a job looks it up, so a job that never ran gTop-k's
-    truncation lacks ``select:kept`` where another has it, and a format-1 table loaded
-    by the format-2 loader reads as format 2 with the same charges)."""
-    if not isinstance(clock, dict) or not isinstance(clock.get("costs"), dict):
-        return clock
-    costs = {k: v for k, v in clock["costs"].items() if k != "format"}
-    if isinstance(costs.get("ops"), dict):
-        costs["ops"] = {k: v for k, v in costs["ops"].items()
-                        if not (isinstance(v, dict) and v.get("source") == "absent")}
-    return dict(clock, costs=costs)
-
-
 def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     """One result from ``results`` (same suite, ranks, options but ``PER_JOB``, clock
-    as :func:`charged` reads it)."""
-    if not results:
-        raise ValueError("nothing to merge")
-    first = results[0]
+    as :func:`mpicomm.bench.merge.charged` reads it)."""
     for path, r in zip(sources, results):
         if r.get("suite") != "adaptive":
             raise ValueError(f"{path}: not a bench adaptive result")
-        if r.get("ranks") != first.get("ranks"):
-            raise ValueError(f"{path}: ranks differ from {sources[0]}'s")
-        if charged(r.get("clock")) != charged(first.get("clock")):
-            raise ValueError(f"{path}: clock differs from {sources[0]}'s")
-        same = {k: v for k, v in r["options"].items() if k not in PER_JOB}
-        want = {k: v for k, v in first["options"].items() if k not in PER_JOB}
-        if same != want:
-            diff = sorted(k for k in set(same) | set(want) if same.get(k) != want.get(k))
-            raise ValueError(f"{path}: options {diff} differ from {sources[0]}'s")
+    check_mergeable(results, sources, options="options", per_job=PER_JOB)
+    first = results[0]
     rows = [row for r in results for row in r["rows"]]
     names = [row["method"] for row in rows]
     if len(set(names)) != len(names):

@@ -19,37 +19,20 @@ import argparse
 import json
 from typing import Any
 
+from mpicomm.bench.merge import check_mergeable
 from mpicomm.bench.straggler import conv_target, convergence_summary, reach
 
 #: Options that may differ between the merged jobs.
 PER_JOB = ("seeds", "json")
 
 
-def _clock(r: dict[str, Any]) -> tuple[Any, ...]:
-    """What must match for virtual times to compare: the clock's mode, the platform
-    and the cost table's entries (not when or in which format version it was loaded)."""
-    c = r.get("clock") or {}
-    return c.get("mode"), c.get("platform"), (c.get("costs") or {}).get("ops")
-
-
 def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     """One result from ``results`` (same suite, ranks, clock, options but ``PER_JOB``)."""
-    if not results:
-        raise ValueError("nothing to merge")
-    first = results[0]
     for path, r in zip(sources, results):
         if r.get("suite") != "ps" or "convergence" not in r:
             raise ValueError(f"{path}: not a bench ps convergence result")
-        if r.get("ranks") != first.get("ranks"):
-            raise ValueError(f"{path}: ranks differ from {sources[0]}'s")
-        if _clock(r) != _clock(first):
-            raise ValueError(f"{path}: clock (mode, platform or cost table entries) differs "
-                             f"from {sources[0]}'s")
-        same = {k: v for k, v in r["args"].items() if k not in PER_JOB}
-        want = {k: v for k, v in first["args"].items() if k not in PER_JOB}
-        if same != want:
-            diff = sorted(k for k in set(same) | set(want) if same.get(k) != want.get(k))
-            raise ValueError(f"{path}: options {diff} differ from {sources[0]}'s")
+    check_mergeable(results, sources, options="args", per_job=PER_JOB)
+    first = results[0]
     rows = [row for r in results for row in r["convergence"]]
     keys = [(row["straggler"], row["seed"], row["mode"]) for row in rows]
     if len(set(keys)) != len(keys):
