@@ -563,7 +563,7 @@ def test_backoff_windows_from_environment(monkeypatch):
 def test_backoff_polls_without_timed_sleeps_in_its_spin_window(monkeypatch):
     """The first ``spin_s`` of an idle period and every urgent wait only yield the core:
     a timed ``time.sleep`` (even of 0 s) lasts at least the timer slack, 50 us on Linux,
-    which, once per poll, spaced out the pieces of a large message."""
+    which, once per poll, can space out the pieces of a large message."""
     slept = []
     monkeypatch.setattr(wire.time, "sleep", slept.append)
     b = wire.Backoff(spin_s=10.0)
