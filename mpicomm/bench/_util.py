@@ -15,6 +15,21 @@ from ..comm import Communicator
 from ..emulate.mpienv import machine  # noqa: F401  (the suites' JSON header)
 
 
+def parse_options(items: list[str], flag: str = "--option") -> dict[str, Any]:
+    """Workload options given as ``KEY=VALUE`` items (numbers); ``flag`` names the
+    command-line option in the error."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = float(value) if any(c in value for c in ".e") else int(value)
+        except ValueError:
+            raise UsageError(f"{flag} {item!r}: VALUE must be a number") from None
+    return out
+
+
 def positive_floats(text: str) -> list[float]:
     """An argparse type: a comma-separated list of positive numbers (``"1e6,2.5e7"``)."""
     try:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ._util import UsageError
+from ._util import parse_options as parse_items
 
 __all__ = ["STRAGGLER_MODELS", "StragglerPause", "conv_target", "reach",
            "convergence_summary", "parse_stragglers", "parse_seeds", "parse_target",
@@ -165,7 +166,5 @@ def parse_target(text: str) -> None:
 
 def parse_options(text: str) -> dict[str, Any]:
     """``--conv-options k=v,...``: the workload options (numbers) of the convergence
-    runs (:func:`mpicomm.bench.train.parse_options` on the comma-separated items)."""
-    from .train import parse_options as parse_items
-
+    runs (:func:`mpicomm.bench._util.parse_options` on the comma-separated items)."""
     return parse_items([p.strip() for p in text.split(",") if p.strip()], "--conv-options")

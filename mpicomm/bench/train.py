@@ -39,7 +39,7 @@ import torch
 
 from ..comm import init
 from . import _clock
-from ._util import UsageError, machine, print_table, write_json
+from ._util import UsageError, machine, parse_options, print_table, write_json
 from .harness import Run, Spec, default_threads, train
 from .recipes import label_strategy
 from .sync import GradientMethod, LocalSGDMethod
@@ -79,21 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-step-times", action="store_true",
                         help="leave the per-step times and bytes out of the JSON")
     _clock.add_arguments(parser)
-
-
-def parse_options(items: list[str], flag: str = "--option") -> dict[str, Any]:
-    """Workload options given as ``KEY=VALUE`` items (numbers); ``flag`` names the
-    command-line option in the error."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE")
-        try:
-            out[key] = float(value) if any(c in value for c in ".e") else int(value)
-        except ValueError:
-            raise UsageError(f"{flag} {item!r}: VALUE must be a number") from None
-    return out
 
 
 def methods(args: argparse.Namespace, info: Any) -> list[Any]:
