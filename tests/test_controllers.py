@@ -382,3 +382,54 @@ def test_ramp_steps_count_neither_for_the_targets_times_nor_its_efficiency():
     assert auto.efficiency == {} and auto.scheme_gains == {}
     auto.choices.track_gains([dict(record, ramp=False)], [0.4], [1.0], [0.8])
     assert auto.efficiency[("gtopk", 0.01)] == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------- momentum correction
+def _momentum_run(comm, strategy, steps=6):
+    """``steps`` of a small MLP, SGD with momentum 0.9, under ``strategy``: the final
+    weights and the optimizer's momentum afterwards."""
+    from mpicomm.torch import GradientSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    with GradientSync(model, strategy=strategy, comm=comm, bucket_mb=0.002) as sync:
+        for _ in range(steps):
+            x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 4, (16,),
+                                                                     generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            sync.step(opt)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), \
+        opt.param_groups[0]["momentum"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("scheme", "ratio"), [("dense", 1.0), ("allgather_topk", 0.1)])
+def test_auto_takes_the_momentum_over_as_the_fixed_strategies_do(comm, scheme, ratio):
+    """``momentum_correction`` (default): auto moves the optimizer's momentum into its
+    error-feedback memory at the first step. Dense steps keep the velocity (momentum SGD
+    on the averaged gradient, as the optimizer would); sparse steps send entries of the
+    velocity plus the residual and clear it where they sent, exactly as the fixed
+    strategy with its default DGC recipe; with ``momentum_correction=False`` the
+    optimizer keeps it and a sparse run differs."""
+    auto = strategies.make("auto", comm=comm, ratio=ratio, schemes=(scheme,),
+                           calibrate_links=0, trial_steps=0)
+    mine, momentum = _momentum_run(comm, auto)
+    assert momentum == 0.0 and auto.memory.momentum == 0.9
+    fixed = strategies.make("dense" if scheme == "dense" else "topk", comm=comm,
+                            **({} if scheme == "dense" else {"density": ratio}))
+    theirs, theirs_momentum = _momentum_run(comm, fixed)
+    assert theirs_momentum == (0.9 if scheme == "dense" else 0.0)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    if scheme != "dense":
+        plain = strategies.make("auto", comm=comm, ratio=ratio, schemes=(scheme,),
+                                calibrate_links=0, trial_steps=0, momentum_correction=False)
+        other, kept = _momentum_run(comm, plain)
+        assert kept == 0.9 and plain.memory.momentum == 0.0
+        assert not torch.allclose(other, mine, rtol=1e-4, atol=1e-5)
+    gathered = comm.allgather_object(mine.numpy())
+    for w in gathered:
+        np.testing.assert_allclose(w, gathered[0], rtol=1e-5, atol=1e-6)

@@ -85,7 +85,7 @@ from ._compressed import CompressedStrategy, check_floating
 from .auto_agree import StepAgreement
 from .auto_choice import SchemeChoices
 from .auto_config import AutoConfig, strategy_signature
-from .auto_exchange import error_fed, exchange, take_momentum
+from .auto_exchange import FIRST_STEP_MOMENTUM, error_fed, exchange, take_momentum
 from .auto_predict import SchemePredictor
 from .auto_ramp import RatioRamp
 from .auto_ratio import RatioControl
@@ -167,6 +167,8 @@ class AutoStrategy(Strategy):
         self.memory = ErrorFeedback()
         self.memory.track_sent = True  # the step's ||g_e||² without forming g + e again
         self._adopt = cfg.momentum_correction and not cfg.lgreco
+        if self._adopt:  # the first step's velocity is kept (take_momentum)
+            self.memory.momentum = FIRST_STEP_MOMENTUM
         self.records: deque[Record] = deque(maxlen=cfg.history)
         #: Called with each :class:`~mpicomm.strategies.auto_schemes.Record` (e.g. a
         #: trace or metrics exporter).
@@ -429,12 +431,9 @@ class AutoStrategy(Strategy):
         choice, counted = self._choose(key, shapes, segments, itemsize, params, compute,
                                        scales)
         per_layer = self.family is not None and choice.scheme != "dense"
-        ramped = False
-        if not counted and not per_layer and self.lgreco is None and \
-                (self.ratio_control.probing or not self.ratio_control.exploring):
-            run = self.ramp.ratio(buf.name, choice.ratio)  # trials: at the key's ratio
-            ramped = run != choice.ratio
-            choice = Choice(choice.scheme, run, choice.predicted, choice.candidates)
+        choice, ramped = self.ramp.apply(  # trials, windows: at the key's ratio
+            buf.name, choice, not counted and not per_layer and self.lgreco is None and
+            (self.ratio_control.probing or not self.ratio_control.exploring))
         sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes,
                                                cache=not ramped)
         ref_sq = self._topk_reference(choice.scheme, ratio, buf, names, tensors, sub,

@@ -38,7 +38,7 @@ from ._compressed import adopt_momentum
 from .base import Strategy
 from .lgreco_buckets import Segment, powersgd_bucket, qsgd_bucket, topk_bucket
 
-__all__ = ["exchange", "error_fed", "squared_norm", "take_momentum"]
+__all__ = ["exchange", "error_fed", "squared_norm", "take_momentum", "FIRST_STEP_MOMENTUM"]
 
 
 def squared_norm(t: torch.Tensor) -> float:
@@ -77,18 +77,25 @@ def error_fed(scheme: str, buf: Any, names: Sequence[str], tensors: Sequence[tor
     return fed
 
 
+#: The velocity factor of the memory until :func:`take_momentum` sets the optimizer's:
+#: unused by then (the first step's velocity is its gradient, ``u = g``, whatever m).
+FIRST_STEP_MOMENTUM = 0.9
+
+
 def take_momentum(memory: ErrorFeedback, optimizer: Any) -> float:
-    """Move an SGD-like optimizer's momentum m into ``memory``
+    """After the first step, move an SGD-like optimizer's momentum m into ``memory``
     (:func:`~mpicomm.strategies._compressed.adopt_momentum`: the optimizer runs without
-    momentum from then on) and return m (0.0, nothing changed, for another optimizer).
-    Each bucket's velocity starts as its residual (after one step with masking the two
-    are equal; a dense step left none)."""
+    momentum from then on) and return m. ``memory`` kept the first step's velocity
+    (``u = g``, cleared where a sparse scheme sent: what the optimizer's buffer, the
+    mean of the sent ``u``, holds), so the run goes on exactly as momentum SGD on dense
+    steps and as DGC on sparse ones. For another optimizer, 0.0: the memory drops its
+    velocities and stays plain error feedback."""
     m = adopt_momentum(optimizer)
     if m:
-        state = memory.state_dict()
         memory.momentum = m
-        memory.load_state_dict({"residuals": state["residuals"],
-                                "velocities": state["residuals"]})
+    else:
+        memory.momentum = 0.0
+        memory.load_state_dict({"residuals": memory.state_dict()["residuals"]})
     return m
 
 

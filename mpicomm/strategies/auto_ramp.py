@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from .auto_schemes import Choice
+
 __all__ = ["RatioRamp"]
 
 
@@ -86,6 +88,16 @@ class RatioRamp:
                 run = target
         self._last[bucket] = run
         return run
+
+    def apply(self, bucket: str, choice: Choice, eligible: bool) -> tuple[Choice, bool]:
+        """``choice`` at the ratio :meth:`ratio` gives for its own (where ``eligible``:
+        a kept choice's step, not a trial's or an exploration window's, which leave the
+        ramp alone); ``(choice, whether it runs above its ratio)``."""
+        if not eligible:
+            return choice, False
+        run = self.ratio(bucket, choice.ratio)
+        return Choice(choice.scheme, run, choice.predicted, choice.candidates), \
+            run != choice.ratio
 
     def last(self, bucket: str) -> Optional[float]:
         """The ratio ``bucket`` last ran at (``None`` before its first step)."""
