@@ -293,9 +293,9 @@ class AutoStrategy(Strategy):
                                         min_gain=self.min_gain)
 
     def sync_time(self, ratio: float) -> float:
-        """Seconds of one step's synchronization at ``ratio``: each bucket's exchange
-        at the scheme the choice rule would run there (measured where it ran at that
-        ratio, else predicted; :meth:`SchemeChoices.run_choice`)."""
+        """Predicted seconds of one step's synchronization at ``ratio``: each bucket's
+        exchange at the scheme the choice rule would run there
+        (:meth:`SchemeChoices.run_choice` on the refined model's predictions)."""
         return sum(t for _, t, _ in self._run_costs(ratio).values())
 
     def step_time(self, ratio: float) -> float:

@@ -104,8 +104,8 @@ class SchemeChoices:
         self.numels: dict[str, int] = {}
 
     # ------------------------------------------------------------------ costs
-    def costs(self, key: Key, predicted: Mapping[str, float], partial: bool = False
-              ) -> dict[str, float]:
+    def costs(self, key: Key, predicted: Mapping[str, float], partial: bool = False,
+              measured: bool = True) -> dict[str, float]:
         """Each candidate's cost at ``key`` = (bucket, ratio): its measured time (min of
         its kept agreed times, :data:`MEASURED_TIMES`) once measured ``trial_steps``
         times (``partial``: once measured at all), else its prediction. With
@@ -118,7 +118,7 @@ class SchemeChoices:
         share = 0.0
         if self.gain_weighted and self.step_other and key[0] in self.numels:
             share = self.step_other * self.numels[key[0]] / max(1, sum(self.numels.values()))
-        cost = self.times(key, predicted, partial)
+        cost = self.times(key, predicted, partial) if measured else dict(predicted)
         if self.gain_weighted:
             for s, t in cost.items():
                 cost[s] = (t + share) / (1.0 if s == "dense" else
@@ -147,17 +147,21 @@ class SchemeChoices:
         seen = [(abs(math.log(c / ratio)), c) for s, c in self.efficiency if s == scheme]
         return self.efficiency[(scheme, min(seen)[1])] if seen else 1.0
 
-    def run_choice(self, key: Key, predicted: Mapping[str, float]
+    def run_choice(self, key: Key, predicted: Mapping[str, float], measured: bool = True
                    ) -> tuple[str, float, float]:
         """The scheme this rule settles on at ``key`` given the selector's
         ``predicted`` candidates: the lowest :meth:`costs` (ties: the order of
-        :data:`~.auto_schemes.SCHEMES`), what the trials and :meth:`outrun` converge to;
-        returns ``(scheme, its exchange time, its cost)``. The CR controller's time
-        objective prices every ratio with it, so the ratio is traded against the time of
-        the scheme that then runs, not of another."""
-        cost = self.costs(key, predicted)
+        :data:`~.auto_schemes.SCHEMES`), what the trials and :meth:`outrun` converge to
+        where the measured times are the predicted ones; returns ``(scheme, its
+        exchange time, its cost)``. ``measured=False`` prices with the predictions
+        alone (the refined model), as the CR controller's time objective does at every
+        ratio alike: the ratio is traded against the time of the scheme that then runs,
+        not of another, and the ratio in force (the one with measured times) is not
+        priced differently from its neighbours for having run."""
+        cost = self.costs(key, predicted, measured=measured)
         best = min(cost, key=lambda s: (cost[s], SCHEMES.index(s)))
-        return best, self.times(key, {best: predicted[best]})[best], cost[best]
+        return best, (self.times(key, {best: predicted[best]})[best] if measured
+                      else predicted[best]), cost[best]
 
     def by_measurement(self, key: Key, choice: Choice) -> tuple[Choice, bool]:
         """The choice among ``choice.candidates`` by measured cost where the model does

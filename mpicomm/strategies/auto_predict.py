@@ -169,10 +169,11 @@ class SchemePredictor:
         """Per bucket of ``layouts`` (bucket -> (shapes, itemsize)): the scheme that
         would run at ``ratio`` and its exchange time and cost,
         :meth:`SchemeChoices.run_choice` on the selector's candidates (``selector``:
-        :meth:`candidates`' keywords) with the measured times and efficiencies known
-        so far: the one rule by which a scheme runs, applied to every ratio."""
+        :meth:`candidates`' keywords) with the efficiencies known
+        so far, on the predicted times (``measured=False``): the one rule by which a
+        scheme runs, applied to every ratio alike."""
         return {bucket: choices.run_choice(
                     (bucket, ratio),
                     self.candidates(shapes, ratio, itemsize, p, params, compute,
-                                    **selector).candidates)
+                                    **selector).candidates, measured=False)
                 for bucket, (shapes, itemsize) in layouts.items()}
