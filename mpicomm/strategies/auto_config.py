@@ -140,15 +140,18 @@ class AutoConfig:
         brought down geometrically over ``ramp_steps`` steps, starting from the ratio
         it ran at, at most ``ramp_start``. Trial steps and exploration windows run at
         their own ratio; a ramp step's time and gain are not counted for its target
-        ratio. Off by default (``ramp_steps=0``), measured: it delays the accuracy dip
-        after a switch from dense to a small ratio, it does not remove it (mnist1d-cnn,
-        8 ranks, from a dense model at 0.96, plain error feedback: gTop-k at 0.01 fell
-        to 0.70 at once, to 0.73 50 steps later with a 100-step ramp from 1; Allgather
-        Top-k at 0.023 to 0.845 either way, 75 steps later with the ramp), while its
-        first steps run at large ratios, dear on the slow link that caused the switch
-        (from 1 to 0.01 over 100 steps: 21.5 full gradients' worth of pairs).
-        ``momentum_correction`` is what reduces the dip. Ours (DGC's warm-up of the
-        sparsity at the start of training, applied to every large fall).
+        ratio. Off by default (``ramp_steps=0``), measured on mnist1d-cnn (8 ranks, from
+        a dense model at 0.96 test accuracy, replayed in one process): with plain error
+        feedback a 100-step ramp from 1 only delays the dip (gTop-k at 0.01: 0.70 at
+        once, 0.73 50 steps later with the ramp; Allgather Top-k at 0.023: 0.845
+        either way, 75 steps later); with ``momentum_correction`` gTop-k at 0.01 still
+        fell to 0.89 (175 steps after the switch) and the ramp kept it at 0.96-0.97,
+        but auto itself, momentum-corrected, switched to Allgather Top-k at 0.036 with
+        no dip at all (0.958, 0.964, 0.970 at steps 700, 750, 800), so a ramp there
+        would only have cost its large first ratios on the slow link that caused the
+        switch (from 1 to 0.01 over 100 steps: 21.5 full gradients' worth of pairs,
+        about +5 s for gTop-k at 100 Mbit/s). Ours (DGC's warm-up of the sparsity at
+        the start of training, applied to every large fall).
     drift_patience:
         Debounce of re-decisions: a drift of alpha/beta
         (:class:`mpicomm.control.OnlineCalibration`'s ``patience``) or of a compute factor

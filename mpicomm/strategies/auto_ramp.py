@@ -6,9 +6,11 @@ every coordinate's error-feedback residual starts to build up at the same step. 
 gradient compression (Lin et al., "Deep Gradient Compression", 2018, arXiv 1712.01887)
 warms up its sparsity geometrically at the start of training; this applies the same
 warm-up to every large fall. Measured on mnist1d-cnn (8 ranks, momentum 0.9, from a
-dense model at 0.96 test accuracy), it delays the accuracy dip that follows such a
-switch by about the ramp's length rather than removing it, so
-:class:`~mpicomm.strategies.AutoConfig` leaves it off by default (``ramp_steps=0``).
+dense model at 0.96 test accuracy), it removes the accuracy dip that can follow such
+a switch only together with DGC's momentum correction (with plain error feedback it
+delays it by about the ramp's length), and with the correction auto's own switches
+showed no dip, so :class:`~mpicomm.strategies.AutoConfig` leaves it off by default
+(``ramp_steps=0``; the numbers are there).
 
 :class:`RatioRamp` gives, per bucket, the ratio to run at: on such a fall from ``r0``
 (the ratio the bucket last ran at, capped at ``start``) to ``r1``, the ``j``-th of
