@@ -20,7 +20,7 @@ from mpicomm.bench.merge import check_mergeable
 
 #: Options that may differ between the merged jobs (which methods, where the JSON went,
 #: whether a fixed choice stopped at the target).
-PER_JOB = ("only", "json", "static", "stop_at_target", "lgreco_families")
+PER_JOB = ("only", "json", "static", "stop_at_target", "lgreco_families", "auto_option")
 
 
 def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:

@@ -704,7 +704,7 @@ def test_auto_probes_every_ratio_on_the_first_step_without_a_window(comm):
     assert sorted(auto.controller.gains) == sorted(auto.controller.grid)
     assert gains[0] > 0 and all(a <= b for a, b in zip(gains, gains[1:])) \
         and gains[-1] <= 1, gains
-    assert auto._saved is None
+    assert auto.snapshot.saved is None
     assert auto.overheads["windows"] == 0 and auto.overheads["exploration_s"] == 0.0
     step0 = [(s, c) for t, _, s, c in auto.decisions if t == 0]
     assert step0 and all(c == 0.1 and s not in ("dense", "powersgd") for s, c in step0)
@@ -853,7 +853,7 @@ def test_auto_exploration_restores_the_saved_model(comm):
     assert auto.overheads["calibration_s"] == 0.0 and auto.overheads["probes"] == 0
     kept, auto = run(False)   # the first window keeps its steps: no save, no restore
     assert all(kept[i] != kept[i - 1] for i in range(1, 7))
-    assert auto._saved is None
+    assert auto.snapshot.saved is None
     # and goes up the ratios: its largest ratio last, sending what the small one left
     assert [d[3] for d in auto.decisions if d[0] < 6] == [0.2] * 3 + [0.5] * 3
     assert all(d[2] not in ("dense", "powersgd") for d in auto.decisions if d[0] < 4)
@@ -983,7 +983,7 @@ def test_auto_decisions_identical_on_every_rank_at_every_step_with_their_lag(com
         agreed = max((r.step for r in auto.records), default=-1)
         assert agreed == t - 1, (t, agreed)
         trail.append((auto.steps, auto.ratio, sorted(auto.choices.current.items()),
-                      auto._saved is not None, len(auto.controller.history)))
+                      auto.snapshot.saved is not None, len(auto.controller.history)))
 
     _train_auto(comm, 10, after_step=after_step, window=1, ratios=(0.5, 0.1, 0.02),
                 cooldown=2, probe_first=False)
@@ -1001,7 +1001,7 @@ def test_auto_triggered_explorations_are_probes_identical_on_every_rank(comm):
     trail = []
 
     def after_step(auto):
-        assert auto._saved is None and auto._action is None
+        assert auto.snapshot.saved is None and auto._action is None
         trail.append((auto.steps, auto.ratio, auto.controller.probing,
                       sorted(auto.choices.current.items())))
 

@@ -287,3 +287,149 @@ def test_auto_selector_follows_a_scripted_network_identically_on_every_rank(comm
     assert comm.allgather_object(picks) == [picks] * comm.size
     if comm.size >= 3:
         assert len(set(picks)) >= 2, picks              # it did move
+
+
+# ---------------------------------------------------------------------- one rule
+def test_cr_time_objective_prices_each_ratio_with_the_scheme_that_runs_there(monkeypatch):
+    """The CR controller's time objective at a ratio is the cost of the scheme the
+    choice then settles on at that ratio (trials, gain-weighted costs), by the same
+    rule: on a scripted 100 Mbit/s, 5 ms network with gTop-k and AR-Top-k measured to
+    keep 0.4 and 0.3 of Top-k's mass at one ratio (carried to the others), the choice
+    runs Allgather Top-k at some ratios where gTop-k's exchange is the fastest, and the
+    objective prices those ratios with Allgather Top-k, at every ratio of the grid."""
+    from types import SimpleNamespace
+
+    import mpicomm.strategies.auto as auto_module
+
+    n, p = 105_738, 8
+    params, compute = CostParams(alpha=5e-3, beta=8 / 1e8), ComputeParams()
+    monkeypatch.setattr(auto_module, "calibrated", lambda comm: (params, compute))
+    auto = strategies.make("auto", schemes=("dense",) + SPARSE, calibrate_links=0)
+    auto._comm = SimpleNamespace(size=p)
+    shapes = [(n,)]
+    auto._layouts = {"b0": (shapes, 4)}
+    auto.choices.bucket_seen("b0", shapes)
+    auto.choices.step_other = 0.0086
+    auto.choices.efficiency = {("gtopk", 0.03): 0.4, ("artopk_ring", 0.03): 0.3}
+    assert auto.choices.efficiency_at("gtopk", 0.01) == 0.4           # carried over
+    assert auto.choices.efficiency_at("allgather_topk", 0.01) == 1.0  # unmeasured
+    differ = 0
+    for c in auto.controller.grid:
+        key = ("b0", c)
+        predicted = select(shapes, c, 4, p, params, compute, schemes=auto.schemes)
+        for _ in range(len(SPARSE) + 2):             # trials, then the kept choice
+            choice, trial = auto._choose(key, shapes, [("w", n, (n,))], 4, params,
+                                         compute, {})
+            if not trial:
+                break           # a trial step "measures" the scheme's predicted time
+            auto.choices.record(key, choice.scheme, predicted.candidates[choice.scheme],
+                                True)
+        scheme, seconds, cost = auto._run_costs(c)["b0"]
+        assert choice.scheme == scheme, c
+        assert auto.step_time(c) == pytest.approx(cost)
+        assert choice.predicted == pytest.approx(cost)   # settled on by this cost
+        assert auto.sync_time(c) == pytest.approx(predicted.candidates[scheme])
+        fastest = predicted.scheme
+        differ += fastest != scheme
+    assert differ >= 1          # the fastest exchange is not always the one that runs
+
+
+# ---------------------------------------------------------------------- ratio ramp
+def test_ratio_ramp_brings_a_large_fall_down_geometrically():
+    """A fall by more than ``factor`` runs ``r0^(1-j/R) · r1^(j/R)`` for j = 1..R
+    (from at most ``start``); a small fall, a rise or the first step run at once; a
+    small move of the target during a ramp changes where it goes, a large one starts
+    a new ramp from the ratio in force."""
+    from mpicomm.strategies.auto_ramp import RatioRamp
+
+    ramp = RatioRamp(steps=4, factor=4.0)
+    assert ramp.ratio("b", 0.01) == 0.01                  # first step: the target
+    assert ramp.ratio("b", 1.0) == 1.0                    # a rise: at once
+    run = [ramp.ratio("b", 0.01) for _ in range(6)]
+    assert run == pytest.approx([0.01 ** 0.25, 0.01 ** 0.5, 0.01 ** 0.75, 0.01, 0.01,
+                                 0.01])
+    assert ramp.ratio("b", 0.004) == 0.004                # 2.5x: no ramp
+    assert not ramp.active("b")
+    capped = RatioRamp(steps=2, factor=4.0, start=0.1)
+    capped.ratio("b", 1.0)
+    assert [capped.ratio("b", 0.001) for _ in range(3)] == pytest.approx([0.01, 0.001,
+                                                                          0.001])
+    moving = RatioRamp(steps=4, factor=4.0)
+    moving.ratio("b", 1.0)
+    assert moving.ratio("b", 0.01) == pytest.approx(0.01 ** 0.25)
+    assert moving.ratio("b", 0.0081) == pytest.approx(0.0081 ** 0.5)   # same ramp
+    first = moving.ratio("b", 1e-4)                        # a new ramp from 0.0081**0.5
+    assert first == pytest.approx(0.0081 ** 0.375 * 1e-4 ** 0.25)
+    assert RatioRamp(steps=0, factor=4.0).ratio("b", 1.0) == 1.0
+    off = RatioRamp(steps=0, factor=4.0)
+    off.ratio("b", 1.0)
+    assert off.ratio("b", 0.001) == 0.001
+    for bad in ({"steps": -1, "factor": 4.0}, {"steps": 4, "factor": 1.0},
+                {"steps": 4, "factor": 4.0, "start": 0.0}):
+        with pytest.raises(ValueError):
+            RatioRamp(**bad)
+    for option in ({"ramp_steps": -1}, {"ramp_factor": 0.5}, {"ramp_start": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(option))):
+            strategies.make("auto", calibrate_links=0, **option)
+
+
+def test_ramp_steps_count_neither_for_the_targets_times_nor_its_efficiency():
+    """A ramp step runs above its key's ratio: its gain does not enter the (scheme,
+    ratio)'s efficiency (it would read as exact Top-k at the smaller ratio)."""
+    auto = strategies.make("auto", calibrate_links=0, ratio=0.01)
+    record = {"step": 3, "scheme": "gtopk", "key_ratio": 0.01, "ramp": True}
+    auto.choices.track_gains([record], [0.9], [1.0], [0.8])
+    assert auto.efficiency == {} and auto.scheme_gains == {}
+    auto.choices.track_gains([dict(record, ramp=False)], [0.4], [1.0], [0.8])
+    assert auto.efficiency[("gtopk", 0.01)] == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------- momentum correction
+def _momentum_run(comm, strategy, steps=6):
+    """``steps`` of a small MLP, SGD with momentum 0.9, under ``strategy``: the final
+    weights and the optimizer's momentum afterwards."""
+    from mpicomm.torch import GradientSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    with GradientSync(model, strategy=strategy, comm=comm, bucket_mb=0.002) as sync:
+        for _ in range(steps):
+            x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 4, (16,),
+                                                                     generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            sync.step(opt)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), \
+        opt.param_groups[0]["momentum"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("scheme", "ratio"), [("dense", 1.0), ("allgather_topk", 0.1)])
+def test_auto_takes_the_momentum_over_as_the_fixed_strategies_do(comm, scheme, ratio):
+    """``momentum_correction`` (default): auto moves the optimizer's momentum into its
+    error-feedback memory at the first step. Dense steps keep the velocity (momentum SGD
+    on the averaged gradient, as the optimizer would); sparse steps send entries of the
+    velocity plus the residual and clear it where they sent, exactly as the fixed
+    strategy with its default DGC recipe; with ``momentum_correction=False`` the
+    optimizer keeps it and a sparse run differs."""
+    auto = strategies.make("auto", comm=comm, ratio=ratio, schemes=(scheme,),
+                           calibrate_links=0, trial_steps=0)
+    mine, momentum = _momentum_run(comm, auto)
+    assert momentum == 0.0 and auto.memory.momentum == 0.9
+    fixed = strategies.make("dense" if scheme == "dense" else "topk", comm=comm,
+                            **({} if scheme == "dense" else {"density": ratio}))
+    theirs, theirs_momentum = _momentum_run(comm, fixed)
+    assert theirs_momentum == (0.9 if scheme == "dense" else 0.0)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    if scheme != "dense":
+        plain = strategies.make("auto", comm=comm, ratio=ratio, schemes=(scheme,),
+                                calibrate_links=0, trial_steps=0, momentum_correction=False)
+        other, kept = _momentum_run(comm, plain)
+        assert kept == 0.9 and plain.memory.momentum == 0.0
+        assert not torch.allclose(other, mine, rtol=1e-4, atol=1e-5)
+    gathered = comm.allgather_object(mine.numpy())
+    for w in gathered:
+        np.testing.assert_allclose(w, gathered[0], rtol=1e-5, atol=1e-6)

@@ -87,11 +87,11 @@ import numpy as np
 from .. import clock
 from ..comm import Communicator, init
 from ..emulate.linkdelay import ENV_RANKS_PER_HOST, report_step, set_link
-from ..strategies import AutoStrategy, Dense, Strategy
+from ..strategies import AutoConfig, AutoStrategy, Dense, Strategy
 from ..strategies.auto_schemes import build
 from ..strategies.lgreco_buckets import FAMILY_SCHEMES
 from . import _clock
-from ._util import UsageError, machine, print_table, write_json
+from ._util import UsageError, machine, parse_options, print_table, write_json
 from .harness import Spec, default_threads
 from .harness import build as harness_build
 from .harness import train as run_harness
@@ -130,6 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "L-GreCo comparison only); default all")
     parser.add_argument("--window", type=int, default=1,
                         help="auto: exploration window (steps per candidate ratio)")
+    parser.add_argument("--auto-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="auto: one AutoConfig option (repeatable; VALUE a number, "
+                             "true or false), e.g. gain_weighted=false")
     parser.add_argument("--lgreco-ratio", type=float, default=0.01)
     parser.add_argument("--lgreco-families", default="topk,qsgd,powersgd",
                         help="comma-separated L-GreCo families to compare with uniform")
@@ -210,7 +213,8 @@ def train(method: str, comm: Communicator, args: argparse.Namespace,
         "auto", "dense")
     if strategy is None:
         strategy = (AutoStrategy(window=args.window,
-                                 total_steps=sp.epochs * w.info.steps_per_epoch)
+                                 total_steps=sp.epochs * w.info.steps_per_epoch,
+                                 **auto_options(args.auto_option))
                     if method == "auto" else make_strategy(method))
     sync = GradientMethod(strategy, label=method, bucket_mb=64)
 
@@ -393,7 +397,24 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def auto_options(items: list[str]) -> dict[str, Any]:
+    """``--auto-option KEY=VALUE`` items as AutoConfig options (``true``/``false``, else
+    numbers), checked by :class:`~mpicomm.strategies.AutoConfig`: a usage error for an
+    unknown key or a bad value."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out.update({key: value.lower() == "true"} if value.lower() in ("true", "false")
+                   else parse_options([item], "--auto-option"))
+    try:
+        AutoConfig.from_options(**out)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--auto-option: {exc}") from None
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    auto_options(args.auto_option)
     if args.seeds < 1 or args.eval_every < 1:
         raise UsageError("--seeds and --eval-every must be >= 1")
     if args.max_steps is not None and args.max_steps < 1:

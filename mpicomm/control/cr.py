@@ -3,8 +3,8 @@ r"""Multi-objective choice of the compression ratio (pure: decisions, no MPI).
 Tyagi & Swany, "Flexible Communication for Optimal Distributed Learning over
 Unpredictable Networks", IEEE BigData 2023, section 3.E, and their reference code's
 multi-objective compression step. CR ``c`` = fraction of entries kept. Two objectives per candidate
-``c``: the predicted synchronization time ``t_sync(c)`` (the selector's cheapest scheme
-for ``c``, from the calibrated model) and ``1/gain(c)``, where the compression gain
+``c``: the predicted synchronization time ``t_sync(c)`` (the paper: the selector's
+cheapest scheme for ``c``, from the calibrated model) and ``1/gain(c)``, where the compression gain
 ``gain = ||g_c|| / ||g_e||`` (compressed over error-fed gradient, the code's unsquared
 form) is measured during *exploration*:
 
@@ -60,9 +60,11 @@ form) is measured during *exploration*:
    value on the front, ``"nadir"`` by ideal and nadir as the code does, which makes the
    pick blind to the network (:mod:`mpicomm.control.pareto`). The time objective is
    whatever ``sync_time(c)`` returns: :class:`mpicomm.strategies.AutoStrategy` passes
-   the predicted synchronization plus the measured rest of the step (the paper's
-   Eq. 6 counts the computation as well). ``grid_points=0`` solves over the candidates
-   only.
+   the time of a whole step (the paper's Eq. 6 counts the computation as well) at the
+   scheme its own choice rule would run at ``c``, priced as that rule prices it
+   (:meth:`~mpicomm.strategies.AutoStrategy.step_time`): the ratio is traded against
+   the time of the scheme that then runs, not of the fastest exchange.
+   ``grid_points=0`` solves over the candidates only.
 
 Every input (gains, times) must already be identical on every rank (allreduced); then
 every rank takes the same decisions. Tuning: ``window`` 10 in the paper (shorter on a

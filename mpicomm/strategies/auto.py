@@ -67,7 +67,6 @@ the strategy keeps its first choices: no records, no refinement, no CR changes.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -86,10 +85,12 @@ from ._compressed import CompressedStrategy, check_floating
 from .auto_agree import StepAgreement
 from .auto_choice import SchemeChoices
 from .auto_config import AutoConfig, strategy_signature
-from .auto_exchange import error_fed, exchange
+from .auto_exchange import FIRST_STEP_MOMENTUM, error_fed, exchange, take_momentum
 from .auto_predict import SchemePredictor
+from .auto_ramp import RatioRamp
 from .auto_ratio import RatioControl
-from .auto_schemes import Choice, Record, build, select
+from .auto_schemes import Choice, Record, build
+from .auto_snapshot import WindowSnapshot
 from .base import Strategy, fuse
 from .kernel_timing import calibrate
 from .lgreco_buckets import Segment
@@ -159,9 +160,15 @@ class AutoStrategy(Strategy):
                                          lgreco=self.lgreco, family=self.family,
                                          fusion_bytes=self.fusion_bytes)
         self.agreement = StepAgreement()
+        #: The ratio ramp (:mod:`~mpicomm.strategies.auto_ramp`): a large fall of a
+        #: bucket's ratio is spread over ``ramp_steps`` steps.
+        self.ramp = RatioRamp(cfg.ramp_steps, cfg.ramp_factor, cfg.ramp_start)
         self._psgd: dict[int, PowerSGD] = {}  # rank -> PowerSGD: per-layer warm starts
         self.memory = ErrorFeedback()
         self.memory.track_sent = True  # the step's ||g_e||² without forming g + e again
+        self._adopt = cfg.momentum_correction and not cfg.lgreco
+        if self._adopt:  # the first step's velocity is kept (take_momentum)
+            self.memory.momentum = FIRST_STEP_MOMENTUM
         self.records: deque[Record] = deque(maxlen=cfg.history)
         #: Called with each :class:`~mpicomm.strategies.auto_schemes.Record` (e.g. a
         #: trace or metrics exporter).
@@ -176,14 +183,12 @@ class AutoStrategy(Strategy):
         self._segments: dict[str, list[Segment]] = {}
         self._pending: list[dict[str, Any]] = []
         self._gain_sq = [0.0, 0.0, 0.0]  # Σ||g_c||², Σ||g_e||², Σ||top-k(g_e)||²: step
-        self._saved: Optional[dict[str, Any]] = None
         self._started = False
         self._adjust_due = False
         self._last_done: Optional[float] = None
         self._action: Optional[str] = None
         self._scales_used: dict[str, float] = {}
         self._moved_streak = 0  # consecutive agreed steps with a compute factor moved
-        self._other_solved: Optional[float] = None  # step_other at the last CR solve
         #: Seconds this rank spent on the controllers' own work (not training):
         #: ``calibration_s`` (start-up ping-pongs and kernels), ``probe_s`` (the gains at
         #: every grid ratio on probe steps), ``exploration_s`` (the steps of exploration
@@ -192,7 +197,8 @@ class AutoStrategy(Strategy):
         self.overheads: dict[str, float] = {"calibration_s": 0.0, "probe_s": 0.0,
                                             "exploration_s": 0.0, "lgreco_s": 0.0,
                                             "probes": 0, "windows": 0}
-        self._saved_at: Optional[float] = None
+        #: The save/restore around CR exploration windows.
+        self.snapshot = WindowSnapshot(self.overheads)
 
     # ------------------------------------------------------------------ state
     @property
@@ -248,16 +254,19 @@ class AutoStrategy(Strategy):
                 {"alpha": self.params.alpha, "beta": self.params.beta}}
 
     def state_dict(self) -> dict[str, Any]:
-        """Residuals, the sub-strategies' own state (PowerSGD warm starts, AR-Top-k) and
-        the per-layer PowerSGD family's warm-start Q per layer."""
-        return {"residuals": self.memory.state_dict()["residuals"],
+        """Residuals (and momentum-correction velocities), the sub-strategies' own state
+        (PowerSGD warm starts, AR-Top-k) and the per-layer PowerSGD family's warm-start
+        Q per layer."""
+        return {**self.memory.state_dict(), "momentum": self.memory.momentum,
                 "subs": {repr(k): s.state_dict() for k, s in self._subs.items()},
                 "per_layer_q": {r: c.state_dict() for r, c in self._psgd.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "residuals" not in state:
             raise ValueError("AutoStrategy.load_state_dict: missing 'residuals'")
-        self.memory.load_state_dict({"residuals": state["residuals"]})
+        self.memory.momentum = float(state.get("momentum", self.memory.momentum))
+        self.memory.load_state_dict({"residuals": state["residuals"],
+                                     "velocities": state.get("velocities", {})})
         for k, s in self._subs.items():
             if repr(k) in state.get("subs", {}):
                 s.load_state_dict(state["subs"][repr(k)])
@@ -273,18 +282,35 @@ class AutoStrategy(Strategy):
         """The selector's cheapest scheme at the current ratio, per fused buffer."""
         return self.predictor.shapes(shapes, self.ratio, itemsize, p, params, compute)
 
-    def sync_time(self, ratio: float) -> float:
-        """Predicted seconds of one step's synchronization at ``ratio`` (all buckets seen
-        so far, the cheapest scheme each): the CR controller's time objective."""
+    def _run_costs(self, ratio: float) -> dict[str, tuple[str, float, float]]:
+        """Per bucket seen so far: the scheme the choice rule would run at ``ratio``,
+        its exchange time and its cost (:meth:`SchemePredictor.run_costs`)."""
         params, compute = calibrated(self.comm)
-        return self.predictor.sync_time(self._layouts, ratio, self.comm.size, params,
-                                        compute)
+        scales = self.online.compute_scales() if self.online is not None else {}
+        return self.predictor.run_costs(self._layouts, ratio, self.comm.size, params,
+                                        compute, self.choices, scales=scales,
+                                        gains=self.choices.scheme_gains,
+                                        min_gain=self.min_gain)
+
+    def sync_time(self, ratio: float) -> float:
+        """Predicted seconds of one step's synchronization at ``ratio``: each bucket's
+        exchange at the scheme the choice rule would run there
+        (:meth:`SchemeChoices.run_choice` on the refined model's predictions)."""
+        return sum(t for _, t, _ in self._run_costs(ratio).values())
 
     def step_time(self, ratio: float) -> float:
-        """Predicted seconds of a whole step at ``ratio``: :meth:`sync_time` plus the
-        measured rest of the step (:attr:`step_other`: forward, backward, optimizer).
-        The CR controller's time objective (the paper's Eq. 6 counts computation too)."""
-        return self.sync_time(ratio) + (self.choices.step_other or 0.0)
+        """The CR controller's time objective at ``ratio``: the seconds of a whole step
+        (the paper's Eq. 6 counts the computation too: :attr:`step_other`) as the
+        scheme choice counts them, so that the ratio is traded against the time of the
+        scheme that runs at it: with ``gain_weighted``, per unit of Top-k progress,
+        ``Σ_buckets (t + share) / efficiency`` at the scheme of lowest such cost (the
+        shares add up to :attr:`step_other`); without, :meth:`sync_time` plus
+        :attr:`step_other`."""
+        costs = self._run_costs(ratio).values()
+        other = self.choices.step_other or 0.0
+        if self.choices.gain_weighted and other and costs:
+            return sum(c for _, _, c in costs)
+        return sum(t for _, t, _ in costs) + other
 
     # ------------------------------------------------------------------ aggregation
     def aggregate(self, tensors: Sequence[Any], names: Optional[Sequence[str]] = None
@@ -342,7 +368,10 @@ class AutoStrategy(Strategy):
         self.predictor.topology = comm.topology
         self.predictor.local = host_costs(comm).local
 
-    def _sub(self, scheme: str, ratio: float, shapes: list[tuple[int, ...]]) -> Strategy:
+    def _sub(self, scheme: str, ratio: float, shapes: list[tuple[int, ...]],
+             cache: bool = True) -> Strategy:
+        """The strategy running ``scheme`` at ``ratio``, kept for later steps unless
+        ``cache`` is false (a ramp's ratios each run once)."""
         key = (scheme, ratio, tuple(shapes) if scheme == "powersgd" else None)
         sub = self._subs.get(key)
         if sub is None:
@@ -350,7 +379,8 @@ class AutoStrategy(Strategy):
             assert sub is not None, scheme
             if isinstance(sub, CompressedStrategy) and scheme != "powersgd":
                 sub.memory = self.memory  # one residual per bucket, whatever the scheme
-            self._subs[key] = sub
+            if cache:
+                self._subs[key] = sub
         return sub
 
     def _choose(self, key: tuple[str, float], shapes: list[tuple[int, ...]],
@@ -373,11 +403,10 @@ class AutoStrategy(Strategy):
             schemes = tuple(s for s in self.schemes
                             if s not in ("dense", "powersgd") or not exploring) \
                 if ratio < 1.0 else self.schemes
-            choice = select(shapes, ratio, itemsize, p, params, compute,
-                            schemes=schemes or self.schemes, approximate=self.approximate,
-                            fusion_bytes=self.fusion_bytes, compute_scale=scales,
-                            gains=self.choices.scheme_gains, min_gain=self.min_gain,
-                            **self.predictor.layout(p))
+            choice = self.predictor.candidates(shapes, ratio, itemsize, p, params, compute,
+                                               schemes=schemes, scales=scales,
+                                               gains=self.choices.scheme_gains,
+                                               min_gain=self.min_gain)
 
         def ratio_of(scheme: str) -> float:
             if scheme == "dense":
@@ -402,8 +431,13 @@ class AutoStrategy(Strategy):
         choice, counted = self._choose(key, shapes, segments, itemsize, params, compute,
                                        scales)
         per_layer = self.family is not None and choice.scheme != "dense"
-        sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes)
-        ref_sq = self._topk_reference(choice.scheme, ratio, buf, names, tensors, sub)
+        choice, ramped = self.ramp.apply(  # trials, windows: at the key's ratio
+            buf.name, choice, not counted and not per_layer and self.lgreco is None and
+            (self.ratio_control.probing or not self.ratio_control.exploring))
+        sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes,
+                                               cache=not ramped)
+        ref_sq = self._topk_reference(choice.scheme, ratio, buf, names, tensors, sub,
+                                      ramped=ramped)
         start = clock.now()
         out, e_sq, left = exchange(choice.scheme, buf, names, tensors, sub, self.memory,
                                    self.comm, self.steps, lgreco=self.lgreco,
@@ -425,35 +459,31 @@ class AutoStrategy(Strategy):
                               "scheme": choice.scheme, "key_ratio": ratio,
                               "ratio": choice.ratio, "seconds": seconds, "a": a, "b": b,
                               "work": work, "kept_sq": kept_sq, "e_sq": e_sq,
-                              "ref_sq": ref_sq, "trial": counted,
+                              "ref_sq": ref_sq, "trial": counted, "ramp": ramped,
                               "predicted": a * params.alpha + b * params.beta + kappa * work})
         return out
 
     def _topk_reference(self, scheme: str, ratio: float, buf: Any, names: list[str],
-                        tensors: list[torch.Tensor], sub: Optional[Strategy]
-                        ) -> Optional[float]:
+                        tensors: list[torch.Tensor], sub: Optional[Strategy],
+                        ramped: bool = False) -> Optional[float]:
         """``||top-k(g_e)||²`` of this rank's error-fed bucket at ``ratio``
         (:meth:`RatioControl.reference`; ``None`` where the step keeps exact Top-k
-        itself: Allgather Top-k, the L-GreCo paths)."""
+        itself: Allgather Top-k not ``ramped`` above ``ratio``, the L-GreCo paths)."""
         probing = self.ratio_control.probing
         begin = clock.now()
         ref = self.ratio_control.reference(
             ratio, lambda: error_fed(scheme, buf, names, tensors, sub, self.memory),
-            kept_is_reference=scheme == "allgather_topk" or self.lgreco is not None)
+            kept_is_reference=scheme == "allgather_topk" and not ramped or
+            self.lgreco is not None)
         if probing:  # the masses at every grid ratio (an ordinary step takes one)
             self.overheads["probe_s"] += clock.now() - begin
         return ref
 
     def _accumulate(self, bucket: str, c: torch.Tensor) -> None:
         """Rank 0 feeds L-GreCo's accumulator on the steps before a solve."""
-        lg, errors = self.lgreco, self.layer_errors
-        if lg is None or errors is None or self.comm.rank != 0 or \
-                not lg.accumulating(self.steps):
-            return
-        offset = 0
-        for layer, n, _ in self._segments[bucket]:
-            errors.accumulate(layer, c[offset:offset + n])
-            offset += n
+        if self.layer_errors is not None:
+            self.layer_errors.accumulate_bucket(self._segments[bucket], c, self.comm.rank,
+                                                self.steps)
 
     # ------------------------------------------------------------------ the step
     def step_done(self, model: Any = None, optimizer: Any = None) -> None:
@@ -465,6 +495,9 @@ class AutoStrategy(Strategy):
         carried out now, at this safe point: ``model``/``optimizer`` (and the
         error-feedback memory) are saved or restored around CR exploration windows
         (without them the windows run but only the memory is restored)."""
+        if self._adopt and optimizer is not None:  # the optimizer's momentum moves here
+            self._adopt = False
+            take_momentum(self.memory, optimizer)
         now = clock.now()
         wall = 0.0 if self._last_done is None else now - self._last_done
         probe = self.ratio_control.take_probe()
@@ -476,7 +509,7 @@ class AutoStrategy(Strategy):
         actions += [self._decide(pending, agreed) for pending, agreed in self.agreement.take()]
         self.steps += 1
         for action in actions:
-            self._act(action, model, optimizer)
+            self.snapshot.act(action, model, optimizer, self)
         self._last_done = clock.now()
 
     def _decide(self, pending: list[dict[str, Any]], agreed: Any) -> Optional[str]:
@@ -524,7 +557,7 @@ class AutoStrategy(Strategy):
         before = self.ratio
         action = self.ratio_control.observe(pending[0]["key_ratio"] if pending else None,
                                             drift, total, ref, probe)
-        self._resolve_on_compute()
+        self.ratio_control.resolve_on_compute(self.choices.step_other, self.config.drift)
         if self.ratio != before:  # choices kept for another ratio are dropped
             self.choices.keep_ratio(self.ratio)
             if self.lgreco is not None and self.family is None and self.ratio < 1.0:
@@ -536,25 +569,14 @@ class AutoStrategy(Strategy):
             self._adjust_due = True  # at the next aggregation, inside the collectives
         return action
 
-    def _resolve_on_compute(self) -> None:
-        """The CR controller solves again when the measured rest of the step
-        (:attr:`step_other`, part of its time objective) first becomes known or has
-        moved by the drift fraction since its last solve (agreed numbers: the same on
-        every rank)."""
-        other, controller = self.choices.step_other, self.controller
-        if controller is None or other is None or not controller.history:
-            return
-        last = self._other_solved
-        if last is None or abs(other - last) > self.config.drift * last:
-            self._other_solved = other
-            controller.resolve("compute")
-
     def _observe(self, r: dict[str, Any], seconds: float, params: CostParams) -> None:
         """One bucket's agreed time: the online refinement, the trials' measured times
         (and a kept choice's settled time), a :class:`~.auto_schemes.Record`."""
         assert self.online is not None
         self.online.observe(r["a"], r["b"], seconds, r["work"], r["scheme"])
-        self.choices.record((r["bucket"], r["key_ratio"]), r["scheme"], seconds, r["trial"])
+        if not r.get("ramp"):  # a ramp step's time is not its key's (another ratio)
+            self.choices.record((r["bucket"], r["key_ratio"]), r["scheme"], seconds,
+                                r["trial"])
         rec = Record(r["step"], r["bucket"], r["scheme"], r["ratio"], r["predicted"],
                      seconds, params.alpha, params.beta)
         self.records.append(rec)
@@ -571,27 +593,5 @@ class AutoStrategy(Strategy):
         self.layer_errors.adjust(self.comm, shapes)
         if self.family is not None:  # the predictions changed with the settings
             self.choices.forget()
-
-    def _act(self, action: Optional[str], model: Any, optimizer: Any) -> None:
-        """Carry out the CR controller's ``"save"``/``"restore"`` of model, optimizer
-        and strategy state (error-feedback memory, warm starts)."""
-        if action == "save":
-            self._saved_at = clock.now()
-            self.overheads["windows"] += 1
-            self._saved = {
-                "model": None if model is None else copy.deepcopy(model.state_dict()),
-                "optimizer": None if optimizer is None
-                else copy.deepcopy(optimizer.state_dict()),
-                "strategy": self.state_dict()}
-        elif action == "restore" and self._saved is not None:
-            saved, self._saved = self._saved, None
-            if self._saved_at is not None:  # the window's steps are thrown away
-                self.overheads["exploration_s"] += clock.now() - self._saved_at
-            if model is not None and saved["model"] is not None:
-                model.load_state_dict(saved["model"])
-            if optimizer is not None and saved["optimizer"] is not None:
-                optimizer.load_state_dict(saved["optimizer"])
-            self.load_state_dict(saved["strategy"])
-
 
 AutoStrategy.__init__.__signature__ = strategy_signature()  # type: ignore[attr-defined]

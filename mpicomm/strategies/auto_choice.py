@@ -104,8 +104,8 @@ class SchemeChoices:
         self.numels: dict[str, int] = {}
 
     # ------------------------------------------------------------------ costs
-    def costs(self, key: Key, predicted: Mapping[str, float], partial: bool = False
-              ) -> dict[str, float]:
+    def costs(self, key: Key, predicted: Mapping[str, float], partial: bool = False,
+              measured: bool = True) -> dict[str, float]:
         """Each candidate's cost at ``key`` = (bucket, ratio): its measured time (min of
         its kept agreed times, :data:`MEASURED_TIMES`) once measured ``trial_steps``
         times (``partial``: once measured at all), else its prediction. With
@@ -115,19 +115,53 @@ class SchemeChoices:
         and for a scheme not measured yet (not ruled out unseen). The share matters: a
         scheme whose exchange takes half the time but keeps 0.6 of Top-k's mass needs
         about 1/0.6 the steps, each with the whole forward and backward."""
-        seen = self.measured.get(key, {})
         share = 0.0
         if self.gain_weighted and self.step_other and key[0] in self.numels:
             share = self.step_other * self.numels[key[0]] / max(1, sum(self.numels.values()))
-        cost = {}
-        enough = 1 if partial else self.trial_steps
-        for s, t in predicted.items():
-            t = min(seen[s]) if len(seen.get(s, ())) >= max(enough, 1) else t
-            if self.gain_weighted:
-                t = (t + share) / (1.0 if s == "dense" else
-                                   max(self.efficiency.get((s, key[1]), 1.0), 1e-3))
-            cost[s] = t
+        cost = self.times(key, predicted, partial) if measured else dict(predicted)
+        if self.gain_weighted:
+            for s, t in cost.items():
+                cost[s] = (t + share) / (1.0 if s == "dense" else
+                                         max(self.efficiency_at(s, key[1]), 1e-3))
         return cost
+
+    def times(self, key: Key, predicted: Mapping[str, float], partial: bool = False
+              ) -> dict[str, float]:
+        """Each candidate's exchange time at ``key``: measured (min of its kept agreed
+        times) once measured ``trial_steps`` times (``partial``: at all), else
+        predicted."""
+        seen = self.measured.get(key, {})
+        enough = max(1 if partial else self.trial_steps, 1)
+        return {s: min(seen[s]) if len(seen.get(s, ())) >= enough else t
+                for s, t in predicted.items()}
+
+    def efficiency_at(self, scheme: str, ratio: float) -> float:
+        """``scheme``'s efficiency at ``ratio``: measured there, else carried over from
+        the nearest ratio (in ``log c``) it was measured at, else 1 (not ruled out
+        unseen). Carried over because the CR controller prices ratios the scheme has not
+        run at with it (:meth:`run_choice`): a scheme that keeps half of Top-k's mass at
+        0.03 is not assumed to keep all of it at 0.025."""
+        own = self.efficiency.get((scheme, ratio))
+        if own is not None:
+            return own
+        seen = [(abs(math.log(c / ratio)), c) for s, c in self.efficiency if s == scheme]
+        return self.efficiency[(scheme, min(seen)[1])] if seen else 1.0
+
+    def run_choice(self, key: Key, predicted: Mapping[str, float], measured: bool = True
+                   ) -> tuple[str, float, float]:
+        """The scheme this rule settles on at ``key`` given the selector's
+        ``predicted`` candidates: the lowest :meth:`costs` (ties: the order of
+        :data:`~.auto_schemes.SCHEMES`), what the trials and :meth:`outrun` converge to
+        where the measured times are the predicted ones; returns ``(scheme, its
+        exchange time, its cost)``. ``measured=False`` prices with the predictions
+        alone (the refined model), as the CR controller's time objective does at every
+        ratio alike: the ratio is traded against the time of the scheme that then runs,
+        not of another, and the ratio in force (the one with measured times) is not
+        priced differently from its neighbours for having run."""
+        cost = self.costs(key, predicted, measured=measured)
+        best = min(cost, key=lambda s: (cost[s], SCHEMES.index(s)))
+        return best, (self.times(key, {best: predicted[best]})[best] if measured
+                      else predicted[best]), cost[best]
 
     def by_measurement(self, key: Key, choice: Choice) -> tuple[Choice, bool]:
         """The choice among ``choice.candidates`` by measured cost where the model does
@@ -287,6 +321,8 @@ class SchemeChoices:
                  EFFICIENCY_DECAY)):
             sums: dict[Any, list[float]] = {}
             for r, c, e in zip(pending, kept, den):
+                if r.get("ramp"):  # ran above its key's ratio: not the key's gain
+                    continue
                 acc = sums.setdefault(key_of(r), [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + float(c), acc[1] + float(e)
             step = pending[0]["step"] if pending else 0

@@ -57,10 +57,12 @@ class AutoConfig:
         The CR controller's (:class:`mpicomm.control.CRController`). The ratio is solved
         over the continuous range ``[min(ratios), max(ratios)]``, exactly on
         ``grid_points`` log-spaced ratios (64; 0: the candidates only), objectives the
-        predicted step time (synchronization at the cheapest scheme plus the measured
-        rest of the step) and the inverse Top-k gain, picked by pymoo's ASF on the
-        Pareto front with ``weights`` (time, gain) after ``normalize`` (``"ideal"``:
-        relative to each objective's best value, so the pick follows the network;
+        step time at the scheme the choice would run at each ratio, as the choice
+        prices it (:meth:`AutoStrategy.step_time`: with ``gain_weighted``, seconds of a
+        whole step per unit of Top-k progress) and the inverse Top-k gain, picked by
+        pymoo's ASF on the Pareto front with ``weights`` (time, gain) after
+        ``normalize`` (``"ideal"``: relative to each objective's best value, so the
+        pick follows the network;
         ``"nadir"``: the reference code's, blind to it; :mod:`mpicomm.control.pareto`).
         A probe measures the gain at every grid ratio on one step. The first exploration
         starts with the first step, a one-step probe by default (``probe_first``: Top-k's
@@ -116,6 +118,40 @@ class AutoConfig:
         0.8 in the first steps, when the ranks' gradients agree) gives way within a few
         steps as its efficiency falls
         (:data:`~mpicomm.strategies.auto_choice.EFFICIENCY_DECAY`). Ours.
+    momentum_correction:
+        ``True`` (default): at the first ``step_done`` with an SGD-like optimizer
+        (:func:`~mpicomm.strategies._compressed.adopt_momentum`: one momentum m, no
+        dampening, no Nesterov) the strategy takes the optimizer's momentum over, as the
+        sparse strategies do by default (DGC's momentum correction and masking, Lin et
+        al., arXiv 1712.01887; :class:`~mpicomm.compress.ErrorFeedback` with
+        ``momentum=m``): every rank keeps a velocity ``u = m·u + g`` per bucket in the
+        error-feedback memory; a sparse scheme sends entries of ``u + residual`` and
+        clears the velocity where it sent; a dense step (and PowerSGD) sends all of it
+        and keeps the velocity (then ``mean_r u_r`` is the optimizer's heavy-ball
+        buffer: the same run as momentum SGD). ``False``: plain error feedback with the
+        optimizer's momentum, which after a switch from dense to a small ratio lost up
+        to 26 points of test accuracy for 100-200 steps (mnist1d-cnn, 8 ranks, gTop-k at
+        0.01 from a dense model at 0.96; with the correction, no dip). Not with
+        ``lgreco`` (its paths keep plain error feedback).
+    ramp_steps, ramp_factor, ramp_start:
+        The ratio ramp (:mod:`~mpicomm.strategies.auto_ramp`): when the ratio a bucket's
+        kept choice runs at falls by more than ``ramp_factor`` at once (from dense,
+        ratio 1, to a sparse scheme; or a re-solve to a much smaller ratio), it is
+        brought down geometrically over ``ramp_steps`` steps, starting from the ratio
+        it ran at, at most ``ramp_start``. Trial steps and exploration windows run at
+        their own ratio; a ramp step's time and gain are not counted for its target
+        ratio. Off by default (``ramp_steps=0``), measured on mnist1d-cnn (8 ranks, from
+        a dense model at 0.96 test accuracy, replayed in one process): with plain error
+        feedback a 100-step ramp from 1 only delays the dip (gTop-k at 0.01: 0.70 at
+        once, 0.73 50 steps later with the ramp; Allgather Top-k at 0.023: 0.845
+        either way, 75 steps later); with ``momentum_correction`` gTop-k at 0.01 still
+        fell to 0.89 (175 steps after the switch) and the ramp kept it at 0.96-0.97,
+        but auto itself, momentum-corrected, switched to Allgather Top-k at 0.036 with
+        no dip at all (0.958, 0.964, 0.970 at steps 700, 750, 800), so a ramp there
+        would only have cost its large first ratios on the slow link that caused the
+        switch (from 1 to 0.01 over 100 steps: 21.5 full gradients' worth of pairs,
+        about +5 s for gTop-k at 100 Mbit/s). Ours (DGC's warm-up of the sparsity at
+        the start of training, applied to every large fall).
     drift_patience:
         Debounce of re-decisions: a drift of alpha/beta
         (:class:`mpicomm.control.OnlineCalibration`'s ``patience``) or of a compute factor
@@ -175,6 +211,10 @@ class AutoConfig:
     trial_steps: int = 1
     gain_weighted: bool = True
     drift_patience: int = 5
+    momentum_correction: bool = True
+    ramp_steps: int = 0
+    ramp_factor: float = 4.0
+    ramp_start: float = 1.0
     # the CR controller
     weights: tuple[float, float] = (0.6, 0.4)
     choice: str = "asf"
@@ -225,6 +265,11 @@ class AutoConfig:
 
         check_int("trial_steps", self.trial_steps, 0)
         check_int("drift_patience", self.drift_patience, 1)
+        check_int("ramp_steps", self.ramp_steps, 0)
+        if _number("ramp_factor", self.ramp_factor) <= 1.0:
+            raise ValueError(f"ramp_factor must be > 1, got {self.ramp_factor!r}")
+        if not 0.0 < _number("ramp_start", self.ramp_start) <= 1.0:
+            raise ValueError(f"ramp_start must be in (0, 1], got {self.ramp_start!r}")
         _number("trial_margin", self.trial_margin, low=0.0)
         if self.lgreco_family not in FAMILIES:
             raise ValueError(f"lgreco_family must be one of {FAMILIES}, "

@@ -34,10 +34,11 @@ import torch
 from ..buffers import to_torch
 from ..compress import ErrorFeedback, PowerSGD
 from ..control.lgreco import LGreco
+from ._compressed import adopt_momentum
 from .base import Strategy
 from .lgreco_buckets import Segment, powersgd_bucket, qsgd_bucket, topk_bucket
 
-__all__ = ["exchange", "error_fed", "squared_norm"]
+__all__ = ["exchange", "error_fed", "squared_norm", "take_momentum", "FIRST_STEP_MOMENTUM"]
 
 
 def squared_norm(t: torch.Tensor) -> float:
@@ -60,13 +61,42 @@ def error_fed(scheme: str, buf: Any, names: Sequence[str], tensors: Sequence[tor
     tensor."""
     if scheme == "powersgd":
         residuals = getattr(sub, "memory", None)
-        return torch.cat([t.reshape(-1) + to_torch(residuals.residual(n)).reshape(-1)
-                          if residuals is not None and n in residuals else t.reshape(-1)
-                          for t, n in zip(tensors, names)])
-    fed = buf.flat.reshape(-1)
-    if buf.name in memory:
-        fed = fed + to_torch(memory.residual(buf.name)).reshape(-1)
+        fed = torch.cat([t.reshape(-1) + to_torch(residuals.residual(n)).reshape(-1)
+                         if residuals is not None and n in residuals else t.reshape(-1)
+                         for t, n in zip(tensors, names)])
+    else:
+        fed = buf.flat.reshape(-1)
+        if buf.name in memory:
+            fed = fed + to_torch(memory.residual(buf.name)).reshape(-1)
+    if memory.momentum:  # what compensate() will form: m·u + g + e
+        try:
+            u = to_torch(memory.velocity(buf.name)).reshape(-1)
+        except KeyError:
+            return fed
+        fed = fed + memory.momentum * u
     return fed
+
+
+#: The velocity factor of the memory until :func:`take_momentum` sets the optimizer's:
+#: unused by then (the first step's velocity is its gradient, ``u = g``, whatever m).
+FIRST_STEP_MOMENTUM = 0.9
+
+
+def take_momentum(memory: ErrorFeedback, optimizer: Any) -> float:
+    """After the first step, move an SGD-like optimizer's momentum m into ``memory``
+    (:func:`~mpicomm.strategies._compressed.adopt_momentum`: the optimizer runs without
+    momentum from then on) and return m. ``memory`` kept the first step's velocity
+    (``u = g``, cleared where a sparse scheme sent: what the optimizer's buffer, the
+    mean of the sent ``u``, holds), so the run goes on exactly as momentum SGD on dense
+    steps and as DGC on sparse ones. For another optimizer, 0.0: the memory drops its
+    velocities and stays plain error feedback."""
+    m = adopt_momentum(optimizer)
+    if m:
+        memory.momentum = m
+    else:
+        memory.momentum = 0.0
+        memory.load_state_dict({"residuals": memory.state_dict()["residuals"]})
+    return m
 
 
 def _family_bucket(family: str, c: torch.Tensor, bucket: str, segments: Sequence[Segment],
@@ -102,6 +132,10 @@ def exchange(scheme: str, buf: Any, names: Sequence[str], tensors: Sequence[torc
     bucket where L-GreCo measures it. Collective."""
     if scheme == "powersgd":
         assert sub is not None
+        if memory.momentum:  # the velocity (and the shared residual) go through PowerSGD
+            c = to_torch(memory.compensate(buf.name, buf.flat)).reshape(-1)
+            memory.update(buf.name, c, c)  # velocity kept, unmasked: nothing is dropped
+            tensors = [p.reshape(t.shape) for p, t in zip(buf.split(c), tensors)]
         res = sub.memory  # type: ignore[attr-defined]
         e_sq = sum(squared_norm(t) + (squared_norm(to_torch(res.residual(n)))
                                       if res is not None and n in res else 0.0)
@@ -113,7 +147,10 @@ def exchange(scheme: str, buf: Any, names: Sequence[str], tensors: Sequence[torc
     flat = buf.flat
     if scheme == "dense":
         assert sub is not None
-        if buf.name in memory:
+        if memory.momentum:  # u = m·u + g kept unmasked (the heavy ball), residual sent
+            flat = memory.compensate(buf.name, flat)
+            memory.update(buf.name, flat, flat)
+        elif buf.name in memory:
             flat = memory.compensate(buf.name, flat)
             memory.reset(buf.name)
         e_sq, left = squared_norm(flat), 0.0  # gain 1

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from ..collectives.cost import ComputeParams, CostParams
 from ..control.lgreco import LGreco
 from ..topology import Topology
+from .auto_choice import SchemeChoices
 from .auto_schemes import Choice, build, select
 from .base import fused_groups
 from .lgreco_buckets import FAMILY_SCHEMES, Segment, predict_bucket
@@ -145,10 +146,34 @@ class SchemePredictor:
             comm_s, work = comm_s + parts["comm"], work + parts["compute"]
         return {"comm": comm_s, "compute": work}
 
-    def sync_time(self, layouts: Mapping[str, tuple[list[tuple[int, ...]], int]],
-                  ratio: float, p: int, params: CostParams, compute: ComputeParams) -> float:
-        """Predicted seconds of one step's synchronization at ``ratio``: the selector's
-        cheapest scheme for each bucket of ``layouts`` (bucket -> (shapes, itemsize))."""
-        return sum(select(shapes, ratio, itemsize, p, params, compute, schemes=self.schemes,
-                          approximate=self.approximate, **self.layout(p)).predicted
-                   for shapes, itemsize in layouts.values())
+    def candidates(self, shapes: Sequence[tuple[int, ...]], ratio: float, itemsize: int,
+                   p: int, params: CostParams, compute: ComputeParams, *,
+                   schemes: Optional[Sequence[str]] = None,
+                   scales: Optional[Mapping[str, float]] = None,
+                   gains: Optional[Mapping[str, float]] = None,
+                   min_gain: float = 0.0) -> Choice:
+        """The selector's choice for one fused bucket of ``shapes`` at ``ratio``
+        (:func:`~mpicomm.strategies.auto_schemes.select` among ``schemes``, default
+        :attr:`schemes`, with the compute factors ``scales``, the measured ``gains``
+        and ``min_gain``, on the ranks' layout): what the running choice and the CR
+        controller's time objective both start from."""
+        return select(shapes, ratio, itemsize, p, params, compute,
+                      schemes=schemes or self.schemes, approximate=self.approximate,
+                      fusion_bytes=self.fusion_bytes, compute_scale=scales, gains=gains,
+                      min_gain=min_gain, **self.layout(p))
+
+    def run_costs(self, layouts: Mapping[str, tuple[list[tuple[int, ...]], int]],
+                  ratio: float, p: int, params: CostParams, compute: ComputeParams,
+                  choices: SchemeChoices, **selector: Any) -> dict[str, tuple[str, float,
+                                                                             float]]:
+        """Per bucket of ``layouts`` (bucket -> (shapes, itemsize)): the scheme that
+        would run at ``ratio`` and its exchange time and cost,
+        :meth:`SchemeChoices.run_choice` on the selector's candidates (``selector``:
+        :meth:`candidates`' keywords) with the efficiencies known
+        so far, on the predicted times (``measured=False``): the one rule by which a
+        scheme runs, applied to every ratio alike."""
+        return {bucket: choices.run_choice(
+                    (bucket, ratio),
+                    self.candidates(shapes, ratio, itemsize, p, params, compute,
+                                    **selector).candidates, measured=False)
+                for bucket, (shapes, itemsize) in layouts.items()}

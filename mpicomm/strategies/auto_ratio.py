@@ -46,6 +46,7 @@ class RatioControl:
         self.fixed = fixed
         #: Σ||top-k(g_e)||² at each candidate ratio over the step's buckets (probe step).
         self.probe_sq: list[float] = []
+        self._other_solved: Optional[float] = None  # the step's rest at the last solve
 
     @property
     def ratio(self) -> float:
@@ -112,3 +113,15 @@ class RatioControl:
         if gains is not None or not controller.probing:
             return controller.observe(gain, probe=gains, ratio=ran)
         return None
+
+    def resolve_on_compute(self, other: Optional[float], drift: float) -> None:
+        """The controller solves again when ``other``, the measured rest of the step
+        (part of its time objective), first becomes known or has moved by the ``drift``
+        fraction since its last such solve (agreed numbers: the same on every rank)."""
+        controller = self.controller
+        if controller is None or other is None or not controller.history:
+            return
+        last = self._other_solved
+        if last is None or abs(other - last) > drift * last:
+            self._other_solved = other
+            controller.resolve("compute")

@@ -87,6 +87,17 @@ class LayerErrors:
         return family_compressor(self.lgreco, self.lgreco.value(layer)
                                  if value is None else value)
 
+    def accumulate_bucket(self, segments: Sequence[tuple[str, int, Any]], c: torch.Tensor,
+                          rank: int, step: int) -> None:
+        """Rank 0 adds a bucket's error-fed gradient ``c`` (its layers' ``segments``:
+        (layer, elements, shape), in order) on the steps before a solve."""
+        if rank != 0 or not self.lgreco.accumulating(step):
+            return
+        offset = 0
+        for layer, n, _ in segments:
+            self.accumulate(layer, c[offset:offset + n])
+            offset += n
+
     def accumulate(self, layer: str, grad: torch.Tensor) -> None:
         """Add one step's error-fed layer gradient (weight ``1 / acc_steps``)."""
         g = grad.detach().reshape(-1).double() / self.lgreco.acc_steps
