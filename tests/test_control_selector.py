@@ -384,16 +384,18 @@ def test_auto_chooses_by_measurement_where_predictions_are_close():
 
 
 def test_auto_weighs_schemes_by_their_efficiency_and_the_whole_step():
-    """``gain_weighted`` (default): cost = (time + the bucket's share of the step's
-    other time) / efficiency of that (scheme, ratio); a faster exchange that keeps less
-    of Top-k's mass loses to a slower one that keeps more; dense and a scheme whose
+    """``gain_weighted`` (off by default): cost = (time + the bucket's share of the
+    step's other time) / efficiency of that (scheme, ratio); a faster exchange that keeps
+    less of Top-k's mass loses to a slower one that keeps more; dense and a scheme whose
     efficiency is unknown divide by 1."""
     from collections import deque
 
     from mpicomm.strategies import AutoStrategy
     from mpicomm.strategies.auto_schemes import Choice
 
-    auto = AutoStrategy(calibrate_links=0, ratio=0.01, trial_margin=0.5, trial_steps=2)
+    assert not AutoStrategy(calibrate_links=0).choices.gain_weighted   # time alone
+    auto = AutoStrategy(calibrate_links=0, ratio=0.01, trial_margin=0.5, trial_steps=2,
+                        gain_weighted=True)
     assert auto.choices.gain_weighted
     key = ("b0", 0.01)
     pred = Choice("artopk_tree", 0.01, 0.05,

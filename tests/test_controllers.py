@@ -290,13 +290,16 @@ def test_auto_selector_follows_a_scripted_network_identically_on_every_rank(comm
 
 
 # ---------------------------------------------------------------------- one rule
-def test_cr_time_objective_prices_each_ratio_with_the_scheme_that_runs_there(monkeypatch):
+@pytest.mark.parametrize("gain_weighted", [True, False])
+def test_cr_time_objective_prices_each_ratio_with_the_scheme_that_runs_there(monkeypatch,
+                                                                             gain_weighted):
     """The CR controller's time objective at a ratio is the cost of the scheme the
-    choice then settles on at that ratio (trials, gain-weighted costs), by the same
+    choice then settles on at that ratio (trials, then the kept choice), by the same
     rule: on a scripted 100 Mbit/s, 5 ms network with gTop-k and AR-Top-k measured to
-    keep 0.4 and 0.3 of Top-k's mass at one ratio (carried to the others), the choice
-    runs Allgather Top-k at some ratios where gTop-k's exchange is the fastest, and the
-    objective prices those ratios with Allgather Top-k, at every ratio of the grid."""
+    keep 0.4 and 0.3 of Top-k's mass at one ratio (carried to the others). Gain-weighted,
+    the choice runs Allgather Top-k at some ratios where gTop-k's exchange is the
+    fastest, and the objective prices those ratios with Allgather Top-k, at every ratio
+    of the grid; by time alone (the default) it runs the fastest exchange everywhere."""
     from types import SimpleNamespace
 
     import mpicomm.strategies.auto as auto_module
@@ -304,7 +307,8 @@ def test_cr_time_objective_prices_each_ratio_with_the_scheme_that_runs_there(mon
     n, p = 105_738, 8
     params, compute = CostParams(alpha=5e-3, beta=8 / 1e8), ComputeParams()
     monkeypatch.setattr(auto_module, "calibrated", lambda comm: (params, compute))
-    auto = strategies.make("auto", schemes=("dense",) + SPARSE, calibrate_links=0)
+    auto = strategies.make("auto", schemes=("dense",) + SPARSE, calibrate_links=0,
+                           gain_weighted=gain_weighted)
     auto._comm = SimpleNamespace(size=p)
     shapes = [(n,)]
     auto._layouts = {"b0": (shapes, 4)}
@@ -326,12 +330,17 @@ def test_cr_time_objective_prices_each_ratio_with_the_scheme_that_runs_there(mon
                                 True)
         scheme, seconds, cost = auto._run_costs(c)["b0"]
         assert choice.scheme == scheme, c
-        assert auto.step_time(c) == pytest.approx(cost)
+        # the whole step: gain-weighted costs carry the step's other time in shares
+        whole = cost if gain_weighted else seconds + auto.choices.step_other
+        assert auto.step_time(c) == pytest.approx(whole)
         assert choice.predicted == pytest.approx(cost)   # settled on by this cost
         assert auto.sync_time(c) == pytest.approx(predicted.candidates[scheme])
         fastest = predicted.scheme
         differ += fastest != scheme
-    assert differ >= 1          # the fastest exchange is not always the one that runs
+    if gain_weighted:
+        assert differ >= 1      # the fastest exchange is not always the one that runs
+    else:
+        assert differ == 0
 
 
 # ---------------------------------------------------------------------- ratio ramp
