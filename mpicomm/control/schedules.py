@@ -208,7 +208,7 @@ class BudgetRamp:
     allreduce's (gTop-k at P = 8: c = 24/7; AR-Top-k, ring: c = 3/2) spends about
     ``c·budget`` dense allreduces' bytes on the ramp. Example:
     ``BudgetRamp(0.03, 9.311)`` ramps over 1 092 steps at ρ = 0.001 (about 32 dense
-    allreduces' bytes for gTop-k at P = 8, against 7 for the rest of a 2 028-step
+    allreduces' bytes for gTop-k at P = 8, against 3 for the rest of a 2 028-step
     run) and over 511 steps at ρ = 0.01. Cost: O(1) per step; the same on every rank.
     Tuning: the start sets how fast the early, fast-changing gradients are applied;
     the budget, how long the ramp lasts: size it from the whole run's byte target.
