@@ -69,8 +69,9 @@ class GTopK(SparsifyingStrategy):
     applies 3-30x more entries per step while the gradients change fast. Measured
     (MNIST-1D CNN, 8 ranks, 2 028 steps, density 0.001): -0.44, -1.05 and -0.27
     points against dense on seeds 0-2 (median -0.44; without the ramp -1.74, -1.07,
-    -1.18); at density 0.01, seed 0: -0.45 at 24.1x (without: -0.81 at 29.1x). Pass
-    ``schedule=None`` for none; the class's own default has none.
+    -1.18); at density 0.01: -0.45, -0.53 and +0.11 (median -0.45) at 24.1x (without:
+    median -0.73 at 29.1x). Pass ``schedule=None`` for none; the class's own default
+    has none.
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
