@@ -17,8 +17,10 @@ from mpi4py import MPI
 
 from mpicomm.compress.topk import k_for
 from mpicomm.control import (
+    BudgetRamp,
     Schedule,
     dgc_warmup,
+    exp_warmup,
     gtopk_warmup,
     linear_warmup,
     parse_schedule,
@@ -66,12 +68,45 @@ def test_linear_warmup_anneals_from_dense():
     np.testing.assert_allclose(half.densities(5, 0.1), [0.5, 0.4, 0.3, 0.2, 0.1], atol=1e-15)
 
 
+def test_exp_warmup_falls_geometrically_to_the_final_density():
+    s = exp_warmup(length=4, start=0.16, unit="step")
+    # 0.16·(0.01/0.16)^(t/4): halves every step, then the final density
+    np.testing.assert_allclose(s.densities(6, 0.01), [0.16, 0.08, 0.04, 0.02, 0.01, 0.01],
+                               rtol=1e-12)
+    # never below the final density, and a start under it is the final density throughout
+    assert exp_warmup(length=3, start=0.005, unit="step").densities(4, 0.01) == [0.01] * 4
+    by_epoch = parse_schedule("exp:2,0.04", steps_per_epoch=3)
+    assert by_epoch.warmup_steps == 6 and by_epoch(0, 0.001) == 0.04
+    assert by_epoch(6, 0.001) == 0.001
+    # the whole ramp's traffic: (s - ρ)·L / ln(s/ρ) density-steps in the continuous limit
+    long = exp_warmup(length=1000, start=0.03, unit="step")
+    assert sum(long.densities(1000, 0.001)) == pytest.approx(
+        (0.03 - 0.001) * 1000 / math.log(30), rel=0.01)
+
+
+def test_budget_ramp_spends_the_same_density_steps_at_any_final_density():
+    r = BudgetRamp(0.03, 9.311)
+    # at 0.001 it is exp:1092,0.03@step; at 0.01 the ramp is shorter, at 0.03 absent
+    assert r.steps(0.001) == 1092 and r.steps(0.01) == 511 and r.steps(0.03) == 0
+    np.testing.assert_allclose([r(t, 0.001) for t in range(1093)],
+                               exp_warmup(length=1092, start=0.03, unit="step").densities(
+                                   1093, 0.001), rtol=1e-12)
+    for final in (0.001, 0.003, 0.01):
+        sent = sum(r(t, final) for t in range(r.steps(final)))
+        assert sent == pytest.approx(9.311, rel=0.01), final
+    assert [r(t, 0.05) for t in range(3)] == [0.05] * 3
+    assert parse_schedule("ramp:0.03,9.311") == r and parse_schedule(r.spec()) == r
+    for bad in ("ramp:0.03", "ramp:0.03,9@step", "ramp:0.03,-1", "ramp:2,5"):
+        with pytest.raises(ValueError, match="bad schedule"):
+            parse_schedule(bad, steps_per_epoch=2)
+
+
 def test_relative_traffic_and_spec_round_trip():
     s = dgc_warmup(steps_per_epoch=1)
     assert s.relative_traffic(5, 0.001) == pytest.approx(
         (0.25 + 0.0625 + 0.015625 + 0.004 + 0.001) / (5 * 0.001))
     for spec in ("gtopk", "dgc", "linear:5", "linear:2,0.5", "warmup:0.1,0.03/2",
-                 "dgc:20@step", "gtopk:2"):
+                 "dgc:20@step", "gtopk:2", "exp:7", "exp:1092,0.03@step"):
         parsed = parse_schedule(spec, steps_per_epoch=4)
         again = parse_schedule(parsed.spec(), steps_per_epoch=4)
         assert again == parsed, spec

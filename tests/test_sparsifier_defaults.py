@@ -11,6 +11,8 @@ feedback, and a loop that never calls ``step_done`` keeps plain error feedback.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -97,3 +99,23 @@ def test_gtopk_default_puts_truncated_picks_back():
     assert label_strategy("gtopk", density=0.01).strategy.own_contribution is True
     assert label_strategy("gtopk+ef", density=0.01).strategy.own_contribution is False
     assert label_strategy("gtopk+ef+own", density=0.01).strategy.own_contribution is True
+
+
+def test_gtopk_by_name_ramps_its_density_within_a_fixed_budget():
+    """``make("gtopk")`` (and every entry point that builds by name) adds the measured
+    density ramp: from 0.03 geometrically down to the density, 9.311 density-steps in
+    all (1 092 steps at 0.001); the class itself and ``schedule=None`` have none."""
+    from mpicomm.bench.recipes import label_strategy
+    from mpicomm.control import BudgetRamp
+
+    s = strategies.make("gtopk", density=0.001)
+    assert s.schedule == BudgetRamp(0.03, 9.311)
+    assert s.describe()["schedule"] == "ramp:0.03,9.311"
+    # k of a 100 000-element buffer: 3 000 at step 0, 100 from step 1 092 on
+    assert [s._k(100_000, t, 0.001, None) for t in (0, 546, 1091, 1092, 5000)] == \
+        [3000, math.ceil(100_000 * 0.03 * (1 / 30) ** 0.5), 101, 100, 100]
+    assert label_strategy("gtopk", density=0.001).strategy.schedule == s.schedule
+    assert strategies.make("gtopk", schedule=None).schedule is None
+    assert strategies.GTopK(density=0.001).schedule is None
+    assert strategies.make("gtopk", density=0.05)._k(1000, 0, 0.05, None) == 50
+    assert strategies.make("topk").schedule is None

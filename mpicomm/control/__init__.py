@@ -20,10 +20,18 @@ from .adacomm import AdaComm
 from .cost_refit import OnlineCalibration
 from .cr import CRController
 from .lgreco import LGreco, lgreco_solve
-from .schedules import Schedule, dgc_warmup, gtopk_warmup, linear_warmup, parse_schedule
+from .schedules import (
+    BudgetRamp,
+    Schedule,
+    dgc_warmup,
+    exp_warmup,
+    gtopk_warmup,
+    linear_warmup,
+    parse_schedule,
+)
 
-__all__ = ["AdaComm", "Schedule", "gtopk_warmup", "dgc_warmup", "linear_warmup",
-           "parse_schedule", "predict", "lgreco_solve", "LGreco", "CRController",
+__all__ = ["AdaComm", "Schedule", "BudgetRamp", "gtopk_warmup", "dgc_warmup", "linear_warmup",
+           "exp_warmup", "parse_schedule", "predict", "lgreco_solve", "LGreco", "CRController",
            "OnlineCalibration"]
 
 
