@@ -100,9 +100,9 @@ class AutoConfig:
         of the first 12 steps on trials. Ours, not the papers'.
     gain_weighted:
         ``False`` (default): compare schemes by the step's time alone (the "cheapest that
-        meets ``min_gain``" rule, per step). ``True``: compare schemes (in the choice by measurement and
-        :meth:`~mpicomm.strategies.auto_choice.SchemeChoices.outrun`) by the step's seconds
-        per unit of Top-k progress, ``(t + share) / efficiency``
+        meets ``min_gain``" rule, per step). ``True``: compare schemes (in the choice by
+        measurement and :meth:`~mpicomm.strategies.auto_choice.SchemeChoices.outrun`) by
+        the step's seconds per unit of Top-k progress, ``(t + share) / efficiency``
         (:meth:`~mpicomm.strategies.auto_choice.SchemeChoices.costs`): ``t`` the bucket's
         exchange, ``share`` its part of :attr:`AutoStrategy.step_other` (the forward,
         backward and optimizer time every step pays), ``efficiency`` the scheme's mass kept
