@@ -67,9 +67,7 @@ from typing import Any
 from ..validate import check_choice, check_int
 
 __all__ = ["Schedule", "BudgetRamp", "gtopk_warmup", "dgc_warmup", "linear_warmup",
-           "exp_warmup",
-           "parse_schedule",
-           "KINDS", "UNITS", "SPECS"]
+           "exp_warmup", "parse_schedule", "KINDS", "UNITS", "SPECS"]
 
 KINDS = ("stepwise", "linear", "exp")
 UNITS = ("epoch", "step")
