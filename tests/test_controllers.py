@@ -394,9 +394,10 @@ def test_ramp_steps_count_neither_for_the_targets_times_nor_its_efficiency():
 
 
 # ---------------------------------------------------------------------- momentum correction
-def _momentum_run(comm, strategy, steps=6):
+def _momentum_run(comm, strategy, steps=6, own_step=False):
     """``steps`` of a small MLP, SGD with momentum 0.9, under ``strategy``: the final
-    weights and the optimizer's momentum afterwards."""
+    weights and the optimizer's momentum afterwards. ``own_step``: ``sync.wait()`` and
+    the caller's ``optimizer.step()``, so the strategy never sees the optimizer."""
     from mpicomm.torch import GradientSync
 
     torch.manual_seed(0)
@@ -410,7 +411,11 @@ def _momentum_run(comm, strategy, steps=6):
                                                                      generator=gen)
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            sync.step(opt)
+            if own_step:
+                sync.wait()
+                opt.step()
+            else:
+                sync.step(opt)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), \
         opt.param_groups[0]["momentum"]
 
@@ -442,3 +447,29 @@ def test_auto_takes_the_momentum_over_as_the_fixed_strategies_do(comm, scheme, r
     gathered = comm.allgather_object(mine.numpy())
     for w in gathered:
         np.testing.assert_allclose(w, gathered[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("scheme", "ratio"), [("dense", 1.0), ("allgather_topk", 0.1)])
+def test_auto_never_applies_momentum_twice_when_it_never_sees_the_optimizer(comm, scheme,
+                                                                          ratio):
+    """A run whose steps end without ``step_done(optimizer)`` (``wait`` and the caller's
+    own ``optimizer.step()``, as under the DDP hook): the optimizer keeps its momentum
+    and auto's memory falls back to plain error feedback at the second step, so the run
+    equals auto with ``momentum_correction=False``; the state says no handover is due,
+    and a strategy loaded from it does not take the momentum over later."""
+    def auto(**kw):
+        return strategies.make("auto", comm=comm, ratio=ratio, schemes=(scheme,),
+                               calibrate_links=0, trial_steps=0, **kw)
+
+    first = auto()
+    mine, momentum = _momentum_run(comm, first, own_step=True)
+    assert momentum == 0.9 and first.memory.momentum == 0.0
+    theirs, _ = _momentum_run(comm, auto(momentum_correction=False))
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    state = first.state_dict()
+    assert state["adopt_pending"] is False
+    again = auto()
+    assert again.handover.pending
+    again.load_state_dict(state)
+    assert not again.handover.pending and again.memory.momentum == 0.0

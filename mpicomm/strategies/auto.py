@@ -85,7 +85,7 @@ from ._compressed import CompressedStrategy, check_floating
 from .auto_agree import StepAgreement
 from .auto_choice import SchemeChoices
 from .auto_config import AutoConfig, strategy_signature
-from .auto_exchange import FIRST_STEP_MOMENTUM, error_fed, exchange, take_momentum
+from .auto_exchange import MomentumHandover, error_fed, exchange
 from .auto_predict import SchemePredictor
 from .auto_ramp import RatioRamp
 from .auto_ratio import RatioControl
@@ -166,9 +166,7 @@ class AutoStrategy(Strategy):
         self._psgd: dict[int, PowerSGD] = {}  # rank -> PowerSGD: per-layer warm starts
         self.memory = ErrorFeedback()
         self.memory.track_sent = True  # the step's ||g_e||² without forming g + e again
-        self._adopt = cfg.momentum_correction and not cfg.lgreco
-        if self._adopt:  # the first step's velocity is kept (take_momentum)
-            self.memory.momentum = FIRST_STEP_MOMENTUM
+        self.handover = MomentumHandover(self.memory, cfg.momentum_correction and not cfg.lgreco)
         self.records: deque[Record] = deque(maxlen=cfg.history)
         #: Called with each :class:`~mpicomm.strategies.auto_schemes.Record` (e.g. a
         #: trace or metrics exporter).
@@ -258,6 +256,7 @@ class AutoStrategy(Strategy):
         (PowerSGD warm starts, AR-Top-k) and the per-layer PowerSGD family's warm-start
         Q per layer."""
         return {**self.memory.state_dict(), "momentum": self.memory.momentum,
+                "adopt_pending": self.handover.pending,
                 "subs": {repr(k): s.state_dict() for k, s in self._subs.items()},
                 "per_layer_q": {r: c.state_dict() for r, c in self._psgd.items()}}
 
@@ -265,6 +264,7 @@ class AutoStrategy(Strategy):
         if "residuals" not in state:
             raise ValueError("AutoStrategy.load_state_dict: missing 'residuals'")
         self.memory.momentum = float(state.get("momentum", self.memory.momentum))
+        self.handover.pending = bool(state.get("adopt_pending", self.handover.pending))
         self.memory.load_state_dict({"residuals": state["residuals"],
                                      "velocities": state.get("velocities", {})})
         for k, s in self._subs.items():
@@ -422,6 +422,7 @@ class AutoStrategy(Strategy):
 
     def _run_bucket(self, buf: Any, names: list[str], tensors: list[torch.Tensor]
                     ) -> list[torch.Tensor]:
+        self.handover.bucket(buf.name)
         ratio = self.ratio
         key = (buf.name, ratio)
         params, compute = calibrated(self.comm)
@@ -495,9 +496,7 @@ class AutoStrategy(Strategy):
         carried out now, at this safe point: ``model``/``optimizer`` (and the
         error-feedback memory) are saved or restored around CR exploration windows
         (without them the windows run but only the memory is restored)."""
-        if self._adopt and optimizer is not None:  # the optimizer's momentum moves here
-            self._adopt = False
-            take_momentum(self.memory, optimizer)
+        self.handover.step_done(optimizer)  # the optimizer's momentum moves here, once
         now = clock.now()
         wall = 0.0 if self._last_done is None else now - self._last_done
         probe = self.ratio_control.take_probe()

@@ -38,7 +38,8 @@ from ._compressed import adopt_momentum
 from .base import Strategy
 from .lgreco_buckets import Segment, powersgd_bucket, qsgd_bucket, topk_bucket
 
-__all__ = ["exchange", "error_fed", "squared_norm", "take_momentum", "FIRST_STEP_MOMENTUM"]
+__all__ = ["exchange", "error_fed", "squared_norm", "take_momentum", "FIRST_STEP_MOMENTUM",
+           "MomentumHandover"]
 
 
 def squared_norm(t: torch.Tensor) -> float:
@@ -177,3 +178,40 @@ def exchange(scheme: str, buf: Any, names: Sequence[str], tensors: Sequence[torc
         left = squared_norm(to_torch(memory.residual(buf.name)))
         e_sq = left + memory.sent_sq(buf.name)
     return [o.reshape(-1) for o in buf.split(averaged)], e_sq, left
+
+
+class MomentumHandover:
+    """``auto``'s momentum correction as a small state machine over the memory.
+
+    Enabled, the memory keeps the first step's velocity (:data:`FIRST_STEP_MOMENTUM`)
+    until the first :meth:`step_done` with an optimizer moves that optimizer's momentum
+    into it (:func:`take_momentum`). If a bucket is aggregated a second time before that
+    (the step ended without ``step_done(optimizer)``: the DDP hook, or ``wait`` followed
+    by the caller's own ``optimizer.step()``), the optimizer keeps its momentum, and the
+    memory drops its velocities and stays plain error feedback, so momentum is never
+    applied twice. ``pending`` is saved with the strategy's state, so a resumed run does
+    not hand over a second time. Cost: a set lookup per bucket until the handover.
+    """
+
+    def __init__(self, memory: ErrorFeedback, enabled: bool) -> None:
+        self.memory, self.pending = memory, bool(enabled)
+        self._seen: set[str] = set()
+        if self.pending:
+            memory.momentum = FIRST_STEP_MOMENTUM
+
+    def bucket(self, name: str) -> None:
+        """Called before ``name`` is exchanged."""
+        if not self.pending:
+            return
+        if name not in self._seen:
+            self._seen.add(name)
+            return
+        self.pending = False
+        self.memory.momentum = 0.0
+        self.memory.load_state_dict({"residuals": self.memory.state_dict()["residuals"]})
+
+    def step_done(self, optimizer: Any) -> None:
+        """At the end of a step: take ``optimizer``'s momentum over, once."""
+        if self.pending and optimizer is not None:
+            self.pending = False
+            take_momentum(self.memory, optimizer)
