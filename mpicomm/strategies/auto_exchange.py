@@ -95,9 +95,15 @@ def take_momentum(memory: ErrorFeedback, optimizer: Any) -> float:
     if m:
         memory.momentum = m
     else:
-        memory.momentum = 0.0
-        memory.load_state_dict({"residuals": memory.state_dict()["residuals"]})
+        drop_velocities(memory)
     return m
+
+
+def drop_velocities(memory: ErrorFeedback) -> None:
+    """Make ``memory`` plain error feedback: no momentum, no velocities, the residuals
+    kept."""
+    memory.momentum = 0.0
+    memory.load_state_dict({"residuals": memory.state_dict()["residuals"]})
 
 
 def _family_bucket(family: str, c: torch.Tensor, bucket: str, segments: Sequence[Segment],
@@ -207,8 +213,7 @@ class MomentumHandover:
             self._seen.add(name)
             return
         self.pending = False
-        self.memory.momentum = 0.0
-        self.memory.load_state_dict({"residuals": self.memory.state_dict()["residuals"]})
+        drop_velocities(self.memory)
 
     def step_done(self, optimizer: Any) -> None:
         """At the end of a step: take ``optimizer``'s momentum over, once."""
