@@ -102,12 +102,31 @@ def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(two_seeds
     assert data["options"]["seeds"] == 2 and data["options"]["eval_every"] == 1
 
 
+def test_bench_adaptive_seed_offset_runs_the_later_seeds(two_seeds, tmp_path):
+    """``--seed-offset 1 --seeds 1`` runs seed 1 alone: the same run as the second seed of
+    ``--seeds 2`` (so a committed result can get more seeds without rerunning seed 0)."""
+    out = tmp_path / "offset.json"
+    result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--epochs", "2",
+                         "--hidden", "32", "--static", "gtopk@0.1", "--only", "gtopk@0.1",
+                         "--seeds", "1", "--seed-offset", "1", "--target", "0.3",
+                         "--stop-at-target", "--lgreco-families", "",
+                         "--schedule", "0:0.1:100", "--json", str(out)],
+                     timeout=240)
+    assert result.returncode == 0, result.output
+    (run,) = json.loads(out.read_text())["rows"][0]["runs"]
+    second = two_seeds["rows"][1]["runs"][1]
+    assert run["seed"] == second["seed"] == 1
+    assert run["final_acc"] == second["final_acc"] and run["steps"] == second["steps"]
+    assert run["sent_kB_step"] == second["sent_kB_step"]
+
+
 def test_bench_adaptive_rejects_zero_seeds(capsys):
     """In this process: the checks come first in ``run`` (a UsageError under mpiexec is
     one error line and status 2 on every rank: tests/test_bench_usage.py)."""
     from mpicomm.bench.__main__ import main
 
     for args, message in ((["--seeds", "0"], "--seeds and --eval-every must be >= 1"),
+                          (["--seed-offset", "-1"], "--seed-offset >= 0"),
                           (["--max-steps", "0"], "--max-steps must be >= 1")):
         with pytest.raises(SystemExit) as exc:
             main(["adaptive", *args])

@@ -141,6 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="test accuracy every so many steps (not timed)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per method (batch order seeds 0..N-1); medians reported")
+    parser.add_argument("--seed-offset", type=int, default=0,
+                        help="first seed (seeds OFFSET..OFFSET+N-1), to add seeds to a "
+                             "committed result with benchmarks/adaptive_merge.py")
     parser.add_argument("--stop-at-target", action="store_true",
                         help="each static method ends at the first check that reaches "
                              "--target (its time to it is known by then; the final "
@@ -415,8 +418,8 @@ def auto_options(items: list[str]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     auto_options(args.auto_option)
-    if args.seeds < 1 or args.eval_every < 1:
-        raise UsageError("--seeds and --eval-every must be >= 1")
+    if args.seeds < 1 or args.eval_every < 1 or args.seed_offset < 0:
+        raise UsageError("--seeds and --eval-every must be >= 1, --seed-offset >= 0")
     if args.max_steps is not None and args.max_steps < 1:
         raise UsageError("--max-steps must be >= 1")
     if args.link == "emulated" and not os.environ.get(ENV_RANKS_PER_HOST):
@@ -443,7 +446,8 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise UsageError(f"--only {unknown}: not among the methods {methods}")
         methods = [m for m in methods if m in only]
-    runs = [[train(m, comm, args, seed=s) for s in range(args.seeds)] for m in methods]
+    seeds = range(args.seed_offset, args.seed_offset + args.seeds)
+    runs = [[train(m, comm, args, seed=s) for s in seeds] for m in methods]
     records = [run.pop("record") for per_method in runs for run in per_method]
     rows = [median_row(r) for r in runs]
     summary = summarize(rows)
