@@ -204,6 +204,29 @@ def test_adaptive_merge_puts_separate_jobs_together_and_recomputes_the_targets()
         merge([parts[0], parts[0]], ["a", "b"])
 
 
+def test_adaptive_merge_joins_the_seeds_of_one_method_from_several_jobs():
+    merge = _merge_module().merge
+
+    def job(method, seeds, times, offset=0):
+        runs = [dict(_run(s, t, 0.96, 30.0), method=method, timeline=[])
+                for s, t in zip(seeds, times)]
+        row = median_row(runs)
+        return _result(method, [row], seeds=len(seeds), seed_offset=offset)
+
+    parts = [job("auto", [0, 1, 2], [8.0, 9.0, 7.0]), job("gtopk@0.1", [0], [10.0]),
+             job("gtopk@0.1", [1, 2], [14.0, 11.0], offset=1)]
+    out = merge(parts, ["a", "g0", "g12"])
+    fixed = out["rows"][0]
+    assert fixed["method"] == "gtopk@0.1" and [r["seed"] for r in fixed["runs"]] == [0, 1, 2]
+    assert fixed["time_to_target_s"] == 11.0                  # median of 10, 14, 11
+    assert out["summary"]["auto_vs_best_static"] == pytest.approx(8.0 / 11.0)
+    assert out["options"]["seeds"] == 3 and out["options"]["seed_offset"] == 0
+    with pytest.raises(ValueError, match="different seeds"):
+        merge(parts[:2], ["a", "g0"])
+    with pytest.raises(ValueError, match="appears twice"):
+        merge([parts[1], parts[1]], ["g0", "g0"])
+
+
 def test_adaptive_merge_compares_clocks_by_what_they_charge():
     merge = _merge_module().merge
     op = {"per_call": 1e-3, "per_unit": 0.0, "unit": "call", "source": "declared"}
