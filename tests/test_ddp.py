@@ -205,6 +205,10 @@ def test_one_step_done_per_synchronized_iteration(group: mpicomm.Communicator,
     assert sum(map(len, per_step)) == hook.state.buckets
     with pytest.raises(RuntimeError, match="closed by its MpicommHookState"):
         hook.state.strategy.step_done(None, opt)
+    with pytest.raises(ValueError, match="already belongs to an open MpicommHookState"):
+        MpicommHookState(strategy, group)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        MpicommHookState("dense", group, optimizer="sgd")
     hook.state.close()
     strategy.step_done(None, opt)            # its own again
     assert log[-1] == ("done", opt)
@@ -387,8 +391,9 @@ def test_auto_under_the_hook_follows_a_network_change(group, tmp_path) -> None:
     assert hook.state.steps == steps
     decisions = [(t, bucket, scheme) for t, bucket, scheme, _ in auto.decisions]
     assert group.allgather_object(decisions) == [decisions] * group.size
+    assert {r.step for r in auto.records} == set(range(steps - 1))  # one step late
     if group.size == 1:                      # no network: nothing to follow
-        assert {s for _, _, s in decisions} == {"dense"} and not auto.records
+        assert {s for _, _, s in decisions} == {"dense"}
         return
     before = {b: s for t, b, s in decisions if t < change}  # in force at the change
     now = {r.bucket for r in auto.records if r.step == steps - 2}  # (agreed one late)

@@ -34,7 +34,7 @@ correction. ``MpicommHookState`` says when and why.
 
 Error feedback of compressing strategies follows the parameters: each bucket reaches the
 strategy as its parameters' gradients, named and ordered by the parameters' first
-appearance, so where DDP's bucket rebuild after the first iteration only reorders the
+appearance (last first), so where DDP's bucket rebuild after the first iteration only reorders the
 parameters inside a bucket the strategy sees no change and its memory carries from the
 first step on (where the rebuild regroups them, the first step's residual is dropped;
 ``MpicommHookState`` says more).
@@ -44,10 +44,13 @@ it before the strategy reads the buffer, and synchronizes its own stream before 
 the result to DDP (as ``mpicomm.torch.GradientSync`` does).
 
 Cost: the strategy's own (see ``mpicomm.strategies``) per bucket, plus one queue
-hand-off (~10 µs). DDP's ``bucket_cap_mb`` (default 25) is the fusion size: a sparsifier
-selects top-k per bucket (per piece of ``fusion_bytes``, the strategy's own fusion size,
-where that is smaller). The process group's own traffic is only DDP's set-up
-broadcast (and ``broadcast_buffers`` for models with buffers, e.g. BatchNorm).
+hand-off (~10 µs) and, where a bucket holds its parameters in another order than the
+strategy's (DDP's first iteration, before its rebuild), two copies of the bucket (into
+the strategy's fusion buffer and back). DDP's ``bucket_cap_mb`` (default 25) is the
+fusion size: a sparsifier selects top-k per bucket (per piece of ``fusion_bytes``, the
+strategy's own fusion size, where that is smaller). The process group's own traffic is
+only DDP's set-up broadcast (and ``broadcast_buffers`` for models with buffers, e.g.
+BatchNorm).
 """
 
 from __future__ import annotations
@@ -176,14 +179,17 @@ class MpicommHookState:
 
     Do not call ``state.strategy.step_done`` yourself while the state is open: it
     raises ``RuntimeError`` (the state closes every step; a second call would advance
-    the strategy twice per step). ``state.steps`` counts the steps closed,
-    ``state.buckets`` the buckets aggregated.
+    the strategy twice per step); after ``close`` it is the strategy's own again. A
+    strategy belongs to one open state at a time (``ValueError``). ``state.steps``
+    counts the steps closed, ``state.buckets`` the buckets aggregated.
 
     Error feedback and per-step counters follow the parameters, not DDP's bucket
     layout: each bucket is split into its parameters' gradients, named ``"ddp/p<n>"`` by
-    the order in which the parameters first appear, and handed to the strategy in that
-    order (the strategy fuses them again, by its ``fusion_bytes``: one copy of the
-    bucket per iteration where DDP's order differs from the first one). DDP rebuilds its
+    the order in which the parameters first appear, and handed to the strategy in the
+    reverse of that order (the order backward produces them in, as DDP's rebuilt buckets
+    and ``GradientSync`` hold them). The strategy fuses them again, by its
+    ``fusion_bytes``: in place where they lie in that order in DDP's buffer, else a copy
+    into a fusion buffer and back. DDP rebuilds its
     buckets after the first iteration, in the order the gradients became ready. Where
     that only reorders the parameters inside the buckets (for example a model in one
     bucket), the strategy sees the same tensors in the same order: residuals and
@@ -197,6 +203,9 @@ class MpicommHookState:
                  optimizer: Any = None, **options: Any):
         strategy = build_strategy(strategy, options, owner="MpicommHookState",
                                   owner_options=_HOOK_OPTIONS)
+        if getattr(strategy, "step_done", None) is _refuse_step_done:
+            raise ValueError("this strategy already belongs to an open MpicommHookState; "
+                             "give each hook a strategy of its own")
         if optimizer is not None and not hasattr(optimizer, "param_groups"):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got "
                             f"{type(optimizer).__name__}")
@@ -256,13 +265,13 @@ class MpicommHookState:
 
     def _split(self, index: int, grad: torch.Tensor, params: list[torch.Tensor] | None
                ) -> tuple[list[torch.Tensor], list[str]]:
-        """The bucket's per-parameter views in first-appearance order, and their names."""
+        """The bucket's per-parameter views, last-appearing first, and their names."""
         sizes = [p.numel() for p in params or ()]
         if not sizes or sum(sizes) != grad.numel():
             return [grad], [f"ddp/b{index}/{grad.numel()}"]
         numbers = [self._number(p) for p in params]  # type: ignore[union-attr]
         views = torch.split(grad, sizes)
-        order = sorted(range(len(sizes)), key=numbers.__getitem__)
+        order = sorted(range(len(sizes)), key=numbers.__getitem__, reverse=True)
         return ([views[i].view(params[i].shape) for i in order],  # type: ignore[index]
                 [f"ddp/p{numbers[i]}" for i in order])
 
