@@ -221,13 +221,13 @@ class MpicommHookState:
         self.steps = 0
         self._numbers: dict[int, tuple[weakref.ref, int]] = {}  # id(param) -> number
         self._count = 0
-        self._end_step = self.strategy.step_done
-        self.strategy.step_done = _refuse_step_done  # type: ignore[method-assign]
         self._queue: clock.Queue = clock.Queue()
         self._closed = False
         self._thread: threading.Thread | None = None
         if self.overlap:
             self._thread = clock.start_thread(self._run, name="mpicomm-ddp-hook")
+        self._end_step = self.strategy.step_done  # the state closes the steps from now on
+        self.strategy.step_done = _refuse_step_done  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
         return (f"MpicommHookState(strategy={self.strategy.name!r}, ranks={self.comm.size}, "
