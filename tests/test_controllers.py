@@ -454,8 +454,9 @@ def test_auto_takes_the_momentum_over_as_the_fixed_strategies_do(comm, scheme, r
 def test_auto_never_applies_momentum_twice_when_it_never_sees_the_optimizer(comm, scheme,
                                                                           ratio):
     """A run whose steps end without ``step_done(optimizer)`` (``wait`` and the caller's
-    own ``optimizer.step()``, as under the DDP hook): the optimizer keeps its momentum
-    and auto's memory falls back to plain error feedback at the second step, so the run
+    own ``optimizer.step()``, as under the DDP hook without ``optimizer=``): the
+    optimizer keeps its momentum and auto's memory falls back to plain error feedback at
+    the second step, so the run
     equals auto with ``momentum_correction=False``; the state says no handover is due,
     and a strategy loaded from it does not take the momentum over later."""
     def auto(**kw):

@@ -61,8 +61,9 @@ L-GreCo (``lgreco=True``), ``lgreco_family``:
   allreduces, per bucket); the selector chooses between dense and that per-layer scheme,
   predicted for the settings in force, and re-decides after every L-GreCo solve.
 
-Without ``step_done`` calls (a loop that neither uses ``GradientSync.step`` nor calls it)
-the strategy keeps its first choices: no records, no refinement, no CR changes.
+Without ``step_done`` calls (a loop that neither uses ``GradientSync.step`` or the DDP
+hook, which call it, nor calls it) the strategy keeps its first choices: no records, no
+refinement, no CR changes.
 """
 
 from __future__ import annotations

@@ -192,11 +192,12 @@ class MomentumHandover:
     Enabled, the memory keeps the first step's velocity (:data:`FIRST_STEP_MOMENTUM`)
     until the first :meth:`step_done` with an optimizer moves that optimizer's momentum
     into it (:func:`take_momentum`). If a bucket is aggregated a second time before that
-    (the step ended without ``step_done(optimizer)``: the DDP hook, or ``wait`` followed
-    by the caller's own ``optimizer.step()``), the optimizer keeps its momentum, and the
-    memory drops its velocities and stays plain error feedback, so momentum is never
-    applied twice. ``pending`` is saved with the strategy's state, so a resumed run does
-    not hand over a second time. Cost: a set lookup per bucket until the handover.
+    (the step ended without ``step_done(optimizer)``: the DDP hook without
+    ``optimizer=``, or ``wait`` followed by the caller's own ``optimizer.step()``), the
+    optimizer keeps its momentum, and the memory drops its velocities and stays plain
+    error feedback, so momentum is never applied twice. ``pending`` is saved with the
+    strategy's state, so a resumed run does not hand over a second time. Cost: a set
+    lookup per bucket until the handover.
     """
 
     def __init__(self, memory: ErrorFeedback, enabled: bool) -> None:

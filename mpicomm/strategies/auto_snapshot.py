@@ -32,9 +32,14 @@ class WindowSnapshot:
         self.saved_at: Optional[float] = None
 
     def act(self, action: Optional[str], model: Any, optimizer: Any, strategy: Any) -> None:
-        """``"save"``: snapshot ``model``, ``optimizer`` (either may be ``None``) and
-        ``strategy.state_dict()``; ``"restore"``: load the snapshot back (once);
-        anything else: nothing."""
+        """``"save"``: snapshot ``model``, ``optimizer`` and ``strategy.state_dict()``;
+        ``"restore"``: load the snapshot back (once); anything else: nothing. Without a
+        ``model`` (a caller that never sees it: the DDP hook) the optimizer is neither
+        saved nor restored either, since its state (momentum, Adam's moments) belongs to
+        the parameters' trajectory that the window keeps; only the strategy's state is
+        restored."""
+        if model is None:
+            optimizer = None
         if action == "save":
             self.saved_at = clock.now()
             self.overheads["windows"] += 1
