@@ -78,7 +78,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import clock, vwire
+from .. import clock, hooks, vwire
 from ..comm import Communicator
 from ..compress import Compressor
 from ..emulate.linkdelay import link_delay
@@ -206,6 +206,9 @@ class Server:
                 grad = st.spare.pop() if st.spare else torch.empty_like(st.value)
                 nbytes += wire.recv_detached(self.mpi, source, m, [grad])
             self.stats["bytes_pushed"] += nbytes
+            hooks.instant("ps push", "ps", key_id=m.key_id, piece=m.piece, worker=m.b)
+            if m.d == wire.PULL_AFTER:   # a pipelined push + pull: the pull of the piece
+                self.pending.append((m.b, st))
             self._push(st, m, grad)
         elif m.op == wire.PULL:
             self.pending.append((m.a, self._piece(m)))
@@ -237,6 +240,7 @@ class Server:
             self.stats["duplicates"] += 1
             if grad is not None:
                 self._release(st, grad, True)
+            self._serve_pending()
             return
         if seq != last + 1:
             raise RuntimeError(f"lost update: worker {w} pushed key {st.name} with sequence "
@@ -347,6 +351,7 @@ class Server:
         stale = max(0, int(st.last_seq[w]) - self._slowest(w, st))
         self.stats["max_staleness"] = max(self.stats["max_staleness"], stale)
         self.stats["pulls"] += 1
+        hooks.instant("ps reply", "ps", key_id=st.key_id, piece=st.index, worker=w)
         head = (stale, int(st.last_seq.sum()), st.version)
         if self.pull_codec is None:   # dense: straight from the values (module docstring)
             sends = wire.isend_detached(self.mpi, w, wire.TAG_REPLY, wire.REPLY, st.key_id,

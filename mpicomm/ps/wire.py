@@ -6,8 +6,11 @@ Layout (all little-endian, native MPI bytes)::
     int64[2|n|] per array: dtype code, element count
     bytes     the arrays, each padded to 8 bytes (only if n >= 0)
 
-``a..d`` depend on ``op``: a push carries (sequence number, worker, step), a pull
-(worker), a reply (staleness, pushes applied so far, version).
+``a..d`` depend on ``op``: a push carries (sequence number, worker, step, then), a pull
+(worker), a reply (staleness, pushes applied so far, version). ``then = PULL_AFTER``
+makes a push also a pull of its piece, answered as soon as the consistency model allows
+(the pipelined push + pull: no request message, and no wait for the push to complete
+before the pull is asked for).
 
 Two forms. *Inline* (``n >= 0``): one message holds the header and the arrays, so a
 matched probe receives it whole and requests from many workers never interleave, at the
@@ -57,13 +60,16 @@ from ..emulate.linkdelay import LinkDelay
 from ..p2p import isend_bytes
 from ..tags import TAG_PS_CONTROL, TAG_PS_DATA, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
 
-__all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "TAG_REQUEST", "TAG_REPLY", "TAG_CONTROL",
-           "TAG_STATE", "TAG_DATA", "Message", "pack", "unpack", "reply_nbytes", "Backoff",
-           "wait_requests", "probe_wait", "isend_detached", "recv_detached", "message_nbytes"]
+__all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "PULL_AFTER", "TAG_REQUEST", "TAG_REPLY",
+           "TAG_CONTROL", "TAG_STATE", "TAG_DATA", "Message", "pack", "unpack", "reply_nbytes",
+           "Backoff", "wait_requests", "probe_wait", "isend_detached", "recv_detached",
+           "message_nbytes"]
 
 # operations
 PUSH, PULL, CLOSE, CKPT, REPLY = 1, 2, 3, 4, 5
 OP_NAMES = {PUSH: "push", PULL: "pull", CLOSE: "close", CKPT: "checkpoint", REPLY: "reply"}
+#: A push's ``d``: also pull the piece once the push is applied.
+PULL_AFTER = 1
 
 # tags (the "ps" range of the registry mpicomm.tags)
 TAG_REQUEST = TAG_PS_REQUEST   # binary
