@@ -94,6 +94,10 @@ __all__ = ["PieceState", "Server", "UPDATE_PASSES"]
 #: piece (``reduce`` per byte: scaling the sum, the optimizer's update); each gradient
 #: added into a sync sum is one more, keeping a pushed gradient a ``copy``.
 UPDATE_PASSES = 3
+#: The server drops its completed sends from its list when it is idle, or once this many
+#: are listed (testing each one after every message would cost ``O(k^2)`` per push
+#: of ``k`` chunks).
+REAP_AT = 16
 
 
 @dataclass
@@ -144,6 +148,7 @@ class Server:
         self.pull_codec = Codec(pull_compressor) if pull_compressor is not None else None
         self.pieces: dict[tuple[int, int], PieceState] = {}
         self.closed = np.zeros(workers, dtype=bool)
+        self.finished = False   # every worker has closed
         self.pending: list[tuple[int, PieceState]] = []  # (worker, piece) pulls waiting
         servers = comm.size - workers
         self.first = (comm.rank - workers) * workers // servers  # replies start here
@@ -169,7 +174,7 @@ class Server:
         backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
         status = MPI.Status()
         virtual = vwire.active()   # no message can come once every worker has closed
-        while not (self.closed.all() and (virtual or not self.sends)):
+        while not (self.finished and (virtual or not self.sends)):
             t0 = clock.now()
             msg = improbe(self.mpi, MPI.ANY_SOURCE, MPI.ANY_TAG, status,
                           tags=(wire.TAG_REQUEST, wire.TAG_CONTROL))
@@ -189,7 +194,8 @@ class Server:
                 self._control(source, recv_object(msg, self.delay, status, self.mpi))
             else:
                 raise RuntimeError(f"unexpected message with tag {tag} from rank {source}")
-            self._reap_sends()
+            if len(self.sends) >= REAP_AT:   # else when idle: a test per send costs
+                self._reap_sends()
         wait_sends([r for r, _ in self.sends], 0.0, lambda reqs, _: wire.wait_requests(reqs))
         self.sends.clear()
 
@@ -215,6 +221,7 @@ class Server:
             self._serve_pending()
         elif m.op == wire.CLOSE:
             self.closed[m.a] = True
+            self.finished = bool(self.closed.all())
             self._serve_pending()
         elif m.op == wire.CKPT:
             self.ckpt_requests += 1
