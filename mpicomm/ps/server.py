@@ -51,6 +51,16 @@ finds such a send still in flight first moves the values to a new buffer (copy o
 write), so a reply never carries a half-updated value. Compressed pushes and replies are
 inline messages as before.
 
+Pipelined push + pull (:meth:`mpicomm.ps.KVStore.push_pull`): a push whose header says
+``PULL_AFTER`` (:mod:`mpicomm.ps.wire`) is also a pull of its piece, queued with the
+pending pulls before the push is applied and answered by the same rules. With a key cut
+into chunks (:mod:`mpicomm.ps.sharding`) the server answers chunk ``i`` as soon as it is
+updated, and its reply (a nonblocking send) moves while the server receives chunk
+``i + 1``: the update and the reply of all chunks but the last overlap the push.
+Emitted per push and per reply: :func:`mpicomm.hooks.instant` ``"ps push"`` and
+``"ps reply"`` (category ``"ps"``, with ``key_id``, ``piece``, ``worker``), the order
+in which the server handled them.
+
 Compressed pulls (a ``pull_compressor``): the server keeps one ``mirror`` per piece and
 a chain of encodings. At most once per version, when a pull finds the value changed
 since the last encoding, it compresses ``delta_n = value - mirror`` (``n`` = 1, 2, ...:

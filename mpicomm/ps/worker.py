@@ -18,6 +18,10 @@ A worker talks to every server point to point on the store's private communicato
   CPU). With a pull compressor a reply is either the whole piece (the first pull, and
   the first after a restore) or a compressed delta that the worker adds to its own copy
   of the piece, which then mirrors, bit for bit, the server's record of that copy.
+* ``push_pull``: ``push`` then ``pull`` in one pass (dense stores): every piece's push
+  header also asks for its pull (:data:`mpicomm.ps.wire.PULL_AFTER`), so no request
+  message is sent, nothing waits for the push to complete first, and with chunked
+  pieces the replies of the first chunks arrive while the last ones still go out.
 * Waiting for a reply: the worker polls without sleeping for about twice the time the
   reply's bytes took to arrive last time (:meth:`Worker.expected_wait`: the server's
   update and the transfer), then backs off (:class:`mpicomm.ps.wire.Backoff`); a reply
