@@ -90,6 +90,35 @@ def test_chunked_push_pull_equals_unchunked_bitwise(comm, monkeypatch, momentum)
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["compressor", "pull_compressor"])
+def test_push_pull_of_a_compressed_store_is_push_then_pull(comm, monkeypatch, kind):
+    """With a push or pull compressor no key is cut into chunks and ``push_pull`` is
+    ``push`` then ``pull``: bit for bit the same values, step by step."""
+    monkeypatch.setenv("MPICOMM_PS_SPLIT_BYTES", "1024")
+    for servers, workers in splits(comm.size):
+        got = {}
+        for pipelined in (True, False):
+            kv = KVStore(comm, servers=servers, mode="sync", lr=0.1, **{kind: "fp16"})
+            if kv.is_worker:
+                kv.init("w", np.linspace(-1, 1, N, dtype=np.float32))
+                assert len(kv._worker.info("w").pieces) == servers
+                values = []
+                for step in range(3):
+                    g = _grad(step, kv.worker_rank)
+                    if pipelined:
+                        values.append(kv.push_pull("w", g))
+                    else:
+                        kv.push("w", g)
+                        values.append(kv.pull("w"))
+                got[pipelined] = values
+            finish(kv)
+        if comm.rank < workers:
+            for a, b in zip(got[True], got[False]):
+                np.testing.assert_array_equal(a, b)
+        comm.barrier()
+
+
+@pytest.mark.mpi
 def test_push_pull_applies_every_push_once_in_every_mode(comm, monkeypatch):
     """Chunked ``push_pull`` in sync, async and SSP: after ``steps`` pushes of ones per
     worker the value is ``steps`` updates of ``-lr`` (sync) or ``steps * W`` of
