@@ -38,6 +38,9 @@ variable                            meaning
                                     (default: the ``mpiexec`` beside this Python, else PATH).
 ``MPICOMM_PS_SPLIT_BYTES``          parameter server: keys of at least this many bytes are
                                     split over all servers (default 65536, an integer >= 1).
+``MPICOMM_PS_CHUNK_BYTES``          parameter server: dense pieces larger than this are cut
+                                    into chunks that ``KVStore.push_pull`` pipelines (default
+                                    524288; 0: none; :mod:`mpicomm.ps.sharding`).
 ``MPICOMM_PS_SPIN_US``              parameter server: microseconds a waiting server or worker
                                     keeps probing (yielding the CPU between probes) before it
                                     sleeps (default 200; :class:`mpicomm.ps.wire.Backoff`);

@@ -5,8 +5,10 @@ Run under MPI, e.g. ``mpiexec -n 5 python -m mpicomm.bench ps`` (S servers = the
 ranks, W = N - S workers, for every S in ``--servers`` below N).
 
 1. **Communication** (``--sections comm``): every worker pushes and pulls one key of
-   ``n`` bytes (float32, split over the S servers), sync mode with ``lr = 0``; median
-   over ``--repeats`` of the slowest worker's push+pull time. Next to it, in the same
+   ``n`` bytes (float32, split over the S servers and cut into ``pieces`` of
+   ``MPICOMM_PS_CHUNK_BYTES``), sync mode with ``lr = 0``; median over ``--repeats`` of
+   the slowest worker's time for one pipelined :meth:`~mpicomm.ps.KVStore.push_pull`
+   (``ps_ms``) and for ``push`` then ``pull`` (``ps_separate_ms``). Next to it, in the same
    run: the prediction ``2 alpha + 2 W (n/S) beta + W (n/S) gamma``
    (:func:`mpicomm.collectives.cost.ps_push_pull`, alpha/beta/gamma fitted by
    :func:`mpicomm.collectives.calibrate.measure` at the start) and mpicomm's ring
@@ -198,6 +200,9 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
                 kv.init("g", g)
 
                 def step(kv: Any = kv, g: np.ndarray = g) -> None:
+                    kv.push_pull("g", g, out=g)
+
+                def separate(kv: Any = kv, g: np.ndarray = g) -> None:
                     kv.push("g", g)
                     kv.pull("g", out=g)
 
@@ -205,10 +210,12 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
                     allreduce(g, op="sum", algorithm="ring", comm=wc)
 
                 ps_s = median_seconds(step, wc, repeats=args.repeats)
+                sep_s = median_seconds(separate, wc, repeats=args.repeats)
                 ar_s = median_seconds(ring, wc, repeats=args.repeats)
                 bound = ps_push_pull(nbytes, workers, servers, links)
                 rows.append({"servers": servers, "workers": workers, "bytes": nbytes,
-                             "ps_ms": ps_s * 1e3,
+                             "pieces": len(kv._worker.info("g").pieces),
+                             "ps_ms": ps_s * 1e3, "ps_separate_ms": sep_s * 1e3,
                              "ps_pred_ms": ps_push_pull(nbytes, workers, servers, params) * 1e3,
                              "bound_ms": bound * 1e3, "ps/bound": ps_s / bound,
                              "ring_ms": ar_s * 1e3,
@@ -229,7 +236,8 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
         print(f"\n== push+pull per step vs prediction and ring allreduce over the workers "
               f"(alpha {params.alpha * 1e6:.1f} us, beta {1 / params.beta / 1e9:.2f} GB/s, "
               f"gamma {1 / params.gamma / 1e9:.2f} GB/s)")
-        print_table(rows, ["servers", "workers", "bytes", "ps_ms", "ps_pred_ms", "bound_ms",
+        print_table(rows, ["servers", "workers", "bytes", "pieces", "ps_ms", "ps_separate_ms",
+                           "ps_pred_ms", "bound_ms",
                            "ps/bound", "pingpong_ms", "ps/pingpong", "ring_ms", "ring_pred_ms",
                            "ps/ring"])
         worst = max((r["ps/bound"] for r in rows), default=float("nan"))

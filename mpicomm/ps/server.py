@@ -51,6 +51,16 @@ finds such a send still in flight first moves the values to a new buffer (copy o
 write), so a reply never carries a half-updated value. Compressed pushes and replies are
 inline messages as before.
 
+Pipelined push + pull (:meth:`mpicomm.ps.KVStore.push_pull`): a push whose header says
+``PULL_AFTER`` (:mod:`mpicomm.ps.wire`) is also a pull of its piece, queued with the
+pending pulls before the push is applied and answered by the same rules. With a key cut
+into chunks (:mod:`mpicomm.ps.sharding`) the server answers chunk ``i`` as soon as it is
+updated, and its reply (a nonblocking send) moves while the server receives chunk
+``i + 1``: the update and the reply of all chunks but the last overlap the push.
+Emitted per push and per reply: :func:`mpicomm.hooks.instant` ``"ps push"`` and
+``"ps reply"`` (category ``"ps"``, with ``key_id``, ``piece``, ``worker``), the order
+in which the server handled them.
+
 Compressed pulls (a ``pull_compressor``): the server keeps one ``mirror`` per piece and
 a chain of encodings. At most once per version, when a pull finds the value changed
 since the last encoding, it compresses ``delta_n = value - mirror`` (``n`` = 1, 2, ...:
@@ -78,7 +88,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import clock, vwire
+from .. import clock, hooks, vwire
 from ..comm import Communicator
 from ..compress import Compressor
 from ..emulate.linkdelay import link_delay
@@ -94,6 +104,10 @@ __all__ = ["PieceState", "Server", "UPDATE_PASSES"]
 #: piece (``reduce`` per byte: scaling the sum, the optimizer's update); each gradient
 #: added into a sync sum is one more, keeping a pushed gradient a ``copy``.
 UPDATE_PASSES = 3
+#: The server drops its completed sends from its list when it is idle, or once this many
+#: are listed (testing each one after every message would cost ``O(k^2)`` per push
+#: of ``k`` chunks).
+REAP_AT = 16
 
 
 @dataclass
@@ -144,6 +158,7 @@ class Server:
         self.pull_codec = Codec(pull_compressor) if pull_compressor is not None else None
         self.pieces: dict[tuple[int, int], PieceState] = {}
         self.closed = np.zeros(workers, dtype=bool)
+        self.finished = False   # every worker has closed
         self.pending: list[tuple[int, PieceState]] = []  # (worker, piece) pulls waiting
         servers = comm.size - workers
         self.first = (comm.rank - workers) * workers // servers  # replies start here
@@ -169,7 +184,7 @@ class Server:
         backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
         status = MPI.Status()
         virtual = vwire.active()   # no message can come once every worker has closed
-        while not (self.closed.all() and (virtual or not self.sends)):
+        while not (self.finished and (virtual or not self.sends)):
             t0 = clock.now()
             msg = improbe(self.mpi, MPI.ANY_SOURCE, MPI.ANY_TAG, status,
                           tags=(wire.TAG_REQUEST, wire.TAG_CONTROL))
@@ -189,7 +204,8 @@ class Server:
                 self._control(source, recv_object(msg, self.delay, status, self.mpi))
             else:
                 raise RuntimeError(f"unexpected message with tag {tag} from rank {source}")
-            self._reap_sends()
+            if len(self.sends) >= REAP_AT:   # else when idle: a test per send costs
+                self._reap_sends()
         wait_sends([r for r, _ in self.sends], 0.0, lambda reqs, _: wire.wait_requests(reqs))
         self.sends.clear()
 
@@ -206,12 +222,16 @@ class Server:
                 grad = st.spare.pop() if st.spare else torch.empty_like(st.value)
                 nbytes += wire.recv_detached(self.mpi, source, m, [grad])
             self.stats["bytes_pushed"] += nbytes
+            hooks.instant("ps push", "ps", key_id=m.key_id, piece=m.piece, worker=m.b)
+            if m.d == wire.PULL_AFTER:   # a pipelined push + pull: the pull of the piece
+                self.pending.append((m.b, st))
             self._push(st, m, grad)
         elif m.op == wire.PULL:
             self.pending.append((m.a, self._piece(m)))
             self._serve_pending()
         elif m.op == wire.CLOSE:
             self.closed[m.a] = True
+            self.finished = bool(self.closed.all())
             self._serve_pending()
         elif m.op == wire.CKPT:
             self.ckpt_requests += 1
@@ -237,6 +257,7 @@ class Server:
             self.stats["duplicates"] += 1
             if grad is not None:
                 self._release(st, grad, True)
+            self._serve_pending()
             return
         if seq != last + 1:
             raise RuntimeError(f"lost update: worker {w} pushed key {st.name} with sequence "
@@ -347,6 +368,7 @@ class Server:
         stale = max(0, int(st.last_seq[w]) - self._slowest(w, st))
         self.stats["max_staleness"] = max(self.stats["max_staleness"], stale)
         self.stats["pulls"] += 1
+        hooks.instant("ps reply", "ps", key_id=st.key_id, piece=st.index, worker=w)
         head = (stale, int(st.last_seq.sum()), st.version)
         if self.pull_codec is None:   # dense: straight from the values (module docstring)
             sends = wire.isend_detached(self.mpi, w, wire.TAG_REPLY, wire.REPLY, st.key_id,

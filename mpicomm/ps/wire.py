@@ -6,8 +6,11 @@ Layout (all little-endian, native MPI bytes)::
     int64[2|n|] per array: dtype code, element count
     bytes     the arrays, each padded to 8 bytes (only if n >= 0)
 
-``a..d`` depend on ``op``: a push carries (sequence number, worker, step), a pull
-(worker), a reply (staleness, pushes applied so far, version).
+``a..d`` depend on ``op``: a push carries (sequence number, worker, step, then), a pull
+(worker), a reply (staleness, pushes applied so far, version). ``then = PULL_AFTER``
+makes a push also a pull of its piece, answered as soon as the consistency model allows
+(the pipelined push + pull: no request message, and no wait for the push to complete
+before the pull is asked for).
 
 Two forms. *Inline* (``n >= 0``): one message holds the header and the arrays, so a
 matched probe receives it whole and requests from many workers never interleave, at the
@@ -41,7 +44,9 @@ under each setting.
 
 from __future__ import annotations
 
+import functools
 import os
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,13 +62,16 @@ from ..emulate.linkdelay import LinkDelay
 from ..p2p import isend_bytes
 from ..tags import TAG_PS_CONTROL, TAG_PS_DATA, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
 
-__all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "TAG_REQUEST", "TAG_REPLY", "TAG_CONTROL",
-           "TAG_STATE", "TAG_DATA", "Message", "pack", "unpack", "reply_nbytes", "Backoff",
-           "wait_requests", "probe_wait", "isend_detached", "recv_detached", "message_nbytes"]
+__all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "PULL_AFTER", "TAG_REQUEST", "TAG_REPLY",
+           "TAG_CONTROL", "TAG_STATE", "TAG_DATA", "Message", "pack", "unpack", "reply_nbytes",
+           "Backoff", "wait_requests", "probe_wait", "isend_detached", "recv_detached",
+           "message_nbytes"]
 
 # operations
 PUSH, PULL, CLOSE, CKPT, REPLY = 1, 2, 3, 4, 5
 OP_NAMES = {PUSH: "push", PULL: "pull", CLOSE: "close", CKPT: "checkpoint", REPLY: "reply"}
+#: A push's ``d``: also pull the piece once the push is applied.
+PULL_AFTER = 1
 
 # tags (the "ps" range of the registry mpicomm.tags)
 TAG_REQUEST = TAG_PS_REQUEST   # binary
@@ -98,23 +106,33 @@ def _pad(n: int) -> int:
     return (n + 7) & ~7
 
 
+@functools.cache
+def _words(count: int) -> struct.Struct:
+    """``count`` little-endian int64 words (the header's layout)."""
+    return struct.Struct(f"<{count}q")
+
+
 def pack(op: int, key_id: int, piece: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0,
          arrays: Sequence[torch.Tensor] = (), detached: bool = False) -> np.ndarray:
     """One message as a uint8 buffer (the arrays are copied in; CPU tensors); with
     ``detached`` only the header, which announces the arrays (module docstring)."""
-    flat = [t.detach().reshape(-1) for t in arrays]
-    head = FIXED + 2 * len(flat)
-    sizes = [0 if detached else _pad(t.numel() * t.element_size()) for t in flat]
-    buf = np.empty(head * 8 + sum(sizes), dtype=np.uint8)
-    words = buf[:head * 8].view(np.int64)
-    words[:FIXED] = (op, key_id, piece, a, b, c, d, -len(flat) if detached else len(flat))
-    pos = head * 8
-    for i, (t, size) in enumerate(zip(flat, sizes)):
-        if t.dtype not in _CODE:
+    desc: list[int] = []
+    for t in arrays:
+        code = _CODE.get(t.dtype)
+        if code is None:
             raise TypeError(f"cannot send a {t.dtype} array")
-        words[FIXED + 2 * i:FIXED + 2 * i + 2] = (_CODE[t.dtype], t.numel())
-        if detached:
-            continue
+        desc += (code, t.numel())
+    head = FIXED + len(desc)
+    if detached:
+        buf = np.empty(head * 8, dtype=np.uint8)
+        _words(head).pack_into(buf, 0, op, key_id, piece, a, b, c, d, -len(arrays), *desc)
+        return buf
+    flat = [t.detach().reshape(-1) for t in arrays]
+    sizes = [_pad(t.numel() * t.element_size()) for t in flat]
+    buf = np.empty(head * 8 + sum(sizes), dtype=np.uint8)
+    _words(head).pack_into(buf, 0, op, key_id, piece, a, b, c, d, len(arrays), *desc)
+    pos = head * 8
+    for t, size in zip(flat, sizes):
         nbytes = t.numel() * t.element_size()
         if nbytes:
             src = t.cpu().contiguous().view(torch.uint8).numpy()
@@ -126,12 +144,12 @@ def pack(op: int, key_id: int, piece: int, a: int = 0, b: int = 0, c: int = 0, d
 
 def unpack(buf: np.ndarray) -> Message:
     """Decode a buffer made by :func:`pack`; the arrays are torch views into ``buf``."""
-    words = buf[:FIXED * 8].view(np.int64)
-    n = int(words[7])
-    desc = buf[FIXED * 8:(FIXED + 2 * abs(n)) * 8].view(np.int64)
-    kinds = [(_DTYPES[int(desc[2 * i])], int(desc[2 * i + 1])) for i in range(abs(n))]
+    fields = _words(FIXED).unpack_from(buf, 0)
+    n = fields[7]
+    desc = _words(2 * abs(n)).unpack_from(buf, FIXED * 8) if n else ()
+    kinds = [(_DTYPES[desc[2 * i]], desc[2 * i + 1]) for i in range(abs(n))]
     if n < 0:
-        return Message(*(int(w) for w in words[:7]), [], kinds)
+        return Message(*fields[:7], [], kinds)
     pos = (FIXED + 2 * n) * 8
     arrays = []
     raw = torch.from_numpy(buf)
@@ -139,14 +157,17 @@ def unpack(buf: np.ndarray) -> Message:
         nbytes = numel * dtype.itemsize
         arrays.append(raw[pos:pos + nbytes].view(dtype))
         pos += _pad(nbytes)
-    return Message(*(int(w) for w in words[:7]), arrays)
+    return Message(*fields[:7], arrays)
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor, as a numpy view (no copy)."""
+    """The memory of a contiguous CPU tensor, as a numpy view (no copy; sent and
+    received as ``MPI.BYTE``, so its element type does not matter)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("a detached array must be a contiguous CPU tensor")
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
+    if t.dtype == torch.bfloat16:   # numpy has no bfloat16: the same bits as int16
+        t = t.view(torch.int16)
+    return (t.detach() if t.requires_grad else t).numpy()
 
 
 def isend_detached(mpi: MPI.Intracomm, dest: int, tag: int, op: int, key_id: int, piece: int,

@@ -18,6 +18,10 @@ A worker talks to every server point to point on the store's private communicato
   CPU). With a pull compressor a reply is either the whole piece (the first pull, and
   the first after a restore) or a compressed delta that the worker adds to its own copy
   of the piece, which then mirrors, bit for bit, the server's record of that copy.
+* ``push_pull``: ``push`` then ``pull`` in one pass (dense stores): every piece's push
+  header also asks for its pull (:data:`mpicomm.ps.wire.PULL_AFTER`), so no request
+  message is sent, nothing waits for the push to complete first, and with chunked
+  pieces the replies of the first chunks arrive while the last ones still go out.
 * Waiting for a reply: the worker polls without sleeping for about twice the time the
   reply's bytes took to arrive last time (:meth:`Worker.expected_wait`: the server's
   update and the transfer), then backs off (:class:`mpicomm.ps.wire.Backoff`); a reply
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +103,8 @@ class Worker:
     def __init__(self, mpi: MPI.Intracomm, group: Communicator, workers: int, servers: int,
                  mode: str, optimizer: dict[str, Any], compressor: Compressor | None,
                  delay: LinkDelay | None = None,
-                 pull_compressor: Compressor | None = None) -> None:
+                 pull_compressor: Compressor | None = None,
+                 chunk_bytes: int | None = None) -> None:
         self.mpi = mpi
         self.delay = delay  # the emulated cluster's injected latency; None elsewhere
         self.group = group
@@ -113,7 +118,8 @@ class Worker:
         self.codec = Codec(compressor) if compressor is not None else None
         self.pull_codec = Codec(pull_compressor) if pull_compressor is not None else None
         self.copies: dict[tuple[int, int], torch.Tensor] = {}  # compressed pulls' mirror
-        self.plan = ShardPlan(servers)
+        self.plan = (ShardPlan(servers) if chunk_bytes is None else
+                     ShardPlan(servers, chunk_bytes=chunk_bytes))
         self.keys: dict[Hashable, KeyInfo] = {}
         self.seq: dict[int, int] = {}
         self.sends: list[tuple[MPI.Request, Any]] = []
@@ -233,28 +239,23 @@ class Worker:
             self._wait([r for r, _ in sends])
 
     def staggered(self, pieces: Sequence[Piece]) -> list[Piece]:
-        """``pieces`` starting from server ``rank mod S`` and wrapping around, so that the
-        workers spread their first pieces over the servers (:mod:`mpicomm.ps.server`)."""
+        """``pieces`` in chunk order, and within a chunk position starting from server
+        ``rank mod S`` and wrapping around, so that the workers spread their first
+        pieces over the servers (:mod:`mpicomm.ps.server`) and every server gets its
+        first chunk early."""
         if len(pieces) < 2:
             return list(pieces)
-        return sorted(pieces, key=lambda p: (p.server - self.rank) % self.servers)
+        return sorted(pieces, key=lambda p: (p.chunk, (p.server - self.rank) % self.servers))
 
     def send_push(self, info: KeyInfo, flat: torch.Tensor, seq: int
                   ) -> list[tuple[MPI.Request, Any]]:
         """Send the pieces of one push numbered ``seq``; returns the sends that read
         ``flat`` itself (a dense push's), also kept in :attr:`sends`."""
-        reading: list[tuple[MPI.Request, Any]] = []
+        if self.codec is None:
+            return [s for p in self.staggered(info.pieces)
+                    for s in self.send_dense(info, p, flat, seq, 0)]
         for p in self.staggered(info.pieces):
             part = flat[p.start:p.stop]
-            if self.codec is None:
-                sends = wire.isend_detached(self.mpi, self.server_rank(p.server),
-                                            wire.TAG_REQUEST, wire.PUSH, info.key_id, p.index,
-                                            seq, self.rank, seq, arrays=[part],
-                                            delay=self.delay)
-                self.stats["bytes_pushed"] += wire.message_nbytes([part])
-                reading += sends
-                self.sends += sends
-                continue
             assert self.ef is not None
             name = piece_name(info.key, p.index)
             comp = self.ef.compensate(name, part)
@@ -267,10 +268,61 @@ class Worker:
             self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(p.server),
                                               wire.TAG_REQUEST, self.delay), buf))
         self.stats["pushes"] += 1
-        return reading
+        return []
+
+    def send_dense(self, info: KeyInfo, p: Piece, flat: torch.Tensor, seq: int,
+                   then: int) -> list[tuple[MPI.Request, Any]]:
+        """Send piece ``p`` of a dense push numbered ``seq`` straight from ``flat``
+        (detached form); ``then = wire.PULL_AFTER`` asks the server to answer a pull of
+        the piece right after applying it. Returns the sends (also in :attr:`sends`)."""
+        part = flat[p.start:p.stop]
+        sends = wire.isend_detached(self.mpi, self.server_rank(p.server), wire.TAG_REQUEST,
+                                    wire.PUSH, info.key_id, p.index, seq, self.rank, seq,
+                                    then, arrays=[part], delay=self.delay)
+        self.stats["bytes_pushed"] += wire.message_nbytes([part])
+        if p.index == len(info.pieces) - 1:
+            self.stats["pushes"] += 1
+        self.sends += sends
+        return sends
+
+    def push_pull_many(self, infos: Sequence[KeyInfo], grads: Sequence[torch.Tensor],
+                       outs: Sequence[torch.Tensor | None] | None = None
+                       ) -> list[torch.Tensor]:
+        """Push ``grads`` (flat CPU tensors of the keys' dtypes) and pull the keys, as
+        ``push`` then :meth:`pull_many`, pipelined: every piece's push asks for its
+        pull (``wire.PULL_AFTER``, no request message), so a server answers piece ``i``
+        while piece ``i + 1`` arrives and the replies are received while later pieces
+        still go out. ``outs`` may be ``grads`` themselves: a piece's reply is received
+        only once its push has left. Returns like :meth:`pull_many`, once every send is
+        complete. Stores with a push or pull compressor push, then pull."""
+        self._reap()
+        if self.codec is not None or self.pull_codec is not None:
+            for info, flat in zip(infos, grads):
+                self.seq[info.key_id] += 1
+                self._wait([r for r, _ in self.send_push(info, flat, self.seq[info.key_id])])
+            return self.pull_many(infos, outs)
+        results = self._results(infos, outs)
+        where, pushing = {}, {}
+        for slot, (info, flat) in enumerate(zip(infos, grads)):
+            seq = self.seq[info.key_id] + 1
+            for p in self.staggered(info.pieces):
+                where[(info.key_id, p.index)] = (slot, p)
+                pushing[(info.key_id, p.index)] = [
+                    r for r, _ in self.send_dense(info, p, flat, seq, wire.PULL_AFTER)]
+            self.seq[info.key_id] = seq
+        self._collect(infos, results, where, pushing)
+        self._wait([r for reqs in pushing.values() for r in reqs])
+        return results
 
     def pull(self, key: Hashable, out: Any = None) -> Any:
         info = self.info(key)
+        return self._pull_into(info, out, lambda target: self.pull_many([info], [target])[0])
+
+    def _pull_into(self, info: KeyInfo, out: Any,
+                   fetch: Callable[[torch.Tensor | None], torch.Tensor]) -> Any:
+        """The value ``fetch(target)`` returns, in ``out`` (checked first) or as a new
+        array of the key's framework and device; ``target`` is ``out`` itself where it is
+        a CPU array (received in place), else ``None``."""
         if out is not None:
             self.check_value(info, out, "pull out=")
             contiguous = (out.is_contiguous() if isinstance(out, torch.Tensor)
@@ -279,7 +331,7 @@ class Worker:
                 raise ValueError("pull: out must be contiguous")
         target = None if out is None else to_torch(out).detach().reshape(-1)
         direct = target is not None and target.device.type == "cpu"
-        flat = self.pull_many([info], [target if direct else None])[0]
+        flat = fetch(target if direct else None)
         if target is not None:
             if not direct:
                 target.copy_(flat)
@@ -290,23 +342,44 @@ class Worker:
             result = result.to(info.device)
         return from_torch(result, like=info.like())
 
+    def push_pull(self, key: Hashable, grad: Any, out: Any = None) -> Any:
+        """:meth:`push` then :meth:`pull`, pipelined (:meth:`push_pull_many`)."""
+        info = self.info(key)
+        self.check_value(info, grad, "push_pull")
+        return self._pull_into(info, out, lambda target: self.push_pull_many(
+            [info], [_flat_cpu(grad)], [target])[0])
+
     def pull_many(self, infos: Sequence[KeyInfo],
                   outs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """Request every piece of ``infos`` at once; return their flat CPU values (in
         ``outs[i]``, flat contiguous CPU tensors of the key's dtype, where given)."""
-        t0 = clock.now()
-        outs = outs if outs is not None else [None] * len(infos)
-        results = [torch.empty(i.numel, dtype=i.dtype) if o is None else o
-                   for i, o in zip(infos, outs)]
+        results = self._results(infos, outs)
         where = {}
-        expected = 0
         for slot, info in enumerate(infos):
             for p in self.staggered(info.pieces):
                 where[(info.key_id, p.index)] = (slot, p)
-                expected += p.numel * info.dtype.itemsize
                 buf = wire.pack(wire.PULL, info.key_id, p.index, self.rank)
                 self.sends.append((isend_bytes(self.mpi, buf, self.server_rank(p.server),
                                                   wire.TAG_REQUEST, self.delay), buf))
+        self._collect(infos, results, where)
+        return results
+
+    @staticmethod
+    def _results(infos: Sequence[KeyInfo], outs: Sequence[torch.Tensor | None] | None
+                 ) -> list[torch.Tensor]:
+        outs = outs if outs is not None else [None] * len(infos)
+        return [torch.empty(i.numel, dtype=i.dtype) if o is None else o
+                for i, o in zip(infos, outs)]
+
+    def _collect(self, infos: Sequence[KeyInfo], results: list[torch.Tensor],
+                 where: dict[tuple[int, int], tuple[int, Piece]],
+                 pushing: dict[tuple[int, int], list[MPI.Request]] | None = None) -> None:
+        """Receive the replies to the pulls of ``where`` (``(key id, piece) -> (slot,
+        piece)``) into ``results`` as they come; ``pushing``: the sends of each piece's
+        push, completed before its reply is received (``results`` may be the pushed
+        values)."""
+        t0 = clock.now()
+        expected = sum(p.numel * infos[slot].dtype.itemsize for slot, p in where.values())
         seen_pushes = None
         stalest = 0
         backoff = wire.Backoff(wire.BACKOFF_MIN_S, wire.BACKOFF_MAX_S)
@@ -323,6 +396,8 @@ class Worker:
             buf = recv_bytes(msg, status, self.delay, self.mpi)
             m = wire.unpack(buf)
             slot, p = where.pop((m.key_id, m.piece))
+            if pushing:    # its push has arrived (the server answers after it): done
+                self._wait(pushing.pop((m.key_id, m.piece)))
             nbytes = buf.nbytes
             if m.follow:   # a dense value, detached: straight into place
                 t1 = time.perf_counter()
@@ -343,7 +418,6 @@ class Worker:
         if seen_pushes is not None:
             self.stats["server_pushes"] = seen_pushes
         self.stats["wait_s"] += clock.now() - t0
-        return results
 
     def expected_wait(self, nbytes: int) -> float:
         """How long a pull of ``nbytes`` may take once requested when the servers have

@@ -79,27 +79,35 @@ class PSOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Push every gradient, then pull every parameter (in place). The pushes read
-        the gradients in place while the next ones go out (no copy); the step returns
-        once every send is complete."""
+        """Push every gradient and pull every parameter (in place), pipelined
+        (:meth:`mpicomm.ps.KVStore.push_pull`: each chunk's push asks for its pull). The
+        pushes read the gradients in place (no copy); the step returns once every send
+        is complete."""
         worker = self.kv._as_worker("push")
-        for name, p in self.params:
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            worker.push(name, g, wait=False)
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+                 .reshape(-1).cpu() for _, p in self.params]
         self.steps += 1
-        self.pull()
+        direct = self._direct()
+        values = worker.push_pull_many(self._infos, grads, direct)
+        self._copy(values, direct)
         worker.flush()
+
+    def _direct(self) -> list[torch.Tensor | None]:
+        """The parameters a reply is received into straight (contiguous CPU ones)."""
+        return [p.detach().reshape(-1) if p.device.type == "cpu" and p.is_contiguous()
+                else None for _, p in self.params]
+
+    def _copy(self, values: list[torch.Tensor], direct: list[torch.Tensor | None]) -> None:
+        for (_, p), v, d in zip(self.params, values, direct):
+            if d is None:
+                p.copy_(v.reshape(p.shape))
 
     @torch.no_grad()
     def pull(self) -> None:
         """Overwrite the module's parameters with the servers' current values (dense
         values are received straight into CPU parameters)."""
-        direct = [p.detach().reshape(-1) if p.device.type == "cpu" and p.is_contiguous()
-                  else None for _, p in self.params]
-        values = self.kv._as_worker("pull").pull_many(self._infos, direct)
-        for (_, p), v, d in zip(self.params, values, direct):
-            if d is None:
-                p.copy_(v.reshape(p.shape))
+        direct = self._direct()
+        self._copy(self.kv._as_worker("pull").pull_many(self._infos, direct), direct)
 
     def stats(self) -> dict[str, Any]:
         return self.kv.stats()
