@@ -40,10 +40,12 @@ variable                            meaning
                                     split over all servers (default 65536, an integer >= 1).
 ``MPICOMM_PS_CHUNK_BYTES``          parameter server: dense pieces larger than this are cut
                                     into chunks that ``KVStore.push_pull`` pipelines (default
-                                    524288; 0: none; :mod:`mpicomm.ps.sharding`).
+                                    524288 across hosts, 0 on one host; 0: none;
+                                    :mod:`mpicomm.ps.sharding`).
 ``MPICOMM_PS_SPIN_US``              parameter server: microseconds a waiting server or worker
                                     keeps probing (yielding the CPU between probes) before it
-                                    sleeps (default 200; :class:`mpicomm.ps.wire.Backoff`);
+                                    sleeps (default 1000000 where the host has a core per
+                                    rank, else 200; :func:`mpicomm.ps.wire.spin_window_s`);
 ``MPICOMM_PS_MAX_SLEEP_US``         ... and its longest sleep between probes (default 1000):
                                     the worst added latency of a reply after an idle period.
 ``MPICOMM_PS_SERVERS``              parameter-server ranks, set by ``python -m mpicomm run

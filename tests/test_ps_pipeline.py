@@ -264,3 +264,36 @@ def test_chunk_bytes_from_environment(monkeypatch):
     monkeypatch.setenv("MPICOMM_PS_CHUNK_BYTES", "-3")
     with pytest.raises(ValueError, match="MPICOMM_PS_CHUNK_BYTES"):
         ShardPlan(1)
+
+
+def test_chunks_by_default_only_across_hosts(monkeypatch):
+    """Unset, ``chunk_bytes`` is ``DEFAULT_CHUNK_BYTES`` where the ranks span hosts and 0 on
+    one host (shared memory: nothing to overlap); the variable and the argument win; a
+    compressed store cuts none."""
+    from mpicomm.ps.kvstore import _chunk_bytes
+
+    monkeypatch.delenv("MPICOMM_PS_CHUNK_BYTES", raising=False)
+    assert _chunk_bytes(None, False, 1) == 0
+    assert _chunk_bytes(None, False, 2) == DEFAULT_CHUNK_BYTES
+    assert _chunk_bytes(None, True, 2) == 0
+    assert _chunk_bytes(4096, False, 1) == 4096
+    monkeypatch.setenv("MPICOMM_PS_CHUNK_BYTES", "8192")
+    assert _chunk_bytes(None, False, 1) == 8192 and _chunk_bytes(None, False, 4) == 8192
+
+
+def test_waits_poll_without_sleeping_where_every_rank_has_a_core(monkeypatch):
+    """The spin window: ``SPIN_DEDICATED_US`` when the host has no more ranks than cores,
+    ``SPIN_SHARED_US`` when it has more or nothing reported it; the variable wins."""
+    from mpicomm.emulate.mpienv import usable_cores
+    from mpicomm.ps import wire
+
+    monkeypatch.delenv("MPICOMM_PS_SPIN_US", raising=False)
+    monkeypatch.setattr(wire, "_host_ranks", None)
+    assert wire.spin_window_s() == wire.SPIN_SHARED_US * 1e-6
+    wire.set_host_ranks(usable_cores())
+    assert wire.spin_window_s() == wire.SPIN_DEDICATED_US * 1e-6
+    assert wire.Backoff().spin_s == wire.SPIN_DEDICATED_US * 1e-6
+    wire.set_host_ranks(usable_cores() + 1)
+    assert wire.spin_window_s() == wire.SPIN_SHARED_US * 1e-6
+    monkeypatch.setenv("MPICOMM_PS_SPIN_US", "50")
+    assert wire.Backoff().spin_s == pytest.approx(50e-6)

@@ -12,6 +12,7 @@ from ..compress import Compressor, make
 from ..config import env_flag, env_int
 from ..emulate.linkdelay import link_delay
 from ..validate import check_choice, check_int
+from . import wire
 from .optim import OPTIMIZERS, ShardOptimizer
 from .server import Server
 from .sharding import DEFAULT_CHUNK_BYTES
@@ -99,7 +100,8 @@ class KVStore:
     models; ``ssp`` with ``s = 1..4`` when one worker straggles (the others keep going,
     staleness stays bounded); ``async`` for the most throughput at unbounded staleness.
 
-    ``chunk_bytes`` (default ``MPICOMM_PS_CHUNK_BYTES``, else 512 KiB; 0: off): pieces
+    ``chunk_bytes`` (default ``MPICOMM_PS_CHUNK_BYTES``, else 512 KiB where the ranks
+    span several hosts and 0 on one host, where nothing overlaps; 0: off): pieces
     of dense keys larger than this are cut into chunks, each its own piece on the same
     server (:mod:`mpicomm.ps.sharding`), so that :meth:`push_pull` pipelines: a server
     receives, sums and updates chunk ``i + 1`` while its reply of chunk ``i`` goes out,
@@ -138,12 +140,13 @@ class KVStore:
             compressor = _compressor("compressor", compressor)
             pull_compressor = _compressor("pull_compressor", pull_compressor)
             chunk_bytes = _chunk_bytes(chunk_bytes, compressor is not None or
-                                       pull_compressor is not None)
+                                       pull_compressor is not None, comm.nodes)
             agreed.update(servers=servers, mode=mode, staleness=staleness, **opt.describe(),
                           compressor=repr(compressor), pull_compressor=repr(pull_compressor),
                           chunk_bytes=chunk_bytes)
         if env_flag("MPICOMM_ABORT_ON_ERROR", True):
             install_abort_handler()
+        wire.set_host_ranks(comm.local_size)   # the waits' spin window (wire.Backoff)
         self.servers = servers
         self.workers = comm.size - servers
         self.mode = mode
@@ -278,16 +281,21 @@ class KVStore:
         self.close()
 
 
-def _chunk_bytes(value: int | None, compressed: bool) -> int:
-    """The chunk size in bytes: ``value``, else ``MPICOMM_PS_CHUNK_BYTES``, else the
-    default; 0 (no chunks) for a store with a compressor, which must not ask for any."""
+def _chunk_bytes(value: int | None, compressed: bool, hosts: int) -> int:
+    """The chunk size in bytes: ``value``, else ``MPICOMM_PS_CHUNK_BYTES``, else
+    ``DEFAULT_CHUNK_BYTES`` where the ranks span several ``hosts`` and 0 (no chunks) on
+    one host: through shared memory the transfer is a copy by the same cores that would
+    update, so there is nothing to overlap and every chunk only adds its fixed cost
+    (measured slower at 1-16 MB on a 2-core host). 0 for a store with a compressor,
+    which must not ask for any."""
     if value is not None:
         value = check_int("chunk_bytes", value, 0)
         if value and compressed:
             raise ValueError(f"chunk_bytes={value} needs a dense store (no compressor or "
                              "pull_compressor): a compressor sees whole pieces")
         return value
-    return 0 if compressed else env_int("MPICOMM_PS_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, 0)
+    default = DEFAULT_CHUNK_BYTES if hosts > 1 else 0
+    return 0 if compressed else env_int("MPICOMM_PS_CHUNK_BYTES", default, 0)
 
 
 def _compressor(what: str, value: Compressor | str | None) -> Compressor | None:

@@ -17,7 +17,8 @@ Tuning: lower ``split_bytes`` for more even load with many medium-sized keys (ea
 key costs ``S`` messages per push and per pull instead of one); raise it when latency
 (``alpha``) dominates, i.e. with many small messages.
 
-Chunks (``chunk_bytes``, default 512 KiB, ``MPICOMM_PS_CHUNK_BYTES``; 0: off): a piece of
+Chunks (``chunk_bytes``; ``KVStore``'s default is 512 KiB across hosts and none on one
+host, ``MPICOMM_PS_CHUNK_BYTES``; 0: off): a piece of
 more than ``chunk_bytes`` bytes is cut further into ``k = ceil(bytes / chunk_bytes)``
 near-equal contiguous pieces on the same server, each with its own state on the server
 (version, sequence numbers, sum, reply). A server then updates and answers chunk ``i``

@@ -30,15 +30,20 @@ charge for its arrays), so their times do not depend on the form.
 
 Also here: the polling waits (:class:`Backoff`). MPICH's blocking waits spin on a core; a
 server or a worker held back by bounded staleness may wait for seconds, so every wait in
-this package probes or tests, yields the CPU for the first 200 us of an idle period, then
-sleeps with an exponential backoff from ``BACKOFF_MIN_S`` to 1 ms (so a reply after a
-long idle period is late by at most 1 ms; a busy server never sleeps, nor does a rank
-whose own sends are in flight, nor a worker within the time its pull's reply is
-expected to take, :meth:`Backoff.expect`). Both windows are settings (``MPICOMM_PS_SPIN_US``,
-``MPICOMM_PS_MAX_SLEEP_US``): a longer spin window or shorter sleeps cut the latency of
-push+pull right after an idle gap (the gap between steps) at the price of CPU time
-while waiting; with compute steps much longer than the push+pull, the defaults cost
-almost nothing. Measure with ``mpiexec -n 5 python -m mpicomm.bench ps --sections comm``
+this package probes or tests and yields the CPU between probes for the first part of an
+idle period (the spin window, :func:`spin_window_s`), then sleeps with an exponential
+backoff from ``BACKOFF_MIN_S`` to 1 ms (so a reply after a long idle period is late by
+at most 1 ms; a busy server never sleeps, nor does a rank whose own sends are in
+flight, nor a worker within the time its pull's reply is expected to take,
+:meth:`Backoff.expect`). The spin window depends on the host: where every rank has a
+core of its own (``KVStore`` reports the ranks of its host, :func:`set_host_ranks`),
+a waiting rank polls for up to ``SPIN_DEDICATED_US`` (1 s: in practice it never
+sleeps, as MPI's own blocking waits; the core it polls on has nothing else to run, and
+a sleep adds up to the wake-up latency to every reply: 1 MB push+pull took 1.5 ms with
+sleeps against 0.6 ms without on a 2-core host); with more ranks than cores the window
+is ``SPIN_SHARED_US`` (200 us) and a waiting rank leaves its core to the others. Both
+windows are settings (``MPICOMM_PS_SPIN_US``, ``MPICOMM_PS_MAX_SLEEP_US``) that
+override this. Measure with ``mpiexec -n 2 python -m mpicomm.bench ps --sections comm``
 under each setting.
 """
 
@@ -59,13 +64,14 @@ from mpi4py import MPI
 from .. import vwire
 from ..config import env_int
 from ..emulate.linkdelay import LinkDelay
+from ..emulate.mpienv import usable_cores
 from ..p2p import isend_bytes
 from ..tags import TAG_PS_CONTROL, TAG_PS_DATA, TAG_PS_REPLY, TAG_PS_REQUEST, TAG_PS_STATE
 
 __all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "PULL_AFTER", "TAG_REQUEST", "TAG_REPLY",
            "TAG_CONTROL", "TAG_STATE", "TAG_DATA", "Message", "pack", "unpack", "reply_nbytes",
-           "Backoff", "wait_requests", "probe_wait", "isend_detached", "recv_detached",
-           "message_nbytes"]
+           "Backoff", "spin_window_s", "set_host_ranks", "wait_requests", "probe_wait",
+           "isend_detached", "recv_detached", "message_nbytes"]
 
 # operations
 PUSH, PULL, CLOSE, CKPT, REPLY = 1, 2, 3, 4, 5
@@ -240,7 +246,7 @@ class Backoff:
         if max_s is None:
             max_s = env_int("MPICOMM_PS_MAX_SLEEP_US", 1000, 1) * 1e-6
         if spin_s is None:
-            spin_s = env_int("MPICOMM_PS_SPIN_US", 200, 0) * 1e-6
+            spin_s = spin_window_s()
         self.min_s, self.max_s, self.spin_s = min_s, max(min_s, max_s), spin_s
         self.delay = 0.0
         self.since: float | None = None
@@ -277,6 +283,27 @@ def _sleep0() -> None:
 _yield = getattr(os, "sched_yield", _sleep0)
 
 BACKOFF_MIN_S, BACKOFF_MAX_S = 20e-6, None  # None: MPICOMM_PS_MAX_SLEEP_US (1000 us)
+#: The spin window where the host has more ranks than cores, or its occupancy is unknown.
+SPIN_SHARED_US = 200
+#: The spin window where every rank of the host has a core of its own.
+SPIN_DEDICATED_US = 1_000_000
+_host_ranks: int | None = None   # the ranks sharing this host (set_host_ranks)
+
+
+def set_host_ranks(ranks: int) -> None:
+    """Record how many ranks run on this process's host (``KVStore`` does, from its
+    communicator's ``local_size``); :func:`spin_window_s` reads it."""
+    global _host_ranks
+    _host_ranks = int(ranks)
+
+
+def spin_window_s() -> float:
+    """How long an idle wait polls before it sleeps, in seconds: ``MPICOMM_PS_SPIN_US``
+    when set; else ``SPIN_DEDICATED_US`` when :func:`set_host_ranks` reported no more
+    ranks on this host than this process has cores, otherwise ``SPIN_SHARED_US``."""
+    dedicated = _host_ranks is not None and _host_ranks <= usable_cores()
+    default = SPIN_DEDICATED_US if dedicated else SPIN_SHARED_US
+    return env_int("MPICOMM_PS_SPIN_US", default, 0) * 1e-6
 #: The longest no-sleep window :meth:`Backoff.expect` grants (an expected transfer).
 SPIN_CAP_S = 0.05
 
