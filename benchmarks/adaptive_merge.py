@@ -25,7 +25,7 @@ from mpicomm.bench.merge import check_mergeable
 #: Options that may differ between the merged jobs (which methods, where the JSON went,
 #: whether a fixed choice stopped at the target).
 PER_JOB = ("only", "json", "static", "stop_at_target", "lgreco_families", "auto_option",
-           "seeds", "seed_offset")
+           "seeds", "seed_offset", "merged_from")
 
 
 def join_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,7 +64,8 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     seeds = [run.get("seed", 0) for run in rows[0]["runs"]] if rows else []
     options = dict(first["options"], only=",".join(row["method"] for row in rows),
                    seeds=len(seeds), seed_offset=min(seeds, default=0),
-                   merged_from=list(sources))
+                   merged_from=[m for path, r in zip(sources, results)
+                                for m in r["options"].get("merged_from", [path])])
     return {"suite": "adaptive", "machine": first.get("machine"), "ranks": first["ranks"],
             "options": options, "clock": first.get("clock"), "rows": rows,
             "lgreco": lgreco, "summary": summary,

@@ -221,6 +221,11 @@ def test_adaptive_merge_joins_the_seeds_of_one_method_from_several_jobs():
     assert fixed["time_to_target_s"] == 11.0                  # median of 10, 14, 11
     assert out["summary"]["auto_vs_best_static"] == pytest.approx(8.0 / 11.0)
     assert out["options"]["seeds"] == 3 and out["options"]["seed_offset"] == 0
+    # a merged result merges again; its sources are listed, not the merged file
+    again = merge([merge(parts[:1], ["a"]), job("dense", [0, 1, 2], [20.0, 21.0, 22.0])],
+                  ["m", "d"])
+    assert again["options"]["merged_from"] == ["a", "d"]
+    assert again["summary"]["auto_speedup_vs_dense"] == pytest.approx(21.0 / 8.0)
     with pytest.raises(ValueError, match="different seeds"):
         merge(parts[:2], ["a", "g0"])
     with pytest.raises(ValueError, match="appears twice"):
