@@ -30,6 +30,21 @@ def _grad(step: int, w: int, n: int = N) -> np.ndarray:
     return np.random.default_rng([step, w]).standard_normal(n).astype(np.float32)
 
 
+def _steps(kv: KVStore, steps: int, pipelined: bool) -> list[np.ndarray]:
+    """The values of key ``"w"`` after each of ``steps`` steps of this worker's
+    ``_grad``: ``push_pull`` into the gradient itself, or ``push`` then ``pull``."""
+    values = []
+    for step in range(steps):
+        g = _grad(step, kv.worker_rank)
+        if pipelined:
+            assert kv.push_pull("w", g, out=g) is g
+            values.append(g.copy())
+        else:
+            kv.push("w", g)
+            values.append(kv.pull("w"))
+    return values
+
+
 class _Order:
     """A recorder that keeps the parameter server's instants in the order they happen."""
 
@@ -71,16 +86,7 @@ def test_chunked_push_pull_equals_unchunked_bitwise(comm, monkeypatch, momentum)
                 pieces = len(kv._worker.info("w").pieces)
                 want = -(-N * 4 // (servers * CHUNK)) * servers if servers > 1 else 7
                 assert pieces == (want if chunk else servers), (pieces, servers)
-                values = []
-                for step in range(steps):
-                    g = _grad(step, kv.worker_rank)
-                    if chunk:
-                        assert kv.push_pull("w", g, out=g) is g
-                        values.append(g.copy())
-                    else:
-                        kv.push("w", g)
-                        values.append(kv.pull("w"))
-                got[chunk] = values
+                got[chunk] = _steps(kv, steps, pipelined=bool(chunk))
             finish(kv)
         if comm.rank < workers:
             for step in range(steps):
@@ -102,15 +108,7 @@ def test_push_pull_of_a_compressed_store_is_push_then_pull(comm, monkeypatch, ki
             if kv.is_worker:
                 kv.init("w", np.linspace(-1, 1, N, dtype=np.float32))
                 assert len(kv._worker.info("w").pieces) == servers
-                values = []
-                for step in range(3):
-                    g = _grad(step, kv.worker_rank)
-                    if pipelined:
-                        values.append(kv.push_pull("w", g))
-                    else:
-                        kv.push("w", g)
-                        values.append(kv.pull("w"))
-                got[pipelined] = values
+                got[pipelined] = _steps(kv, 3, pipelined)
             finish(kv)
         if comm.rank < workers:
             for a, b in zip(got[True], got[False]):
