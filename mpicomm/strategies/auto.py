@@ -497,8 +497,7 @@ class AutoStrategy(Strategy):
         carried out now, at this safe point: ``model``/``optimizer`` (and the
         error-feedback memory) are saved or restored around CR exploration windows
         (without them the windows run but only the memory is restored)."""
-        dense = bool(self._pending) and all(r["scheme"] == "dense" for r in self._pending)
-        self.handover.step_done(optimizer, dense)  # the momentum moves here, if ever
+        self.handover.step_done(optimizer)  # the optimizer's momentum moves here, once
         now = clock.now()
         wall = 0.0 if self._last_done is None else now - self._last_done
         probe = self.ratio_control.take_probe()

@@ -139,13 +139,7 @@ class AutoConfig:
         buffer: the same run as momentum SGD). ``False``: plain error feedback with the
         optimizer's momentum, which after a switch from dense to a small ratio lost up
         to 26 points of test accuracy for 100-200 steps (mnist1d-cnn, 8 ranks, gTop-k at
-        0.01 from a dense model at 0.96; with the correction, no dip). The handover
-        happens only when the first step ran dense on every bucket (a fast network:
-        the dense start is the correction's warm-up); a run that starts sparse keeps
-        plain error feedback with the optimizer's momentum, since the correction from a
-        cold start learned slower there (constant 1 Gbit/s, 8 ranks: never reached
-        0.975 in 2 028 steps, against step 1 200 without it;
-        :class:`~mpicomm.strategies.auto_exchange.MomentumHandover`). Not with
+        0.01 from a dense model at 0.96; with the correction, no dip). Not with
         ``lgreco`` (its paths keep plain error feedback).
     ramp_steps, ramp_factor, ramp_start:
         The ratio ramp (:mod:`~mpicomm.strategies.auto_ramp`): when the ratio a bucket's

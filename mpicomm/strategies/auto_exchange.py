@@ -191,16 +191,7 @@ class MomentumHandover:
 
     Enabled, the memory keeps the first step's velocity (:data:`FIRST_STEP_MOMENTUM`)
     until the first :meth:`step_done` with an optimizer moves that optimizer's momentum
-    into it (:func:`take_momentum`), provided that first step ran dense on every bucket.
-    A first step that ran sparse leaves the momentum to the optimizer: the run is plain
-    error feedback, as the fixed strategies the selector builds. DGC's correction needs
-    a warm start (DGC itself warms up at low sparsity): auto starts dense where the
-    network is fast, and the velocity then carries across its later switch to a sparse
-    scheme (no accuracy dip at the switch); started sparse (mnist1d-cnn, 8 ranks, a
-    constant 1 Gbit/s network, ratios 0.03-0.06), the corrected run was at 0.67 test
-    accuracy after 400 steps against 0.80 uncorrected and never reached 0.975 in 2 028
-    steps, where the uncorrected one did at step 1 200. If a bucket is aggregated a
-    second time before the handover
+    into it (:func:`take_momentum`). If a bucket is aggregated a second time before that
     (the step ended without ``step_done(optimizer)``: the DDP hook without
     ``optimizer=``, or ``wait`` followed by the caller's own ``optimizer.step()``), the
     optimizer keeps its momentum, and the memory drops its velocities and stays plain
@@ -225,10 +216,8 @@ class MomentumHandover:
         self.pending = False
         drop_velocities(self.memory)
 
-    def step_done(self, optimizer: Any, ran_dense: bool = True) -> None:
-        """At the end of a step: take ``optimizer``'s momentum over, once, if the step
-        ran dense on every bucket (``ran_dense``); otherwise the next bucket turns the
-        memory into plain error feedback (:meth:`bucket`)."""
-        if self.pending and optimizer is not None and ran_dense:
+    def step_done(self, optimizer: Any) -> None:
+        """At the end of a step: take ``optimizer``'s momentum over, once."""
+        if self.pending and optimizer is not None:
             self.pending = False
             take_momentum(self.memory, optimizer)
