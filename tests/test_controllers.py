@@ -423,14 +423,14 @@ def _momentum_run(comm, strategy, steps=6, own_step=False):
 @pytest.mark.mpi
 @pytest.mark.parametrize(("scheme", "ratio"), [("dense", 1.0), ("allgather_topk", 0.1)])
 def test_auto_takes_the_momentum_over_as_the_fixed_strategies_do(comm, scheme, ratio):
-    """``momentum_correction`` (default): auto moves the optimizer's momentum into its
+    """``momentum_correction=True``: auto moves the optimizer's momentum into its
     error-feedback memory at the first step. Dense steps keep the velocity (momentum SGD
     on the averaged gradient, as the optimizer would); sparse steps send entries of the
     velocity plus the residual and clear it where they sent, exactly as the fixed
     strategy with its default DGC recipe; with ``momentum_correction=False`` the
     optimizer keeps it and a sparse run differs."""
     auto = strategies.make("auto", comm=comm, ratio=ratio, schemes=(scheme,),
-                           calibrate_links=0, trial_steps=0)
+                           calibrate_links=0, trial_steps=0, momentum_correction=True)
     mine, momentum = _momentum_run(comm, auto)
     assert momentum == 0.0 and auto.memory.momentum == 0.9
     fixed = strategies.make("dense" if scheme == "dense" else "topk", comm=comm,
@@ -463,14 +463,14 @@ def test_auto_never_applies_momentum_twice_when_it_never_sees_the_optimizer(comm
         return strategies.make("auto", comm=comm, ratio=ratio, schemes=(scheme,),
                                calibrate_links=0, trial_steps=0, **kw)
 
-    first = auto()
+    first = auto(momentum_correction=True)
     mine, momentum = _momentum_run(comm, first, own_step=True)
     assert momentum == 0.9 and first.memory.momentum == 0.0
     theirs, _ = _momentum_run(comm, auto(momentum_correction=False))
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     state = first.state_dict()
     assert state["adopt_pending"] is False
-    again = auto()
+    again = auto(momentum_correction=True)
     assert again.handover.pending
     again.load_state_dict(state)
     assert not again.handover.pending and again.memory.momentum == 0.0

@@ -305,7 +305,8 @@ def test_auto_momentum_under_the_hook_is_applied_once(group, given) -> None:
                               steps)
     model = DistributedDataParallel(_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    hook = ddp_comm_hook(auto(), group, optimizer=opt if given else None)
+    hook = ddp_comm_hook(auto(momentum_correction=True), group,
+                         optimizer=opt if given else None)
     model.register_comm_hook(None, hook)
     mine = _momentum_steps(model, opt, group.rank, opt.step, steps)
     memory = hook.state.strategy.memory
