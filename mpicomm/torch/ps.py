@@ -80,7 +80,7 @@ class PSOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """Push every gradient and pull every parameter (in place), pipelined
-        (:meth:`mpicomm.ps.KVStore.push_pull`: each chunk's push asks for its pull). The
+        (``mpicomm.ps.KVStore.push_pull``: each chunk's push asks for its pull). The
         pushes read the gradients in place (no copy); the step returns once every send
         is complete."""
         worker = self.kv._as_worker("push")
