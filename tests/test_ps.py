@@ -383,7 +383,11 @@ def test_compressed_pull(comm, split_small, tmp_path_factory):
 
 
 @pytest.mark.mpi
-def test_idle_server_does_not_spin(comm):
+def test_idle_server_does_not_spin(comm, monkeypatch):
+    """Past its spin window an idle server sleeps. The window is set to the one of a host
+    with more ranks than cores (``wire.SPIN_SHARED_US``); with a core per rank the
+    default window (``wire.SPIN_DEDICATED_US``) polls on purpose."""
+    monkeypatch.setenv("MPICOMM_PS_SPIN_US", str(wire.SPIN_SHARED_US))
     for servers, _ in splits(comm.size)[:1]:
         kv = KVStore(comm, servers=servers, mode="async")
         if kv.is_worker:
