@@ -286,7 +286,7 @@ def test_waits_poll_without_sleeping_where_every_rank_has_a_core(monkeypatch):
     from mpicomm.ps import wire
 
     monkeypatch.delenv("MPICOMM_PS_SPIN_US", raising=False)
-    monkeypatch.setattr(wire, "_host_ranks", None)
+    monkeypatch.setattr(wire, "_dedicated", False)
     assert wire.spin_window_s() == wire.SPIN_SHARED_US * 1e-6
     wire.set_host_ranks(usable_cores())
     assert wire.spin_window_s() == wire.SPIN_DEDICATED_US * 1e-6

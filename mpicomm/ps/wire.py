@@ -287,22 +287,22 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 20e-6, None  # None: MPICOMM_PS_MAX_SLEEP_US (100
 SPIN_SHARED_US = 200
 #: The spin window where every rank of the host has a core of its own.
 SPIN_DEDICATED_US = 1_000_000
-_host_ranks: int | None = None   # the ranks sharing this host (set_host_ranks)
+_dedicated = False   # every rank of this host has a core (set_host_ranks)
 
 
 def set_host_ranks(ranks: int) -> None:
     """Record how many ranks run on this process's host (``KVStore`` does, from its
-    communicator's ``local_size``); :func:`spin_window_s` reads it."""
-    global _host_ranks
-    _host_ranks = int(ranks)
+    communicator's ``local_size``), compared once with this process's usable cores;
+    :func:`spin_window_s` reads the result."""
+    global _dedicated
+    _dedicated = int(ranks) <= usable_cores()
 
 
 def spin_window_s() -> float:
     """How long an idle wait polls before it sleeps, in seconds: ``MPICOMM_PS_SPIN_US``
     when set; else ``SPIN_DEDICATED_US`` when :func:`set_host_ranks` reported no more
     ranks on this host than this process has cores, otherwise ``SPIN_SHARED_US``."""
-    dedicated = _host_ranks is not None and _host_ranks <= usable_cores()
-    default = SPIN_DEDICATED_US if dedicated else SPIN_SHARED_US
+    default = SPIN_DEDICATED_US if _dedicated else SPIN_SHARED_US
     return env_int("MPICOMM_PS_SPIN_US", default, 0) * 1e-6
 #: The longest no-sleep window :meth:`Backoff.expect` grants (an expected transfer).
 SPIN_CAP_S = 0.05
