@@ -114,6 +114,15 @@ def test_sparsifier_labels_with_options_keep_the_default_recipe_at_the_density()
     assert label_density("topk:k=10", 0.001) is None
 
 
+def test_layer_modifier_gives_every_tensor_its_own_buffer():
+    """``+layer``: ``fusion_bytes=1``, so each tensor is a buffer of its own and gets
+    its own top-k at the density (every other option as the label says)."""
+    s = label_strategy("artopk+ef+layer", density=0.001).strategy
+    assert s.fusion_bytes == 1 and s.error_feedback and s.momentum_correction == 0.0
+    assert label_strategy("artopk+ef", density=0.001).strategy.fusion_bytes > 1 << 20
+    assert label_density("gtopk+ef+layer", 0.01) == 0.01
+
+
 def test_metric_gap_signs():
     acc = {"metric": "accuracy", "direction": "max"}
     ppl = {"metric": "perplexity", "direction": "min"}
