@@ -12,8 +12,8 @@
   strategy keeps the velocity, the optimizer runs without momentum), ``mcnomask``,
   ``clip`` (local clipping at ``clip_norm / sqrt(P)``), ``own`` (gTop-k's
   ``own_contribution``), ``wd`` (``warmup_dense``), ``layer`` (one fusion buffer per
-  tensor, ``fusion_bytes=1``: each layer's own top-k at the density) and at most one warm-up schedule:
-  ``gtopkwu``, ``dgc``, ``linear``, ``linear2`` or any
+  tensor, ``fusion_bytes=1``: each layer's own top-k at the density) and at most one
+  warm-up schedule: ``gtopkwu``, ``dgc``, ``linear``, ``linear2`` or any
   :func:`mpicomm.control.parse_schedule` form (``linear:8,0.25``, ``dgc:2``,
   ``warmup:0.25,0.0625/3``, ``dgc:10@step``; by epochs unless ``@step``).
 * ``SCHEME@RATIO``: one of the auto selector's schemes at a fixed ratio
