@@ -75,9 +75,11 @@ def test_bare_labels_are_the_strategies_defaults():
             recipe = label_strategy(name, density=density)
             made = strategies.make(name, density=density)
             assert recipe.strategy.describe() == made.describe()
-            # the default takes the momentum from the optimizer at the first step: the
-            # harness builds the optimizer with its momentum, as a user would
-            assert made.momentum_correction == "optimizer" and not recipe.owns_momentum
+            # topk and gtopk take the momentum from the optimizer at the first step,
+            # artopk leaves it there: the harness builds the optimizer with its
+            # momentum, as a user would
+            assert made.momentum_correction == (0.0 if name == "artopk" else "optimizer")
+            assert not recipe.owns_momentum
             assert label_density(name, density) == density
     assert label_density("gtopk+ef+mc", 0.001) == 0.001
     assert label_density("topk-noef", 0.01) == 0.01

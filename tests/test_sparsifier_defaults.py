@@ -1,8 +1,9 @@
 """The sparsifiers' default recipe: momentum correction taken over from the optimizer
 (and, for gTop-k, the put-back of truncated picks).
 
-``strategies.make("topk" | "gtopk" | "artopk")`` defaults to
-``momentum_correction="optimizer"``: at the first ``GradientSync.step(optimizer)`` the
+``strategies.make("topk" | "gtopk")`` and the class ``ARTopK`` default to
+``momentum_correction="optimizer"`` (AR-Top-k by name: plain error feedback and a
+density ramp, checked here too): at the first ``GradientSync.step(optimizer)`` the
 strategy moves an SGD optimizer's momentum into its error-feedback memory. Checked under
 ``mpiexec -n 1..5`` on a real model: the run is the same as the explicit DGC recipe
 (``momentum_correction=0.9`` with SGD without momentum), different from plain error
@@ -45,23 +46,29 @@ def _train(comm, strategy, momentum: float, steps: int = 6, use_step: bool = Tru
             sync.strategy
 
 
+def _class_default(name: str, **kwargs):
+    """The classes' default at density 0.05 (AR-Top-k by name has another recipe:
+    no momentum correction, a density ramp)."""
+    if name == "artopk":
+        kwargs = {"schedule": None, "momentum_correction": "optimizer", **kwargs}
+    return strategies.make(name, density=0.05, **kwargs)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["topk", "gtopk", "artopk"])
 def test_default_takes_the_optimizers_momentum(comm, name):
-    default, opt, strategy = _train(comm, strategies.make(name, density=0.05), 0.9)
+    default, opt, strategy = _train(comm, _class_default(name), 0.9)
     assert all(g["momentum"] == 0.0 for g in opt.param_groups)
     assert strategy.momentum_correction == 0.9 and not strategy.adopt_pending
-    explicit, _, _ = _train(comm, strategies.make(name, density=0.05,
-                                                  momentum_correction=0.9), 0.0)
+    explicit, _, _ = _train(comm, _class_default(name, momentum_correction=0.9), 0.0)
     assert torch.allclose(default, explicit, rtol=1e-5, atol=1e-6), \
         (default - explicit).abs().max()
-    plain, opt, strategy = _train(comm, strategies.make(name, density=0.05,
-                                                        momentum_correction=0.0), 0.9)
+    plain, opt, strategy = _train(comm, _class_default(name, momentum_correction=0.0),
+                                  0.9)
     assert (default - plain).abs().max() > 1e-4  # the recipe is not plain EF
     assert strategy.momentum_correction == 0.0 and opt.param_groups[0]["momentum"] == 0.9
     # without step_done (wait + the caller's own optimizer step) nothing is adopted
-    kept, opt, strategy = _train(comm, strategies.make(name, density=0.05), 0.9,
-                                 use_step=False)
+    kept, opt, strategy = _train(comm, _class_default(name), 0.9, use_step=False)
     assert strategy.adopt_pending and opt.param_groups[0]["momentum"] == 0.9
     assert torch.allclose(kept, plain, rtol=1e-5, atol=1e-6)
 
@@ -119,3 +126,32 @@ def test_gtopk_by_name_ramps_its_density_within_a_fixed_budget():
     assert strategies.GTopK(density=0.001).schedule is None
     assert strategies.make("gtopk", density=0.05)._k(1000, 0, 0.05, None) == 50
     assert strategies.make("topk").schedule is None
+
+
+@pytest.mark.mpi
+def test_artopk_by_name_is_plain_error_feedback_with_a_density_ramp(comm):
+    """``make("artopk")`` (and the bare label) builds the measured recipe: plain error
+    feedback with the optimizer's momentum and a ramp from 0.1 spending 23.47
+    density-steps (1 092 steps at 0.001, 600 at 0.01); a keyword given wins. A run by
+    name is the same as the explicit recipe, leaves the optimizer's momentum in place
+    and sends the ramp's k."""
+    from mpicomm.bench.recipes import label_strategy
+    from mpicomm.control import BudgetRamp
+
+    s = strategies.make("artopk", density=0.001)
+    assert s.schedule == BudgetRamp(0.1, 23.47) and s.momentum_correction == 0.0
+    assert s.schedule.steps(0.001) == 1092 and s.schedule.steps(0.01) == 600
+    assert [s._k(100_000, t, 0.001, None) for t in (0, 1091, 1092)] == [10_000, 101, 100]
+    assert label_strategy("artopk", density=0.001).strategy.describe() == s.describe()
+    assert strategies.make("artopk", schedule=None).schedule is None
+    assert strategies.make("artopk", momentum_correction="optimizer").momentum_correction \
+        == "optimizer"
+    assert strategies.ARTopK().schedule is None
+    assert strategies.ARTopK().momentum_correction == "optimizer"
+    by_name, opt, strategy = _train(comm, strategies.make("artopk", density=0.01), 0.9)
+    assert opt.param_groups[0]["momentum"] == 0.9 and strategy.momentum_correction == 0.0
+    explicit, _, _ = _train(comm, strategies.ARTopK(
+        density=0.01, schedule=BudgetRamp(0.1, 23.47), momentum_correction=0.0), 0.9)
+    assert torch.equal(by_name, explicit)
+    if comm.size > 1:  # step 5 of the ramp: 26 of the 259 entries, not 0.01's 3
+        assert list(strategy.stats.extra["k"].values()) == [26]
