@@ -167,7 +167,7 @@ class AutoStrategy(Strategy):
         self._psgd: dict[int, PowerSGD] = {}  # rank -> PowerSGD: per-layer warm starts
         self.memory = ErrorFeedback()
         self.memory.track_sent = True  # the step's ||g_e||² without forming g + e again
-        self.handover = MomentumHandover(self.memory, cfg.momentum_correction and not cfg.lgreco)
+        self.handover = MomentumHandover(self.memory, not cfg.lgreco and cfg.momentum_correction)
         self.records: deque[Record] = deque(maxlen=cfg.history)
         #: Called with each :class:`~mpicomm.strategies.auto_schemes.Record` (e.g. a
         #: trace or metrics exporter).
@@ -257,7 +257,7 @@ class AutoStrategy(Strategy):
         (PowerSGD warm starts, AR-Top-k) and the per-layer PowerSGD family's warm-start
         Q per layer."""
         return {**self.memory.state_dict(), "momentum": self.memory.momentum,
-                "adopt_pending": self.handover.pending,
+                **self.handover.state_dict(),
                 "subs": {repr(k): s.state_dict() for k, s in self._subs.items()},
                 "per_layer_q": {r: c.state_dict() for r, c in self._psgd.items()}}
 
@@ -265,7 +265,7 @@ class AutoStrategy(Strategy):
         if "residuals" not in state:
             raise ValueError("AutoStrategy.load_state_dict: missing 'residuals'")
         self.memory.momentum = float(state.get("momentum", self.memory.momentum))
-        self.handover.pending = bool(state.get("adopt_pending", self.handover.pending))
+        self.handover.load_state_dict(state)
         self.memory.load_state_dict({"residuals": state["residuals"],
                                      "velocities": state.get("velocities", {})})
         for k, s in self._subs.items():
@@ -423,7 +423,7 @@ class AutoStrategy(Strategy):
 
     def _run_bucket(self, buf: Any, names: list[str], tensors: list[torch.Tensor]
                     ) -> list[torch.Tensor]:
-        self.handover.bucket(buf.name)
+        self.handover.bucket(buf.name, names)
         ratio = self.ratio
         key = (buf.name, ratio)
         params, compute = calibrated(self.comm)
@@ -497,7 +497,8 @@ class AutoStrategy(Strategy):
         carried out now, at this safe point: ``model``/``optimizer`` (and the
         error-feedback memory) are saved or restored around CR exploration windows
         (without them the windows run but only the memory is restored)."""
-        self.handover.step_done(optimizer)  # the optimizer's momentum moves here, once
+        self.handover.step_done(optimizer, model, [r["scheme"] for r in self._pending],
+                                window=self.snapshot.saved is not None)  # once
         now = clock.now()
         wall = 0.0 if self._last_done is None else now - self._last_done
         probe = self.ratio_control.take_probe()
