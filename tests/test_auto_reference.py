@@ -50,8 +50,12 @@ def test_the_schemes_own_selection_is_the_reference(comm, scheme):
 def _run(comm, scheme: str, reuse: bool, monkeypatch) -> tuple[list, torch.Tensor, float]:
     """Six steps of a small MLP under auto running ``scheme`` at 0.1: every bucket's
     reference per step (as queued for agreement), the final weights, ``reference_s``."""
+    from mpicomm.strategies.auto_ratio import RatioControl
     from mpicomm.torch import GradientSync
 
+    # a reference on every step (none carried between measurements), the scheme's
+    # own selection or, without ``reuse``, a selection of its own
+    monkeypatch.setattr(RatioControl, "due", lambda self, bucket, step, ratio: True)
     if not reuse:
         for cls in (GTopK, ARTopK):
             monkeypatch.setattr(cls, "selects_locally", lambda self, name: False)
@@ -97,3 +101,48 @@ def test_auto_reads_the_reference_instead_of_selecting_again(comm, scheme, monke
     assert seconds_again > 0.0
     if scheme == "gtopk":
         assert seconds == 0.0
+
+
+def test_a_costly_reference_is_measured_every_few_steps_and_carried_between():
+    """Where the reference costs a selection, it is measured on the first step at a
+    ratio, on every ``REFERENCE_EVERY``-th step and on probe steps; between, the last
+    measured share of ``||g_e||²`` times the step's own; a scheme that kept exact Top-k
+    (or ratio 1) has no reference of its own."""
+    from mpicomm.strategies.auto_ratio import REFERENCE_EVERY, RatioControl
+
+    control = RatioControl(None, 0.1)
+    assert control.due("b", 0, 0.1)
+    assert control.settle("b", 0, 0.1, 2.0, 8.0, due=True, exact=False) == 2.0
+    for step in range(1, REFERENCE_EVERY):
+        assert not control.due("b", step, 0.1)
+        assert control.settle("b", step, 0.1, None, 4.0, due=False,
+                              exact=False) == pytest.approx(1.0)
+        assert control.settle("b", step, 0.1, None, 4.0, due=False, exact=True) is None
+    assert control.due("b", REFERENCE_EVERY, 0.1) and control.due("b", 3, 0.05)
+    assert control.due("other", 3, 0.1)
+    assert control.settle("other", 3, 0.1, None, 4.0, due=False, exact=False) is None
+
+
+@pytest.mark.mpi
+def test_auto_dense_selects_for_its_reference_every_few_steps(comm, monkeypatch):
+    """A dense run at ratio 0.1 selects for the gain's reference on steps 0 and
+    ``REFERENCE_EVERY`` only, and feeds a reference on every step."""
+    from mpicomm.strategies import auto_ratio
+
+    calls = []
+    real = auto_ratio.topk_masses
+    monkeypatch.setattr(auto_ratio, "topk_masses",
+                        lambda x, ks: calls.append(len(ks)) or real(x, ks))
+    steps = auto_ratio.REFERENCE_EVERY + 2
+    auto = strategies.make("auto", comm=comm, ratio=0.1, schemes=("dense",),
+                           calibrate_links=0, trial_steps=0)
+    refs: list = []
+    finish = auto.agreement.finish
+    auto.agreement.finish = lambda pending, sums: (
+        refs.append([r["ref_sq"] for r in pending]), finish(pending, sums))[1]
+    gen = torch.Generator().manual_seed(7 + comm.rank)
+    for _ in range(steps):
+        auto.aggregate([torch.randn(300, generator=gen)], ["w"])
+        auto.step_done()
+    assert len(calls) == 2 and auto.overheads["reference_s"] > 0
+    assert len(refs) == steps and all(r[0] > 0 for r in refs)

@@ -43,11 +43,9 @@ rank identically:
 
 Compression gain: ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over the step's buckets and ranks
 (:attr:`AutoStrategy.last_gain`, the ``min_gain`` constraint). The CR controller is fed
-*Top-k's* gain, whatever scheme ran (:class:`~mpicomm.strategies.auto_ratio.RatioControl`):
-``||top-k(g_e)||²`` is the mass of the scheme's own selection where it selects on this
-rank (gTop-k; AR-Top-k on the step's source: ``selects_locally``), else one more selection
-(``overheads["reference_s"]``). Each (scheme, ratio)'s *efficiency*,
-``Σ||g_c||² / Σ||top-k(g_e)||²``, is what ``gain_weighted`` divides by.
+*Top-k's* gain, whatever scheme ran (:class:`~mpicomm.strategies.auto_ratio.RatioControl`,
+which says what its reference costs, ``overheads["reference_s"]``); each (scheme, ratio)'s
+*efficiency* ``Σ||g_c||² / Σ||top-k(g_e)||²`` is what ``gain_weighted`` divides by.
 
 L-GreCo (``lgreco=True``), ``lgreco_family``:
 
@@ -440,8 +438,9 @@ class AutoStrategy(Strategy):
                                                cache=not ramped)
         reads = (isinstance(sub, CompressedStrategy) and not ramped and ratio < 1.0 and
                  not self.ratio_control.probing and sub.selects_locally(buf.name))
-        ref_sq = None if reads else self._topk_reference(choice.scheme, ratio, buf, names,
-                                                         tensors, sub, ramped)
+        due = not reads and self.ratio_control.due(buf.name, self.steps, ratio)
+        ref_sq = self._topk_reference(choice.scheme, ratio, buf, names, tensors, sub,
+                                      ramped) if due else None
         start = clock.now()
         out, e_sq, left = exchange(choice.scheme, buf, names, tensors, sub, self.memory,
                                    self.comm, self.steps, lgreco=self.lgreco,
@@ -450,8 +449,9 @@ class AutoStrategy(Strategy):
                                    accumulate=lambda c: self._accumulate(buf.name, c))
         seconds = clock.now() - start
         kept_sq = max(e_sq - left, 0.0)
-        if reads:  # None where the step went dense after all (then it kept everything)
-            ref_sq = sub.stats.extra.get("selected_sq", {}).pop(buf.name, None)
+        ref_sq = sub.stats.extra.get("selected_sq", {}).pop(buf.name, None) if reads else \
+            self.ratio_control.settle(buf.name, self.steps, ratio, ref_sq, e_sq, due=due,
+                                      exact=choice.scheme == "allgather_topk")
         if ref_sq is None:  # Allgather Top-k (or no ratio): what it kept is the reference
             ref_sq = kept_sq
         for i, v in enumerate((kept_sq, e_sq, ref_sq)):
