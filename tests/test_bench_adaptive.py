@@ -84,8 +84,8 @@ def test_bench_adaptive_runs_every_method_per_seed_and_reports_medians(two_seeds
     # the controllers' own time, per run: calibration happened, nothing is negative
     for run in data["rows"][-1]["runs"]:
         own = run["overheads"]
-        assert set(own) == {"calibration_s", "probe_s", "exploration_s", "lgreco_s",
-                            "probes", "windows"}
+        assert set(own) == {"calibration_s", "probe_s", "reference_s", "exploration_s",
+                            "lgreco_s", "probes", "windows"}
         assert own["calibration_s"] > 0 and min(own.values()) >= 0
         assert 0 < run["overhead_pct"] < 100
         # one entry per step: the scheme and ratio against the injected link's schedule

@@ -474,3 +474,72 @@ def test_auto_never_applies_momentum_twice_when_it_never_sees_the_optimizer(comm
     assert again.handover.pending
     again.load_state_dict(state)
     assert not again.handover.pending and again.memory.momentum == 0.0
+
+
+@pytest.mark.mpi
+def test_auto_after_dense_hands_over_after_a_dense_run_and_stays_momentum_sgd(comm):
+    """``momentum_correction="after_dense"`` (the default): after ``dense_steps`` dense
+    steps in a row the optimizer's momentum buffers become the memory's velocities, so
+    the run goes on exactly as momentum SGD (a velocity restarted from zero would not);
+    the optimizer runs without momentum from then on."""
+    auto = strategies.make("auto", comm=comm, ratio=1.0, schemes=("dense",),
+                           calibrate_links=0, trial_steps=0)
+    assert auto.handover.waiting and not auto.handover.pending
+    auto.handover.dense_steps = 3
+    mine, momentum = _momentum_run(comm, auto)
+    assert momentum == 0.0 and auto.memory.momentum == 0.9 and not auto.handover.waiting
+    theirs, kept = _momentum_run(comm, strategies.make("dense", comm=comm))
+    assert kept == 0.9
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    state = auto.state_dict()
+    assert state["adopt_waiting"] is False and state["adopt_pending"] is False
+    again = strategies.make("auto", comm=comm, ratio=1.0, schemes=("dense",),
+                            calibrate_links=0, trial_steps=0)
+    again.load_state_dict(state)
+    assert not again.handover.waiting and again.memory.momentum == 0.9
+
+
+@pytest.mark.mpi
+def test_auto_after_dense_keeps_plain_error_feedback_from_a_sparse_start(comm):
+    """A run that starts sparse never hands over under ``"after_dense"``: it equals
+    ``momentum_correction=False`` and the optimizer keeps its momentum."""
+    def auto(**kw):
+        return strategies.make("auto", comm=comm, ratio=0.1, schemes=("allgather_topk",),
+                               calibrate_links=0, trial_steps=0, **kw)
+
+    first = auto()
+    first.handover.dense_steps = 3
+    mine, momentum = _momentum_run(comm, first)
+    assert momentum == 0.9 and first.memory.momentum == 0.0 and first.handover.waiting
+    theirs, _ = _momentum_run(comm, auto(momentum_correction=False))
+    assert torch.equal(mine, theirs)
+
+
+def test_momentum_handover_after_dense_counts_dense_steps_in_a_row():
+    """Sparse steps restart the count, steps of an exploration window do not count, and
+    without an optimizer nothing moves; the optimizer's buffers become the velocities of
+    the buckets whose parameters it holds."""
+    from mpicomm.compress import ErrorFeedback
+    from mpicomm.strategies.auto_exchange import MomentumHandover
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    memory = ErrorFeedback()
+    handover = MomentumHandover(memory, "after_dense")
+    handover.dense_steps = 2
+    handover.bucket("b0", ["weight", "bias"])
+    for schemes, window in [(["dense"], False), (["gtopk"], False), (["dense"], False),
+                            (["dense", "gtopk"], True), (["dense"], True)]:
+        handover.step_done(opt, model, schemes, window=window)
+        assert handover.waiting
+    handover.step_done(None, model, ["dense"])
+    assert handover.waiting and handover.dense_run == 2
+    handover.step_done(opt, model, ["dense"])
+    assert not handover.waiting and memory.momentum == 0.5
+    assert opt.param_groups[0]["momentum"] == 0.0 and not opt.state[model.weight]
+    expected = torch.cat([model.weight.grad.reshape(-1), model.bias.grad.reshape(-1)])
+    torch.testing.assert_close(memory.velocity("b0"), expected)
+    with pytest.raises(ValueError, match="momentum_correction"):
+        strategies.make("auto", calibrate_links=0, momentum_correction="yes")

@@ -246,6 +246,21 @@ class CompressedStrategy(Strategy):
         check_floating(tensors, names)
         return tensors, names
 
+    def selects_locally(self, name: str) -> bool:
+        """Whether this rank's next aggregation of bucket ``name`` selects the top-k of
+        its own error-fed bucket (at the strategy's ``density``/``k``, when the step runs
+        sparse) and records that selection's squared mass in
+        ``stats.extra["selected_sq"][name]``: a caller that needs ``||top-k(g + e)||²``
+        (``strategy="auto"``'s compression gain) then reads it instead of selecting a
+        second time. ``False`` here; the strategies that select per rank say so."""
+        return False
+
+    def _record_selected(self, name: str, values: torch.Tensor) -> None:
+        """Keep ``||values||²`` (the k values this rank selected) for :meth:`selects_locally`'s
+        readers: one pass over k entries."""
+        v = values.detach().reshape(-1).to(torch.float64)
+        self.stats.extra.setdefault("selected_sq", {})[name] = float(torch.dot(v, v))
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"strategy": self.name, "error_feedback": self.error_feedback}
         if self.schedule is not None:

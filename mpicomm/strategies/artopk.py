@@ -144,6 +144,8 @@ class ARTopK(SparsifyingStrategy):
         c = self._compensate(name, flat)
         idx, mean = artopk(c, k, step, self.source, self.comm, self.state(name),
                            self.algorithm, grad=flat)
+        if self.state(name).source == self.comm.rank:  # the source selected at idx
+            self._record_selected(name, c[idx])
         if self.memory is not None:
             self.memory.update_sparse(name, c, idx)  # = artopk's return_residual
         self.stats.extra.setdefault("k", {})[name] = k
@@ -151,6 +153,15 @@ class ARTopK(SparsifyingStrategy):
         out = torch.zeros(numel, dtype=flat.dtype, device=flat.device)
         out[idx] = mean
         return out
+
+    def selects_locally(self, name: str) -> bool:
+        """Only the step's source selects: with ``source="star"`` the rank
+        ``(step + slot) % P`` of the bucket's next step (``"var"``: not known before the
+        step's norms are gathered, so ``False``)."""
+        if self.source != "star":
+            return False
+        step = self._steps.get(name, 0) + self._slots.get(name, len(self._slots))
+        return step % self.comm.size == self.comm.rank
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "density": self.density, "k": self.k,

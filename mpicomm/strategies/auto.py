@@ -41,13 +41,11 @@ rank identically:
   :class:`mpicomm.control.LGreco` re-solves the per-layer settings on rank 0
   (:class:`~mpicomm.strategies.lgreco_errors.LayerErrors`) and broadcasts them.
 
-Compression gain: ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over the step's buckets (the squared
-norms of :func:`~mpicomm.strategies.auto_exchange.exchange`), summed over ranks:
-:attr:`AutoStrategy.last_gain` and, per scheme, the ``min_gain`` constraint. The CR
-controller is fed *Top-k's* gain instead, whatever scheme ran
-(:class:`~mpicomm.strategies.auto_ratio.RatioControl`); each (scheme, ratio)'s
-*efficiency*, ``Σ||g_c||² / Σ||top-k(g_e)||²``, is what ``gain_weighted`` divides by
-(:class:`~mpicomm.strategies.auto_choice.SchemeChoices`).
+Compression gain: ``sqrt(Σ||g_c||² / Σ||g_e||²)`` over the step's buckets and ranks
+(:attr:`AutoStrategy.last_gain`, the ``min_gain`` constraint). The CR controller is fed
+*Top-k's* gain, whatever scheme ran (:class:`~mpicomm.strategies.auto_ratio.RatioControl`,
+which says what its reference costs, ``overheads["reference_s"]``); each (scheme, ratio)'s
+*efficiency* ``Σ||g_c||² / Σ||top-k(g_e)||²`` is what ``gain_weighted`` divides by.
 
 L-GreCo (``lgreco=True``), ``lgreco_family``:
 
@@ -61,9 +59,8 @@ L-GreCo (``lgreco=True``), ``lgreco_family``:
   allreduces, per bucket); the selector chooses between dense and that per-layer scheme,
   predicted for the settings in force, and re-decides after every L-GreCo solve.
 
-Without ``step_done`` calls (a loop that neither uses ``GradientSync.step`` or the DDP
-hook, which call it, nor calls it) the strategy keeps its first choices: no records, no
-refinement, no CR changes.
+Without ``step_done`` (called by ``GradientSync.step`` and the DDP hook) the strategy
+keeps its first choices: no records, no refinement, no CR changes.
 """
 
 from __future__ import annotations
@@ -167,7 +164,7 @@ class AutoStrategy(Strategy):
         self._psgd: dict[int, PowerSGD] = {}  # rank -> PowerSGD: per-layer warm starts
         self.memory = ErrorFeedback()
         self.memory.track_sent = True  # the step's ||g_e||² without forming g + e again
-        self.handover = MomentumHandover(self.memory, cfg.momentum_correction and not cfg.lgreco)
+        self.handover = MomentumHandover(self.memory, not cfg.lgreco and cfg.momentum_correction)
         self.records: deque[Record] = deque(maxlen=cfg.history)
         #: Called with each :class:`~mpicomm.strategies.auto_schemes.Record` (e.g. a
         #: trace or metrics exporter).
@@ -190,12 +187,13 @@ class AutoStrategy(Strategy):
         self._moved_streak = 0  # consecutive agreed steps with a compute factor moved
         #: Seconds this rank spent on the controllers' own work (not training):
         #: ``calibration_s`` (start-up ping-pongs and kernels), ``probe_s`` (the gains at
-        #: every grid ratio on probe steps), ``exploration_s`` (the steps of exploration
-        #: windows, thrown away by their restore), ``lgreco_s`` (L-GreCo's measurement,
-        #: solve and broadcast); ``probes`` and ``windows`` count them.
+        #: every grid ratio on probe steps), ``reference_s`` (the gain's extra selection on
+        #: other steps), ``exploration_s`` (the steps of exploration windows, thrown away
+        #: by their restore), ``lgreco_s`` (L-GreCo's measurement, solve and broadcast);
+        #: ``probes`` and ``windows`` count them.
         self.overheads: dict[str, float] = {"calibration_s": 0.0, "probe_s": 0.0,
-                                            "exploration_s": 0.0, "lgreco_s": 0.0,
-                                            "probes": 0, "windows": 0}
+                                            "reference_s": 0.0, "exploration_s": 0.0,
+                                            "lgreco_s": 0.0, "probes": 0, "windows": 0}
         #: The save/restore around CR exploration windows.
         self.snapshot = WindowSnapshot(self.overheads)
 
@@ -257,7 +255,7 @@ class AutoStrategy(Strategy):
         (PowerSGD warm starts, AR-Top-k) and the per-layer PowerSGD family's warm-start
         Q per layer."""
         return {**self.memory.state_dict(), "momentum": self.memory.momentum,
-                "adopt_pending": self.handover.pending,
+                **self.handover.state_dict(),
                 "subs": {repr(k): s.state_dict() for k, s in self._subs.items()},
                 "per_layer_q": {r: c.state_dict() for r, c in self._psgd.items()}}
 
@@ -265,7 +263,7 @@ class AutoStrategy(Strategy):
         if "residuals" not in state:
             raise ValueError("AutoStrategy.load_state_dict: missing 'residuals'")
         self.memory.momentum = float(state.get("momentum", self.memory.momentum))
-        self.handover.pending = bool(state.get("adopt_pending", self.handover.pending))
+        self.handover.load_state_dict(state)
         self.memory.load_state_dict({"residuals": state["residuals"],
                                      "velocities": state.get("velocities", {})})
         for k, s in self._subs.items():
@@ -423,7 +421,7 @@ class AutoStrategy(Strategy):
 
     def _run_bucket(self, buf: Any, names: list[str], tensors: list[torch.Tensor]
                     ) -> list[torch.Tensor]:
-        self.handover.bucket(buf.name)
+        self.handover.bucket(buf.name, names)
         ratio = self.ratio
         key = (buf.name, ratio)
         params, compute = calibrated(self.comm)
@@ -438,8 +436,11 @@ class AutoStrategy(Strategy):
             (self.ratio_control.probing or not self.ratio_control.exploring))
         sub = None if per_layer else self._sub(choice.scheme, choice.ratio, shapes,
                                                cache=not ramped)
+        reads = (isinstance(sub, CompressedStrategy) and not ramped and ratio < 1.0 and
+                 not self.ratio_control.probing and sub.selects_locally(buf.name))
+        due = not reads and self.ratio_control.due(buf.name, self.steps, ratio)
         ref_sq = self._topk_reference(choice.scheme, ratio, buf, names, tensors, sub,
-                                      ramped=ramped)
+                                      ramped) if due else None
         start = clock.now()
         out, e_sq, left = exchange(choice.scheme, buf, names, tensors, sub, self.memory,
                                    self.comm, self.steps, lgreco=self.lgreco,
@@ -448,6 +449,9 @@ class AutoStrategy(Strategy):
                                    accumulate=lambda c: self._accumulate(buf.name, c))
         seconds = clock.now() - start
         kept_sq = max(e_sq - left, 0.0)
+        ref_sq = sub.stats.extra.get("selected_sq", {}).pop(buf.name, None) if reads else \
+            self.ratio_control.settle(buf.name, self.steps, ratio, ref_sq, e_sq, due=due,
+                                      exact=choice.scheme == "allgather_topk")
         if ref_sq is None:  # Allgather Top-k (or no ratio): what it kept is the reference
             ref_sq = kept_sq
         for i, v in enumerate((kept_sq, e_sq, ref_sq)):
@@ -468,17 +472,15 @@ class AutoStrategy(Strategy):
     def _topk_reference(self, scheme: str, ratio: float, buf: Any, names: list[str],
                         tensors: list[torch.Tensor], sub: Optional[Strategy],
                         ramped: bool = False) -> Optional[float]:
-        """``||top-k(g_e)||²`` of this rank's error-fed bucket at ``ratio``
-        (:meth:`RatioControl.reference`; ``None`` where the step keeps exact Top-k
-        itself: Allgather Top-k not ``ramped`` above ``ratio``, the L-GreCo paths)."""
+        """``||top-k(g_e)||²`` of this rank's error-fed bucket at ``ratio`` (``None`` where
+        the step keeps exact Top-k: Allgather Top-k not ``ramped``, the L-GreCo paths)."""
         probing = self.ratio_control.probing
         begin = clock.now()
         ref = self.ratio_control.reference(
             ratio, lambda: error_fed(scheme, buf, names, tensors, sub, self.memory),
             kept_is_reference=scheme == "allgather_topk" and not ramped or
             self.lgreco is not None)
-        if probing:  # the masses at every grid ratio (an ordinary step takes one)
-            self.overheads["probe_s"] += clock.now() - begin
+        self.overheads["probe_s" if probing else "reference_s"] += clock.now() - begin
         return ref
 
     def _accumulate(self, bucket: str, c: torch.Tensor) -> None:
@@ -497,7 +499,8 @@ class AutoStrategy(Strategy):
         carried out now, at this safe point: ``model``/``optimizer`` (and the
         error-feedback memory) are saved or restored around CR exploration windows
         (without them the windows run but only the memory is restored)."""
-        self.handover.step_done(optimizer)  # the optimizer's momentum moves here, once
+        self.handover.step_done(optimizer, model, [r["scheme"] for r in self._pending],
+                                window=self.snapshot.saved is not None)  # once
         now = clock.now()
         wall = 0.0 if self._last_done is None else now - self._last_done
         probe = self.ratio_control.take_probe()

@@ -127,27 +127,31 @@ class AutoConfig:
         The proxy measures how much of Top-k's mass a step keeps, not how many steps an
         accuracy takes.
     momentum_correction:
-        ``True``: at the first ``step_done`` with an SGD-like optimizer
-        (:func:`~mpicomm.strategies._compressed.adopt_momentum`: one momentum m, no
-        dampening, no Nesterov) the strategy takes the optimizer's momentum over, as the
-        sparse strategies do by default (DGC's momentum correction and masking, Lin et
-        al., arXiv 1712.01887; :class:`~mpicomm.compress.ErrorFeedback` with
-        ``momentum=m``): every rank keeps a velocity ``u = m·u + g`` per bucket in the
-        error-feedback memory; a sparse scheme sends entries of ``u + residual`` and
-        clears the velocity where it sent; a dense step (and PowerSGD) sends all of it
-        and keeps the velocity (then ``mean_r u_r`` is the optimizer's heavy-ball
-        buffer: the same run as momentum SGD). ``False`` (default): plain error
-        feedback with the optimizer's momentum, as the fixed strategies the selector
-        builds. The correction pays after a dense start: plain error feedback lost up
-        to 26 points of test accuracy for 100-200 steps after a switch from dense to a
-        small ratio (mnist1d-cnn, 8 ranks, gTop-k at 0.01 from a dense model at 0.96;
-        with the correction, no dip), and on a network that starts fast and then drops
-        the corrected run reached 0.975 in 28.6 s against 33.8 s. It hurts from a cold
-        sparse start: on a constant 1 Gbit/s network the corrected run was at 0.67
-        test accuracy after 400 steps against 0.80 and never reached 0.975 in 2 028
-        steps, where the plain one did at step 1 200. Hence off by default; turn it on
-        where the network is fast enough for auto to start dense. Not with ``lgreco``
-        (its paths keep plain error feedback).
+        Where DGC's momentum correction and masking (Lin et al., arXiv 1712.01887;
+        :class:`~mpicomm.compress.ErrorFeedback` with ``momentum=m``) take the place of
+        the optimizer's momentum. With it, every rank keeps a velocity ``u = m·u + g`` per
+        bucket in the error-feedback memory; a sparse scheme sends entries of
+        ``u + residual`` and clears the velocity where it sent; a dense step (and
+        PowerSGD) sends all of it and keeps the velocity (then ``mean_r u_r`` is the
+        optimizer's heavy-ball buffer: the same run as momentum SGD). It needs an
+        SGD-like optimizer passed to ``step_done`` (one momentum m, no dampening, no
+        Nesterov: :func:`~mpicomm.strategies._compressed.adopt_momentum`); with another,
+        the memory stays plain error feedback.
+
+        ``"after_dense"`` (default): plain error feedback with the optimizer's momentum
+        until 20 steps in a row ran dense; then the optimizer's momentum buffers become
+        the memory's velocities (nothing changes on dense steps) and every later sparse
+        step is corrected. ``True``: from the first step. ``False``: never. The
+        correction pays after a dense start: plain error feedback lost up to 26 points
+        of test accuracy for 100-200 steps after a switch from dense to a small ratio
+        (mnist1d-cnn, 8 ranks, gTop-k at 0.01 from a dense model at 0.96; with the
+        correction, no dip), and on a network that starts fast and then drops the
+        corrected run reached 0.975 in 28.6 s against 33.8 s. It hurts from a cold sparse
+        start: on a constant 1 Gbit/s network the run corrected from the first step was
+        at 0.67 test accuracy after 400 steps against 0.80 and never reached 0.975 in
+        2 028 steps, where the plain one did at step 1 200. ``"after_dense"`` takes the
+        first case and leaves the second alone. Not with ``lgreco`` (its paths keep plain
+        error feedback). Cost: one copy of the gradients' size at the hand-over.
     ramp_steps, ramp_factor, ramp_start:
         The ratio ramp (:mod:`~mpicomm.strategies.auto_ramp`): when the ratio a bucket's
         kept choice runs at falls by more than ``ramp_factor`` at once (from dense,
@@ -226,7 +230,7 @@ class AutoConfig:
     trial_steps: int = 1
     gain_weighted: bool = False
     drift_patience: int = 5
-    momentum_correction: bool = False
+    momentum_correction: bool | str = "after_dense"
     ramp_steps: int = 0
     ramp_factor: float = 4.0
     ramp_start: float = 1.0
@@ -281,6 +285,10 @@ class AutoConfig:
         check_int("trial_steps", self.trial_steps, 0)
         check_int("drift_patience", self.drift_patience, 1)
         check_int("ramp_steps", self.ramp_steps, 0)
+        if not (isinstance(self.momentum_correction, bool)
+                or self.momentum_correction == "after_dense"):
+            raise ValueError("momentum_correction must be True, False or 'after_dense', "
+                             f"got {self.momentum_correction!r}")
         if _number("ramp_factor", self.ramp_factor) <= 1.0:
             raise ValueError(f"ramp_factor must be > 1, got {self.ramp_factor!r}")
         if not 0.0 < _number("ramp_start", self.ramp_start) <= 1.0:

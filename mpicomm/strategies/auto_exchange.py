@@ -38,8 +38,8 @@ from ._compressed import adopt_momentum
 from .base import Strategy
 from .lgreco_buckets import Segment, powersgd_bucket, qsgd_bucket, topk_bucket
 
-__all__ = ["exchange", "error_fed", "squared_norm", "take_momentum", "FIRST_STEP_MOMENTUM",
-           "MomentumHandover"]
+__all__ = ["exchange", "error_fed", "squared_norm", "take_momentum", "seed_velocities",
+           "FIRST_STEP_MOMENTUM", "MomentumHandover"]
 
 
 def squared_norm(t: torch.Tensor) -> float:
@@ -189,25 +189,44 @@ def exchange(scheme: str, buf: Any, names: Sequence[str], tensors: Sequence[torc
 class MomentumHandover:
     """``auto``'s momentum correction as a small state machine over the memory.
 
-    Enabled, the memory keeps the first step's velocity (:data:`FIRST_STEP_MOMENTUM`)
-    until the first :meth:`step_done` with an optimizer moves that optimizer's momentum
-    into it (:func:`take_momentum`). If a bucket is aggregated a second time before that
-    (the step ended without ``step_done(optimizer)``: the DDP hook without
-    ``optimizer=``, or ``wait`` followed by the caller's own ``optimizer.step()``), the
-    optimizer keeps its momentum, and the memory drops its velocities and stays plain
-    error feedback, so momentum is never applied twice. ``pending`` is saved with the
-    strategy's state, so a resumed run does not hand over a second time. Cost: a set
-    lookup per bucket until the handover.
+    ``mode=True``: the memory keeps the first step's velocity
+    (:data:`FIRST_STEP_MOMENTUM`) until the first :meth:`step_done` with an optimizer
+    moves that optimizer's momentum into it (:func:`take_momentum`). If a bucket is
+    aggregated a second time before that (the step ended without
+    ``step_done(optimizer)``: the DDP hook without ``optimizer=``, or ``wait`` followed by
+    the caller's own ``optimizer.step()``), the optimizer keeps its momentum, and the
+    memory drops its velocities and stays plain error feedback, so momentum is never
+    applied twice.
+
+    ``mode="after_dense"``: plain error feedback until :attr:`dense_steps` steps in a row
+    ran every bucket dense outside an exploration window; at the end of that step the
+    optimizer's momentum moves into the memory (:func:`seed_velocities`: each bucket's
+    velocity starts from the optimizer's momentum buffers, so the dense run goes on
+    exactly as momentum SGD, and a later switch to a sparse scheme runs DGC's
+    correction from a warm velocity). A run that starts sparse keeps plain error
+    feedback. ``mode=False``: never.
+
+    The state (:meth:`state_dict`) is saved with the strategy's, so a resumed run does
+    not hand over a second time. Cost: a set lookup per bucket until the handover.
     """
 
-    def __init__(self, memory: ErrorFeedback, enabled: bool) -> None:
-        self.memory, self.pending = memory, bool(enabled)
+    #: Dense steps in a row after which ``"after_dense"`` hands over: past the start's
+    #: probes and trials, a small fraction of a dense phase.
+    dense_steps = 20
+
+    def __init__(self, memory: ErrorFeedback, mode: bool | str) -> None:
+        self.memory, self.pending = memory, mode is True
+        self.waiting = mode == "after_dense"
+        self.dense_run = 0
         self._seen: set[str] = set()
+        self._names: dict[str, list[str]] = {}
         if self.pending:
             memory.momentum = FIRST_STEP_MOMENTUM
 
-    def bucket(self, name: str) -> None:
-        """Called before ``name`` is exchanged."""
+    def bucket(self, name: str, names: Sequence[str] = ()) -> None:
+        """Called before bucket ``name`` (of the tensors ``names``) is exchanged."""
+        if self.waiting:
+            self._names[name] = list(names)
         if not self.pending:
             return
         if name not in self._seen:
@@ -216,8 +235,49 @@ class MomentumHandover:
         self.pending = False
         drop_velocities(self.memory)
 
-    def step_done(self, optimizer: Any) -> None:
-        """At the end of a step: take ``optimizer``'s momentum over, once."""
+    def step_done(self, optimizer: Any, model: Any = None, schemes: Sequence[str] = (),
+                  window: bool = False) -> None:
+        """At the end of a step that ran ``schemes`` (``window``: inside an exploration
+        window, whose steps are thrown away): take ``optimizer``'s momentum over, once."""
         if self.pending and optimizer is not None:
             self.pending = False
             take_momentum(self.memory, optimizer)
+        elif self.waiting and not window:
+            dense = bool(schemes) and all(s == "dense" for s in schemes)
+            self.dense_run = self.dense_run + 1 if dense else 0
+            if self.dense_run >= self.dense_steps and optimizer is not None:
+                self.waiting = False
+                seed_velocities(self.memory, optimizer, model, self._names)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"adopt_pending": self.pending, "adopt_waiting": self.waiting,
+                "dense_run": self.dense_run}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = bool(state.get("adopt_pending", self.pending))
+        self.waiting = bool(state.get("adopt_waiting", self.waiting and not self.pending))
+        self.dense_run = int(state.get("dense_run", 0))
+
+
+def seed_velocities(memory: ErrorFeedback, optimizer: Any, model: Any,
+                    names: dict[str, list[str]]) -> float:
+    """Move an SGD-like optimizer's momentum m into ``memory`` in the middle of a run
+    and return m (0.0 and nothing changed for another optimizer). Each bucket's velocity
+    is the concatenation of its parameters' momentum buffers (``names``: bucket ->
+    parameter names, resolved through ``model.named_parameters()``); a bucket whose
+    buffers cannot all be found (no ``model``: the DDP hook) starts from zero, which
+    restarts its momentum once. The residuals are kept."""
+    params = dict(model.named_parameters()) if model is not None else {}
+    state = getattr(optimizer, "state", {})
+    velocities = {}
+    for bucket, members in names.items():
+        buffers = [state.get(params[n], {}).get("momentum_buffer") if n in params else None
+                   for n in members]
+        if members and all(b is not None for b in buffers):
+            velocities[bucket] = torch.cat([b.detach().reshape(-1) for b in buffers])
+    m = adopt_momentum(optimizer)
+    if m:
+        memory.momentum = m
+        memory.load_state_dict({"residuals": memory.state_dict()["residuals"],
+                                "velocities": velocities})
+    return m

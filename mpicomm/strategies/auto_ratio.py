@@ -10,9 +10,15 @@ AR-Top-k keeps only what the source rank picked, gTop-k what survived the global
 selection. On a probe step it measures that mass at every candidate ratio at once, on
 the step's own gradients, beside the exchange at the ratio in force.
 
-Cost: one extra top-k selection per bucket and step where the scheme that ran does not
-keep exact Top-k itself (1-3 ms for 1.1e6 floats on one core); a probe step takes the
-masses at every candidate from one sort (:func:`~mpicomm.compress.topk_select.topk_masses`).
+Cost: where the scheme selects exact Top-k on the rank itself (Allgather Top-k; gTop-k;
+AR-Top-k on the step's source) its own selection is the reference, for free. Elsewhere
+(dense, PowerSGD, AR-Top-k's other ranks) the reference costs one more top-k selection
+(1-3 ms for 1.1e6 floats on one core: 10% of a dense step of a small model on a fast
+link, which would tilt the selector against dense), so it is measured on every
+:data:`REFERENCE_EVERY`-th step of a bucket at one ratio and carried to the steps between
+as the measured share ``||top-k(g_e)||² / ||g_e||²`` times the step's own ``||g_e||²``
+(:meth:`RatioControl.due`, :meth:`RatioControl.settle`). A probe step takes the masses
+at every candidate from one sort (:func:`~mpicomm.compress.topk_select.topk_masses`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,12 @@ from ..compress.topk import k_for
 from ..compress.topk_select import topk_masses
 from ..control.cr import CRController
 
-__all__ = ["RatioControl"]
+__all__ = ["RatioControl", "REFERENCE_EVERY"]
+
+#: Steps of a bucket at one ratio between two measured references where the reference
+#: costs a selection of its own: the share of Top-k's mass moves slowly (the CR
+#: controller smooths it further), a selection per step would not.
+REFERENCE_EVERY = 8
 
 
 class RatioControl:
@@ -47,6 +58,8 @@ class RatioControl:
         #: Σ||top-k(g_e)||² at each candidate ratio over the step's buckets (probe step).
         self.probe_sq: list[float] = []
         self._other_solved: Optional[float] = None  # the step's rest at the last solve
+        #: bucket -> (step, ratio, ||top-k(g_e)||² / ||g_e||²) of its last measurement
+        self._shares: dict[str, tuple[int, float, float]] = {}
 
     @property
     def ratio(self) -> float:
@@ -87,6 +100,26 @@ class RatioControl:
         for i, m in enumerate(masses[:-1]):
             self.probe_sq[i] += m
         return None if kept_is_reference else masses[-1]
+
+    def due(self, bucket: str, step: int, ratio: float) -> bool:
+        """Whether ``bucket``'s reference is measured at ``step`` (``ratio``): on a probe
+        step, the first time at a ratio, and every :data:`REFERENCE_EVERY` steps."""
+        last = self._shares.get(bucket)
+        return (self.probing or last is None or last[1] != ratio
+                or step - last[0] >= REFERENCE_EVERY)
+
+    def settle(self, bucket: str, step: int, ratio: float, ref_sq: Optional[float],
+               e_sq: float, *, due: bool, exact: bool) -> Optional[float]:
+        """The bucket's reference after the exchange: ``ref_sq`` as measured (kept when
+        ``due``), else (``exact``: the scheme kept exact Top-k, ``None``) the last
+        measured share times this step's ``||g_e||²``."""
+        if due:
+            if ref_sq is not None and e_sq > 0:
+                self._shares[bucket] = (step, ratio, min(ref_sq / e_sq, 1.0))
+            return ref_sq
+        if exact or ratio >= 1.0 or bucket not in self._shares:
+            return None
+        return self._shares[bucket][2] * e_sq
 
     def take_probe(self) -> list[float]:
         """The step's probe masses (empty when it did not probe), and reset them."""

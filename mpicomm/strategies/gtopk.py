@@ -120,6 +120,7 @@ class GTopK(SparsifyingStrategy):
         c = self._compensate(name, flat)
         payload = TopK(k=k).compress(c, name=name)
         picks, values = payload.arrays["indices"], payload.arrays["values"]
+        self._record_selected(name, values)
         idx, val, dropped = gtopk(picks, values, k, self.comm, return_dropped=True,
                                   size=numel, own_contribution=self.own_contribution)
         if self.memory is not None:
@@ -131,6 +132,10 @@ class GTopK(SparsifyingStrategy):
         out = torch.zeros(numel, dtype=flat.dtype, device=flat.device)
         out[idx.to(torch.int64)] = val / self.comm.size
         return out
+
+    def selects_locally(self, name: str) -> bool:
+        """Every rank selects its own top-k first (the butterfly merges those)."""
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "density": self.density, "k": self.k,
