@@ -12,6 +12,8 @@ from mpi4py import MPI
 from mpicomm import strategies
 from mpicomm.strategies import ARTopK, GTopK
 
+from .test_controllers import _momentum_run
+
 if MPI.COMM_WORLD.Get_size() > 1:
     torch.set_num_threads(1)
 
@@ -51,7 +53,6 @@ def _run(comm, scheme: str, reuse: bool, monkeypatch) -> tuple[list, torch.Tenso
     """Six steps of a small MLP under auto running ``scheme`` at 0.1: every bucket's
     reference per step (as queued for agreement), the final weights, ``reference_s``."""
     from mpicomm.strategies.auto_ratio import RatioControl
-    from mpicomm.torch import GradientSync
 
     # a reference on every step (none carried between measurements), the scheme's
     # own selection or, without ``reuse``, a selection of its own
@@ -69,20 +70,8 @@ def _run(comm, scheme: str, reuse: bool, monkeypatch) -> tuple[list, torch.Tenso
         return finish(pending, sums)
 
     auto.agreement.finish = spy
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(100 + comm.rank)
-    with GradientSync(model, strategy=auto, comm=comm, bucket_mb=0.002) as sync:
-        for _ in range(6):
-            x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 4, (16,),
-                                                                     generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            sync.step(opt)
+    weights, _ = _momentum_run(comm, auto)
     monkeypatch.undo()
-    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return refs, weights, auto.overheads["reference_s"]
 
 
