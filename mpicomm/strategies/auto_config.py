@@ -149,9 +149,10 @@ class AutoConfig:
         corrected run reached 0.975 in 28.6 s against 33.8 s. It hurts from a cold sparse
         start: on a constant 1 Gbit/s network the run corrected from the first step was
         at 0.67 test accuracy after 400 steps against 0.80 and never reached 0.975 in
-        2 028 steps, where the plain one did at step 1 200. ``"after_dense"`` corrects only
-        after a dense phase, and from a sparse start is the same run as ``False``. Not with ``lgreco`` (its paths keep plain
-        error feedback). Cost: one copy of the gradients' size at the hand-over.
+        2 028 steps, where the plain one did at step 1 200. ``"after_dense"`` corrects
+        only after a dense phase, and from a sparse start is the same run as ``False``.
+        Not with ``lgreco`` (its paths keep plain error feedback). Cost: one copy of the
+        gradients' size at the hand-over.
     ramp_steps, ramp_factor, ramp_start:
         The ratio ramp (:mod:`~mpicomm.strategies.auto_ramp`): when the ratio a bucket's
         kept choice runs at falls by more than ``ramp_factor`` at once (from dense,
