@@ -103,7 +103,14 @@ def drop_velocities(memory: ErrorFeedback) -> None:
     """Make ``memory`` plain error feedback: no momentum, no velocities, the residuals
     kept."""
     memory.momentum = 0.0
-    memory.load_state_dict({"residuals": memory.state_dict()["residuals"]})
+    _replace_velocities(memory, {})
+
+
+def _replace_velocities(memory: ErrorFeedback, velocities: dict[str, Any]) -> None:
+    """Give ``memory`` these ``velocities`` (by bucket name; its momentum set to match)
+    and keep its residuals."""
+    memory.load_state_dict({"residuals": memory.state_dict()["residuals"],
+                            "velocities": velocities})
 
 
 def _family_bucket(family: str, c: torch.Tensor, bucket: str, segments: Sequence[Segment],
@@ -225,7 +232,7 @@ class MomentumHandover:
 
     def bucket(self, name: str, names: Sequence[str] = ()) -> None:
         """Called before bucket ``name`` (of the tensors ``names``) is exchanged."""
-        if self.waiting:
+        if self.waiting and name not in self._names:  # a bucket's tensors stay the same
             self._names[name] = list(names)
         if not self.pending:
             return
@@ -278,6 +285,5 @@ def seed_velocities(memory: ErrorFeedback, optimizer: Any, model: Any,
     m = adopt_momentum(optimizer)
     if m:
         memory.momentum = m
-        memory.load_state_dict({"residuals": memory.state_dict()["residuals"],
-                                "velocities": velocities})
+        _replace_velocities(memory, velocities)
     return m
