@@ -383,7 +383,9 @@ bench-workloads: $(STAMP)
 # declared (CTL_STEP_MS, about this model's step on one CPU core), D the cost model's
 # allreduce of the parameters at CTL_NP ranks on the link: load-independent, no
 # sleeping. One command per network; JSON under $(BENCH_OUT)/controllers, then the
-# report. About 30 CPU-minutes at 8 ranks.
+# report. About 2 CPU-hours at 8 ranks, 3 seeds, CTL_NOISE=both, both networks (7 min on 16
+# cores as six jobs of one network and seed, `--seeds 1 --seed-offset K`, two at a time,
+# merged with benchmarks/localsgd_merge.py).
 CTL_NP ?= 8
 CTL_SEEDS ?= 3
 CTL_STEP_MS ?= 1

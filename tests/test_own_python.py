@@ -71,3 +71,18 @@ def test_shell_launcher_uses_the_checkouts_venv(tmp_path):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.returncode == 0 and "DECOY" not in proc.stdout, proc.stdout
     assert Path(_executable(proc.stdout)) == venv_python
+
+
+def test_machine_record_drops_the_nul_open_mpi_counts_in_its_version(monkeypatch):
+    """Open MPI 4.1 counts the terminating NUL in ``MPI_Get_library_version``'s length
+    and mpi4py hands it on; every result's ``machine.mpi`` (and BENCHMARKS.md) must stay
+    text."""
+    from mpi4py import MPI
+
+    from mpicomm.emulate import mpienv
+
+    monkeypatch.setattr(MPI, "Get_library_version",
+                        lambda: "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6\x00")
+    assert mpienv.library_version() == "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6"
+    assert mpienv.machine()["mpi"] == "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6"
+    assert mpienv.mpi_flavor(mpienv.library_version()) == "openmpi"

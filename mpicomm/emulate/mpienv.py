@@ -31,14 +31,15 @@ __all__ = ["library_version", "mpi_flavor", "find_mpiexec", "own_python", "usabl
 
 
 def library_version() -> str:
-    """``MPI_Get_library_version()`` of the MPI that mpi4py uses, without initializing MPI."""
+    """``MPI_Get_library_version()`` of the MPI that mpi4py uses, without initializing MPI
+    and without the terminating NUL some libraries count in its length (Open MPI 4.1)."""
     import mpi4py
 
     if not _mpi_imported():
         mpi4py.rc.initialize = False  # the query is legal before MPI_Init
     from mpi4py import MPI
 
-    return MPI.Get_library_version()
+    return MPI.Get_library_version().rstrip("\x00")
 
 
 def _mpi_imported() -> bool:
@@ -116,7 +117,7 @@ def machine() -> dict[str, Any]:
     from mpi4py import MPI
 
     return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "mpi": library_version().splitlines()[0].strip(),
             "ranks": MPI.COMM_WORLD.Get_size(), "loadavg": list(os.getloadavg()),
             "network": network()}
 

@@ -1,0 +1,64 @@
+"""``benchmarks/localsgd_merge.py``: seeds and schedules of a ``bench localsgd`` comparison
+run as separate jobs merge into exactly the result of one job (model clock)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from .launch import ROOT, run_job
+
+ARGS = ["-m", "mpicomm.bench", "localsgd", "--workload", "digits-mlp", "--hidden", "8",
+        "--clock", "model", "--step-ms", "1", "--rate-gbit", "1", "--latency-us", "50",
+        "--budget-s", "0.06", "--taus", "2,4", "--eval-every", "4"]
+
+
+def _merge_module():
+    path = ROOT / "benchmarks" / "localsgd_merge.py"
+    spec = importlib.util.spec_from_file_location("localsgd_merge", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _job(tmp_path: Path, name: str, *extra: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    result = run_job(2, [sys.executable, *ARGS, *extra, "--json", str(out)], timeout=240)
+    assert result.returncode == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_separate_jobs_merge_into_the_one_job_result(tmp_path):
+    merge = _merge_module().merge
+    whole = _job(tmp_path, "whole", "--seeds", "2")
+    seed0 = _job(tmp_path, "seed0", "--seeds", "1", "--schedules", "fixed,decay")
+    seed1 = _job(tmp_path, "seed1", "--seeds", "1", "--seed-offset", "1")
+    merged = merge([seed1, seed0], ["seed1.json", "seed0.json"])
+    for key in ("rows", "summary", "targets", "curves"):
+        assert json.loads(json.dumps(merged[key])) == whole[key], key
+    # the run records too, but for the wall-clock seconds of each step
+    walls = [{k: v for k, v in r.items() if k != "step_s"} for r in merged["training_runs"]]
+    assert walls == [{k: v for k, v in r.items() if k != "step_s"}
+                     for r in whole["training_runs"]]
+    assert merged["args"]["seeds"] == 2 and merged["args"]["seed_offset"] == 0
+    assert merged["merged_from"] == ["seed1.json", "seed0.json"]
+    # a merged result renders like any other
+    assert {"model_clock", "step_s", "delay_s"} <= set(merged)
+
+    with pytest.raises(ValueError, match="more than one result"):
+        merge([seed0, seed0], ["a", "b"])
+    with pytest.raises(ValueError, match="no run of"):
+        merge([seed0, dict(seed1, rows=seed1["rows"][:1], curves=seed1["curves"][:1],
+                           training_runs=seed1["training_runs"][:1])], ["a", "b"])
+    other = dict(seed1, args=dict(seed1["args"], lr=0.5))
+    with pytest.raises(ValueError, match="options \\['lr'\\] differ"):
+        merge([seed0, other], ["a", "b"])
+    slower = dict(seed1, delay_s=seed1["delay_s"] * 2)
+    with pytest.raises(ValueError, match="round time differs"):
+        merge([seed0, slower], ["a", "b"])
+    with pytest.raises(ValueError, match="not a bench localsgd result"):
+        merge([seed0, {"suite": "ps"}], ["a", "b"])
