@@ -171,7 +171,10 @@ def test_selection_benchmark_suite_runs(tmp_path, capsys):
     out = tmp_path / "sel.json"
     assert main(["selection", "--device", "cpu", "--sizes", "20000", "--densities", "0.01",
                  "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    # the machine it ran on, as every suite records it (BENCHMARKS.md's table of runs)
+    assert result["machine"]["cpus"] and result["machine"]["gpu"] is None
     assert {r["method"] for r in rows} == {"torch.topk", "topk_indices", "prefilter",
                                            "threshold", "approx", "TopK.compress"}
     assert all(r["exact"] for r in rows if "exact" in r)

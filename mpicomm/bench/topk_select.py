@@ -38,7 +38,7 @@ import torch
 
 from ..compress import TopK
 from ..compress.topk_select import _topk_torch, topk_indices, topk_indices_approx, topk_threshold
-from ._util import UsageError, fractions, positive_floats, print_table, write_json
+from ._util import UsageError, fractions, machine, positive_floats, print_table, write_json
 
 COLUMNS = ("device", "d", "density", "k", "method", "time_ms", "x_topk", "exact", "recall")
 
@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
                     row["recall"] = round(float(torch.isin(want, got).sum()) / k, 4)
                 rows.append(row)
     print_table(rows, COLUMNS)
-    write_json(args.json, {"suite": "selection", "device": str(device),
-                           "gpu": torch.cuda.get_device_name(device)
-                           if device.type == "cuda" else None,
-                           "torch": torch.__version__, "rows": rows})
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    write_json(args.json, {"suite": "selection", "machine": dict(machine(), gpu=gpu),
+                           "device": str(device), "gpu": gpu, "torch": torch.__version__,
+                           "rows": rows})
     return 0 if all(r.get("exact", True) for r in rows) else 1

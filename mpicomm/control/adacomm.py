@@ -98,10 +98,11 @@ class AdaComm:
     *communicate more often*. When the learning rate drops the drift term shrinks, so
     ``tau`` *jumps up* and then shrinks again as the loss keeps falling.
 
-    The exponent ``p``: the bound suggests ``(eta_0/eta_l)^{3/2}``; both public
-    re-implementations (PaddlePaddle's adaptive local SGD and the PaddleFleetX example)
-    use the first power, which is the default here (``lr_exponent=1.0``); ``1.5``
-    follows the bound and ``0`` gives the basic fixed-learning-rate rule.
+    The exponent ``p``: the bound scales the period by ``(eta_0/eta_l)^{3/2}``, i.e.
+    ``p = 3`` inside the root; both public re-implementations (PaddlePaddle's adaptive
+    local SGD and the PaddleFleetX example) use the first power, which is the default
+    here (``lr_exponent=1.0``); ``3`` follows the bound and ``0`` gives the basic
+    fixed-learning-rate rule.
 
     Tuning
     ------
