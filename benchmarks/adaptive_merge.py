@@ -15,12 +15,10 @@ run the same seeds, so the medians compare like with like.
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Any
 
 from mpicomm.bench.adaptive import median_row, summarize
-from mpicomm.bench.merge import check_mergeable
+from mpicomm.bench.merge import check_mergeable, merge_command
 
 #: Options that may differ between the merged jobs (which methods, where the JSON went,
 #: whether a fixed choice stopped at the target).
@@ -72,22 +70,11 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
             "training_runs": [run for r in results for run in r.get("training_runs", [])]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
-    ap.add_argument("inputs", nargs="+")
-    args = ap.parse_args()
-    results = []
-    for path in args.inputs:
-        with open(path) as f:
-            results.append(json.load(f))
-    merged = merge(results, args.inputs)
-    with open(args.out, "w") as f:
-        json.dump(merged, f, indent=1)
-    for key, value in merged["summary"].items():
-        if key != "ratio_moves":
-            print(f"{key}: {value}")
+def main(argv: list[str] | None = None) -> int:
+    return merge_command(argv, __doc__.splitlines()[0], merge,
+                         lambda merged: [f"{key}: {value}" for key, value
+                                         in merged["summary"].items() if key != "ratio_moves"])
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

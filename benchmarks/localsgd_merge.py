@@ -14,12 +14,10 @@ and the targets with the suite's own functions
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Any
 
 from mpicomm.bench.localsgd import METHOD_SYNC, Run, summarize, targets
-from mpicomm.bench.merge import check_mergeable
+from mpicomm.bench.merge import check_mergeable, merge_command, merged_base
 
 #: Options that may differ between the merged jobs.
 PER_JOB = ("seeds", "seed_offset", "schedules", "json")
@@ -67,12 +65,9 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
         raise ValueError(f"the results hold no {METHOD_SYNC} run")
     runs.sort(key=lambda r: (schedules.index(r.schedule), r.seed, methods.index(r.method)))
     rows, summary = summarize(runs, methods, schedules, seeds)
-    out = dict(first)
+    out = merged_base(results, sources)
     out["args"] = dict(first["args"], seeds=len(seeds), seed_offset=seeds[0],
                        schedules=",".join(schedules), json=None)
-    out["machine"] = dict(first["machine"],
-                          loadavg_per_job=[r["machine"].get("loadavg") for r in results])
-    out["merged_from"] = sources
     out["rows"] = rows
     out["summary"] = summary
     out["targets"] = targets(summary, schedules,
@@ -85,23 +80,8 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="the merged JSON to write")
-    p.add_argument("inputs", nargs="+", help="bench localsgd results to merge")
-    p.add_argument("--note", default=None, help="a sentence stored as the result's note")
-    args = p.parse_args(argv)
-    results = []
-    for path in args.inputs:
-        with open(path) as f:
-            results.append(json.load(f))
-    merged = merge(results, args.inputs)
-    if args.note:
-        merged["note"] = args.note
-    with open(args.out, "w") as f:
-        json.dump(merged, f, indent=1)
-    for t in merged["targets"]:
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in t.items()})
-    return 0
+    return merge_command(argv, __doc__.split("\n\n")[0], merge,
+                         lambda merged: merged["targets"])
 
 
 if __name__ == "__main__":

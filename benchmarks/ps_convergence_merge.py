@@ -15,11 +15,9 @@ renders::
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Any
 
-from mpicomm.bench.merge import check_mergeable
+from mpicomm.bench.merge import check_mergeable, merge_command, merged_base
 from mpicomm.bench.straggler import conv_target, convergence_summary, reach
 
 #: Options that may differ between the merged jobs.
@@ -41,35 +39,16 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     target = conv_target(first["args"]["target"], rows)
     reach(rows, target)
     seeds = sorted({row["seed"] for row in rows})
-    out = dict(first)
+    out = merged_base(results, sources)
     out["args"] = dict(first["args"], seeds=",".join(str(s) for s in seeds))
-    out["machine"] = dict(first["machine"],
-                          loadavg_per_job=[r["machine"].get("loadavg") for r in results])
-    out["merged_from"] = sources
     out["convergence"] = rows
     out["convergence_summary"] = convergence_summary(rows)
-    out.pop("note", None)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="the merged JSON to write")
-    p.add_argument("inputs", nargs="+", help="bench ps convergence results to merge")
-    p.add_argument("--note", default=None, help="a sentence stored as the result's note")
-    args = p.parse_args(argv)
-    results = []
-    for path in args.inputs:
-        with open(path) as f:
-            results.append(json.load(f))
-    merged = merge(results, args.inputs)
-    if args.note:
-        merged["note"] = args.note
-    with open(args.out, "w") as f:
-        json.dump(merged, f, indent=1)
-    for s in merged["convergence_summary"]:
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()})
-    return 0
+    return merge_command(argv, __doc__.split("\n\n")[0], merge,
+                         lambda merged: merged["convergence_summary"])
 
 
 if __name__ == "__main__":

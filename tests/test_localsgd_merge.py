@@ -32,12 +32,20 @@ def _job(tmp_path: Path, name: str, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_separate_jobs_merge_into_the_one_job_result(tmp_path):
-    merge = _merge_module().merge
+def test_separate_jobs_merge_into_the_one_job_result(tmp_path, capsys):
+    module = _merge_module()
+    merge = module.merge
     whole = _job(tmp_path, "whole", "--seeds", "2")
     seed0 = _job(tmp_path, "seed0", "--seeds", "1", "--schedules", "fixed,decay")
     seed1 = _job(tmp_path, "seed1", "--seeds", "1", "--seed-offset", "1")
     merged = merge([seed1, seed0], ["seed1.json", "seed0.json"])
+    # the command line writes the same result, with the note, and prints the targets
+    out = tmp_path / "merged.json"
+    assert module.main([str(out), str(tmp_path / "seed1.json"), str(tmp_path / "seed0.json"),
+                        "--note", "two jobs"]) == 0
+    written = json.loads(out.read_text())
+    assert written["note"] == "two jobs" and written["targets"] == merged["targets"]
+    assert capsys.readouterr().out.count("'speedup_target_met'") == len(merged["targets"])
     for key in ("rows", "summary", "targets", "curves"):
         assert json.loads(json.dumps(merged[key])) == whole[key], key
     # the run records too, but for the wall-clock seconds of each step

@@ -1,5 +1,6 @@
-"""Checks shared by the scripts that merge results of one comparison run as separate
-jobs (``benchmarks/adaptive_merge.py``, ``benchmarks/ps_convergence_merge.py``).
+"""Checks and the command line shared by the scripts that merge results of one
+comparison run as separate jobs (``benchmarks/adaptive_merge.py``,
+``benchmarks/ps_convergence_merge.py``, ``benchmarks/localsgd_merge.py``).
 
 Under the virtual clock a run's times are the simulated cluster's, so runs made one job
 at a time compare exactly as if made in one job, provided the jobs share the rank count,
@@ -10,10 +11,12 @@ putting rows together; each script recomputes its own targets.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import argparse
+import json
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
-__all__ = ["charged", "check_mergeable"]
+__all__ = ["charged", "check_mergeable", "merge_command", "merged_base"]
 
 
 def charged(clock: Any) -> Any:
@@ -54,3 +57,43 @@ def check_mergeable(results: Sequence[dict[str, Any]], sources: Sequence[str], *
         if same != want:
             diff = sorted(k for k in set(same) | set(want) if same.get(k) != want.get(k))
             raise ValueError(f"{path}: options {diff} differ from {sources[0]}'s")
+
+
+def merged_base(results: Sequence[dict[str, Any]], sources: Sequence[str]) -> dict[str, Any]:
+    """What a merged result keeps of its parts: the first one's records, its ``machine``
+    with every job's load average (``loadavg_per_job``), the files it came from
+    (``merged_from``) and no ``note``; the caller replaces the rows and medians."""
+    out = dict(results[0])
+    out["machine"] = dict(results[0]["machine"],
+                          loadavg_per_job=[r["machine"].get("loadavg") for r in results])
+    out["merged_from"] = list(sources)
+    out.pop("note", None)
+    return out
+
+
+def merge_command(argv: Sequence[str] | None, description: str,
+                  merge: Callable[[list[dict[str, Any]], list[str]], dict[str, Any]],
+                  report: Callable[[dict[str, Any]], Iterable[Any]]) -> int:
+    """The command line every merge script shares, ``OUT INPUT... [--note TEXT]``: read
+    the input results, ``merge(results, paths)``, store ``--note`` as the result's
+    ``note``, write OUT (JSON, indent 1) and print each item of ``report(merged)``, a
+    dict with its floats rounded to 4 digits, anything else as it is."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("out", help="the merged JSON to write")
+    p.add_argument("inputs", nargs="+", help="the results to merge")
+    p.add_argument("--note", default=None, help="a sentence stored as the result's note")
+    args = p.parse_args(argv)
+    results = []
+    for path in args.inputs:
+        with open(path) as f:
+            results.append(json.load(f))
+    merged = merge(results, args.inputs)
+    if args.note:
+        merged["note"] = args.note
+    with open(args.out, "w") as f:
+        json.dump(merged, f, indent=1)
+    for item in report(merged):
+        if isinstance(item, dict):
+            item = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in item.items()}
+        print(item)
+    return 0
