@@ -68,7 +68,7 @@ from ._common import (
 )
 from .sets import selection_key
 
-__all__ = ["artopk", "ARTopKState", "SOURCES", "ALGORITHMS"]
+__all__ = ["artopk", "ARTopKState", "SOURCES", "ALGORITHMS", "star_source"]
 
 SOURCES = ("star", "var")
 #: AR-Top-k name -> the mpicomm.allreduce algorithm that realises it.
@@ -101,6 +101,13 @@ class ARTopKState:
             (1.0 - self.smoothing) * self.ewma + self.smoothing * norm)
         self.steps += 1
         return self.ewma
+
+
+def star_source(step: int, size: int) -> int:
+    """STAR's source rank at ``step`` among ``size`` ranks: round-robin, ``step mod size``.
+    Every caller that must know the source before (or beside) :func:`artopk` asks here,
+    so the two cannot disagree."""
+    return step % size
 
 
 def _argmax_lowest(values: list[float]) -> int:
@@ -173,7 +180,7 @@ def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator |
                  else _check_source_indices(source_indices, k, numel, xf.device))
 
     if source == "star":
-        src = step % comm.size
+        src = star_source(step, comm.size)
     else:
         assert state is not None
         g = xf if grad is None else to_torch(grad).detach().reshape(-1)

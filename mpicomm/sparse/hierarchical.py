@@ -77,6 +77,7 @@ from ._common import (
     wire_index_dtype,
 )
 from .allgather import gather_sets
+from .artopk import star_source
 from .gtopk import _butterfly
 from .sets import Pairs, selection_key, truncate
 
@@ -180,7 +181,7 @@ def _across(inner: str, part: torch.Tensor, k: int, lane: Communicator, step: in
         empty = torch.empty(0, dtype=torch.int64, device=part.device)
         return empty, part[:0], empty
     if inner == "artopk":
-        src = step % lane.size
+        src = star_source(step, lane.size)
         if lane.rank == src:
             ix = topk_indices(selection_key(part), k).sort().values.to(index_dtype)
         else:

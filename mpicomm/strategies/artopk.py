@@ -10,7 +10,7 @@ import torch
 from ..collectives import cost
 from ..compress.topk import index_itemsize
 from ..sparse import ARTopKState, artopk
-from ..sparse.artopk import ALGORITHMS, SOURCES
+from ..sparse.artopk import ALGORITHMS, SOURCES, star_source
 from ..validate import check_algorithm
 from ._compressed import ADOPT, BYTES, SparsifyingStrategy, k_of, sparsity
 from .base import DEFAULT_FUSION_BYTES
@@ -136,7 +136,7 @@ class ARTopK(SparsifyingStrategy):
 
     def aggregate_flat(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         own = self._step(name)
-        step = own + self._slot(name)
+        step = self._source_step(name, own)
         k = self._sparse_k(flat, own)
         if k is None:
             return self._aggregate_dense(name, flat)
@@ -160,8 +160,14 @@ class ARTopK(SparsifyingStrategy):
         step's norms are gathered, so ``False``)."""
         if self.source != "star":
             return False
-        step = self._steps.get(name, 0) + self._slots.get(name, len(self._slots))
-        return step % self.comm.size == self.comm.rank
+        step = self._source_step(name, self._steps.get(name, 0))
+        return star_source(step, self.comm.size) == self.comm.rank
+
+    def _source_step(self, name: str, own: int) -> int:
+        """The step number :func:`~mpicomm.sparse.artopk` gets for bucket ``name``'s
+        aggregation number ``own``: shifted by the bucket's slot, so that the buckets of
+        one step start from different sources (a new bucket takes the next slot)."""
+        return own + self._slots.get(name, len(self._slots))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "density": self.density, "k": self.k,

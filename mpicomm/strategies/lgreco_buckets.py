@@ -66,6 +66,7 @@ from ..compress.powersgd import matrix_shape
 from ..compress.topk_select import topk_indices
 from ..p2p import pack_bytes, unpack_bytes
 from ..sparse import artopk, topk_allgather
+from ..sparse.artopk import star_source
 
 __all__ = ["Segment", "qsgd_bucket", "powersgd_bucket", "predict_bucket", "FAMILY_SCHEMES",
            "segment_topk_indices", "topk_bucket"]
@@ -107,7 +108,7 @@ def topk_bucket(scheme: str, c: torch.Tensor, segments: Sequence[Segment],
     idx = segment_topk_indices(c, segments, densities)
     if scheme == "allgather_topk":
         return idx, topk_allgather(idx, c[idx], numel, op="avg", comm=comm)
-    source = step % comm.size
+    source = star_source(step, comm.size)
     k = int(comm.bcast_object(int(idx.shape[0]), root=source))
     got, mean = artopk(c, k, step, "star", comm, None, scheme.split("_")[1],
                        source_indices=idx if comm.rank == source else None)
