@@ -107,8 +107,8 @@ def drop_velocities(memory: ErrorFeedback) -> None:
 
 
 def _replace_velocities(memory: ErrorFeedback, velocities: dict[str, Any]) -> None:
-    """Give ``memory`` these ``velocities`` (by bucket name; its momentum set to match)
-    and keep its residuals."""
+    """Give ``memory`` these ``velocities`` (by bucket name) and keep its residuals; the
+    caller sets ``memory.momentum`` to match."""
     memory.load_state_dict({"residuals": memory.state_dict()["residuals"],
                             "velocities": velocities})
 
