@@ -49,6 +49,20 @@ def test_the_schemes_own_selection_is_the_reference(comm, scheme):
     assert sources == (2 * comm.size if scheme == "gtopk" else 2)
 
 
+def _recorded_references(auto) -> list[list[float]]:
+    """A list that receives, at every step, each bucket's reference as ``auto`` queues it
+    for agreement across ranks."""
+    refs: list[list[float]] = []
+    finish = auto.agreement.finish
+
+    def spy(pending, sums):
+        refs.append([r["ref_sq"] for r in pending])
+        return finish(pending, sums)
+
+    auto.agreement.finish = spy
+    return refs
+
+
 def _run(comm, scheme: str, reuse: bool, monkeypatch) -> tuple[list, torch.Tensor, float]:
     """Six steps of a small MLP under auto running ``scheme`` at 0.1: every bucket's
     reference per step (as queued for agreement), the final weights, ``reference_s``."""
@@ -62,14 +76,7 @@ def _run(comm, scheme: str, reuse: bool, monkeypatch) -> tuple[list, torch.Tenso
             monkeypatch.setattr(cls, "selects_locally", lambda self, name: False)
     auto = strategies.make("auto", comm=comm, ratio=0.1, schemes=(scheme,),
                            calibrate_links=0, trial_steps=0)
-    refs: list = []
-    finish = auto.agreement.finish
-
-    def spy(pending, sums):
-        refs.append([r["ref_sq"] for r in pending])
-        return finish(pending, sums)
-
-    auto.agreement.finish = spy
+    refs = _recorded_references(auto)
     weights, _ = _momentum_run(comm, auto)
     monkeypatch.undo()
     return refs, weights, auto.overheads["reference_s"]
@@ -125,10 +132,7 @@ def test_auto_dense_selects_for_its_reference_every_few_steps(comm, monkeypatch)
     steps = auto_ratio.REFERENCE_EVERY + 2
     auto = strategies.make("auto", comm=comm, ratio=0.1, schemes=("dense",),
                            calibrate_links=0, trial_steps=0)
-    refs: list = []
-    finish = auto.agreement.finish
-    auto.agreement.finish = lambda pending, sums: (
-        refs.append([r["ref_sq"] for r in pending]), finish(pending, sums))[1]
+    refs = _recorded_references(auto)
     gen = torch.Generator().manual_seed(7 + comm.rank)
     for _ in range(steps):
         auto.aggregate([torch.randn(300, generator=gen)], ["w"])
