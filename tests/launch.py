@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from mpicomm.emulate.mpienv import find_mpiexec
 
@@ -52,3 +55,29 @@ def run_job(ranks: int, args: list[str], timeout: float = 120, **env: str) -> Re
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
     return Result(proc.returncode, proc.stdout, time.monotonic() - start)
+
+
+def load_script(relative: str) -> ModuleType:
+    """Import a script of the repository (``examples/train.py``, ``benchmarks/x.py``,
+    ``docs/build_api.py``) as a module named after its file, once per process.
+
+    It is registered in ``sys.modules`` before it runs (dataclasses look their module up
+    there), and its folder is on ``sys.path`` while it runs (for its sibling modules).
+    """
+    path = ROOT / relative
+    name = path.stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        sys.path.remove(str(path.parent))
+    return module

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .launch import run_job
+from .launch import load_script, run_job
 
 
 def test_momentum_correction_fixes_the_artopk_collapse_at_8_ranks(tmp_path):
@@ -43,15 +43,7 @@ def test_momentum_correction_fixes_the_artopk_collapse_at_8_ranks(tmp_path):
 
 
 def _example():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "examples" / "compression_accuracy.py"
-    spec = importlib.util.spec_from_file_location("compression_accuracy", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("compression_accuracy", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/compression_accuracy.py")
 
 
 def test_labels_name_any_schedule_and_the_dense_warmup():

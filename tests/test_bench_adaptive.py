@@ -15,7 +15,7 @@ import pytest
 
 from mpicomm.bench.adaptive import median_row, ratio_moves
 
-from .launch import run_job
+from .launch import load_script, run_job
 
 
 def _run(seed, reached, acc, step_ms):
@@ -159,14 +159,7 @@ def test_bench_adaptive_stops_a_fixed_choice_at_the_target_and_auto_at_the_end(t
 
 
 def _merge_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "adaptive_merge.py"
-    spec = importlib.util.spec_from_file_location("adaptive_merge", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/adaptive_merge.py")
 
 
 def _result(only, rows, **options):

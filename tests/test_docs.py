@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .launch import ROOT
+from .launch import ROOT, load_script
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOTTED = re.compile(r"(?<![\w/.-])mpicomm(?:\.[A-Za-z_]\w*)+")
@@ -139,11 +139,7 @@ def test_pages_hold_no_history(page: Path) -> None:
 
 # ---------------------------------------------------------------- docs/build_api.py
 def builder():
-    spec = importlib.util.spec_from_file_location("build_api", ROOT / "docs" / "build_api.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs/build_api.py")
 
 
 def test_api_builder_converts_simple_tables() -> None:

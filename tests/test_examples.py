@@ -9,7 +9,6 @@ a minute on two cores.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from .launch import ROOT, clean_env, run_job
+from .launch import ROOT, clean_env, load_script, run_job
 
 TRAIN = ["--epochs", "2", "--threads", "1"]
 
@@ -96,11 +95,7 @@ def test_train_local_sgd_adacomm(tmp_path: Path) -> None:
 
 
 def _train_module() -> Any:
-    spec = importlib.util.spec_from_file_location("train_example", ROOT / "examples/train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules[spec.name]
+    return load_script("examples/train.py")
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -4,7 +4,6 @@ report rendering it, and pytest & co. carried as wheels on PYTHONPATH."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,20 +13,16 @@ from types import ModuleType
 
 import pytest
 
-from .launch import ROOT, clean_env
+from .launch import ROOT, clean_env, load_script
 from .test_buffers import HAVE_CUDA, needs_cuda
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "examples" /
-                                                  "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _gpu_check() -> ModuleType:
+    return load_script("examples/gpu_check.py")
 
 
 def test_wheels_are_unpacked_onto_the_childrens_path(tmp_path: Path) -> None:
-    gpu_check = load_script()
+    gpu_check = _gpu_check()
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     with zipfile.ZipFile(wheels / "probe_pkg-1.0-py3-none-any.whl", "w") as z:
@@ -44,7 +39,7 @@ def test_wheels_are_unpacked_onto_the_childrens_path(tmp_path: Path) -> None:
 
 
 def test_plan_covers_every_gpu_step() -> None:
-    gpu_check = load_script()
+    gpu_check = _gpu_check()
     args = gpu_check.parse_args(["--ranks", "2,4"])
     steps = dict(gpu_check.plan(args, Path("/out"), gpu_check.environment(None)))
     assert list(steps) == ["pytest-serial", "pytest-2ranks", "pytest-4ranks", "selection",

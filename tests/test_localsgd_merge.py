@@ -3,14 +3,13 @@ run as separate jobs merge into exactly the result of one job (model clock)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from .launch import ROOT, run_job
+from .launch import load_script, run_job
 
 ARGS = ["-m", "mpicomm.bench", "localsgd", "--workload", "digits-mlp", "--hidden", "8",
         "--clock", "model", "--step-ms", "1", "--rate-gbit", "1", "--latency-us", "50",
@@ -18,11 +17,7 @@ ARGS = ["-m", "mpicomm.bench", "localsgd", "--workload", "digits-mlp", "--hidden
 
 
 def _merge_module():
-    path = ROOT / "benchmarks" / "localsgd_merge.py"
-    spec = importlib.util.spec_from_file_location("localsgd_merge", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/localsgd_merge.py")
 
 
 def _job(tmp_path: Path, name: str, *extra: str) -> dict:

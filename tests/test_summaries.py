@@ -4,28 +4,14 @@ check of examples/train_ps.py is a child job)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
 
-from .launch import ROOT, run_job
+from .launch import load_script, run_job
 
-
-def _load(name: str):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault(name, module)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-
-
-train = _load("train")
-train_ps = _load("train_ps")
+train = load_script("examples/train.py")
+train_ps = load_script("examples/train_ps.py")
 
 
 @pytest.mark.parametrize(("ours", "dense", "text"), [
