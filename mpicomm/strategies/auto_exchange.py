@@ -276,14 +276,15 @@ def seed_velocities(memory: ErrorFeedback, optimizer: Any, model: Any,
     restarts its momentum once. The residuals are kept."""
     params = dict(model.named_parameters()) if model is not None else {}
     state = getattr(optimizer, "state", {})
-    velocities = {}
+    found = {}  # bucket -> its buffers, held here: adopt_momentum drops them from state
     for bucket, members in names.items():
         buffers = [state.get(params[n], {}).get("momentum_buffer") if n in params else None
                    for n in members]
         if members and all(b is not None for b in buffers):
-            velocities[bucket] = torch.cat([b.detach().reshape(-1) for b in buffers])
+            found[bucket] = buffers
     m = adopt_momentum(optimizer)
     if m:
         memory.momentum = m
-        _replace_velocities(memory, velocities)
+        _replace_velocities(memory, {bucket: torch.cat([b.detach().reshape(-1) for b in bufs])
+                                     for bucket, bufs in found.items()})
     return m
