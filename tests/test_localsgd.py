@@ -8,7 +8,9 @@ topologies; multi-rank tests (``@pytest.mark.mpi``, run under ``mpiexec -n 1..5`
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import sys
 import time
 
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import mpicomm
-from mpicomm.control import AdaComm
+from mpicomm.control import AdaComm, initial_period
 from mpicomm.control.adacomm import adacomm_period
 from mpicomm.gossip import (
     Topology,
@@ -26,6 +28,8 @@ from mpicomm.gossip import (
     neighbor_average,
 )
 from mpicomm.torch import GossipAveraging, LocalSGD
+
+from .launch import run_job
 
 torch.set_num_threads(1)
 
@@ -50,6 +54,31 @@ def test_rule_matches_formula():
         expected = tau0 * math.sqrt((lr0 / lr) ** p * (f - finf) / (f0 - finf))
         assert raw == pytest.approx(expected, rel=1e-15)
         assert tau == math.ceil(expected)
+
+
+@pytest.mark.parametrize("step_s, round_s, efficiency, expected",
+                         [(1e-3, 10.4926e-3, 0.9, 95), (1e-3, 1.0556e-3, 0.9, 10),
+                          (1.0, 1.0, 0.9, 9), (1.0, 1.0, 0.5, 1), (2.0, 30.0, 0.75, 45),
+                          (1.0, 0.0, 0.9, 1), (1.0, 1e-6, 0.99, 1)])
+def test_initial_period_spends_the_share_of_time_asked_on_averaging(step_s, round_s,
+                                                                    efficiency, expected):
+    """tau0 is the smallest period whose step share Y / (Y + D/tau) reaches the efficiency:
+    tau0 meets it and tau0 - 1 does not."""
+    tau = initial_period(step_s, round_s, efficiency)
+    assert tau == expected
+
+    def share(t: int) -> float:
+        return step_s / (step_s + round_s / t)
+    assert share(tau) >= efficiency - 1e-12
+    assert tau == 1 or share(tau - 1) < efficiency
+
+
+@pytest.mark.parametrize("args, message", [((0.0, 1.0), "step_s > 0"), ((1.0, -1.0), "round_s"),
+                                           ((1.0, 1.0, 1.0), "efficiency"),
+                                           ((1.0, 1.0, 0.0), "efficiency")])
+def test_initial_period_rejects_bad_times(args, message):
+    with pytest.raises(ValueError, match=message):
+        initial_period(*args)
 
 
 def test_tau_is_at_least_one_and_clamped():
@@ -92,6 +121,24 @@ def test_lr_drop_multiplies_tau(p, expected):
     assert tau == math.ceil(expected - 1e-9)
     if p == 1.0:
         assert 315 <= tau <= 317
+
+
+def test_bench_starts_adacomm_at_the_platforms_initial_period(tmp_path):
+    """``bench localsgd --tau0 auto``: AdaComm's first period is initial_period(Y, D) of
+    the declared platform, recorded in the result; a bad value is one usage error."""
+    out = tmp_path / "auto.json"
+    args = [sys.executable, "-m", "mpicomm.bench", "localsgd", "--workload", "digits-mlp",
+            "--hidden", "8", "--clock", "model", "--step-ms", "0.2", "--rate-gbit", "1",
+            "--latency-us", "50", "--budget-s", "0.03", "--taus", "4", "--seeds", "1",
+            "--schedules", "fixed", "--eval-every", "4", "--tau0", "auto"]
+    result = run_job(2, [*args, "--json", str(out)], timeout=240)
+    assert result.returncode == 0, result.output
+    res = json.loads(out.read_text())
+    assert res["tau0"] == initial_period(res["step_s"], res["delay_s"]) > 1
+    (ada,) = [c for c in res["curves"] if c["method"] == "adacomm"]
+    assert ada["adacomm"][0]["tau"] == res["tau0"]
+    bad = run_job(2, [*args[:-1], "0"], timeout=120)
+    assert bad.returncode != 0 and bad.output.count("--tau0 must be") == 1, bad.output
 
 
 def test_interval_rounds_semantics():

@@ -103,8 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delay-factor", type=float, default=8.0,
                         help="with --delay-ms auto: D = factor x median local step time")
     parser.add_argument("--taus", default="4,16", help="fixed periods to compare")
-    parser.add_argument("--tau0", type=int, default=32,
-                        help="AdaComm's initial period (see the module docstring)")
+    parser.add_argument("--tau0", default="32",
+                        help="AdaComm's initial period, or 'auto': "
+                             "mpicomm.control.initial_period(Y, D), communication at "
+                             "10%% of the time (see the module docstring)")
     parser.add_argument("--interval-s", type=float, default=None,
                         help="AdaComm interval (s of training clock); default budget/12")
     parser.add_argument("--lr-exponent", type=float, default=1.0, help="AdaComm's p")
@@ -240,7 +242,7 @@ class Run:
 
 def train_method(method: str, schedule: str, seed: int, delay_s: float,
                  args: argparse.Namespace, comm: Communicator,
-                 model_clock: tuple[float, float] | None = None) -> Run:
+                 model_clock: tuple[float, float] | None = None, tau0: int = 32) -> Run:
     """One training run under the clock budget (:mod:`mpicomm.bench.harness`); its
     training-loss curve, evaluated right after an averaging round once ``eval_every``
     local steps have passed."""
@@ -248,7 +250,7 @@ def train_method(method: str, schedule: str, seed: int, delay_s: float,
 
     if method.startswith("adacomm"):
         interval = args.interval_s if args.interval_s else args.budget_s / 12
-        period: Any = AdaComm(args.tau0, interval_s=interval, lr_exponent=args.lr_exponent,
+        period: Any = AdaComm(tau0, interval_s=interval, lr_exponent=args.lr_exponent,
                               noise="drift" if method == "adacomm-drift" else "constant")
     else:
         period = 1 if method == METHOD_SYNC else int(method.split("=")[1])
@@ -366,15 +368,19 @@ def targets(summary: list[dict[str, Any]], schedules: list[str],
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..control import initial_period
+
     torch.set_num_threads(1)
     _clock.apply(args)
-    comm = init()
-    _clock.measure_costs(comm)
     taus = [int(t) for t in args.taus.split(",") if t.strip()]
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for s in schedules:
         if s not in ("fixed", "decay"):
             raise UsageError(f"unknown schedule {s!r}; use fixed and/or decay")
+    if args.tau0 != "auto" and not (args.tau0.isdigit() and int(args.tau0) >= 1):
+        raise UsageError(f"--tau0 must be an integer >= 1 or 'auto', got {args.tau0!r}")
+    comm = init()
+    _clock.measure_costs(comm)
     adacomms = {"constant": ["adacomm"], "drift": ["adacomm-drift"],
                 "both": ["adacomm", "adacomm-drift"]}[args.adacomm_noise]
     methods = [METHOD_SYNC] + [f"tau={t}" for t in taus] + adacomms
@@ -390,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             delay_s = float(args.delay_ms) / 1e3
     real_s = 0.0 if args.clock == "model" else measure_round_time(step_s, args, comm)
+    tau0 = initial_period(step_s, real_s + delay_s) if args.tau0 == "auto" else int(args.tau0)
     if comm.rank == 0:
         print(f"# localsgd: {comm.size} ranks, {args.workload} {args.option}, batch "
               f"{args.batch}/rank, lr {args.lr}, momentum {args.momentum}, wd "
@@ -399,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
               f"{delay_s * 1e3:.3f} ms per averaging round (D/Y = {delay_s / step_s:.1f})")
         print(f"# measured real averaging round (no delay, in a training loop) = "
               f"{real_s * 1e3:.3f} ms: effective (real + D)/Y = "
-              f"{(real_s + delay_s) / step_s:.1f}", flush=True)
+              f"{(real_s + delay_s) / step_s:.1f}; AdaComm's tau0 = {tau0}", flush=True)
     model_clock = (step_s, delay_s) if args.clock == "model" else None
     if comm.rank == 0 and model_clock is not None:
         print(f"# model clock: t = steps x Y + rounds x D = steps x {step_s * 1e3:.3f} ms + "
@@ -413,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
                     r = sync_as(runs, method, schedule, seed)
                 else:
                     r = train_method(method, schedule, seed, delay_s, args, comm,
-                                     model_clock)
+                                     model_clock, tau0)
                 runs.append(r)
                 if comm.rank == 0:
                     print(f"#   {schedule:5s} seed {seed} {method:8s} steps {r.steps:6d} "
@@ -438,7 +445,8 @@ def run(args: argparse.Namespace) -> int:
                 f"model clock: Y {step_s * 1e3:g} ms, D {delay_s * 1e3:.3g} ms"
                 + (f" ({args.rate_gbit:g} Gbit/s, {args.latency_us:g} us)"
                    if args.rate_gbit else "")),
-            "step_s": step_s, "delay_s": delay_s, "real_round_s": real_s, "rows": rows,
+            "step_s": step_s, "delay_s": delay_s, "real_round_s": real_s, "tau0": tau0,
+            "rows": rows,
             "summary": summary,
             "targets": met,
             "curves": [{"method": r.method, "schedule": r.schedule, "seed": r.seed,

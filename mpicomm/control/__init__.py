@@ -4,7 +4,8 @@ Pure: no communication, no torch, no strategies. The strategies that run them
 (:class:`mpicomm.strategies.AutoStrategy`, :class:`mpicomm.torch.LocalSGD`) measure,
 agree across ranks and carry the decisions out.
 
-``AdaComm``            the local-SGD averaging period (Wang & Joshi, SysML 2019)
+``AdaComm``            the local-SGD averaging period (Wang & Joshi, SysML 2019);
+                       ``initial_period`` its start from the step and round times
 ``Schedule``           density warm-up of compressing strategies (gTop-k, DGC, linear anneal)
 ``predict``            the paper's alpha-beta cost of a synchronization scheme (Tyagi &
                        Swany 2023, Table I / Eq. 4; :func:`mpicomm.collectives.cost.
@@ -16,7 +17,7 @@ agree across ranks and carry the decisions out.
 """
 
 from ..collectives.cost import paper_predict as predict
-from .adacomm import AdaComm
+from .adacomm import AdaComm, initial_period
 from .cost_refit import OnlineCalibration
 from .cr import CRController
 from .lgreco import LGreco, lgreco_solve
@@ -30,9 +31,9 @@ from .schedules import (
     parse_schedule,
 )
 
-__all__ = ["AdaComm", "Schedule", "BudgetRamp", "gtopk_warmup", "dgc_warmup", "linear_warmup",
-           "exp_warmup", "parse_schedule", "predict", "lgreco_solve", "LGreco", "CRController",
-           "OnlineCalibration"]
+__all__ = ["AdaComm", "initial_period", "Schedule", "BudgetRamp", "gtopk_warmup", "dgc_warmup",
+           "linear_warmup", "exp_warmup", "parse_schedule", "predict", "lgreco_solve", "LGreco",
+           "CRController", "OnlineCalibration"]
 
 
 def __dir__() -> list[str]:
