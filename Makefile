@@ -396,8 +396,9 @@ bench-workloads: $(STAMP)
 # parameters), on the local SGD bench's model clock: t = steps x Y + rounds x D, Y
 # declared (CTL_STEP_MS, about this model's step on one CPU core), D the cost model's
 # allreduce of the parameters at CTL_NP ranks on the link: load-independent, no
-# sleeping. One command per network; JSON under $(BENCH_OUT)/controllers, then the
-# report. About 2 CPU-hours at 8 ranks, 3 seeds, CTL_NOISE=both, both networks (7 min on 16
+# sleeping. AdaComm starts at CTL_TAU0 (auto: mpicomm.control.initial_period of Y and D,
+# 32 sqrt(D/Y): 104 at 100 Mbit/s and 33 at 1 Gbit/s). One command per network; JSON under
+# $(BENCH_OUT)/controllers, then the report. About 2 CPU-hours at 8 ranks, 3 seeds, CTL_NOISE=both, both networks (7 min on 16
 # cores as six jobs of one network and seed, `--seeds 1 --seed-offset K`, two at a time,
 # merged with benchmarks/localsgd_merge.py).
 CTL_NP ?= 8
@@ -405,11 +406,12 @@ CTL_SEEDS ?= 3
 CTL_STEP_MS ?= 1
 CTL_BUDGET_S ?= 4
 CTL_NOISE ?= constant
+CTL_TAU0 ?= auto
 CTL_LOCALSGD = $(PY) -m mpicomm.bench localsgd --workload mnist1d-cnn \
 	  --option train_examples=4000 --option channels=32 --clock model \
 	  --step-ms $(CTL_STEP_MS) --budget-s $(CTL_BUDGET_S) --taus 1,2,4,8,16,32 \
-	  --schedules fixed,decay --adacomm-noise $(CTL_NOISE) --seeds $(CTL_SEEDS) \
-	  --eval-every 100
+	  --schedules fixed,decay --adacomm-noise $(CTL_NOISE) --tau0 $(CTL_TAU0) \
+	  --seeds $(CTL_SEEDS) --eval-every 100
 bench-controllers: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/controllers
 	$(MPIEXEC) -n $(CTL_NP) $(CTL_LOCALSGD) --rate-gbit 0.1 --latency-us 1000 \

@@ -56,26 +56,25 @@ def test_rule_matches_formula():
         assert tau == math.ceil(expected)
 
 
-@pytest.mark.parametrize("step_s, round_s, efficiency, expected",
-                         [(1e-3, 10.4926e-3, 0.9, 95), (1e-3, 1.0556e-3, 0.9, 10),
-                          (1.0, 1.0, 0.9, 9), (1.0, 1.0, 0.5, 1), (2.0, 30.0, 0.75, 45),
-                          (1.0, 0.0, 0.9, 1), (1.0, 1e-6, 0.99, 1)])
-def test_initial_period_spends_the_share_of_time_asked_on_averaging(step_s, round_s,
-                                                                    efficiency, expected):
-    """tau0 is the smallest period whose step share Y / (Y + D/tau) reaches the efficiency:
-    tau0 meets it and tau0 - 1 does not."""
-    tau = initial_period(step_s, round_s, efficiency)
+@pytest.mark.parametrize("step_s, round_s, reference, expected",
+                         [(1e-3, 10.4926e-3, 32, 104), (1e-3, 1.0556e-3, 32, 33),
+                          (1.0, 1.0, 32, 32), (1.0, 4.0, 8, 16), (2.0, 0.5, 32, 16),
+                          (1.0, 0.0, 32, 1), (1.0, 1e-6, 32, 1), (1.0, 2.0, 1.5, 3)])
+def test_initial_period_scales_the_reference_with_the_root_of_the_round_time(
+        step_s, round_s, reference, expected):
+    """tau0 = ceil(reference * sqrt(D/Y)), at least 1: 100x the round time, 10x the
+    period."""
+    tau = initial_period(step_s, round_s, reference)
     assert tau == expected
-
-    def share(t: int) -> float:
-        return step_s / (step_s + round_s / t)
-    assert share(tau) >= efficiency - 1e-12
-    assert tau == 1 or share(tau - 1) < efficiency
+    assert tau - 1 < max(1.0, reference * math.sqrt(round_s / step_s)) <= tau + 1e-9
+    if round_s > 0:
+        assert initial_period(step_s, 100 * round_s, reference) == \
+            math.ceil(10 * reference * math.sqrt(round_s / step_s) - 1e-9)
 
 
 @pytest.mark.parametrize("args, message", [((0.0, 1.0), "step_s > 0"), ((1.0, -1.0), "round_s"),
-                                           ((1.0, 1.0, 1.0), "efficiency"),
-                                           ((1.0, 1.0, 0.0), "efficiency")])
+                                           ((1.0, 1.0, 0.5), "reference"),
+                                           ((1.0, float("nan")), "finite")])
 def test_initial_period_rejects_bad_times(args, message):
     with pytest.raises(ValueError, match=message):
         initial_period(*args)

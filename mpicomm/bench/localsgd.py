@@ -30,7 +30,9 @@ Setup (every choice is an option):
   paper's ~20: the training loss here falls by ~200x (2.3 to ~0.01), so
   ``sqrt(F/F0)`` shrinks the period ~15x over a run; with 16 AdaComm ends at tau = 1-2,
   i.e. nearly synchronous. The differences between the three were within run-to-run
-  noise.
+  noise. ``--tau0 auto`` starts at :func:`mpicomm.control.initial_period` of ``Y`` and
+  ``D`` instead (``32 sqrt(D/Y)``, the error bound's scaling with the round time: 104 at
+  100 Mbit/s and 33 at 1 Gbit/s with ``make bench-controllers``' platform).
 * Schedules: ``fixed`` (constant lr) and ``decay`` (lr / 10 once half the budget has
   passed, decided at an evaluation point so every rank switches at the same step).
 * Clock: ``--clock wall`` (default) measures seconds and sleeps the delay; the real
@@ -105,8 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--taus", default="4,16", help="fixed periods to compare")
     parser.add_argument("--tau0", default="32",
                         help="AdaComm's initial period, or 'auto': "
-                             "mpicomm.control.initial_period(Y, D), communication at "
-                             "10%% of the time (see the module docstring)")
+                             "mpicomm.control.initial_period(Y, D), 32 x sqrt(D/Y) "
+                             "(see the module docstring)")
     parser.add_argument("--interval-s", type=float, default=None,
                         help="AdaComm interval (s of training clock); default budget/12")
     parser.add_argument("--lr-exponent", type=float, default=1.0, help="AdaComm's p")

@@ -52,34 +52,41 @@ def adacomm_period(tau0: int, loss: float, loss0: float, lr: float, lr0: float, 
     return tau, raw
 
 
-def initial_period(step_s: float, round_s: float, efficiency: float = 0.9) -> int:
-    r"""A starting period ``tau0`` from the platform: the smallest period at which the
-    averaging rounds take at most ``1 - efficiency`` of the training time.
+def initial_period(step_s: float, round_s: float, reference: float = 32.0) -> int:
+    r"""A starting period ``tau0`` for a network: ``reference`` scaled by the error
+    bound's dependence on the cost of an averaging round.
 
     .. math::
-        \frac{Y}{Y + D/\tau} \ge e \iff
-        \tau_0 = \Big\lceil \frac{D}{Y}\,\frac{e}{1 - e} \Big\rceil
+        \tau_0 = \max\Big(1, \Big\lceil \tau_{ref} \sqrt{D / Y} \Big\rceil\Big)
 
     ``step_s`` is ``Y``, one local step; ``round_s`` is ``D``, one averaging round (an
-    allreduce of the parameters; :func:`mpicomm.collectives.cost.predict` gives it for a
-    declared network, or time one). Costs nothing to evaluate.
+    allreduce of the parameters: time one, or take
+    :func:`mpicomm.collectives.cost.predict` for a declared network). Costs nothing to
+    evaluate.
 
-    Why: AdaComm only ever shrinks the period as the loss falls (and raises it when the
-    learning rate drops), so ``tau0`` is the fastest it will run. Early in training the
-    drift between replicas costs little, so the start should be where communication is
-    a small share of the time, not a value fixed for every network: with ``e = 0.9``,
-    ``D = 10 Y`` (a slow link) gives 90 and ``D = Y`` gives 9. Raise ``efficiency`` for
-    slower links relative to compute, lower it if the first interval's loss lags behind
-    a smaller period's (the drift then matters from the start).
+    Why: the bound behind :class:`AdaComm`,
+    ``2 (F_0 - F_inf)/(eta T) (Y + D/tau) + eta^2 L^2 sigma^2 (tau - 1)`` over a
+    wall-clock budget ``T``, is smallest at
+    ``tau* = sqrt(2 (F_0 - F_inf) D / (eta^3 L^2 sigma^2 T))``: with the model, the data
+    and the learning rate fixed, the best period grows with the square root of ``D``.
+    ``L`` and ``sigma^2`` are unknown, so the period is tuned once, as ``reference`` for
+    a link on which a round costs one local step (``D = Y``), and carried to other
+    networks by that square root: 32 gives 33 at ``D = 1.06 Y`` and 104 at
+    ``D = 10.5 Y``. A network ten times slower starts ``sqrt(10)`` = 3.2x higher, not
+    10x: the drift term that limits the period does not depend on the network.
+
+    Tuning: pick ``reference`` with a short grid search on any one network (16, 32, 64;
+    the largest whose early loss per second keeps up with the smaller ones) and divide
+    it by ``sqrt(D/Y)`` of that network.
     """
     step_s = _check_real("step_s", step_s)
     round_s = _check_real("round_s", round_s)
-    efficiency = _check_real("efficiency", efficiency)
+    reference = _check_real("reference", reference)
     if step_s <= 0 or round_s < 0:
         raise ValueError(f"need step_s > 0 and round_s >= 0, got {step_s} and {round_s}")
-    if not 0 < efficiency < 1:
-        raise ValueError(f"efficiency must lie in (0, 1), got {efficiency}")
-    return max(1, math.ceil(round_s / step_s * efficiency / (1 - efficiency) - 1e-9))
+    if reference < 1:
+        raise ValueError(f"reference must be >= 1, got {reference}")
+    return max(1, math.ceil(reference * math.sqrt(round_s / step_s) - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -142,9 +149,8 @@ class AdaComm:
       used about 20 for VGG-16 on CIFAR-10. It should be at most where the speedup
       ``(1 + D/Y)/(1 + D/(tau Y))`` flattens (``D`` = time of one averaging round,
       ``Y`` = one local step); beyond that a larger period only adds drift.
-      :func:`initial_period` computes that point (communication at 10% of the time by
-      default) without a search; on MNIST-1D it beat every fixed period from
-      {1, ..., 32} to the synchronous run's loss at both 100 Mbit/s and 1 Gbit/s.
+      :func:`initial_period` carries a period tuned on one network to another (the
+      bound's ``sqrt(D)``): a slow link needs a much larger start than a fast one.
     * The interval: long enough that ``F_l`` is a fair estimate and ``tau`` does not
       flap, short enough to follow the loss, typically 10-20 decisions per training run.
       ``interval_rounds`` (every N averaging rounds) is deterministic and needs no clock
