@@ -298,6 +298,11 @@ def test_localsgd_targets_against_every_fixed_period_and_adacomm_periods_plotted
     slow = targets([row("sync", 1.0, 0.5), row("tau=4", 2.5, 0.1), row("adacomm", 1.5, 0.2)],
                    ["fixed"], ["adacomm"])[0]
     assert not slow["speedup_target_met"] and not slow["fixed_target_met"]
+    alone = targets([row("sync", 1.0, 0.5), row("adacomm", 2.5, 0.2)], ["fixed"], ["adacomm"])[0]
+    assert alone["speedup_target_met"]
+    assert {alone[k] for k in ("best_fixed_final_loss", "best_fixed_speedup",
+                               "final_loss_target_met", "sooner_than_every_fixed",
+                               "fixed_target_met")} == {None}
 
     decisions = [{"round": 0, "elapsed": 0.0, "loss": 2.3, "lr": 0.05, "raw": 32.0,
                   "tau": 32, "noise": None},

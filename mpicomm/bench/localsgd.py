@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -344,17 +343,20 @@ def targets(summary: list[dict[str, Any]], schedules: list[str],
     """Per schedule and AdaComm variant, on the medians over seeds: it reaches sync's
     final loss at least 2x sooner than sync (``speedup_target_met``), and either ends
     at most at the best fixed period's final loss or reaches sync's loss sooner than
-    every fixed period (``fixed_target_met``)."""
+    every fixed period (``fixed_target_met``). Without a fixed period (``--taus ""``)
+    the comparisons with them are ``None``: not judged."""
     out = []
     for schedule in schedules:
         mine = {s["method"]: s for s in summary if s["schedule"] == schedule}
         fixed = [m for m in mine if m.startswith("tau=")]
         for name in adacomms:
             ada = mine[name]
-            best_loss = min((mine[m]["median_final_loss"] for m in fixed), default=math.inf)
-            best_speed = max((mine[m]["median_speedup"] for m in fixed), default=0.0)
-            loss_ok = ada["median_final_loss"] <= best_loss
-            speed_ok = ada["median_speedup"] > best_speed
+            best_loss = best_speed = loss_ok = speed_ok = None
+            if fixed:
+                best_loss = min(mine[m]["median_final_loss"] for m in fixed)
+                best_speed = max(mine[m]["median_speedup"] for m in fixed)
+                loss_ok = ada["median_final_loss"] <= best_loss
+                speed_ok = ada["median_speedup"] > best_speed
             out.append({"schedule": schedule, "method": name,
                         "speedup_median": ada["median_speedup"],
                         "speedup_target_met": ada["median_speedup"] >= 2.0,
@@ -363,7 +365,7 @@ def targets(summary: list[dict[str, Any]], schedules: list[str],
                         "best_fixed_speedup": best_speed,
                         "final_loss_target_met": loss_ok,
                         "sooner_than_every_fixed": speed_ok,
-                        "fixed_target_met": loss_ok or speed_ok})
+                        "fixed_target_met": None if not fixed else loss_ok or speed_ok})
     return out
 
 
