@@ -397,10 +397,12 @@ bench-workloads: $(STAMP)
 # declared (CTL_STEP_MS, about this model's step on one CPU core), D the cost model's
 # allreduce of the parameters at CTL_NP ranks on the link: load-independent, no
 # sleeping. AdaComm starts at CTL_TAU0 (auto: mpicomm.control.initial_period of Y and D,
-# 32 sqrt(D/Y): 104 at 100 Mbit/s and 33 at 1 Gbit/s). One command per network; JSON under
-# $(BENCH_OUT)/controllers, then the report. About 2 CPU-hours at 8 ranks, 3 seeds, CTL_NOISE=both, both networks (7 min on 16
-# cores as six jobs of one network and seed, `--seeds 1 --seed-offset K`, two at a time,
-# merged with benchmarks/localsgd_merge.py).
+# 32 sqrt(D/Y): 104 at 100 Mbit/s and 33 at 1 Gbit/s). One command per network; JSON
+# under $(BENCH_OUT)/controllers, then the report. About 2 CPU-hours at 8 ranks, 3 seeds,
+# CTL_NOISE=both, both networks (7 min on 16 cores as six jobs of one network and seed,
+# `--seeds 1 --seed-offset K`, two at a time; 37 min on 2 cores as twelve jobs of one
+# network, schedule and seed with CTL_NOISE=constant), merged with
+# benchmarks/localsgd_merge.py.
 CTL_NP ?= 8
 CTL_SEEDS ?= 3
 CTL_STEP_MS ?= 1
