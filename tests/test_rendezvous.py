@@ -88,6 +88,31 @@ def test_process_group_on_one_node_listens_on_loopback_only(comm: mpicomm.Commun
 
 
 @pytest.mark.mpi
+def test_process_group_returns_only_once_every_rank_has_its_group(comm: mpicomm.Communicator,
+                                                                  monkeypatch):
+    """Rank 0 finishes creating its group 0.3 s late: no rank returns before it, so none
+    can destroy its side of a connection that rank 0 is still making."""
+    import time
+
+    from mpicomm.torch import ddp
+
+    real = dist.init_process_group
+    finished: list[float] = []
+
+    def slow_on_rank0(*args, **kwargs):
+        real(*args, **kwargs)
+        if comm.rank == 0:
+            time.sleep(0.3)
+        finished.append(time.time())
+
+    monkeypatch.setattr(ddp.dist, "init_process_group", slow_on_rank0)
+    with process_group(comm):
+        returned = time.time()
+    rank0_finished = comm.bcast_object(finished[0] if comm.rank == 0 else None)
+    assert min(comm.allgather_object(returned)) >= rank0_finished
+
+
+@pytest.mark.mpi
 def test_file_store_opens_no_socket_and_is_private(comm: mpicomm.Communicator):
     before = own_listeners()
     store = rendezvous_store(comm, kind="file")

@@ -89,8 +89,11 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     ``MASTER_ADDR``/``MASTER_PORT``/``torchrun`` is needed. Collective. Raises
     ``RuntimeError`` on every rank when a default group already exists, and
     ``ValueError`` for an unknown backend. ``backend="nccl"`` works the same way on GPUs.
-    Release with ``torch.distributed.destroy_process_group()`` (or use
-    ``process_group``).
+    Returns on every rank only once every rank's group is complete (an MPI barrier after
+    the creation): gloo's full mesh can be complete on one rank while another still
+    connects, and a rank that went on to destroy its group then broke the other's
+    connection ("Connection closed by peer"). Release with
+    ``torch.distributed.destroy_process_group()`` (or use ``process_group``).
     """
     comm = resolve(comm)
     error: Exception | None = None
@@ -108,6 +111,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     with loopback_devices(comm):
         dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size,
                                 timeout=timeout)
+    comm.barrier()
 
 
 @contextlib.contextmanager
