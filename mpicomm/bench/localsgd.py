@@ -243,7 +243,7 @@ class Run:
 
 def train_method(method: str, schedule: str, seed: int, delay_s: float,
                  args: argparse.Namespace, comm: Communicator,
-                 model_clock: tuple[float, float] | None = None, tau0: int = 32) -> Run:
+                 model_clock: tuple[float, float] | None = None, *, tau0: int) -> Run:
     """One training run under the clock budget (:mod:`mpicomm.bench.harness`); its
     training-loss curve, evaluated right after an averaging round once ``eval_every``
     local steps have passed."""
@@ -424,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
                     r = sync_as(runs, method, schedule, seed)
                 else:
                     r = train_method(method, schedule, seed, delay_s, args, comm,
-                                     model_clock, tau0)
+                                     model_clock, tau0=tau0)
                 runs.append(r)
                 if comm.rank == 0:
                     print(f"#   {schedule:5s} seed {seed} {method:8s} steps {r.steps:6d} "
