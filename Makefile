@@ -130,19 +130,20 @@ MPI_TEST_FILES = $(shell grep -l 'mark\.mpi' tests/test_*.py)
 POW2_TEST_FILES = tests/test_collectives.py tests/test_sparse.py tests/test_strategies.py \
 	tests/test_hierarchical.py tests/test_hier_virtual.py
 
+# $(call mpi_suite,RANK COUNTS,FILES,NAME): the multi-rank tests of FILES under mpiexec at
+# each rank count in turn, stopping at the first failure
+define mpi_suite
+	@for n in $(1); do \
+	  echo "== $(3) on $$n rank(s)"; \
+	  $(KEEP_PYC) timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST) --with-mpi -m mpi \
+	    $(2) \
+	    || { echo "$(3) failed on $$n rank(s)"; exit 1; }; \
+	done
+endef
+
 test-mpi: $(STAMP)
-	@for n in 1 $(TEST_RANKS); do \
-	  echo "== multi-rank suite on $$n rank(s)"; \
-	  $(KEEP_PYC) timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST) --with-mpi -m mpi \
-	    $(MPI_TEST_FILES) \
-	    || { echo "multi-rank suite failed on $$n rank(s)"; exit 1; }; \
-	done
-	@for n in $(POW2_TEST_RANKS); do \
-	  echo "== power-of-two collectives on $$n ranks"; \
-	  $(KEEP_PYC) timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PYTEST) --with-mpi -m mpi \
-	    $(POW2_TEST_FILES) \
-	    || { echo "power-of-two collectives failed on $$n ranks"; exit 1; }; \
-	done
+	$(call mpi_suite,1 $(TEST_RANKS),$(MPI_TEST_FILES),multi-rank suite)
+	$(call mpi_suite,$(POW2_TEST_RANKS),$(POW2_TEST_FILES),power-of-two collectives)
 
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) examples/train.py --strategy gtopk --density 0.01
