@@ -63,6 +63,16 @@ def test_option_parsers_reject_bad_lists():
             parse(text)
 
 
+def test_server_sgd_settings_are_checked():
+    straggler.check_sgd(0.05, 0.9)
+    straggler.check_sgd(0.1, 0.0)
+    for lr, momentum, message in ((0.0, 0.0, "--conv-lr"), (float("nan"), 0.0, "--conv-lr"),
+                                  (0.1, 1.0, "--conv-momentum"),
+                                  (0.1, -0.1, "--conv-momentum")):
+        with pytest.raises(UsageError, match=message):
+            straggler.check_sgd(lr, momentum)
+
+
 def _row(kind, seed, mode, t, pushes, rate):
     return {"straggler": kind, "seed": seed, "mode": mode, "time_to_target_s": t,
             "pushes_to_target": pushes, "pushes_per_s": rate, "best_accuracy": 0.9,
@@ -118,11 +128,20 @@ def _args(**kw) -> argparse.Namespace:
 
 
 @pytest.mark.mpi
-def test_time_to_target_runs_every_model_seed_and_mode(comm):
+def test_time_to_target_runs_every_model_seed_and_mode(comm, monkeypatch):
     """At ``P`` ranks (``P - 1`` workers, one server): a row per model and mode,
     the same on every rank; a BSP run's slow steps are exactly the random draws of its
-    workers for its steps; the summary holds the medians."""
-    args = _args()
+    workers for its steps; the summary holds the medians; every store gets the servers'
+    SGD settings of the command line."""
+    args = _args(conv_lr=0.07, conv_momentum=0.5)
+    stores = []
+    store = bench._store
+
+    def spy(comm, servers, **kw):
+        stores.append(kw)
+        return store(comm, servers, **kw)
+
+    monkeypatch.setattr(bench, "_store", spy)
     if comm.size < 2:   # one rank: the pause schedule alone, identical on every rank
         draws = [pause("random", 0, seed=3)() for _ in range(6)]
         assert draws == [pause("random", 0, seed=3)() for _ in range(6)]
@@ -146,6 +165,8 @@ def test_time_to_target_runs_every_model_seed_and_mode(comm):
             want = sum(sum(bool(d) for d in _draws(w, workers, r["seed"], args.conv_steps))
                        for w in range(workers))
         assert r["slow_share"] * pushes == pytest.approx(want)
+    assert [(kw["mode"], kw["lr"], kw["momentum"]) for kw in stores] == [
+        (m, 0.07, 0.5) for _ in ("random", "fixed") for m in ("sync", "async", "ssp")]
     assert [(g["straggler"], g["mode"], g["seeds"]) for g in summary] == [
         (k, m, 1) for k in ("random", "fixed") for m in ("sync", "async", "ssp(s=2)")]
 

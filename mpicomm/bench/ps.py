@@ -59,7 +59,11 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    pace; under the virtual clock the evaluation costs no time). ``--target``: an
    accuracy, or ``bsp:F``, the lowest over the seeds of the best accuracy BSP reached by
    the fraction ``F`` of its steps (BSP's curve in steps is the same for every straggler
-   model). ``time_to_target_s``: the first point at or above the target;
+   model). The servers run SGD with ``--conv-lr`` and ``--conv-momentum`` (default 0.1
+   and none): stale pushes act like extra momentum (Mitliagkas et al., "Asynchrony
+   begets momentum, with an application to deep learning", 2016, arXiv:1605.09774), so
+   the explicit momentum changes what staleness costs each mode.
+   ``time_to_target_s``: the first point at or above the target;
    ``pushes_to_target``: the pushes the server had applied by then (the statistical cost:
    staleness raises it) and ``pushes_per_s`` (the step-rate gain), so that
    ``time = pushes / rate`` splits a difference between modes into the two. Every
@@ -94,6 +98,7 @@ from ._util import UsageError, machine, median_seconds, print_table, write_json
 from .harness import default_threads
 from .straggler import (
     StragglerPause,
+    check_sgd,
     conv_target,
     convergence_summary,
     parse_options,
@@ -140,6 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="convergence: test accuracy to reach, or bsp:F: the accuracy "
                              "BSP reaches at the fraction F of its steps (lowest over the "
                              "seeds)")
+    parser.add_argument("--conv-lr", type=float, default=0.1,
+                        help="convergence: the servers' SGD learning rate")
+    parser.add_argument("--conv-momentum", type=float, default=0.0,
+                        help="convergence: the servers' SGD momentum (in [0, 1)); "
+                             "asynchrony adds momentum of its own, so a high value "
+                             "costs async more than BSP or SSP")
     parser.add_argument("--conv-options", default="",
                         help="convergence: workload options, e.g. channels=32 (k=v,...)")
     parser.add_argument("--seeds", default="0",
@@ -157,13 +168,15 @@ def _store(comm: Communicator, servers: int, **kw: Any) -> tuple[Any, Communicat
 
 
 def _straggler_store(comm: Communicator, mode: str, args: argparse.Namespace,
-                     model: str = "fixed", seed: int = 0
+                     model: str = "fixed", seed: int = 0, lr: float = 0.1,
+                     momentum: float = 0.0
                      ) -> tuple[Any, Communicator | None, StragglerPause | None]:
-    """A one-server store in ``mode`` (SSP bounded by ``--staleness``) and this rank's
-    pause per step (:class:`StragglerPause` of ``model`` with ``--compute-ms``,
-    ``--slow-factor``, ``--straggler-p``; ``None`` on the server)."""
+    """A one-server store in ``mode`` (SSP bounded by ``--staleness``; the servers' SGD
+    with ``lr`` and ``momentum``) and this rank's pause per step (:class:`StragglerPause`
+    of ``model`` with ``--compute-ms``, ``--slow-factor``, ``--straggler-p``; ``None`` on
+    the server)."""
     kw = {"staleness": args.staleness} if mode == "ssp" else {}
-    kv, wc = _store(comm, 1, mode=mode, lr=0.1, **kw)
+    kv, wc = _store(comm, 1, mode=mode, lr=lr, momentum=momentum, **kw)
     if wc is None:
         return kv, wc, None
     return kv, wc, StragglerPause(model, wc.rank, wc.size, args.compute_ms / 1e3,
@@ -359,7 +372,8 @@ def _conv_run(args: argparse.Namespace, comm: Communicator, mode: str, kind: str
     from .harness import Spec, now, train
     from .sync import PSMethod
 
-    kv, wc, pause = _straggler_store(comm, mode, args, kind, seed)
+    kv, wc, pause = _straggler_store(comm, mode, args, kind, seed, lr=args.conv_lr,
+                                     momentum=args.conv_momentum)
     row = None
     if kv.is_worker:
         assert wc is not None and pause is not None
@@ -484,6 +498,7 @@ def run(args: argparse.Namespace) -> int:
     parse_target(args.target)
     if args.straggler_p is not None and not 0.0 <= args.straggler_p <= 1.0:
         raise UsageError(f"--straggler-p must be in [0, 1], got {args.straggler_p}")
+    check_sgd(args.conv_lr, args.conv_momentum)
 
     out: dict[str, Any] = {"suite": "ps", "machine": machine(), "ranks": comm.size,
                            "args": vars(args), "clock": _clock.describe()}

@@ -11,6 +11,7 @@ result as well, so a result can be re-read at another target.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from ._util import UsageError
 from ._util import parse_options as parse_items
 
-__all__ = ["STRAGGLER_MODELS", "StragglerPause", "conv_target", "reach",
+__all__ = ["STRAGGLER_MODELS", "StragglerPause", "check_sgd", "conv_target", "reach",
            "convergence_summary", "parse_stragglers", "parse_seeds", "parse_target",
            "parse_options"]
 
@@ -162,6 +163,15 @@ def parse_target(text: str) -> None:
     if not (0.0 < value <= 1.0 if text.startswith("bsp:") else value == value):
         raise UsageError(f"--target must be an accuracy or bsp:F with 0 < F <= 1, got "
                          f"{text!r}")
+
+
+def check_sgd(lr: float, momentum: float) -> None:
+    """``--conv-lr`` and ``--conv-momentum``: the servers' SGD settings of the
+    convergence runs, checked before any rank builds a store."""
+    if not (math.isfinite(lr) and lr > 0):
+        raise UsageError(f"--conv-lr must be a positive number, got {lr}")
+    if not 0.0 <= momentum < 1.0:
+        raise UsageError(f"--conv-momentum must be in [0, 1), got {momentum}")
 
 
 def parse_options(text: str) -> dict[str, Any]:
