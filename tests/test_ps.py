@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -40,6 +41,30 @@ def splits(size: int) -> list[tuple[int, int]]:
 def split_small(monkeypatch: pytest.MonkeyPatch) -> None:
     """Split keys of >= 1 KiB over the servers, so that 2 servers share the big key."""
     monkeypatch.setenv("MPICOMM_PS_SPLIT_BYTES", "1024")
+
+
+@pytest.fixture(params=[False, True], ids=["whole", "parts"])
+def reply_parts(request, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """Run a test with dense replies sent whole (the default for these small keys) and
+    in parts (every piece, 3 parts cut at multiples of 8 elements: the pipelined update
+    and reply of large pieces). Returns ``parts`` (which of the two) and ``seen``, the
+    part counts of the reply headers this rank sent."""
+    from mpicomm.ps import server
+
+    seen: list[int] = []
+    head = wire.isend_head
+
+    def counted(mpi, dest, tag, op, *args, **kw):
+        if op == wire.REPLY:
+            seen.append(len(args[-2] if len(args) >= 8 else kw["arrays"]))
+        return head(mpi, dest, tag, op, *args, **kw)
+
+    monkeypatch.setattr(wire, "isend_head", counted)
+    if request.param:
+        monkeypatch.setattr(server, "PIPELINE_MIN_BYTES", 0)
+        monkeypatch.setattr(server, "PART_ALIGN", 8)
+        monkeypatch.setattr(server, "REPLY_PARTS", 3)
+    return SimpleNamespace(parts=request.param, seen=seen)
 
 
 def problem(w: int, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -222,6 +247,53 @@ def test_dense_path_is_bitwise_and_exactly_once(comm, split_small):
                 assert stats["updates"] == updates, (mode, stats)
                 assert stats["duplicates"] == (workers * held if mode == "sync" else 0)
             comm.barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("opt", [dict(optimizer="sgd"),
+                                 dict(optimizer="sgd", momentum=0.9, weight_decay=0.01),
+                                 dict(optimizer="adam", weight_decay=0.01)],
+                         ids=["sgd", "momentum", "adam"])
+def test_push_pull_replies_bitwise_whole_or_in_parts(comm, split_small, reply_parts, opt):
+    """``push_pull`` with the servers' replies sent whole and in parts (the update done
+    part by part, each part sent once updated): sync mode gives, bit for bit, the update
+    rule applied on the whole key to ``(g_0 + g_1 + ...) / W`` after every step, for
+    SGD, momentum with weight decay, and Adam; async applies each of ``N`` pushes once.
+    With parts, the servers announced 3-part replies."""
+    n, lr, steps = 1000, 0.05, 4
+    kw = {k: v for k, v in opt.items() if k != "optimizer"}
+    for servers, workers in splits(comm.size):
+        for mode in ("sync", "async") if opt == {"optimizer": "sgd"} else ("sync",):
+            kv = KVStore(comm, servers=servers, mode=mode, lr=lr, **opt)
+            wc = worker_comm(comm, servers)
+            if kv.is_worker:
+                kv.init("w", np.zeros(n, dtype=np.float32))
+                rule = ShardOptimizer(opt["optimizer"], lr, **kw)
+                ref = torch.zeros(n, dtype=torch.float32)
+                state = rule.init_state(ref)
+                out = torch.empty(n, dtype=torch.float32)
+                for step in range(steps):
+                    gs = _grads(step, workers, n) if mode == "sync" else \
+                        [torch.ones(n, dtype=torch.float32)] * workers
+                    kv.push_pull("w", gs[kv.worker_rank].clone(), out=out)
+                    if mode == "sync":
+                        total = gs[0].clone()
+                        for g in gs[1:]:
+                            total.add_(g)
+                        rule.step(ref, total.div_(workers) if workers > 1 else total, state)
+                        assert torch.equal(out, ref), (servers, step)
+                wc.barrier()   # every push is in before the final pull
+                final = torch.from_numpy(kv.pull("w"))
+                if mode == "async":
+                    for _ in range(steps * workers):
+                        rule.step(ref, torch.ones(n) / workers, state)
+                assert torch.equal(final, ref), (mode, servers)
+                wc.free()
+            finish(kv)
+            comm.barrier()
+    if comm.rank == comm.size - 1:    # the last rank serves in every split
+        assert reply_parts.seen and set(reply_parts.seen) <= {1, 3}
+        assert (3 in reply_parts.seen) == reply_parts.parts
 
 
 def _run_steps(kv: KVStore, params: dict, prob, steps: range) -> None:
@@ -511,13 +583,22 @@ def test_update_rules_match_torch_optim(kind, kw):
     opt = ShardOptimizer(kind, 0.05, **kw)
     halves = [p[:400], p[400:]]  # a key split over two servers: elementwise rules
     states = [opt.init_state(h) for h in halves]
+    whole = p.clone()   # one piece updated part by part (the server's pipelined reply)
+    whole_state = opt.init_state(whole)
+    bounds = [(0, 256), (256, 512), (512, 1000)]
     for _ in range(20):
         g = torch.randn(1000, dtype=torch.float64)
         p_ref.grad = g.clone()
         ref.step()
         for h, st, gh in zip(halves, states, (g[:400], g[400:])):
             opt.step(h, gh.clone(), st)
+        before = whole.clone()
+        for done, (a, b) in zip(opt.step_parts(whole, g.clone(), whole_state, bounds),
+                                bounds):
+            assert done == (a, b)
+            assert torch.equal(whole[b:], before[b:])   # later parts not yet touched
     assert torch.equal(p, p_ref.detach())
+    assert torch.equal(whole, p_ref.detach())
 
 
 def test_update_rule_arguments():

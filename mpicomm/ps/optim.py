@@ -27,6 +27,7 @@ Cost: a few passes over the shard per update (SGD 1-3, Adam about 8); state: one
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -77,30 +78,51 @@ class ShardOptimizer:
 
     def step(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
         """Update ``param`` in place with ``grad`` (``grad`` may be overwritten)."""
-        if self.kind == "adam":
-            self._adam(param, grad, state)
-        else:
-            self._sgd(param, grad, state)
+        for _ in self.step_parts(param, grad, state, [(0, param.numel())]):
+            pass
 
-    def _sgd(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any]) -> None:
-        if self.weight_decay != 0:
-            g = g.add(p, alpha=self.weight_decay)
+    def step_parts(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                   bounds: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+        """One update of the flat ``param`` done part by part: yields ``(start, stop)``
+        once ``param[start:stop]`` holds its new value, so that a caller can send it
+        while the next part is updated. The rules are elementwise and the step count
+        advances once, so the parts together are the same update as :meth:`step` (the
+        same bits where the parts' bounds are multiples of the CPU's vector width).
+        ``bounds`` must cover ``param`` in order."""
+        if self.kind == "adam":
+            state["step"] = step = int(state["step"]) + 1
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            for a, b in bounds:
+                self._adam(param[a:b], grad[a:b], m[a:b], v[a:b], step)
+                yield a, b
+            return
+        buf, first = None, False
         if self.momentum != 0:
             buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = torch.clone(g).detach()
-                state["momentum_buffer"] = buf
+            if buf is None:   # the first step: b <- g (written part by part below)
+                buf = state["momentum_buffer"] = torch.empty_like(grad)
+                first = True
+        for a, b in bounds:
+            self._sgd(param[a:b], grad[a:b], None if buf is None else buf[a:b], first)
+            yield a, b
+
+    def _sgd(self, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None,
+             first: bool) -> None:
+        if self.weight_decay != 0:
+            g = g.add(p, alpha=self.weight_decay)
+        if buf is not None:
+            if first:
+                buf.copy_(g)
             else:
                 buf.mul_(self.momentum).add_(g)
             g = buf
         p.add_(g, alpha=-self.lr)
 
-    def _adam(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any]) -> None:
+    def _adam(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+              step: int) -> None:
         beta1, beta2 = self.betas
-        state["step"] = step = int(state["step"]) + 1
         if self.weight_decay != 0:
             g = g.add(p, alpha=self.weight_decay)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         bias1 = 1 - beta1 ** step

@@ -71,7 +71,7 @@ from ..tags import TAG_PS_CONTROL, TAG_PS_DATA, TAG_PS_REPLY, TAG_PS_REQUEST, TA
 __all__ = ["PUSH", "PULL", "CLOSE", "CKPT", "REPLY", "PULL_AFTER", "TAG_REQUEST", "TAG_REPLY",
            "TAG_CONTROL", "TAG_STATE", "TAG_DATA", "Message", "pack", "unpack", "reply_nbytes",
            "Backoff", "spin_window_s", "set_host_ranks", "wait_requests", "probe_wait",
-           "isend_detached", "recv_detached", "message_nbytes"]
+           "isend_detached", "isend_head", "isend_array", "recv_detached", "message_nbytes"]
 
 # operations
 PUSH, PULL, CLOSE, CKPT, REPLY = 1, 2, 3, 4, 5
@@ -185,13 +185,25 @@ def isend_detached(mpi: MPI.Intracomm, dest: int, tag: int, op: int, key_id: int
     buffer)`` pairs; each buffer must stay unchanged until its request completes. The
     header stands for the inline message's bytes on the virtual clock and the emulated
     link."""
+    sends = [isend_head(mpi, dest, tag, op, key_id, piece, a, b, c, d, arrays, delay)]
+    return sends + [isend_array(mpi, dest, t) for t in arrays]
+
+
+def isend_head(mpi: MPI.Intracomm, dest: int, tag: int, op: int, key_id: int, piece: int,
+               a: int, b: int, c: int, d: int, arrays: Sequence[torch.Tensor],
+               delay: LinkDelay | None = None) -> tuple[MPI.Request, Any]:
+    """The header of a detached message announcing ``arrays`` (their dtypes and sizes;
+    the values are not read), standing for the whole message on the virtual clock and
+    the emulated link. Each array must follow, in order, by :func:`isend_array`; that
+    may be later (a reply sent part by part as its parts are computed)."""
     head = pack(op, key_id, piece, a, b, c, d, arrays=arrays, detached=True)
-    total = message_nbytes(arrays)
-    sends: list[tuple[MPI.Request, Any]] = [
-        (isend_bytes(mpi, head, dest, tag, delay, nbytes=total), head)]
-    for t in arrays:
-        sends.append((mpi.Isend([_raw(t), MPI.BYTE], dest, TAG_DATA), t))
-    return sends
+    return isend_bytes(mpi, head, dest, tag, delay, nbytes=message_nbytes(arrays)), head
+
+
+def isend_array(mpi: MPI.Intracomm, dest: int, t: torch.Tensor) -> tuple[MPI.Request, Any]:
+    """One array of a detached message, straight from ``t``'s memory (unchanged until the
+    request completes)."""
+    return mpi.Isend([_raw(t), MPI.BYTE], dest, TAG_DATA), t
 
 
 def recv_detached(mpi: MPI.Intracomm, source: int, m: Message,

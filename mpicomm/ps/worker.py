@@ -399,13 +399,16 @@ class Worker:
             if pushing:    # its push has arrived (the server answers after it): done
                 self._wait(pushing.pop((m.key_id, m.piece)))
             nbytes = buf.nbytes
-            if m.follow:   # a dense value, detached: straight into place
+            if m.follow:   # a dense value, detached (maybe in parts): straight into place
                 t1 = time.perf_counter()
-                got = wire.recv_detached(self.mpi, status.Get_source(), m,
-                                         [results[slot][p.start:p.stop]])
+                target = results[slot][p.start:p.stop]
+                into = (list(torch.split(target, [n for _, n in m.follow]))
+                        if len(m.follow) > 1 else [target])
+                got = wire.recv_detached(self.mpi, status.Get_source(), m, into)
                 if got >= LARGE_BYTES:
                     self.byte_s = (time.perf_counter() - t1) / got
-                nbytes += got
+                # counted as the one-array message it stands for, however many parts
+                nbytes = wire.reply_nbytes(p.numel, infos[slot].dtype.itemsize)
             else:
                 results[slot][p.start:p.stop] = self._received(infos[slot], p, m)
             self.stats["bytes_pulled"] += nbytes
