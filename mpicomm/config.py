@@ -40,7 +40,7 @@ variable                            meaning
                                     split over all servers (default 65536, an integer >= 1).
 ``MPICOMM_PS_CHUNK_BYTES``          parameter server: dense pieces larger than this are cut
                                     into chunks that ``KVStore.push_pull`` pipelines (default
-                                    524288 across hosts, 0 on one host; 0: none;
+                                    2097152 across hosts, 0 on one host; 0: none;
                                     :mod:`mpicomm.ps.sharding`).
 ``MPICOMM_PS_SPIN_US``              parameter server: microseconds a waiting server or worker
                                     keeps probing (yielding the CPU between probes) before it

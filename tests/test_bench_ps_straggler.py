@@ -174,3 +174,24 @@ def test_time_to_target_runs_every_model_seed_and_mode(comm, monkeypatch):
 def _draws(worker: int, workers: int, seed: int, steps: int) -> list[bool]:
     p = pause("random", worker, workers, seed=seed)
     return [p.slow() for _ in range(steps)]
+
+
+def test_configured_link_is_the_emulated_clusters_rate_and_delay(monkeypatch):
+    """On the emulated cluster the push + pull bound is also read from the link as
+    configured (the fitted beta of a ``tc`` link is too fast: its bucket lets bursts
+    through); elsewhere, and on an unshaped link, there is none."""
+    from mpicomm.collectives.cost import CostParams, ps_push_pull
+
+    fitted = CostParams(alpha=150e-6, beta=1 / 0.22e9, gamma=1 / 40e9)
+    for var in ("MPICOMM_EMU_HOSTS", "MPICOMM_EMU_RATE", "MPICOMM_EMU_DELAY"):
+        monkeypatch.delenv(var, raising=False)
+    assert bench.configured_link(fitted) is None
+    monkeypatch.setenv("MPICOMM_EMU_HOSTS", "2")
+    monkeypatch.setenv("MPICOMM_EMU_RATE", "unshaped")
+    assert bench.configured_link(fitted) is None
+    monkeypatch.setenv("MPICOMM_EMU_RATE", "1gbit")
+    monkeypatch.setenv("MPICOMM_EMU_DELAY", "0.0001")
+    link = bench.configured_link(fitted)
+    assert (link.alpha, link.beta, link.gamma) == (1e-4, 8e-9, 0.0)
+    n = 1 << 20   # 1 MiB each way at 1 Gbit/s: 8.39 ms, plus 0.1 ms of delay each way
+    assert ps_push_pull(n, 1, 1, link) == pytest.approx(2 * (1e-4 + n * 8e-9))

@@ -15,7 +15,10 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    allreduce of the same ``n`` bytes over the W workers (measured and predicted), and
    the alpha-beta bound of the pattern, ``bound_ms = 2 alpha + 2 max(W/S, 1) n beta``
    (every server link carries ``W`` pieces of ``n/S`` bytes each way, every worker link
-   ``n``; no compute), with ``ps/bound``. Target: ``ps/bound <= 1.5`` at 1-16 MB.
+   ``n``; no compute), with ``ps/bound``. Target: ``ps/bound <= 1.5`` at 1-16 MB. On the
+   emulated cluster with a shaped rate the rows also hold ``link_bound_ms``, the same
+   bound for the link as configured (alpha = its one-way delay, beta = 8 / rate:
+   :func:`configured_link`), and ``ps/link_bound``, which the target then reads.
    Alpha and beta are those of the measured link (:func:`calibrate.measure`: a ping-pong
    of 8 B to 4 MiB between two ranks, blocking sends from preallocated buffers; on one
    host the shared-memory link), the same as the ring's prediction uses; they are in
@@ -200,6 +203,7 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
 
     params = calibrate.measure(comm)
     links = dataclasses.replace(params, gamma=0.0)   # the alpha-beta bound: no compute
+    configured = configured_link(params)
     rows = []
     for servers in [int(s) for s in args.servers.split(",")]:
         if not 1 <= servers < comm.size:
@@ -234,6 +238,9 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
                              "ring_ms": ar_s * 1e3,
                              "ring_pred_ms": allreduce_ring(nbytes, workers, params) * 1e3,
                              "ps/ring": ps_s / ar_s if ar_s else float("nan")})
+                if configured is not None:
+                    lb = ps_push_pull(nbytes, workers, servers, configured)
+                    rows[-1].update({"link_bound_ms": lb * 1e3, "ps/link_bound": ps_s / lb})
             _finish(kv, wc)
             link = int(max(workers / servers, 1.0) * nbytes)
             if comm.rank in (0, workers):
@@ -253,10 +260,30 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
                            "ps_pred_ms", "bound_ms",
                            "ps/bound", "pingpong_ms", "ps/pingpong", "ring_ms", "ring_pred_ms",
                            "ps/ring"])
-        worst = max((r["ps/bound"] for r in rows), default=float("nan"))
-        print(f"target push+pull within 1.5x of the alpha-beta bound: "
+        key = "ps/link_bound" if configured is not None else "ps/bound"
+        if configured is not None:
+            print_table(rows, ["servers", "workers", "bytes", "ps_ms", "link_bound_ms", key])
+        worst = max((r[key] for r in rows), default=float("nan"))
+        print(f"target push+pull within 1.5x of the alpha-beta bound"
+              f"{' of the configured link' if configured is not None else ''}: "
               f"{'met' if worst <= 1.5 else 'NOT met'} (worst {worst:.2f}x)")
     return rows
+
+
+def configured_link(params: Any) -> Any:
+    """On the emulated cluster with a shaped rate: ``params`` with the configured link
+    (alpha = the one-way delay, beta = 8 / rate, no compute), else ``None``. The fit of
+    :func:`calibrate.measure` reads a ``tc`` link as faster than its rate when the
+    token bucket lets its messages of up to a few MiB through in bursts, so the bound
+    of the link as configured is the one to judge by there."""
+    from ..emulate.mpienv import network
+    from ..emulate.netns import parse_rate
+
+    net = network()
+    if net["kind"] != "emulated cluster" or net["rate"] == "unshaped":
+        return None
+    return dataclasses.replace(params, alpha=net["delay_s"], beta=8.0 / parse_rate(net["rate"]),
+                               gamma=0.0)
 
 
 

@@ -100,15 +100,17 @@ class KVStore:
     models; ``ssp`` with ``s = 1..4`` when one worker straggles (the others keep going,
     staleness stays bounded); ``async`` for the most throughput at unbounded staleness.
 
-    ``chunk_bytes`` (default ``MPICOMM_PS_CHUNK_BYTES``, else 512 KiB where the ranks
+    ``chunk_bytes`` (default ``MPICOMM_PS_CHUNK_BYTES``, else 2 MiB where the ranks
     span several hosts and 0 on one host, where nothing overlaps; 0: off): pieces
     of dense keys larger than this are cut into chunks, each its own piece on the same
     server (:mod:`mpicomm.ps.sharding`), so that :meth:`push_pull` pipelines: a server
     receives, sums and updates chunk ``i + 1`` while its reply of chunk ``i`` goes out,
     about ``n (beta + gamma) + k o + (n/k) beta`` for ``k`` chunks of an ``n``-byte piece
     instead of ``2 n beta + n gamma`` (``o``: tens of microseconds of fixed cost per
-    chunk). Tuning: keep chunks well above ``o / beta`` (about 256 KiB on shared memory);
-    raise it (or 0) for many small keys on a high-latency network. Not with a
+    chunk). Tuning: keep chunks well above ``o / beta`` (about 256 KiB on shared memory)
+    and, over TCP, in the megabytes (512 KiB chunks made a 4-16 MB push + pull 2.3x
+    slower than 2 MiB ones on a shaped 1 Gbit/s link); raise it (or 0) for many small
+    keys on a high-latency network. Not with a
     compressor (``ValueError``; the default is then 0). Checkpoints do not depend on it.
 
     Faults: an uncaught exception on any rank ends the whole job (``MPI_Abort``) with the

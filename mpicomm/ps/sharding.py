@@ -17,7 +17,7 @@ Tuning: lower ``split_bytes`` for more even load with many medium-sized keys (ea
 key costs ``S`` messages per push and per pull instead of one); raise it when latency
 (``alpha``) dominates, i.e. with many small messages.
 
-Chunks (``chunk_bytes``; ``KVStore``'s default is 512 KiB across hosts and none on one
+Chunks (``chunk_bytes``; ``KVStore``'s default is 2 MiB across hosts and none on one
 host, ``MPICOMM_PS_CHUNK_BYTES``; 0: off): a piece of
 more than ``chunk_bytes`` bytes is cut further into ``k = ceil(bytes / chunk_bytes)``
 near-equal contiguous pieces on the same server, each with its own state on the server
@@ -28,8 +28,11 @@ of a push while chunk ``i + 1`` is still arriving, so a pipelined push + pull
 ``2 alpha + 2 n beta + n gamma + o`` (``gamma``: the update pass per byte, ``o``: a
 chunk's fixed cost on the server, its header and reply, some tens of microseconds of
 Python). Tuning: chunks much larger than ``o / beta`` (about 256 KiB on shared memory at
-5-10 GB/s) keep the fixed costs small; with ``k = 1`` nothing overlaps. Stores with a
-push or pull compressor do not chunk (a compressor sees whole pieces).
+5-10 GB/s) keep the fixed costs small; with ``k = 1`` nothing overlaps. Over TCP on a
+shaped 1 Gbit/s link small chunks cost far more than their fixed part: with 512 KiB
+chunks a 4-16 MB push + pull took 2.3x a ping-pong of the same bytes (many messages in
+flight both ways on one link), with 2 MiB chunks 0.7-1.0x, hence the 2 MiB default.
+Stores with a push or pull compressor do not chunk (a compressor sees whole pieces).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ __all__ = ["Piece", "ShardPlan", "DEFAULT_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES"]
 #: Keys at least this large are split over all servers.
 DEFAULT_SPLIT_BYTES = 1 << 16
 #: Pieces larger than this are cut into chunks (module docstring; 0: never).
-DEFAULT_CHUNK_BYTES = 1 << 19
+DEFAULT_CHUNK_BYTES = 1 << 21
 
 
 @dataclass(frozen=True)
