@@ -90,7 +90,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -110,6 +110,9 @@ from .straggler import (
     parse_target,
     reach,
 )
+
+if TYPE_CHECKING:
+    from ..collectives.cost import CostParams
 
 SECTIONS = ("comm", "straggler", "accuracy", "pull", "convergence")
 
@@ -151,9 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conv-lr", type=float, default=0.1,
                         help="convergence: the servers' SGD learning rate")
     parser.add_argument("--conv-momentum", type=float, default=0.0,
-                        help="convergence: the servers' SGD momentum (in [0, 1)); "
-                             "asynchrony adds momentum of its own, so a high value "
-                             "costs async more than BSP or SSP")
+                        help="convergence: the servers' SGD momentum, in [0, 1)")
     parser.add_argument("--conv-options", default="",
                         help="convergence: workload options, e.g. channels=32 (k=v,...)")
     parser.add_argument("--seeds", default="0",
@@ -270,7 +271,7 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
     return rows
 
 
-def configured_link(params: Any) -> Any:
+def configured_link(params: CostParams) -> CostParams | None:
     """On the emulated cluster with a shaped rate: ``params`` with the configured link
     (alpha = the one-way delay, beta = 8 / rate, no compute), else ``None``. The fit of
     :func:`calibrate.measure` reads a ``tc`` link as faster than its rate when the

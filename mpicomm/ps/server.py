@@ -54,9 +54,9 @@ runs: for a piece of at least ``PIPELINE_MIN_BYTES`` the reply's header announce
 ``REPLY_PARTS`` parts (:func:`reply_bounds`), the optimizer updates the piece part by
 part (:meth:`~mpicomm.ps.optim.ShardOptimizer.step_parts`, the same bits as one step)
 and each part is sent as soon as it is updated, so the transfer of one part overlaps the
-update of the next (on a 2-core host, 1 MB push + pull: about 35 us of the update's
-45 us hidden). Under the virtual clock, which charges the update as one pass, replies go
-whole. Compressed pushes and replies are inline messages.
+update of the next (on a 2-core host 5% off a 1 MB push + pull and 12% off 4 MB, as
+paired blocks of steps in one run). Under the virtual clock, which charges the update as
+one pass, replies go whole. Compressed pushes and replies are inline messages.
 
 Pipelined push + pull (:meth:`mpicomm.ps.KVStore.push_pull`): a push whose header says
 ``PULL_AFTER`` (:mod:`mpicomm.ps.wire`) is also a pull of its piece, queued with the
