@@ -296,6 +296,31 @@ def test_push_pull_replies_bitwise_whole_or_in_parts(comm, split_small, reply_pa
         assert (3 in reply_parts.seen) == reply_parts.parts
 
 
+@pytest.mark.mpi
+def test_replies_go_whole_across_hosts(comm, reply_parts):
+    """Where the ranks span hosts (here every rank its own) the servers send every reply
+    whole, even where pieces would be cut into parts on one host; the values are the
+    same."""
+    from mpicomm.topology import Topology
+
+    splits(comm.size)
+    last = comm.rank == comm.size - 1
+    c = mpicomm.Communicator(comm.mpi.Dup(), topology=Topology(tuple(range(comm.size))))
+    try:
+        kv = KVStore(c, servers=1, mode="sync", lr=0.5)
+        if kv.is_worker:
+            kv.init("w", np.zeros(1000, dtype=np.float32))
+            out = np.empty(1000, dtype=np.float32)
+            for _ in range(3):
+                kv.push_pull("w", np.ones(1000, dtype=np.float32), out=out)
+            assert np.all(out == -1.5)   # three steps of p - 0.5 * mean(ones)
+        finish(kv)
+    finally:
+        c.free()
+    if last:
+        assert reply_parts.seen and set(reply_parts.seen) == {1}
+
+
 def _run_steps(kv: KVStore, params: dict, prob, steps: range) -> None:
     for _ in steps:
         for k in SHAPES:

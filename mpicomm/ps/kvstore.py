@@ -163,7 +163,7 @@ class KVStore:
         self._worker: Worker | None = None
         if self.is_server:
             self._server = Server(self._comm, self.workers, mode, staleness, opt,
-                                  compressor, pull_compressor)
+                                  compressor, pull_compressor, split_replies=comm.nodes == 1)
         else:
             assert self._group is not None
             self._worker = Worker(self._comm.p2p, self._group, self.workers, servers, mode,
