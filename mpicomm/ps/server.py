@@ -331,17 +331,16 @@ class Server:
             if st.reading:     # copy on write: the replies in flight keep the old buffer
                 st.value = st.value.clone()
                 st.reading = []
-        bounds = (reply_bounds(st.value.numel(), st.value.element_size())
-                  if self.split_replies else [(0, st.value.numel())])
+        bounds = reply_bounds(st.value.numel(), st.value.element_size())
         answers = self._answers(st) if len(bounds) > 1 else []
+        if not answers:   # nobody to answer while it runs: one step
+            bounds = [(0, st.value.numel())]
         parts = [st.value[a:b] for a, b in bounds]
         for w in answers:
             self._reply_head(w, st, st.version + 1, parts)
         for i, _ in enumerate(self.optimizer.step_parts(st.value, total, st.opt, bounds)):
             for w in answers:
-                send = wire.isend_array(self.mpi, w, parts[i])
-                st.reading.append(send[0])
-                self.sends.append(send)
+                self._send_values(w, st, parts[i])
         st.version += 1
         self.stats["updates"] += 1
         self._release(st, total, True)
@@ -410,8 +409,9 @@ class Server:
     def _answers(self, st: PieceState) -> list[int]:
         """The workers whose dense pull of ``st`` the coming update lets through (in the
         staggered order of :meth:`_serve_pending`), taken off the pending list; none
-        under the virtual clock or with a pull compressor (their replies go whole)."""
-        if self.pull_codec is not None or vwire.active():
+        where replies go whole: across hosts (``split_replies`` off), under the virtual
+        clock, with a pull compressor."""
+        if not self.split_replies or self.pull_codec is not None or vwire.active():
             return []
         after = st.version + 1
         take = [i for i, (w, s) in enumerate(self.pending) if s is st and (
@@ -440,12 +440,17 @@ class Server:
             self.stats["bytes_pulled"] += wire.message_nbytes([st.value])
         return head
 
+    def _send_values(self, w: int, st: PieceState, values: torch.Tensor) -> None:
+        """Send ``values`` (the piece's values or a part of them) to ``w`` as an array of
+        a detached reply; the update's copy on write waits for it."""
+        send = wire.isend_array(self.mpi, w, values)
+        st.reading.append(send[0])
+        self.sends.append(send)
+
     def _reply(self, w: int, st: PieceState) -> None:
         if self.pull_codec is None:   # dense: straight from the values (module docstring)
             self._reply_head(w, st, st.version, [st.value])
-            send = wire.isend_array(self.mpi, w, st.value)
-            st.reading.append(send[0])
-            self.sends.append(send)
+            self._send_values(w, st, st.value)
             return
         head = self._reply_head(w, st, st.version, [])
         arrays, number = self._pull_payload(w, st)
