@@ -18,7 +18,7 @@ import pytest
 from mpicomm import strategies, workloads
 from mpicomm.bench.harness import Spec, train
 from mpicomm.bench.probe import CompressionProbe
-from mpicomm.bench.ratios import ROW_KEYS, collect, is_rows, metric_gap
+from mpicomm.bench.ratios import ROW_KEYS, collect, is_rows, medians, metric_gap
 from mpicomm.bench.recipes import label_density, label_strategy, named_options
 from mpicomm.bench.sync import GradientMethod
 
@@ -179,3 +179,21 @@ def test_collect_compares_runs_of_the_same_length():
     got = {r["strategy"]: (r["metric_gap"], r["bytes_vs_dense"]) for r in rows}
     assert got == {"gtopk": (pytest.approx(-1.0), 100.0),
                    "gtopk+ef": (pytest.approx(-1.0), 100.0)}
+
+
+def test_medians_keep_short_and_full_runs_apart():
+    """With the step counts, a label's short screen and its full-length runs get a median
+    each; without them (the rows file) they share one."""
+    def run(label, seed, steps, acc, sent):
+        return {"workload": "w", "ranks": 8, "seed": seed, "steps": steps, "label": label,
+                "metric": "accuracy", "direction": "max", "density": None,
+                "curve": [{"accuracy": acc}], "sent_bytes_total": sent}
+
+    runs = [run("dense", 0, 100, 0.90, 1000), run("powersgd", 0, 100, 0.80, 10)]
+    for seed in range(3):
+        runs += [run("dense", seed, 400, 0.98, 4000), run("powersgd", seed, 400, 0.975, 40)]
+    apart = medians(collect(runs, steps=True))
+    assert sorted((m["steps"], m["seeds"], round(m["metric_gap"], 6)) for m in apart) == \
+        [(100, 1, -10.0), (400, 3, -0.5)]
+    assert [m["seeds"] for m in medians(collect(runs))] == [4]
+    assert all("steps" not in row for row in collect(runs))

@@ -76,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
     if args.collect:
         if not args.rows:
             raise UsageError("--collect needs --rows PATH")
-        rows = collect(load_runs(args.collect))
-        write_rows(args.rows, rows)
-        print_table(medians(rows), ["workload", "ranks", "strategy", "density", "seeds",
-                                    "metric_gap", "worst_gap", "bytes_vs_dense", "met"])
+        runs = load_runs(args.collect)
+        write_rows(args.rows, collect(runs))
+        print_table(medians(collect(runs, steps=True)),
+                    ["workload", "ranks", "strategy", "density", "steps", "seeds",
+                     "metric_gap", "worst_gap", "bytes_vs_dense", "met"])
         return 0
     return train_all(args)
 
@@ -154,10 +155,13 @@ def metric_gap(run: dict[str, Any], dense: dict[str, Any]) -> float:
     return 100.0 * (ref - value)
 
 
-def collect(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def collect(runs: Sequence[dict[str, Any]], *, steps: bool = False
+            ) -> list[dict[str, Any]]:
     """One row (:data:`ROW_KEYS`) per non-dense run that has a dense run of the same
     workload, rank count, seed and number of steps (the last one read, if several): a
-    run cut short is never compared with a full-length dense run."""
+    run cut short is never compared with a full-length dense run. ``steps=True`` adds the
+    run's step count to each row (a ``steps`` key, which the rows file does not hold), so
+    that :func:`medians` keeps short and full-length runs of one label apart."""
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
         return r["workload"], r["ranks"], r["seed"], r["steps"]
 
@@ -172,7 +176,8 @@ def collect(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                      "metric_gap": round(metric_gap(r, ref), 4),
                      "bytes_vs_dense": round(ref["sent_bytes_total"]
                                              / r["sent_bytes_total"], 3)
-                     if r["sent_bytes_total"] else None})
+                     if r["sent_bytes_total"] else None,
+                     **({"steps": r["steps"]} if steps else {})})
     rows.sort(key=lambda row: (row["workload"], row["ranks"], row["strategy"],
                                row["density"] or 0.0, row["seed"]))
     return rows
@@ -196,15 +201,17 @@ def write_rows(path: str, rows: Sequence[dict[str, Any]]) -> None:
 
 def medians(rows: Sequence[dict[str, Any]], metrics: dict[str, str] | None = None
             ) -> list[dict[str, Any]]:
-    """Per (workload, ranks, strategy, density): the seeds, the median gap and bytes
-    ratio, the worst seed's gap, and whether :data:`GAP_BOUND` and :data:`BYTES_TARGET`
-    hold for the medians (``metrics``: workload -> its metric, default by name)."""
+    """Per (workload, ranks, strategy, density, and the step count where the rows hold
+    one): the seeds, the median gap and bytes ratio, the worst seed's gap, and whether
+    :data:`GAP_BOUND` and :data:`BYTES_TARGET` hold for the medians (``metrics``:
+    workload -> its metric, default by name)."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        key = (row["workload"], row["ranks"], row["strategy"], row["density"])
+        key = (row["workload"], row["ranks"], row["strategy"], row["density"],
+               row.get("steps"))
         groups.setdefault(key, []).append(row)
     out = []
-    for (workload, ranks, strategy, density), mine in groups.items():
+    for (workload, ranks, strategy, density, steps), mine in groups.items():
         metric = (metrics or {}).get(workload) or (
             "perplexity" if "lm" in workload else "accuracy")
         gap = statistics.median(r["metric_gap"] for r in mine)
@@ -216,5 +223,6 @@ def medians(rows: Sequence[dict[str, Any]], metrics: dict[str, str] | None = Non
                     "density": density, "seeds": len(mine), "metric_gap": gap,
                     "worst_gap": min(r["metric_gap"] for r in mine),
                     "bytes_vs_dense": ratio, "bytes_target": target,
-                    "met": "yes" if met else "no"})
+                    "met": "yes" if met else "no",
+                    **({"steps": steps} if steps is not None else {})})
     return out

@@ -1,8 +1,8 @@
 """The report's compression-ratio pages: ``ratios`` results (:mod:`mpicomm.bench.ratios`).
 
 Across every ``ratios`` result file: one table of the medians over seeds per workload,
-rank count, strategy label and density (gap to dense of the same seed, worst seed, dense's
-whole-run bytes over the strategy's, and whether the bounds of
+rank count, strategy label, density and run length (gap to dense of the same seed, worst
+seed, dense's whole-run bytes over the strategy's, and whether the bounds of
 :data:`~mpicomm.bench.ratios.GAP_BOUND` / :data:`~mpicomm.bench.ratios.BYTES_TARGET`
 hold), then ``ratios-notes.md`` from the plots folder when it exists, and per
 (workload, rank count) a trade-off plot (median gap against bytes ratio). Per file, three
@@ -36,13 +36,14 @@ def summary_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The medians table over every ``ratios`` file of ``results``."""
     runs = [x for r in ratio_results(results) for x in r.get("training_runs", [])]
     metrics = {x["workload"]: x["metric"] for x in runs}
-    rows = medians(collect(runs), metrics)
+    rows = medians(collect(runs, steps=True), metrics)
     for row in rows:
         row["metric_gap"] = f"{row['metric_gap']:+.2f}"
         row["worst_gap"] = f"{row['worst_gap']:+.2f}"
         row["bytes_vs_dense"] = f"{row['bytes_vs_dense']:.3g}x"
         row["unit"] = "% ppl" if metrics.get(row["workload"]) == "perplexity" else "pp"
-    rows.sort(key=lambda w: (w["workload"], w["ranks"], w["density"] or 0.0, w["strategy"]))
+    rows.sort(key=lambda w: (w["workload"], w["ranks"], w["density"] or 0.0, w["strategy"],
+                             w["steps"]))
     return rows
 
 
@@ -126,11 +127,14 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], folder: str, plt: Any) -> list
         groups.setdefault((row["workload"], row["ranks"]), []).append(row)
     for (workload, ranks), mine in sorted(groups.items()):
         fig, ax = plt.subplots(figsize=(7, 4.5))
+        longest = max((row.get("steps") or 0) for row in mine)
         for row in mine:
             x, y = row["bytes_vs_dense"], row["metric_gap"]
             if x is None or x != x:  # no ratio (one rank)
                 continue
             label = row["strategy"] + (f"@{row['density']:g}" if row["density"] else "")
+            if (row.get("steps") or longest) < longest:
+                label += f" ({row['steps']} steps)"
             ax.scatter([x], [y], s=18)
             ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         unit = "% of perplexity" if "lm" in workload else "points of accuracy"
@@ -164,19 +168,20 @@ def section(results: Sequence[dict[str, Any]], folder: str, rel: str,
         plt = pyplot()
     except ImportError:
         plt = None
-    raw = medians(collect([x for r in files for x in r.get("training_runs", [])]))
+    raw = medians(collect([x for r in files for x in r.get("training_runs", [])],
+                          steps=True))
     rows = summary_rows(results)
     out = ["## Compression ratios against dense, whole runs\n",
            "From `python -m mpicomm.bench ratios` (`make bench-ratios`). Per workload, "
-           "rank count, strategy and density: the median over seeds of the gap to dense "
-           "of the same seed (`pp`: points of accuracy; `% ppl`: percent of dense's "
-           "perplexity; negative = worse), the worst seed, and dense's total bytes over "
-           "the strategy's (every byte of the run summed over the ranks, warm-up "
-           "included). `met`: gap within 0.5 pp / 2% perplexity and, at densities 0.001 "
-           "and 0.01, at least 50x / 20x fewer bytes. One row per run: "
-           "`benchmarks/results/compression-ratios.json`.\n",
-           table(rows, ("workload", "ranks", "strategy", "density", "seeds", "unit",
-                        "metric_gap", "worst_gap", "bytes_vs_dense", "met")) + "\n"]
+           "rank count, strategy, density and run length (steps): the median over seeds "
+           "of the gap to dense of the same seed (`pp`: points of accuracy; `% ppl`: "
+           "percent of dense's perplexity; negative = worse), the worst seed, and "
+           "dense's total bytes over the strategy's (every byte of the run summed over "
+           "the ranks, warm-up included). `met`: gap within 0.5 pp / 2% perplexity and, "
+           "at densities 0.001 and 0.01, at least 50x / 20x fewer bytes. One row per "
+           "run: `benchmarks/results/compression-ratios.json`.\n",
+           table(rows, ("workload", "ranks", "strategy", "density", "steps", "seeds",
+                        "unit", "metric_gap", "worst_gap", "bytes_vs_dense", "met")) + "\n"]
     notes = os.path.join(folder, NOTES)
     if os.path.exists(notes):
         with open(notes) as f:

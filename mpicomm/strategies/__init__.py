@@ -111,12 +111,14 @@ _BY_NAME: dict[str, type[Strategy]] = {
 #: density-steps (:class:`~mpicomm.control.BudgetRamp`: 1 092 steps at density 0.001,
 #: 511 at 0.01, none from 0.03 on), about 32 dense allreduces' bytes at P = 8; on
 #: MNIST-1D's CNN at 8 ranks (2 028 steps) a median gap to dense of -0.44 points at
-#: 57.6x fewer bytes (density 0.001) and -0.45 at 24.1x (0.01), over 3 seeds.
+#: 57.6x fewer bytes (density 0.001) and -0.45 at 24.1x (0.01), over 3 seeds; at 16
+#: ranks with the same global batch, -1.47 at 46.3x (0.001): tuned for 8 ranks.
 #: AR-Top-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``)
 #: and a geometric density ramp from 0.1 spending 23.47 density-steps (1 092 steps at
 #: density 0.001, 600 at 0.01), about 35 dense allreduces' bytes (3/2 of one per unit of
 #: density, flat in P); on MNIST-1D's CNN at 8 ranks a median gap to dense of
-#: +0.03 points at 55.3x fewer bytes (0.001) and +0.03 at 35.8x (0.01), over 3 seeds.
+#: +0.03 points at 55.3x fewer bytes (0.001) and +0.03 at 35.8x (0.01), over 3 seeds;
+#: at 16 ranks with the same global batch, -2.90 at 55.3x (0.001): tuned for 8 ranks.
 RECIPES: dict[str, dict[str, Any]] = {
     "gtopk": {"schedule": BudgetRamp(0.03, 9.311)},
     "artopk": {"schedule": BudgetRamp(0.1, 23.47), "momentum_correction": 0.0},
