@@ -399,6 +399,46 @@ def test_gtopk_residual_bookkeeping(comm):
 
 
 @pytest.mark.mpi
+def test_gtopk_own_contribution_returns_exactly_the_values_that_reached_the_result(comm):
+    """With ``own_contribution``, a pick is kept only where this rank's value is part of
+    the result: at a power-of-two P the kept picks of all ranks add up to the result
+    exactly (integer values, no rounding). Every pick the index rule drops is dropped
+    too, and without ``return_dropped`` nothing is tracked and the result is the same."""
+    d, k = 400, 24
+    rng = np.random.default_rng(5 + comm.rank)
+    acc = rng.integers(-1000, 1000, d).astype(np.float64)
+    local = topk_indices(acc, k)
+    picks = acc[local]
+    idx, val, by_value = gtopk(local, picks, k, comm=comm, size=d, return_dropped=True,
+                               own_contribution=True)
+    by_index = gtopk(local, picks, k, comm=comm, size=d, return_dropped=True)[2]
+    plain = gtopk(local, picks, k, comm=comm, size=d)
+    assert_same_bits(plain, (idx, val))
+    np.testing.assert_array_equal(by_index, ~np.isin(local, idx))
+    assert not (by_index & ~by_value).any()
+    kept = np.zeros(d)
+    kept[local[~by_value]] = picks[~by_value]
+    total = np.zeros(d)
+    comm.mpi.Allreduce(kept, total)
+    result = np.zeros(d)
+    result[idx] = val
+    if comm.size & (comm.size - 1) == 0:
+        np.testing.assert_array_equal(total, result)
+    if comm.size == 4:  # the check has teeth: some values were cut on their way
+        assert comm.allreduce_value(int((by_value & ~by_index).sum())) > 0
+
+
+def test_members_is_isin_on_a_sorted_set():
+    from mpicomm.sparse.sets import members
+
+    g = torch.Generator().manual_seed(3)
+    for n, m in ((0, 5), (5, 0), (1, 1), (300, 1000), (1000, 300)):
+        idx = torch.randperm(2000, generator=g)[:n].sort().values
+        query = torch.randint(0, 2000, (m,), generator=g)
+        assert torch.equal(members(idx, query), torch.isin(query, idx))
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("dtype,d", [("float32", 500), ("float64", 500),
                                      ("float32", 2**31 + 100)])
 def test_gtopk_traffic_full_sets(comm, dtype, d):

@@ -81,7 +81,7 @@ from ._common import (
     to_caller,
     wire_index_dtype,
 )
-from .sets import Pairs, merge_truncate, truncate
+from .sets import Pairs, members, merge_truncate, truncate
 
 __all__ = ["gtopk"]
 
@@ -136,14 +136,15 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
     sp, k, size = read_topk_args(comm, "gtopk", indices, values, k, size, allow_nonfinite)
 
     index_dtype = wire_index_dtype(size)
-    alive: list[torch.Tensor] = []
+    # this rank's surviving values are tracked only when the caller asks for them
+    alive: list[torch.Tensor] | None = [] if return_dropped and own_contribution else None
     idx, val = _butterfly(truncate(sp.idx, sp.val, k), k, comm, index_dtype, alive)
     result = (to_caller(idx, sp.like_idx, dtype=sp.idx_dtype),
               to_caller(val, sp.like_val))
     if not return_dropped:
         return result
-    reached = alive[0] if own_contribution and alive else idx
-    dropped = ~torch.isin(sp.idx_in, reached)
+    reached = alive[0] if alive else idx
+    dropped = ~members(reached, sp.idx_in)
     return (*result, to_caller(dropped, sp.like_val))
 
 
@@ -151,8 +152,9 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
                alive: list[torch.Tensor] | None = None, exact_fold: bool = False) -> Pairs:
     """Fold-in, lg p2 butterfly rounds, fold-out; returns the common final set.
 
-    ``alive`` (a list to fill): gets the indices of this rank's pairs whose value is in
-    the final set (every merge on its path kept them); left empty on a folded-out rank,
+    ``alive`` (a list to fill, or None to track nothing): gets the indices of this
+    rank's pairs whose value is in the final set (every merge on its path kept them:
+    one binary search of the own indices per merge); left empty on a folded-out rank,
     unless ``exact_fold``: then the odd rank of a folded pair tracks its partner's pairs
     through its own merges too and returns their survivors after the result (one more
     message of at most k indices, tag ``TAG_GTOPK_ALIVE``), so every rank learns
@@ -164,9 +166,10 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
 
     def keep(current: Pairs) -> Pairs:
         nonlocal own, partner_own
-        own = own[torch.isin(own, current[0])]
+        if alive is not None:
+            own = own[members(current[0], own)]
         if partner_own is not None:
-            partner_own = partner_own[torch.isin(partner_own, current[0])]
+            partner_own = partner_own[members(current[0], partner_own)]
         return current
 
     if p == 1:
@@ -186,7 +189,7 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
                 alive.append(unpack_bytes(got, [(index_dtype, count)])[0].to(torch.int64))
             return result
         theirs = unpack(wire.recv(r - 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
-        if exact_fold:
+        if exact_fold and alive is not None:  # the partner receives them only then
             partner_own = theirs[0]
         mine = keep(merge_truncate(theirs, mine, k))  # rank r-1 is the lower operand
     v = virtual_rank(r, rem)
