@@ -20,6 +20,16 @@ Mbit/s) lets a shorter message through faster than the rate (gTop-k's 80 KB at d
 and density 0.01 in about 1 ms instead of 6.4 ms), which neither a real NIC nor the
 virtual clock's link (every byte at the rate) does.
 
+The emulated links queue at most ``--queue`` (default 5 ms, the target of Linux's
+default ``fq_codel``) instead of the emulator's 50 ms: where both directions of a link
+are busy (allgather, allreduce, gTop-k between two hosts) each side's acknowledgements
+wait behind its own data, and a long queue holds back the other side's TCP window
+(:mod:`mpicomm.emulate.netns`), which neither a short-queued NIC nor the virtual link
+does. The virtual links charge the TCP/IP/Ethernet headers (``--framing tcp``, the default;
+:mod:`mpicomm.emulate.vnet`), as tc counts them against the emulated links' rate;
+``--framing none`` charges the payload only. ``--reuse-wall`` keeps the wall-clock files
+of an earlier run and redoes only the virtual half (which needs no quiet machine).
+
 It writes ``vclock-wall-comparison.json``: per host count, case and size the wall
 time, the virtual time (whole cost table), their relative difference and whether it is
 within ``--tolerance`` (15%).
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -87,6 +98,12 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=None,
                     help="tc token bucket of the emulated links in bytes (default: two "
                          "frames, 3028)")
+    ap.add_argument("--queue", default="5ms",
+                    help="tc queue allowance of the emulated links (default 5ms)")
+    ap.add_argument("--framing", default="tcp",
+                    help="headers per frame on the virtual links (tcp, none, PAYLOAD,HEADER)")
+    ap.add_argument("--reuse-wall", action="store_true",
+                    help="keep vclock-wall-H.json from an earlier run (virtual half only)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
@@ -107,20 +124,34 @@ def main() -> int:
         _run([mpiexec, "-n", str(max(hosts)), *bench, "costs", "--json", str(costs)],
              args.timeout)
     cores = os.cpu_count() or 1
+    earlier = out / "vclock-wall-comparison.json"
+    earlier_hosts = (json.loads(earlier.read_text()).get("per_hosts", {})
+                     if args.reuse_wall and earlier.exists() else {})
     summary: dict = {"net": args.net, "burst_bytes": burst, "sizes": args.sizes,
+                     "framing": args.framing, "queue": args.queue,
                      "tolerance": args.tolerance,
                      "cores": cores, "costs": str(costs.relative_to(ROOT))
                      if costs.is_relative_to(ROOT) else str(costs), "per_hosts": {}}
     for h in hosts:
         wall_path, virt_path = out / f"vclock-wall-{h}.json", out / f"vclock-virtual-{h}.json"
-        before = os.getloadavg()
-        _run([str(ROOT / "launchers" / "emulated-cluster"), "--hosts", str(h), "--rate",
-              rate, "--delay", delay, "--burst", str(burst), "--timeout",
-              str(int(args.timeout)), "--", *bench, "vclock", "--sizes", args.sizes,
-              "--repeats", str(args.repeats), "--json", str(wall_path)], args.timeout + 60)
-        after = os.getloadavg()
-        _run([mpiexec, "-n", str(h), *bench, "vclock", "--nets", args.net, "--sizes",
-              args.sizes, "--costs", str(costs), "--json", str(virt_path)], args.timeout)
+        if args.reuse_wall:
+            if not wall_path.exists():
+                ap.error(f"--reuse-wall: no {wall_path}")
+            loads = earlier_hosts.get(str(h), {})
+            before = loads.get("loadavg_before", [math.nan] * 3)
+            after = loads.get("loadavg_after", [math.nan] * 3)
+        else:
+            before = os.getloadavg()
+            _run([str(ROOT / "launchers" / "emulated-cluster"), "--hosts", str(h), "--rate",
+                  rate, "--delay", delay, "--burst", str(burst), "--queue", args.queue,
+                  "--timeout",
+                  str(int(args.timeout)), "--", *bench, "vclock", "--sizes", args.sizes,
+                  "--repeats", str(args.repeats), "--json", str(wall_path)],
+                 args.timeout + 60)
+            after = os.getloadavg()
+        _run([mpiexec, "-n", str(h), *bench, "vclock", "--nets", args.net, "--framing",
+              args.framing, "--sizes", args.sizes, "--costs", str(costs), "--json",
+              str(virt_path)], args.timeout)
         rows = compare(json.loads(wall_path.read_text())["results"],
                        json.loads(virt_path.read_text())["results"], args.tolerance)
         quiet = max(before[0], after[0]) <= cores

@@ -20,6 +20,9 @@ from .launch import run_job
     (["ps", "--sections", "communication"], "unknown sections ['communication']"),
     # found by argparse in the suite's sub-parser
     (["crossover", "--steps", "many"], "argument --steps: invalid int value"),
+    # a virtual link's framing, checked before any virtual cluster starts
+    (["vclock", "--nets", "1gbit:1ms", "--framing", "jumbo"],
+     "MPICOMM_VIRTUAL_FRAMING='jumbo'"),
 ])
 def test_a_bad_option_is_one_error_line_from_rank_zero(args, message):
     result = run_job(2, [sys.executable, "-m", "mpicomm.bench", *args], timeout=120)

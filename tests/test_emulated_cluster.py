@@ -148,6 +148,14 @@ def test_job_env_and_wrapper() -> None:
     (["--hosts", "2", "--rate", "1gbit", "--burst", "1000", "--", "true"], "burst"),
     (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--burst", "4096", "--",
       "true"], "--burst"),
+    (["--hosts", "2", "--rate", "1gbit", "--queue", "0", "--", "true"], "--queue"),
+    (["--hosts", "2", "--rate", "1gbit", "--queue", "soon", "--", "true"], "bad delay"),
+    (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--queue", "5ms", "--",
+      "true"], "--queue"),
+    (["--hosts", "2", "--rate", "1gbit", "--framing", "tcp", "--", "true"],
+     "--framing is for --clock virtual"),
+    (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--framing", "jumbo", "--",
+      "true"], "MPICOMM_VIRTUAL_FRAMING='jumbo'"),
 ])
 def test_bad_arguments_exit_2_before_creating_anything(argv: list[str], message: str,
                                                        capsys: pytest.CaptureFixture) -> None:
@@ -232,24 +240,26 @@ def test_pingpong_matches_configured_rate_and_delay(tmp_path: Path) -> None:
 @needs_netns
 def test_exit_status_schedule_and_placement() -> None:
     """Exit status passes through; schedule entries (time and step) reach tc and the
-    delay file; rank r runs in host r // R."""
+    delay file, with the queue allowance asked for; rank r runs in host r // R."""
     sched = ROOT / "build" / f"sched-{os.getpid()}.txt"
     sched.parent.mkdir(exist_ok=True)
     sched.write_text("0 100mbit 1ms\nstep 3 300mbit 7ms\n")
     script = ('sleep 0.3; if [ "$PMI_RANK" = 0 ]; then echo 3 > "$MPICOMM_EMU_STEP_FILE"; fi;'
               ' sleep 0.6; echo "R$PMI_RANK $(ip -o -4 addr show dev eth0 | '
-              "awk '{print $4}') $(tc qdisc show dev eth0 | grep -o 'rate [^ ]*') "
+              "awk '{print $4}') $(tc qdisc show dev eth0 | "
+              "grep -o 'rate [^ ]*\\|lat [^ ]*' | tr '\\n' ' ')"
               '$(cat $MPICOMM_EMU_DELAY_FILE)"; exit 5')
     try:
         res = launch("--hosts", "2", "--ranks-per-host", "2", "--rate", "50mbit",
-                     "--schedule", str(sched), "--", "sh", "-c", script)
+                     "--queue", "5ms", "--schedule", str(sched), "--", "sh", "-c", script)
     finally:
         sched.unlink()
     assert res.returncode == 5, res.stdout
     lines = sorted(line for line in res.stdout.splitlines() if line.startswith("R"))
     assert [line.split()[1] for line in lines] == [
         "10.77.0.1/16", "10.77.0.1/16", "10.77.0.2/16", "10.77.0.2/16"], res.stdout
-    assert all("rate 300Mbit" in line and line.endswith("0.007") for line in lines), res.stdout
+    assert all("rate 300Mbit lat 5ms" in line and line.endswith("0.007") for line in lines), \
+        res.stdout
 
 
 @needs_netns

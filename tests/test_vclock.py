@@ -71,6 +71,28 @@ def test_schedule_conditions_by_time_and_step(tmp_path):
         platform_from_env(2, {"MPICOMM_VIRTUAL_SCHEDULE": str(bad)})
 
 
+def test_framing_charges_one_header_per_started_frame():
+    plain = platform_from_env(2, {"MPICOMM_VIRTUAL_RATE": "1gbit"})
+    assert plain.framing == (0, 0) and plain.wire_factor() == 1.0
+    assert [plain.wire_bytes(n) for n in (0, 8, 1 << 20)] == [0, 8, 1 << 20]
+    tcp = platform_from_env(2, {"MPICOMM_VIRTUAL_RATE": "1gbit",
+                                "MPICOMM_VIRTUAL_FRAMING": " TCP "})
+    assert tcp.framing == (1448, 66) == vnet.parse_framing("tcp")
+    # an empty message still takes a frame; 1448 bytes fill exactly one
+    assert [tcp.wire_bytes(n) for n in (0, 8, 1448, 1449, 10 * 1448)] == \
+        [66, 74, 1514, 1449 + 132, 10 * 1514]
+    assert tcp.wire_factor() == pytest.approx(1514 / 1448)
+    assert tcp.describe()["framing"] == {"payload_bytes": 1448, "header_bytes": 66}
+    assert vnet.parse_framing("8948,66") == (8948, 66)
+    assert vnet.parse_framing("none") == (0, 0)
+    for bad in ("jumbo", "0,66", "1448,-1", "1448", "1448,66,1"):
+        with pytest.raises(ValueError, match="MPICOMM_VIRTUAL_FRAMING"):
+            platform_from_env(2, {"MPICOMM_VIRTUAL_RATE": "1gbit",
+                                  "MPICOMM_VIRTUAL_FRAMING": bad})
+    with pytest.raises(ValueError, match="framing"):
+        Platform(rate=1e6, delay=0.0, hosts=(0, 1), framing=(0, 66))
+
+
 def test_host_layout():
     assert host_layout(4) == (0, 1, 2, 3)
     assert host_layout(4, "2") == (0, 0, 1, 1)
@@ -363,6 +385,38 @@ def test_virtual_times_match_the_closed_forms(comm):
             assert got == 0, name
         else:
             assert got == pytest.approx(model, rel=0.05), name
+
+
+@pytest.mark.mpi
+def test_framing_adds_the_headers_between_hosts_and_nothing_within(comm):
+    """A ping-pong between hosts takes ``delay + wire_bytes(n) / rate`` each way under the
+    ``tcp`` framing; between ranks of one host the framing changes nothing."""
+    if comm.size < 2:
+        pytest.skip("a ping-pong needs 2 ranks")
+    rank, sizes = comm.rank, "2" + ",1" * (comm.size - 2)
+    got = {}
+    for framing in ("none", "tcp"):
+        for layout in (None, sizes):            # ranks 0 and 1 on two hosts, then on one
+            env = {"MPICOMM_VIRTUAL_FRAMING": framing}
+            if layout:
+                env["MPICOMM_HOST_SIZES"] = layout
+            with virtual(comm, **env) as vc:
+                buf = np.zeros(100_000, dtype=np.uint8)
+                ctx = Ctx.of(vc, ops_for("numpy", False))
+
+                def pingpong(buf=buf, ctx=ctx) -> None:
+                    if rank == 0:
+                        ctx.send(buf, 1, 7)
+                        ctx.recv(buf, 1, 7)
+                    elif rank == 1:
+                        ctx.recv(buf, 0, 7)
+                        ctx.send(buf, 0, 7)
+
+                got[framing, layout] = _elapsed(vc, pingpong) / 2
+    wire = 100_000 + 66 * math.ceil(100_000 / 1448)
+    assert got["none", None] == pytest.approx(100e-6 + 100_000 / 125e6, rel=1e-9)
+    assert got["tcp", None] == pytest.approx(100e-6 + wire / 125e6, rel=1e-9)
+    assert got["tcp", sizes] == got["none", sizes] < got["none", None]
 
 
 def _digest(comm) -> str:

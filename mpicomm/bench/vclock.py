@@ -9,7 +9,8 @@ Cases, on float32 vectors of ``d`` elements (``--sizes``): ``pingpong`` (one-way
 rank, 8 bytes each). Each is timed once (virtual time is deterministic) as the slowest
 rank's time between two barriers, and compared with its closed form in
 :mod:`mpicomm.collectives.cost` for the configured network (``alpha`` = the delay,
-``beta`` = 1/rate, ``gamma`` = the cost table's ``reduce`` rate).
+``beta`` = 1/rate, times the framing's ``(payload + header) / payload`` when
+``--framing`` is set, ``gamma`` = the cost table's ``reduce`` rate).
 
 Three ways to run it:
 
@@ -43,7 +44,14 @@ from .. import clock, costtable
 from ..arrayops import ops_for
 from ..collectives import allgather, allreduce, cost
 from ..comm import Communicator, init
-from ..emulate.vnet import Platform, platform_from_env
+from ..emulate.vnet import (
+    ENV_DELAY,
+    ENV_FRAMING,
+    ENV_RATE,
+    Platform,
+    parse_framing,
+    platform_from_env,
+)
 from ..p2p import Ctx
 from ..sparse import gtopk
 from ._util import UsageError, machine, median_seconds, print_table, write_json
@@ -56,6 +64,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="virtual networks RATE:DELAY,... (e.g. 1gbit:100us,100mbit:1ms)")
     ap.add_argument("--sizes", default="1e4,1e6", help="float32 elements per vector")
     ap.add_argument("--density", type=float, default=0.01, help="gTop-k's k / d")
+    ap.add_argument("--framing", default="none",
+                    help="--nets: headers per frame on the links (none, tcp, PAYLOAD,HEADER)")
     ap.add_argument("--costs", default=None, help="cost table JSON (default: measure)")
     ap.add_argument("--repeats", type=int, default=5, help="wall clock: repeats per case")
 
@@ -110,7 +120,7 @@ def _network_only(table: costtable.CostTable) -> costtable.CostTable:
 
 
 def _params(plat: Platform, table: costtable.CostTable) -> cost.CostParams:
-    return cost.CostParams(alpha=plat.delay, beta=1 / plat.rate,
+    return cost.CostParams(alpha=plat.delay, beta=plat.wire_factor() / plat.rate,
                            gamma=table.ops["reduce"].per_unit)
 
 
@@ -156,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
     if not sizes or min(sizes) < 1 or not 0 < args.density <= 1:
         raise UsageError("--sizes must be positive and --density in (0, 1]")
     nets = _nets(args.nets)
+    try:
+        parse_framing(args.framing)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if nets and clock.is_virtual():
         raise UsageError("--nets runs its own virtual clusters: leave MPICOMM_CLOCK unset")
     comm = init()
@@ -165,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
         if table is None:
             table = costtable.calibrate(comm.mpi)
         for rate, delay in nets:
-            plat = platform_from_env(comm.size, {"MPICOMM_VIRTUAL_RATE": rate,
-                                                 "MPICOMM_VIRTUAL_DELAY": delay})
+            plat = platform_from_env(comm.size, {ENV_RATE: rate, ENV_DELAY: delay,
+                                                 ENV_FRAMING: args.framing})
             rows += _virtual_rows(comm, plat, table, f"{rate}:{delay}", sizes,
                                   args.density, both=True)
     elif clock.started():

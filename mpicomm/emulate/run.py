@@ -1,14 +1,17 @@
 """The emulated cluster's command line (``launchers/emulated-cluster``).
 
 ``emulated-cluster --hosts H [--ranks-per-host R] [--rate RATE] [--delay DELAY]
-[--schedule FILE] [--timeout SECONDS] [--no-shm] [--clock wall|virtual] -- command args...``
+[--schedule FILE] [--burst BYTES] [--queue DELAY] [--timeout SECONDS] [--no-shm]
+[--clock wall|virtual] [--framing F] -- command args...``
 
 With ``--clock virtual`` nothing is shaped and no namespace is made (no root needed):
 the command runs under ``mpiexec -n H*R`` with the virtual clock's platform variables
 (``MPICOMM_CLOCK=virtual``, ``MPICOMM_VIRTUAL_RATE``/``_DELAY``/``_RANKS_PER_HOST``/
-``_SCHEDULE``, :mod:`mpicomm.clock`), so that the same command line gives the same
-cluster's timings in virtual time, whatever else runs on the machine. ``--rate`` is
-required then, and ``--no-shm`` does not apply.
+``_SCHEDULE``/``_FRAMING``, :mod:`mpicomm.clock`), so that the same command line gives
+the same cluster's timings in virtual time, whatever else runs on the machine. ``--rate``
+is required then, and ``--no-shm`` does not apply. ``--framing tcp`` charges the
+TCP/IP/Ethernet headers against the virtual links' rate as tc does against the wall
+clock's (:mod:`mpicomm.emulate.vnet`); the default ``none`` charges the payload only.
 
 The steps of a wall-clock run:
 
@@ -58,7 +61,15 @@ from collections.abc import Sequence
 from types import FrameType
 
 from . import linkdelay
-from .netns import Cluster, NetnsUnavailable, burst_bytes, parse_rate, probe, remove_stale
+from .netns import (
+    QUEUE_S,
+    Cluster,
+    NetnsUnavailable,
+    burst_bytes,
+    parse_rate,
+    probe,
+    remove_stale,
+)
 from .schedule import Applier, parse_delay, read_schedule, write_atomic
 
 __all__ = ["main", "build_parser", "job_env", "WRAPPER"]
@@ -105,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tc token bucket in bytes (default 1 ms at the rate, at least "
                          "128 KiB; as small as 3028 for a link that serialises every "
                          "message at the rate)")
+    ap.add_argument("--queue", default=None,
+                    help="tc queue allowance of every shaped link, a delay such as 5ms "
+                         "(default 50ms): how long a packet may wait behind others")
     ap.add_argument("--timeout", type=float, default=None,
                     help="kill the job after SECONDS (exit status 124)")
     ap.add_argument("--no-shm", action="store_true",
@@ -112,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clock", choices=("wall", "virtual"), default="wall",
                     help="wall (default): namespaces and tc; virtual: no shaping, the "
                          "virtual clock times the job on this platform (no root needed)")
+    ap.add_argument("--framing", default="none",
+                    help="--clock virtual: headers per frame charged on the links between "
+                         "hosts: none (default), tcp, or PAYLOAD,HEADER bytes")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command args...")
     return ap
 
@@ -162,20 +179,32 @@ def _check(args: argparse.Namespace) -> tuple[list[str], float | None, float, li
         if args.clock == "virtual":
             raise ValueError("--burst sizes the tc bucket; the virtual clock's links have none")
         burst_bytes(rate or 1e8, args.burst)
+    if args.queue is not None:
+        if args.clock == "virtual":
+            raise ValueError("--queue sizes the tc queue; the virtual clock's links have none")
+        Cluster.check_queue(_queue_s(args))
+    if args.clock == "wall" and args.framing.strip().lower() != "none":
+        raise ValueError("--framing is for --clock virtual; on the wall clock tc counts the "
+                         "real headers")
     delay = parse_delay(args.delay)
     entries = read_schedule(args.schedule) if args.schedule else []
     return cmd, rate, delay, entries
 
 
+def _queue_s(args: argparse.Namespace) -> float:
+    return QUEUE_S if args.queue is None else parse_delay(args.queue)
+
+
 def virtual_env(hosts: int, per_host: int, rate: str, delay: str, schedule: str | None,
-                base: dict[str, str] | None = None) -> dict[str, str]:
+                base: dict[str, str] | None = None, framing: str = "none") -> dict[str, str]:
     """The environment of a ``--clock virtual`` job (see the module docstring)."""
     from . import vnet
 
     env = dict(os.environ if base is None else base)
     env.update({"MPICOMM_CLOCK": "virtual", vnet.ENV_RATE: rate, vnet.ENV_DELAY: delay,
                 vnet.ENV_RANKS_PER_HOST: str(per_host),
-                vnet.ENV_SCHEDULE: os.path.abspath(schedule) if schedule else ""})
+                vnet.ENV_SCHEDULE: os.path.abspath(schedule) if schedule else "",
+                vnet.ENV_FRAMING: framing})
     env.pop(vnet.ENV_HOST_SIZES, None)
     return env
 
@@ -192,7 +221,8 @@ def _run_virtual(args: argparse.Namespace, cmd: list[str]) -> int:
         _log("--no-shm does not apply to --clock virtual (shared memory is modelled)")
         return 2
     ranks = args.hosts * args.ranks_per_host
-    env = virtual_env(args.hosts, args.ranks_per_host, args.rate, args.delay, args.schedule)
+    env = virtual_env(args.hosts, args.ranks_per_host, args.rate, args.delay, args.schedule,
+                      framing=args.framing)
     try:   # the ranks would each raise it; say it once, before starting them
         vnet.platform_from_env(ranks, env)
         mpiexec = find_mpiexec()
@@ -261,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
                                                     signal.SIGHUP)}
-    cluster = Cluster(args.hosts, rate, args.burst)
+    cluster = Cluster(args.hosts, rate, args.burst, _queue_s(args))
     rundir: str | None = None
     proc: subprocess.Popen | None = None
     applier: Applier | None = None
@@ -279,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       rundir, args.schedule)
         if rate is not None:
             env["MPICOMM_EMU_BURST"] = str(burst_bytes(rate, args.burst))
-        shaped = (f"{args.rate} (tc tbf, bucket {burst_bytes(rate, args.burst)} B)"
+        shaped = (f"{args.rate} (tc tbf, bucket {burst_bytes(rate, args.burst)} B, queue "
+                  f"{cluster.queue * 1e3:g} ms)"
                   if rate is not None else "unshaped")
         _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s), rate {shaped}, "
              f"delay {delay * 1e3:g} ms (injected by mpicomm p2p), "

@@ -257,6 +257,7 @@ class Engine:
                 rate, delay = self.platform.shm_rate, self.platform.shm_delay
             else:
                 rate, delay = self.platform.conditions(t, step)
+                nbytes = self.platform.wire_bytes(nbytes)
             self.m_dst[i], self.m_comm[i], self.m_tag[i], self.m_ord[i] = dst, comm, tag, ordinal
             self.m_step[i] = step
             self.m_nbytes[i], self.m_tsend[i] = nbytes, t

@@ -27,6 +27,16 @@ Without contention that is ``t + delay + n / rate``: the alpha-beta cost with
 ``alpha = delay`` and ``beta = 1 / rate``. Between ranks of one host:
 ``t + shm_delay + n / shm_rate``, with no queueing.
 
+**Framing** (optional, off by default): a real link also carries each frame's headers,
+and a rate limiter such as tc's counts them against the rate. With a framing of ``p``
+payload and ``h`` header bytes per frame, a message of ``n`` bytes between hosts
+occupies the links for ``w(n) = n + h·max(1, ceil(n / p))`` bytes, i.e. ``beta`` grows
+by ``(p + h) / p`` for large messages. ``tcp`` is TCP/IPv4 over Ethernet at an MTU of
+1 500 bytes with TCP timestamps: 1 448 payload bytes and 66 header bytes (Ethernet 14,
+IPv4 20, TCP 32) per frame, 4.6% on top of the payload. Use it to compare with the
+tc-shaped emulated cluster (its rate counts those headers) or with a real Ethernet
+network; leave it off to compare with the plain alpha-beta formula.
+
 This module holds the pure parts (no MPI): the platform and its environment parsing,
 the schedule's conditions at a time or step, and the two link disciplines
 (:class:`FifoLink` in virtual-time order, :class:`GapLink` for a receiver that learns
@@ -43,6 +53,8 @@ Environment (read by :func:`platform_from_env`)::
     MPICOMM_VIRTUAL_SCHEDULE        a schedule file (TIME|step N  RATE  DELAY lines)
     MPICOMM_VIRTUAL_SHM_RATE        shared-memory rate (default 80gbit = 10 GB/s)
     MPICOMM_VIRTUAL_SHM_DELAY       shared-memory latency (default 1us)
+    MPICOMM_VIRTUAL_FRAMING         none (default), tcp, or PAYLOAD,HEADER bytes per
+                                    frame on the links between hosts
     MPICOMM_VIRTUAL_STALL_S         real seconds a waiting rank tolerates no progress
                                     before the job is declared stuck (default 120;
                                     read by :func:`stall_seconds_from_env`)
@@ -51,6 +63,7 @@ Environment (read by :func:`platform_from_env`)::
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,7 +74,8 @@ from .schedule import Entry, parse_delay, read_schedule
 __all__ = ["Platform", "platform_from_env", "host_layout", "FifoLink", "GapLink",
            "ENV_RATE", "ENV_DELAY", "ENV_RANKS_PER_HOST", "ENV_HOST_SIZES", "ENV_SCHEDULE",
            "ENV_SHM_RATE", "ENV_SHM_DELAY", "DEFAULT_SHM_RATE", "DEFAULT_SHM_DELAY",
-           "ENV_STALL_S", "DEFAULT_STALL_S", "stall_seconds_from_env"]
+           "ENV_STALL_S", "DEFAULT_STALL_S", "stall_seconds_from_env", "ENV_FRAMING",
+           "FRAMINGS", "parse_framing"]
 
 ENV_RATE = "MPICOMM_VIRTUAL_RATE"
 ENV_DELAY = "MPICOMM_VIRTUAL_DELAY"
@@ -71,6 +85,10 @@ ENV_SCHEDULE = "MPICOMM_VIRTUAL_SCHEDULE"
 ENV_SHM_RATE = "MPICOMM_VIRTUAL_SHM_RATE"
 ENV_SHM_DELAY = "MPICOMM_VIRTUAL_SHM_DELAY"
 ENV_STALL_S = "MPICOMM_VIRTUAL_STALL_S"
+ENV_FRAMING = "MPICOMM_VIRTUAL_FRAMING"
+
+#: Named framings: (payload bytes, header bytes) per frame; ``(0, 0)`` is none.
+FRAMINGS: dict[str, tuple[int, int]] = {"none": (0, 0), "tcp": (1448, 66)}
 
 #: Shared memory between ranks of one host: 10 GB/s and 1 us (a memcpy-bound MPI
 #: transport on one socket); set MPICOMM_VIRTUAL_SHM_RATE/_DELAY to model another.
@@ -91,6 +109,8 @@ class Platform:
     shm_rate: float = parse_rate(DEFAULT_SHM_RATE) / 8
     shm_delay: float = parse_delay(DEFAULT_SHM_DELAY)
     schedule: tuple[Entry, ...] = ()
+    #: (payload, header) bytes per frame on the links between hosts; (0, 0): none
+    framing: tuple[int, int] = (0, 0)
     #: time entries sorted by time, step entries by step (see :meth:`conditions`)
     _times: tuple[float, ...] = field(default=(), repr=False, compare=False)
     _steps: tuple[float, ...] = field(default=(), repr=False, compare=False)
@@ -107,6 +127,10 @@ class Platform:
                 raise ValueError(f"virtual platform: {name} must be >= 0, got {value}")
         if not self.hosts:
             raise ValueError("virtual platform: no ranks")
+        payload, header = self.framing
+        if (payload, header) != (0, 0) and not (payload >= 1 and header >= 0):
+            raise ValueError(f"virtual platform: framing needs payload >= 1 and header >= 0 "
+                             f"bytes per frame, got {self.framing}")
         times = tuple(e for e in self.schedule if e.kind == "time")
         steps = tuple(e for e in self.schedule if e.kind == "step")
         object.__setattr__(self, "schedule", tuple(sorted(times, key=lambda e: e.at))
@@ -146,6 +170,21 @@ class Platform:
             return e.rate_bits / 8, e.delay
         return self.rate, self.delay
 
+    def wire_bytes(self, nbytes: float) -> float:
+        """Bytes a message of ``nbytes`` occupies on a link between hosts: ``nbytes``
+        plus one header per started frame (at least one) under a framing, else
+        ``nbytes``. Cost: O(1)."""
+        payload, header = self.framing
+        if not payload:
+            return nbytes
+        return nbytes + header * max(1, math.ceil(nbytes / payload))
+
+    def wire_factor(self) -> float:
+        """``(payload + header) / payload``: what framing multiplies ``beta`` by for
+        large messages (1 without framing)."""
+        payload, header = self.framing
+        return (payload + header) / payload if payload else 1.0
+
     def min_delay(self) -> float:
         """The smallest one-way latency between hosts that the schedule can give: the
         lookahead of the conservative synchronisation (no message between hosts
@@ -159,6 +198,7 @@ class Platform:
             "rate_bits": self.rate * 8, "delay_s": self.delay, "hosts": self.num_hosts,
             "host_sizes": sizes, "shm_rate_bits": self.shm_rate * 8,
             "shm_delay_s": self.shm_delay,
+            "framing": {"payload_bytes": self.framing[0], "header_bytes": self.framing[1]},
             "schedule": [{"kind": e.kind, "at": e.at, "rate_bits": e.rate_bits,
                           "delay_s": e.delay} for e in self.schedule],
         }
@@ -215,6 +255,22 @@ def _delay(name: str, text: str) -> float:
         raise ValueError(f"{name}: {exc}") from None
 
 
+def parse_framing(text: str) -> tuple[int, int]:
+    """``(payload, header)`` bytes per frame for ``none``, ``tcp`` (:data:`FRAMINGS`) or
+    ``PAYLOAD,HEADER`` (e.g. ``8948,66`` for jumbo frames); ``ValueError`` otherwise."""
+    key = str(text).strip().lower()
+    if key in FRAMINGS:
+        return FRAMINGS[key]
+    try:
+        payload, header = (int(v) for v in key.split(","))
+    except ValueError:
+        payload = header = -1
+    if payload < 1 or header < 0:
+        raise ValueError(f"{ENV_FRAMING}={text!r}: expected none, tcp or PAYLOAD,HEADER "
+                         "(bytes per frame, PAYLOAD >= 1, HEADER >= 0)")
+    return payload, header
+
+
 def platform_from_env(size: int, env: Mapping[str, str] | None = None) -> Platform:
     """The platform of a job of ``size`` ranks from the ``MPICOMM_VIRTUAL_*`` variables.
 
@@ -251,7 +307,8 @@ def platform_from_env(size: int, env: Mapping[str, str] | None = None) -> Platfo
     hosts = host_layout(size, env.get(ENV_RANKS_PER_HOST), env.get(ENV_HOST_SIZES))
     shm_rate = _rate(ENV_SHM_RATE, env.get(ENV_SHM_RATE, "").strip() or DEFAULT_SHM_RATE)
     shm_delay = _delay(ENV_SHM_DELAY, env.get(ENV_SHM_DELAY, "").strip() or DEFAULT_SHM_DELAY)
-    return Platform(rate, delay, hosts, shm_rate, shm_delay, schedule)
+    framing = parse_framing(env.get(ENV_FRAMING, "").strip() or "none")
+    return Platform(rate, delay, hosts, shm_rate, shm_delay, schedule, framing)
 
 
 def stall_seconds_from_env(env: Mapping[str, str] | None = None) -> float:
