@@ -71,6 +71,8 @@ variable                            meaning
 ``MPICOMM_EMU_RATE``                the configured link rate, for reports;
 ``MPICOMM_EMU_BURST``               the links' token-bucket size in bytes (``--burst``), for
                                     reports;
+``MPICOMM_EMU_QUEUE``               the links' queue allowance in seconds (``--queue``), for
+                                    reports;
 ``MPICOMM_EMU_DELAY``               injected one-way delay in seconds between hosts;
 ``MPICOMM_EMU_DELAY_FILE``          file with the current delay, rewritten by ``--schedule``;
 ``MPICOMM_EMU_SCHEDULE``            the schedule file, for reports;

@@ -248,7 +248,7 @@ def test_exit_status_schedule_and_placement() -> None:
               ' sleep 0.6; echo "R$PMI_RANK $(ip -o -4 addr show dev eth0 | '
               "awk '{print $4}') $(tc qdisc show dev eth0 | "
               "grep -o 'rate [^ ]*\\|lat [^ ]*' | tr '\\n' ' ')"
-              '$(cat $MPICOMM_EMU_DELAY_FILE)"; exit 5')
+              '$MPICOMM_EMU_QUEUE $(cat $MPICOMM_EMU_DELAY_FILE)"; exit 5')
     try:
         res = launch("--hosts", "2", "--ranks-per-host", "2", "--rate", "50mbit",
                      "--queue", "5ms", "--schedule", str(sched), "--", "sh", "-c", script)
@@ -258,7 +258,8 @@ def test_exit_status_schedule_and_placement() -> None:
     lines = sorted(line for line in res.stdout.splitlines() if line.startswith("R"))
     assert [line.split()[1] for line in lines] == [
         "10.77.0.1/16", "10.77.0.1/16", "10.77.0.2/16", "10.77.0.2/16"], res.stdout
-    assert all("rate 300Mbit lat 5ms" in line and line.endswith("0.007") for line in lines), \
+    assert all("rate 300Mbit lat 5ms" in line and line.endswith(" 0.005 0.007")
+               for line in lines), \
         res.stdout
 
 

@@ -136,5 +136,6 @@ def network() -> dict[str, Any]:
             "schedule": os.environ.get("MPICOMM_EMU_SCHEDULE") or None,
             "rate_by": "kernel (tc tbf on both ends of each host link)",
             "burst_bytes": int(os.environ.get("MPICOMM_EMU_BURST", "0") or 0) or None,
+            "queue_s": float(os.environ.get("MPICOMM_EMU_QUEUE", "0") or 0) or None,
             "delay_by": "injected in mpicomm's point-to-point layer (Ctx/Wire); "
                         "MPI's own collectives bypass it"}

@@ -15,21 +15,21 @@ called on every exit path of :mod:`mpicomm.emulate.run`.
 
 Shaping: a ``tbf`` qdisc on both ends of each host's link (upload and download), rate
 ``RATE``, bucket :func:`burst_bytes` (1 ms at the rate, at least 128 KiB so that
-offloaded 64 KiB segments pass whole), queue allowance 50 ms (``Cluster(..., queue=S)``,
-``emulated-cluster --queue``). The queue matters when both directions of a link are busy
-at once (an allgather or allreduce between two hosts): each host's acknowledgements of
-the data it receives wait behind the data it sends, so the other side's TCP window
-grows only once per queue's worth of delay. With 50 ms of queue a 2 MB exchange at 100
-Mbit/s took 195-199 ms, with 5 ms (the target of Linux's default ``fq_codel``) 179-182
-ms, against 168 ms of line time; a one-way transfer is the same with either. The bucket lets a burst
+offloaded 64 KiB segments pass whole), queue allowance 50 ms. The bucket lets a burst
 of that many bytes through at the veth's speed: a message shorter than it, sent after
 an idle moment, crosses faster than ``RATE`` (an 80 KB message at 100 Mbit/s: about
 1 ms instead of 6.4 ms). ``Cluster(..., burst=BYTES)`` (``emulated-cluster --burst``)
 sets a smaller bucket, down to :data:`MIN_BURST` (``tbf`` splits offloaded segments
 larger than the bucket), for a link that serialises every byte at ``RATE`` as a real
-NIC does and as the virtual clock's network model assumes. ``tc qdisc change`` updates the
-rate while a job runs. This kernel has no ``netem``, so latency is not added here (see
-:mod:`mpicomm.emulate.linkdelay`).
+NIC does and as the virtual clock's network model assumes. ``Cluster(..., queue=S)``
+(``emulated-cluster --queue``) sets the queue allowance. It matters when both
+directions of a link are busy at once (an allgather or allreduce between two hosts):
+each host's acknowledgements of the data it receives wait behind the data it sends,
+which holds back the other side's TCP window. With 50 ms of queue a 2 MB exchange at
+100 Mbit/s took 195-199 ms, with 5 ms (the target of Linux's default ``fq_codel``)
+179-182 ms, against 168 ms of line time; a one-way transfer is the same with either.
+``tc qdisc change`` updates the rate while a job runs. This kernel has no ``netem``, so
+latency is not added here (see :mod:`mpicomm.emulate.linkdelay`).
 """
 
 from __future__ import annotations

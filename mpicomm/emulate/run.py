@@ -309,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       rundir, args.schedule)
         if rate is not None:
             env["MPICOMM_EMU_BURST"] = str(burst_bytes(rate, args.burst))
+            env["MPICOMM_EMU_QUEUE"] = repr(cluster.queue)
         shaped = (f"{args.rate} (tc tbf, bucket {burst_bytes(rate, args.burst)} B, queue "
                   f"{cluster.queue * 1e3:g} ms)"
                   if rate is not None else "unshaped")
