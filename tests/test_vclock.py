@@ -311,6 +311,17 @@ def virtual(comm, **env: str):
             sub.free()
 
 
+def _pingpong(ctx, buf, rounds: int) -> None:
+    """``rounds`` round trips of ``buf`` between ranks 0 and 1 (others idle)."""
+    for _ in range(rounds):
+        if ctx.rank == 0:
+            ctx.send(buf, 1, 7)
+            ctx.recv(buf, 1, 7)
+        elif ctx.rank == 1:
+            ctx.recv(buf, 0, 7)
+            ctx.send(buf, 0, 7)
+
+
 def _elapsed(comm, fn) -> float:
     comm.barrier()                  # every rank leaves it at the same virtual time
     t0 = clock.now()
@@ -354,16 +365,8 @@ def test_virtual_times_match_the_closed_forms(comm):
                 buf = np.zeros(nbytes, dtype=np.uint8)
                 ctx = Ctx.of(vc, ops_for("numpy", False))
 
-                def pingpong(buf=buf, ctx=ctx) -> None:
-                    for _ in range(3):
-                        if rank == 0:
-                            ctx.send(buf, 1, 7)
-                            ctx.recv(buf, 1, 7)
-                        elif rank == 1:
-                            ctx.recv(buf, 0, 7)
-                            ctx.send(buf, 0, 7)
-
-                cases.append((f"pingpong-{nbytes}", _elapsed(vc, pingpong) / 6,
+                cases.append((f"pingpong-{nbytes}",
+                              _elapsed(vc, lambda buf=buf, ctx=ctx: _pingpong(ctx, buf, 3)) / 6,
                               c.alpha + nbytes * c.beta))
         for n in (1000, 250_000, 600_000):   # the largest: ring blocks of 2+ segments
             x = np.arange(n, dtype=np.float32)
@@ -393,7 +396,7 @@ def test_framing_adds_the_headers_between_hosts_and_nothing_within(comm):
     ``tcp`` framing; between ranks of one host the framing changes nothing."""
     if comm.size < 2:
         pytest.skip("a ping-pong needs 2 ranks")
-    rank, sizes = comm.rank, "2" + ",1" * (comm.size - 2)
+    sizes = "2" + ",1" * (comm.size - 2)
     got = {}
     for framing in ("none", "tcp"):
         for layout in (None, sizes):            # ranks 0 and 1 on two hosts, then on one
@@ -403,16 +406,8 @@ def test_framing_adds_the_headers_between_hosts_and_nothing_within(comm):
             with virtual(comm, **env) as vc:
                 buf = np.zeros(100_000, dtype=np.uint8)
                 ctx = Ctx.of(vc, ops_for("numpy", False))
-
-                def pingpong(buf=buf, ctx=ctx) -> None:
-                    if rank == 0:
-                        ctx.send(buf, 1, 7)
-                        ctx.recv(buf, 1, 7)
-                    elif rank == 1:
-                        ctx.recv(buf, 0, 7)
-                        ctx.send(buf, 0, 7)
-
-                got[framing, layout] = _elapsed(vc, pingpong) / 2
+                got[framing, layout] = _elapsed(
+                    vc, lambda ctx=ctx, buf=buf: _pingpong(ctx, buf, 1)) / 2
     wire = 100_000 + 66 * math.ceil(100_000 / 1448)
     assert got["none", None] == pytest.approx(100e-6 + 100_000 / 125e6, rel=1e-9)
     assert got["tcp", None] == pytest.approx(100e-6 + wire / 125e6, rel=1e-9)
