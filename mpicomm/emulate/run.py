@@ -231,7 +231,8 @@ def _run_virtual(args: argparse.Namespace, cmd: list[str]) -> int:
         return 2
     _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s), virtual clock: rate "
          f"{args.rate}, delay {args.delay}" + (f", schedule {args.schedule}"
-                                              if args.schedule else ""))
+                                              if args.schedule else "")
+         + (f", framing {args.framing}" if args.framing.strip().lower() != "none" else ""))
     proc = subprocess.Popen([mpiexec, "-n", str(ranks), *cmd], env=env,
                             start_new_session=True)
     try:
