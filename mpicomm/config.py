@@ -61,6 +61,8 @@ variable                            meaning
 ``MPICOMM_VIRTUAL_SCHEDULE``        ... a schedule file of rate/delay changes;
 ``MPICOMM_VIRTUAL_SHM_RATE``        ... shared memory within a host (default ``80gbit``)
 ``MPICOMM_VIRTUAL_SHM_DELAY``       ... and its latency (default ``1us``);
+``MPICOMM_VIRTUAL_FRAMING``         ... headers per frame on the links between hosts
+                                    (``none``, ``tcp`` or ``PAYLOAD,HEADER``);
 ``MPICOMM_VIRTUAL_COSTS``           ... the compute cost table to reuse (JSON; see
                                     :mod:`mpicomm.costtable`; ``docs/virtual-clock.md``).
 ``MPICOMM_VIRTUAL_STALL_S``         ... real seconds a waiting rank tolerates no virtual
