@@ -84,6 +84,10 @@ def burst_bytes(rate_bits: float, burst: int | None = None) -> int:
     return max(128 * 1024, int(rate_bits / 8 * 1e-3))
 
 
+def _tc_time(seconds: float) -> str:
+    return f"{round(seconds * 1e6)}us"
+
+
 def _tc_rate(rate_bits: float) -> str:
     return f"{int(rate_bits)}bit"
 
@@ -120,7 +124,7 @@ def probe() -> str | None:
     try:
         _run([ip, "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
         _run(["tc", "-n", name, "qdisc", "add", "dev", "p0", "root", "tbf", "rate",
-              "100mbit", "burst", "131072", "latency", "50ms"])
+              "100mbit", "burst", "131072", "latency", _tc_time(QUEUE_S)])
     except NetnsUnavailable as exc:
         return f"veth/tbf unavailable: {exc}"
     finally:
@@ -242,7 +246,7 @@ class Cluster:
     def _tbf(self, verb: str, ns: str, dev: str, rate_bits: float) -> None:
         _run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf",
               "rate", _tc_rate(rate_bits), "burst", str(burst_bytes(rate_bits, self.burst)),
-              "latency", f"{round(self.queue * 1e6)}us"])
+              "latency", _tc_time(self.queue)])
 
     def set_rate(self, rate_bits: float) -> None:
         """Change every link's rate now (``tc qdisc change``; adds the qdisc when the run

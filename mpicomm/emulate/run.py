@@ -183,7 +183,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], float | None, float, li
         if args.clock == "virtual":
             raise ValueError("--queue sizes the tc queue; the virtual clock's links have none")
         Cluster.check_queue(_queue_s(args))
-    if args.clock == "wall" and args.framing.strip().lower() != "none":
+    if args.clock == "wall" and _framed(args):
         raise ValueError("--framing is for --clock virtual; on the wall clock tc counts the "
                          "real headers")
     delay = parse_delay(args.delay)
@@ -193,6 +193,11 @@ def _check(args: argparse.Namespace) -> tuple[list[str], float | None, float, li
 
 def _queue_s(args: argparse.Namespace) -> float:
     return QUEUE_S if args.queue is None else parse_delay(args.queue)
+
+
+def _framed(args: argparse.Namespace) -> bool:
+    """Whether ``--framing`` asks for headers (anything but ``none``)."""
+    return args.framing.strip().lower() != "none"
 
 
 def virtual_env(hosts: int, per_host: int, rate: str, delay: str, schedule: str | None,
@@ -232,7 +237,7 @@ def _run_virtual(args: argparse.Namespace, cmd: list[str]) -> int:
     _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s), virtual clock: rate "
          f"{args.rate}, delay {args.delay}" + (f", schedule {args.schedule}"
                                               if args.schedule else "")
-         + (f", framing {args.framing}" if args.framing.strip().lower() != "none" else ""))
+         + (f", framing {args.framing}" if _framed(args) else ""))
     proc = subprocess.Popen([mpiexec, "-n", str(ranks), *cmd], env=env,
                             start_new_session=True)
     try:
