@@ -251,17 +251,20 @@ def test_chunks_cut_each_servers_piece():
     assert len(ShardPlan(1, chunk_bytes=1 << 20).place(0, 1 << 20, 4)) == 4
     assert len(ShardPlan(1, chunk_bytes=1).place(0, 3, 4)) == 3   # at most one per element
     assert len(ShardPlan(1, chunk_bytes=8).place(0, 0, 4)) == 1   # an empty key: one piece
-    assert ShardPlan(1).chunk_bytes == DEFAULT_CHUNK_BYTES
+    assert ShardPlan(1).chunk_bytes == 0   # the store decides: no policy of its own
     with pytest.raises(ValueError):
         ShardPlan(1, chunk_bytes=-1)
 
 
 def test_chunk_bytes_from_environment(monkeypatch):
+    """The variable is read in one place, the store's, and a bad value names it."""
+    from mpicomm.ps.kvstore import _chunk_bytes
+
     monkeypatch.setenv("MPICOMM_PS_CHUNK_BYTES", "4096")
-    assert ShardPlan(1).chunk_bytes == 4096
+    assert ShardPlan(1).chunk_bytes == 0 and _chunk_bytes(None, False, 1) == 4096
     monkeypatch.setenv("MPICOMM_PS_CHUNK_BYTES", "-3")
     with pytest.raises(ValueError, match="MPICOMM_PS_CHUNK_BYTES"):
-        ShardPlan(1)
+        _chunk_bytes(None, False, 1)
 
 
 def test_chunks_by_default_only_across_hosts(monkeypatch):

@@ -77,8 +77,9 @@ class ShardPlan:
     servers: int
     split_bytes: int = field(default_factory=lambda: env_int("MPICOMM_PS_SPLIT_BYTES",
                                                              DEFAULT_SPLIT_BYTES, 1))
-    chunk_bytes: int = field(default_factory=lambda: env_int("MPICOMM_PS_CHUNK_BYTES",
-                                                             DEFAULT_CHUNK_BYTES, 0))
+    #: 0: no chunks. :class:`~mpicomm.ps.KVStore` passes the size it resolved (its
+    #: argument, ``MPICOMM_PS_CHUNK_BYTES``, else :data:`DEFAULT_CHUNK_BYTES` across hosts).
+    chunk_bytes: int = 0
     load: list[int] = field(default_factory=list)
     pieces: dict[int, tuple[Piece, ...]] = field(default_factory=dict)
 

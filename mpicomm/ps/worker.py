@@ -104,7 +104,7 @@ class Worker:
                  mode: str, optimizer: dict[str, Any], compressor: Compressor | None,
                  delay: LinkDelay | None = None,
                  pull_compressor: Compressor | None = None,
-                 chunk_bytes: int | None = None) -> None:
+                 chunk_bytes: int = 0) -> None:
         self.mpi = mpi
         self.delay = delay  # the emulated cluster's injected latency; None elsewhere
         self.group = group
@@ -118,8 +118,7 @@ class Worker:
         self.codec = Codec(compressor) if compressor is not None else None
         self.pull_codec = Codec(pull_compressor) if pull_compressor is not None else None
         self.copies: dict[tuple[int, int], torch.Tensor] = {}  # compressed pulls' mirror
-        self.plan = (ShardPlan(servers) if chunk_bytes is None else
-                     ShardPlan(servers, chunk_bytes=chunk_bytes))
+        self.plan = ShardPlan(servers, chunk_bytes=chunk_bytes)
         self.keys: dict[Hashable, KeyInfo] = {}
         self.seq: dict[int, int] = {}
         self.sends: list[tuple[MPI.Request, Any]] = []
