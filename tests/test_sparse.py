@@ -428,6 +428,57 @@ def test_gtopk_own_contribution_returns_exactly_the_values_that_reached_the_resu
         assert comm.allreduce_value(int((by_value & ~by_index).sum())) > 0
 
 
+@pytest.mark.mpi
+def test_gtopk_dropped_mask_follows_the_callers_order(comm):
+    """The same pairs in a shuffled order give the same result and the same dropped mask,
+    shuffled alike, under both rules (more picks than k, so the local truncation drops
+    some too)."""
+    d, k = 600, 20
+    rng = np.random.default_rng(11 + comm.rank)
+    local = np.sort(rng.choice(d, 3 * k, replace=False))
+    picks = rng.standard_normal(3 * k)
+    perm = rng.permutation(3 * k)
+    for own in (False, True):
+        ordered = gtopk(local, picks, k, comm=comm, size=d, return_dropped=True,
+                        own_contribution=own)
+        shuffled = gtopk(local[perm], picks[perm], k, comm=comm, size=d,
+                         return_dropped=True, own_contribution=own)
+        assert_same_bits(ordered[:2], shuffled[:2])
+        np.testing.assert_array_equal(shuffled[2], ordered[2][perm])
+        if own:   # the local truncation's drops are marked too
+            assert ordered[2].sum() >= 2 * k
+
+
+def test_tagged_merges_follow_the_pairs_they_tag():
+    """``merge_truncate_tagged`` gives ``merge_truncate``'s set, and a tag ends on its own
+    pair's index exactly while that pair survives (what a search for it would find)."""
+    from mpicomm.sparse.sets import (
+        members,
+        merge_truncate,
+        merge_truncate_tagged,
+        truncate_tagged,
+        union_tagged,
+    )
+
+    g = torch.Generator().manual_seed(7)
+    for na, nb, k in ((0, 5, 3), (5, 0, 3), (40, 40, 30), (100, 60, 10), (60, 100, 200)):
+        a = (torch.randperm(300, generator=g)[:na].sort().values,
+             torch.randint(-3, 4, (na,), generator=g).double())   # ties on purpose
+        b = (torch.randperm(300, generator=g)[:nb].sort().values,
+             torch.randint(-3, 4, (nb,), generator=g).double())
+        ta, tb = (torch.arange(na),), (torch.full((nb,), -1),)
+        idx, val, (tag,) = merge_truncate_tagged(a, b, ta, tb, k)
+        plain = merge_truncate(a, b, k)
+        assert torch.equal(idx, plain[0]) and torch.equal(val, plain[1])
+        own = tag >= 0
+        assert torch.equal(a[0][tag[own]], idx[own])   # each tag sits on its pair's index
+        assert torch.equal(idx[own], a[0][members(idx, a[0])])  # and every survivor has one
+    with pytest.raises(ValueError, match="tags"):
+        union_tagged(a, b, ta, ())
+    i, v, t = truncate_tagged(a[0], a[1], (torch.arange(na),), na)  # nothing to cut
+    assert t[0].shape[0] == na
+
+
 def test_members_is_isin_on_a_sorted_set():
     from mpicomm.sparse.sets import members
 

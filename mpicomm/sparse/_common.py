@@ -94,7 +94,8 @@ class SparseInput:
     ``idx``/``val`` are sorted by index; ``idx_in`` is the caller's index tensor converted
     to int64 in the caller's order (for the dropped mask) and ``idx_dtype`` its original
     dtype; ``like_idx``/``like_val`` are the caller's original objects (to convert results
-    back to their framework).
+    back to their framework); ``order`` the sort's permutation (``idx = idx_in[order]``),
+    ``None`` where the caller's indices were sorted already.
     """
 
     idx: torch.Tensor
@@ -103,6 +104,15 @@ class SparseInput:
     idx_dtype: torch.dtype
     like_idx: Any
     like_val: Any
+    order: torch.Tensor | None = None
+
+    def in_caller_order(self, mask: torch.Tensor) -> torch.Tensor:
+        """A per-pair tensor in ``idx``'s (sorted) order, rearranged to the caller's."""
+        if self.order is None:
+            return mask
+        out = torch.empty_like(mask)
+        out[self.order] = mask
+        return out
 
     @property
     def device(self) -> torch.device:
@@ -159,7 +169,8 @@ def read_pairs(indices: Any, values: Any, size: int | None, allow_nonfinite: boo
     same = idx[1:] == idx[:-1]
     if bool(same.any()):
         raise ValueError(f"duplicate index {int(idx[1:][same][0])} in this rank's input")
-    return SparseInput(idx, val[order].contiguous(), idx_in, ti.dtype, indices, values)
+    return SparseInput(idx, val[order].contiguous(), idx_in, ti.dtype, indices, values,
+                       order)
 
 
 def read_topk_args(comm: Communicator, name: str, indices: Any, values: Any, k: Any,

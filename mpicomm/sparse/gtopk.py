@@ -81,7 +81,7 @@ from ._common import (
     to_caller,
     wire_index_dtype,
 )
-from .sets import Pairs, members, merge_truncate, truncate
+from .sets import Pairs, members, merge_truncate_tagged, truncate_tagged
 
 __all__ = ["gtopk"]
 
@@ -114,9 +114,11 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
         rank's pair was truncated in a merge on its path, or in the local truncation to
         k). The reference counts such picks as sent although their mass was lost (the
         "small information leak" of A.3); with this flag they go back to the residual.
-        Tracked locally, no extra traffic: exact for every rank of the power-of-two
-        group; a folded-out rank (non-power-of-two P) cannot see its partner's merges and
-        keeps the index rule. Ours, not the paper's.
+        Tracked locally, no extra traffic: each own pair carries its position through
+        the merges (a gather per merge; the index rule instead searches the result for
+        every input pair once, ``O(n log k)``). Exact for every rank of the
+        power-of-two group; a folded-out rank (non-power-of-two P) cannot see its
+        partner's merges and keeps the index rule. Ours, not the paper's.
     size:
         Length of the dense vector the indices address. Indices must lie in
         ``[0, size)``; it also picks the wire index type (int64 from 2^31 on). When
@@ -136,62 +138,72 @@ def gtopk(indices: Any, values: Any, k: int, comm: Communicator | None = None,
     sp, k, size = read_topk_args(comm, "gtopk", indices, values, k, size, allow_nonfinite)
 
     index_dtype = wire_index_dtype(size)
-    # this rank's surviving values are tracked only when the caller asks for them
-    alive: list[torch.Tensor] | None = [] if return_dropped and own_contribution else None
-    idx, val = _butterfly(truncate(sp.idx, sp.val, k), k, comm, index_dtype, alive)
+    track = return_dropped and own_contribution
+    # each own pair is tagged with its position in sp.idx, so the survivors need no search
+    tags = (torch.arange(sp.idx.shape[0], device=sp.idx.device),) if track else ()
+    mi, mv, mt = truncate_tagged(sp.idx, sp.val, tags, k)
+    idx, val, alive = _butterfly((mi, mv), k, comm, index_dtype, track)
     result = (to_caller(idx, sp.like_idx, dtype=sp.idx_dtype),
               to_caller(val, sp.like_val))
     if not return_dropped:
         return result
-    reached = alive[0] if alive else idx
-    dropped = ~members(reached, sp.idx_in)
+    if alive is not None:   # own rule: positions in sp.idx whose value reached the result
+        reached = torch.zeros(sp.idx.shape[0], dtype=torch.bool, device=sp.idx.device)
+        reached[mt[0][alive]] = True
+        dropped = ~sp.in_caller_order(reached)
+    else:                   # index rule (or a folded-out rank): the index is in the result
+        dropped = ~members(idx, sp.idx_in)
     return (*result, to_caller(dropped, sp.like_val))
 
 
 def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype,
-               alive: list[torch.Tensor] | None = None, exact_fold: bool = False) -> Pairs:
-    """Fold-in, lg p2 butterfly rounds, fold-out; returns the common final set.
+               track: bool = False, exact_fold: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Fold-in, lg p2 butterfly rounds, fold-out; returns the common final set and, with
+    ``track``, the positions in ``mine`` (ascending) of this rank's pairs whose value is
+    in it (every merge on its path kept them).
 
-    ``alive`` (a list to fill, or None to track nothing): gets the indices of this
-    rank's pairs whose value is in the final set (every merge on its path kept them:
-    one binary search of the own indices per merge); left empty on a folded-out rank,
-    unless ``exact_fold``: then the odd rank of a folded pair tracks its partner's pairs
-    through its own merges too and returns their survivors after the result (one more
-    message of at most k indices, tag ``TAG_GTOPK_ALIVE``), so every rank learns
-    exactly which of its values reached the result.
+    Tracking carries a position tag per pair through every merge
+    (:func:`~mpicomm.sparse.sets.merge_truncate_tagged`): no search, no extra traffic.
+    A folded-out rank cannot see its partner's merges and gets ``None``, unless
+    ``exact_fold``: then the odd rank of a folded pair tags its partner's pairs too and
+    returns the positions of their survivors after the result (one more message of at
+    most k positions, tag ``TAG_GTOPK_ALIVE``), so every rank learns exactly which of
+    its values reached the result.
     """
     p, r = comm.size, comm.rank
-    own = mine[0]
-    partner_own: torch.Tensor | None = None
+    n = mine[0].shape[0]
+    device = mine[0].device
 
-    def keep(current: Pairs) -> Pairs:
-        nonlocal own, partner_own
-        if alive is not None:
-            own = own[members(current[0], own)]
-        if partner_own is not None:
-            partner_own = partner_own[members(current[0], partner_own)]
-        return current
+    def untagged(count: int, width: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.full((count,), -1, dtype=torch.int64, device=device)
+                     for _ in range(width))
 
     if p == 1:
-        if alive is not None:
-            alive.append(own)
-        return mine
+        return mine[0], mine[1], (torch.arange(n, device=device) if track else None)
+    tags: tuple[torch.Tensor, ...] = (torch.arange(n, device=device),) if track else ()
     value_dtype = mine[1].dtype
-    wire = Wire(comm, mine[1].device)
+    wire = Wire(comm, device)
     p2, rem = fold_layout(p)
-    if r < 2 * rem:
+    folded_pair = r < 2 * rem
+    if folded_pair:
         if r % 2 == 0:  # folded out: hand over the set, wait for the answer
             wire.send(pack(*mine, index_dtype), r + 1, TAG_GTOPK_FOLD)
-            result = unpack(wire.recv(r + 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
-            if exact_fold and alive is not None:
-                got = wire.recv(r + 1, TAG_GTOPK_ALIVE)
-                count = got.shape[0] // index_dtype.itemsize
-                alive.append(unpack_bytes(got, [(index_dtype, count)])[0].to(torch.int64))
-            return result
+            idx, val = unpack(wire.recv(r + 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
+            if not (exact_fold and track):
+                return idx, val, None
+            got = wire.recv(r + 1, TAG_GTOPK_ALIVE)
+            count = got.shape[0] // index_dtype.itemsize
+            return idx, val, unpack_bytes(got, [(index_dtype, count)])[0].to(torch.int64)
         theirs = unpack(wire.recv(r - 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
-        if exact_fold and alive is not None:  # the partner receives them only then
-            partner_own = theirs[0]
-        mine = keep(merge_truncate(theirs, mine, k))  # rank r-1 is the lower operand
+        count = theirs[0].shape[0]
+        if exact_fold and track:  # tag the partner's pairs with their positions as well
+            tags = (*tags, torch.full((n,), -1, dtype=torch.int64, device=device))
+            theirs_tags = (*untagged(count, 1), torch.arange(count, device=device))
+        else:
+            theirs_tags = untagged(count, len(tags))
+        mi, mv, tags = merge_truncate_tagged(theirs, mine, theirs_tags, tags, k)  # r-1 lower
+        mine = (mi, mv)
     v = virtual_rank(r, rem)
     mask = 1
     while mask < p2:
@@ -199,13 +211,17 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
         got = wire.exchange(pack(*mine, index_dtype), real_rank(partner, rem),
                             TAG_GTOPK_ROUND)
         theirs = unpack(got, index_dtype, value_dtype)
-        mine = keep(merge_truncate(mine, theirs, k) if v < partner
-                    else merge_truncate(theirs, mine, k))
+        theirs_tags = untagged(theirs[0].shape[0], len(tags))
+        if v < partner:
+            mi, mv, tags = merge_truncate_tagged(mine, theirs, tags, theirs_tags, k)
+        else:
+            mi, mv, tags = merge_truncate_tagged(theirs, mine, theirs_tags, tags, k)
+        mine = (mi, mv)
         mask <<= 1
-    if r < 2 * rem:  # odd rank of a folded pair: return the result
+    if folded_pair:  # odd rank of a folded pair: return the result
         wire.send(pack(*mine, index_dtype), r - 1, TAG_GTOPK_FOLD)
-        if partner_own is not None:
-            wire.send(pack_bytes([partner_own.to(index_dtype)]), r - 1, TAG_GTOPK_ALIVE)
-    if alive is not None:
-        alive.append(own)
-    return mine
+        if exact_fold and track:
+            survivors = tags[1][tags[1] >= 0].sort().values
+            wire.send(pack_bytes([survivors.to(index_dtype)]), r - 1, TAG_GTOPK_ALIVE)
+    alive = tags[0][tags[0] >= 0].sort().values if track else None
+    return mine[0], mine[1], alive

@@ -207,9 +207,10 @@ def _across(inner: str, part: torch.Tensor, k: int, lane: Communicator, step: in
         for idx, val in sets:  # host order: the same bits on every host
             acc[torch.searchsorted(support, idx)] += val
         return support, acc, picks
-    alive: list[torch.Tensor] = []
-    idx, val = _butterfly(truncate(*pairs, k), k, lane, index_dtype, alive, exact_fold=True)
-    return idx, val, alive[0].sort().values
+    mine = truncate(*pairs, k)
+    idx, val, alive = _butterfly(mine, k, lane, index_dtype, track=True, exact_fold=True)
+    assert alive is not None  # exact_fold: every rank learns its survivors
+    return idx, val, mine[0][alive]
 
 
 def _share(mine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,

@@ -12,6 +12,8 @@ canonical form inside :mod:`mpicomm.sparse`.
 * :func:`union`: indices of both sets once, values added where both have one (one sort
   of ``n_a + n_b`` indices);
 * :func:`merge_truncate`: union then truncate, gTop-k's merge;
+* the ``_tagged`` forms carry per-pair tags (e.g. a rank's own pairs' positions) through
+  the same permutations, to follow which pairs survive without searching for them;
 * :func:`members`: which of some indices a set holds (binary searches).
 """
 
@@ -22,9 +24,12 @@ import torch
 from .. import clock
 from ..compress.topk_select import topk_indices
 
-__all__ = ["Pairs", "selection_key", "truncate", "union", "merge_truncate", "members"]
+__all__ = ["Pairs", "Tags", "selection_key", "truncate", "truncate_tagged", "union",
+           "union_tagged", "merge_truncate", "merge_truncate_tagged", "members"]
 
 Pairs = tuple[torch.Tensor, torch.Tensor]
+#: Per-pair int64 tags carried through unions and truncations (-1: no tag).
+Tags = tuple[torch.Tensor, ...]
 
 
 def selection_key(val: torch.Tensor) -> torch.Tensor:
@@ -40,10 +45,17 @@ def selection_key(val: torch.Tensor) -> torch.Tensor:
 
 def truncate(idx: torch.Tensor, val: torch.Tensor, k: int) -> Pairs:
     """The ``k`` pairs of a sparse set with the largest ``|value|`` (ties: smaller index)."""
+    idx, val, _ = truncate_tagged(idx, val, (), k)
+    return idx, val
+
+
+def truncate_tagged(idx: torch.Tensor, val: torch.Tensor, tags: Tags, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, Tags]:
+    """:func:`truncate`, with per-pair ``tags`` kept alongside the pairs they belong to."""
     if idx.shape[0] <= k:
-        return idx, val
+        return idx, val, tags
     pos = topk_indices(selection_key(val), k)
-    return idx[pos], val[pos]
+    return idx[pos], val[pos], tuple(t[pos] for t in tags)
 
 
 def union(a: Pairs, b: Pairs) -> Pairs:
@@ -53,22 +65,40 @@ def union(a: Pairs, b: Pairs) -> Pairs:
     always passes the lower-ranked operand first computes the same bits on every rank
     (IEEE addition is commutative anyway; the fixed order documents the association).
     """
+    idx, val, _ = union_tagged(a, b, (), ())
+    return idx, val
+
+
+def union_tagged(a: Pairs, b: Pairs, tags_a: Tags, tags_b: Tags
+                 ) -> tuple[torch.Tensor, torch.Tensor, Tags]:
+    """:func:`union`, with per-pair tags: ``tags_a[j]`` and ``tags_b[j]`` are int64 tensors
+    over ``a``'s and ``b``'s pairs, -1 where a pair has none; an index both sets hold
+    keeps the larger tag (at most one side sets a tag: they mark where a pair came from).
+    Cost per tag: one gather of ``n_a + n_b`` entries and a maximum at the shared
+    indices, about a quarter of the union's own time (one CPU core, 1e4-1e5 pairs a
+    side); the virtual clock charges the union alone (``merge``)."""
+    if len(tags_a) != len(tags_b):
+        raise ValueError(f"union_tagged: {len(tags_a)} tags for a, {len(tags_b)} for b")
     ai, av = a
     bi, bv = b
     clock.charge("merge", ai.shape[0] + bi.shape[0])
     if ai.shape[0] == 0 or bi.shape[0] == 0:
-        return (bi, bv) if ai.shape[0] == 0 else (ai, av)
+        return (bi, bv, tags_b) if ai.shape[0] == 0 else (ai, av, tags_a)
     ci = torch.cat([ai, bi])
     cv = torch.cat([av, bv])
     si, order = torch.sort(ci, stable=True)  # equal indices: a's entry first
     sv = cv[order]
+    st = [torch.cat([ta, tb])[order] for ta, tb in zip(tags_a, tags_b)]
     first = torch.nonzero(si[1:] == si[:-1]).view(-1)  # each index occurs at most twice
     if first.shape[0]:
         sv[first] = sv[first] + sv[first + 1]
+        for t in st:
+            t[first] = torch.maximum(t[first], t[first + 1])
         keep = torch.ones(si.shape[0], dtype=torch.bool, device=si.device)
         keep[first + 1] = False
         si, sv = si[keep], sv[keep]
-    return si, sv
+        st = [t[keep] for t in st]
+    return si, sv, tuple(st)
 
 
 def merge_truncate(a: Pairs, b: Pairs, k: int) -> Pairs:
@@ -76,6 +106,15 @@ def merge_truncate(a: Pairs, b: Pairs, k: int) -> Pairs:
     Distributed Synchronous SGD Algorithm with Global Top-k Sparsification for Low
     Bandwidth Networks", 2019, arXiv:1901.04359)."""
     return truncate(*union(a, b), k)
+
+
+def merge_truncate_tagged(a: Pairs, b: Pairs, tags_a: Tags, tags_b: Tags, k: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, Tags]:
+    """:func:`merge_truncate` with per-pair tags (:func:`union_tagged`): a tag survives
+    exactly as long as its pair's value does, so tagging a rank's own pairs with their
+    positions tracks which of its values reach the result, with no search."""
+    idx, val, tags = union_tagged(a, b, tags_a, tags_b)
+    return truncate_tagged(idx, val, tags, k)
 
 
 def members(idx: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
