@@ -30,16 +30,17 @@ Two ways to synchronize:
   makes the warm-up steps dense where that sends fewer bytes.
 * ``--local-sgd fixed|adacomm``: every rank takes local optimizer steps and
   :class:`mpicomm.torch.LocalSGD` averages the *parameters* every ``tau`` steps (fixed
-  ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``). The
-  gradient strategy is not used in this mode (parameters are averaged densely).
+  ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``; ``auto``
+  measures the step and the averaging round first:
+  :func:`mpicomm.bench.localsgd.platform_period`). The gradient strategy is not used in
+  this mode (parameters are averaged densely).
 
 Rank 0 shows a tqdm bar and prints the summary: test accuracy (the workload's metric)
 and loss (the test split is sharded over the ranks and the sums combined), wall time,
 the bytes each rank sent through mpicomm's collectives, the bytes a dense allreduce of the
-gradients at every
-step would have sent (measured with the same traffic counters: one real dense allreduce
-of the gradient buffers, times the number of steps), the strategy's settings, and
-AdaComm's period history. ``--json PATH`` writes the same summary as JSON.
+gradients at every step would have sent (measured with the same traffic counters: one
+real dense allreduce of the gradient buffers, times the number of steps), the strategy's
+settings, and AdaComm's period history. ``--json PATH`` writes the same summary as JSON.
 
 Surviving a dead rank: ``--checkpoint-dir DIR`` (default ``$MPICOMM_CHECKPOINT_DIR``, set
 by ``python -m mpicomm run --restarts K --checkpoint-dir DIR``) checkpoints the model,
@@ -81,6 +82,7 @@ import torch  # noqa: E402
 import mpicomm  # noqa: E402
 from mpicomm import strategies  # noqa: E402
 from mpicomm.bench.harness import Run, Spec, build, default_threads, train  # noqa: E402
+from mpicomm.bench.localsgd import parse_tau0, platform_period  # noqa: E402
 from mpicomm.bench.sync import GradientMethod, LocalSGDMethod  # noqa: E402
 from mpicomm.bench.train import parse_options  # noqa: E402
 from mpicomm.checkpoint import ENV_CHECKPOINT_DIR, Checkpointer, CheckpointError  # noqa: E402
@@ -152,9 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="average parameters every tau local steps instead of gradients "
                          "every step (fixed: --period; adacomm: AdaComm from --tau0)")
     ap.add_argument("--period", type=int, default=8, help="averaging period of --local-sgd fixed")
-    ap.add_argument("--tau0", type=int, default=32,
-                    help="initial period of --local-sgd adacomm (large: the training loss "
-                         "falls ~300x here, and the period follows its square root)")
+    ap.add_argument("--tau0", default="32",
+                    help="initial period of --local-sgd adacomm (it follows the loss's square "
+                         "root), or auto: 32 sqrt(D/Y), Y a measured step, D a round")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads per rank (0: usable cores / ranks on this node)")
     ap.add_argument("--json", metavar="PATH", default=None,
@@ -166,9 +168,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "file per rank with {rank} in PATH) and their plots as PATH.png "
                          "when matplotlib is installed")
     args = ap.parse_args(argv)
-    for name in ("epochs", "batch_size", "hidden", "period", "tau0"):
+    for name in ("epochs", "batch_size", "hidden", "period"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        args.tau0 = parse_tau0(args.tau0)
+    except ValueError as exc:
+        ap.error(str(exc))
     check_optimizer_arguments(ap, args)
     check_checkpoint_arguments(ap, args)
     try:
@@ -418,8 +424,11 @@ def train_local_sgd(w: Workload, args: argparse.Namespace,
     """Local optimizer steps; LocalSGD averages the parameters every tau steps."""
     steps_total = args.epochs * w.info.steps_per_epoch
     if args.local_sgd == "adacomm":
-        # about ten decisions if the period stayed at tau0 (more as it shrinks), at least
-        # two averaging rounds apart so that each sees a loss averaged over 2 tau steps
+        if args.tau0 == "auto":  # from this platform's step and averaging times
+            args.tau0, step_s, round_s = platform_period(spec_of(args), comm)
+            log.info("AdaComm tau0 = %d: a local step takes %.3g ms, an averaging round "
+                     "%.3g ms", args.tau0, step_s * 1e3, round_s * 1e3)
+        # ~10 decisions at tau0 (more as it shrinks), >= 2 rounds apart (losses of 2 tau)
         interval = max(2, steps_total // (args.tau0 * 10))
         period: int | AdaComm = AdaComm(args.tau0, interval_rounds=interval)
     else:
@@ -477,8 +486,6 @@ def _mb(n: float) -> str:
 
 def plain(value: Any) -> str:
     """``value`` for a person: floats to 3 significant digits, dicts as ``key=value``."""
-    if isinstance(value, bool) or value is None:
-        return str(value)
     if isinstance(value, float):
         return f"{value:.3g}"
     if isinstance(value, dict):

@@ -10,6 +10,8 @@ a minute on two cores.
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +96,19 @@ def test_train_local_sgd_adacomm(tmp_path: Path) -> None:
     assert f"mpicomm: metrics written to {metrics} (MPICOMM_METRICS)" in output
 
 
+def test_train_adacomm_starts_at_the_platforms_period(tmp_path: Path) -> None:
+    """``--tau0 auto``: the first period is ``ceil(32 sqrt(D/Y))`` of the step and the
+    averaging round measured before training (logged), and the run starts there."""
+    output, s = train(tmp_path, "--local-sgd", "adacomm", "--tau0", "auto", "--no-progress")
+    found = re.search(r"AdaComm tau0 = (\d+): a local step takes (\S+) ms, an averaging "
+                      r"round (\S+) ms", output)
+    assert found, output
+    tau0, step_ms, round_ms = int(found[1]), float(found[2]), float(found[3])
+    assert step_ms > 0 and round_ms > 0
+    assert abs(tau0 - 32 * math.sqrt(round_ms / step_ms)) < 1.01   # ceil, 3 digits logged
+    assert s["tau_history"][0] == tau0 and f"tau0={tau0}," in s["describe"]["adacomm"]
+
+
 def _train_module() -> Any:
     return load_script("examples/train.py")
 
@@ -113,6 +128,8 @@ def _train_module() -> Any:
     (["--strategy", "artopk", "--source", "nope"], "source must be one of"),
     (["--local-sgd", "fixed", "--strategy", "gtopk"], "takes no --strategy"),
     (["--local-sgd", "adacomm", "--density", "0.1"], "takes no --density"),
+    (["--local-sgd", "adacomm", "--tau0", "0"], "--tau0 must be an integer >= 1 or 'auto'"),
+    (["--local-sgd", "adacomm", "--tau0", "fast"], "got 'fast'"),
     # the optimizer's numbers
     (["--lr", "-0.1"], "--lr must be a positive number, got -0.1"),
     (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),

@@ -186,31 +186,62 @@ def spec(args: argparse.Namespace, seed: int, **kw: Any) -> Spec:
                 epoch_stats=False, **kw)
 
 
-def measure_step_time(args: argparse.Namespace, comm: Communicator) -> float:
-    """Median time of one local SGD step (all ranks computing at once), max over ranks:
-    300 harness steps without averaging, the first 50 left out. Under the virtual clock:
-    the calibrated cost of one step (:func:`mpicomm.bench.harness.step_costs`, the same
-    entries every training step is charged)."""
+def measure_step_time(s: Spec, comm: Communicator, algorithm: str = "auto") -> float:
+    """Median time of one local SGD step of ``s``'s workload and optimizer (all ranks
+    computing at once), max over ranks: 300 harness steps without averaging on a fresh
+    model, the first 50 left out. Under the virtual clock: the calibrated cost of one step
+    (:func:`mpicomm.bench.harness.step_costs`, the same entries every training step is
+    charged)."""
     if clock.started():
-        s = spec(args, 0)
-        return step_costs(s, build(s, comm), comm, args.lr, args.momentum, args.weight_decay)
-    r = train(spec(args, 0, max_steps=300, eval_every=None, report_steps=False),
-              LocalSGDMethod(10**9, algorithm=args.algorithm), comm)
+        return step_costs(s, build(s, comm), comm, float(s.lr or 0.0),
+                          float(s.momentum or 0.0), float(s.weight_decay or 0.0))
+    r = train(_probe(s, 300), LocalSGDMethod(10**9, algorithm=algorithm), comm)
     return float(comm.allreduce_value(statistics.median(r.step_s[50:]), "max"))
 
 
-def measure_round_time(step_s: float, args: argparse.Namespace, comm: Communicator) -> float:
+def measure_round_time(step_s: float, s: Spec, comm: Communicator,
+                       algorithm: str = "auto") -> float:
     """Median time of one real averaging round (no injected delay) inside a training loop:
-    the median step with averaging every step (80 harness steps, the first 20 left out)
-    less the local step time ``step_s``.
+    the median step with averaging every step (80 harness steps on a fresh model, the
+    first 20 left out) less the local step time ``step_s``.
 
     On an oversubscribed machine this is dominated by ranks waiting to be scheduled,
     so it is reported next to the injected delay: the effective ``D`` is their sum.
     """
-    r = train(spec(args, 0, max_steps=80, eval_every=None, report_steps=False),
-              LocalSGDMethod(1, algorithm=args.algorithm), comm)
+    r = train(_probe(s, 80), LocalSGDMethod(1, algorithm=algorithm), comm)
     with_round = float(comm.allreduce_value(statistics.median(r.step_s[20:]), "max"))
     return max(0.0, with_round - step_s)
+
+
+def platform_period(s: Spec, comm: Communicator, algorithm: str = "auto",
+                    delay_s: float = 0.0) -> tuple[int, float, float]:
+    """AdaComm's starting period for ``s`` on this platform, ``(tau0, Y, D)``:
+    :func:`mpicomm.control.initial_period` of ``Y`` = :func:`measure_step_time` and
+    ``D`` = :func:`measure_round_time` + ``delay_s`` (an injected delay per round).
+    Collective. Cost: about 380 extra training steps on throwaway models (none under the
+    virtual clock for ``Y``, whose cost table is measured once per model)."""
+    from ..control import initial_period
+
+    step_s = measure_step_time(s, comm, algorithm)
+    round_s = measure_round_time(step_s, s, comm, algorithm) + delay_s
+    return initial_period(step_s, round_s), step_s, round_s
+
+
+def parse_tau0(text: str) -> int | str:
+    """An AdaComm starting period as given on a command line: an integer >= 1, or
+    ``"auto"`` (:func:`platform_period`); ``ValueError`` otherwise."""
+    if text == "auto":
+        return text
+    if not (text.isdigit() and int(text) >= 1):
+        raise ValueError(f"--tau0 must be an integer >= 1 or 'auto', got {text!r}")
+    return int(text)
+
+
+def _probe(s: Spec, steps: int) -> Spec:
+    """``s`` as a short measuring run: ``steps`` steps, no evaluation, no reports."""
+    return dataclasses.replace(s, epochs=None, max_steps=steps, budget_s=None,
+                               eval_every=None, report_steps=False, metrics=None,
+                               target=None)
 
 
 @dataclass
@@ -381,8 +412,10 @@ def run(args: argparse.Namespace) -> int:
     for s in schedules:
         if s not in ("fixed", "decay"):
             raise UsageError(f"unknown schedule {s!r}; use fixed and/or decay")
-    if args.tau0 != "auto" and not (args.tau0.isdigit() and int(args.tau0) >= 1):
-        raise UsageError(f"--tau0 must be an integer >= 1 or 'auto', got {args.tau0!r}")
+    try:
+        tau0_arg = parse_tau0(args.tau0)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     comm = init()
     _clock.measure_costs(comm)
     adacomms = {"constant": ["adacomm"], "drift": ["adacomm-drift"],
@@ -391,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
     if args.clock != "model" and (args.rate_gbit or args.step_ms):
         raise UsageError("--rate-gbit and --step-ms need --clock model")
     step_s = (args.step_ms / 1e3 if args.step_ms
-              else measure_step_time(args, comm))
+              else measure_step_time(spec(args, 0), comm, args.algorithm))
     if args.rate_gbit:
         delay_s = round_time(args, comm)
     else:
@@ -399,8 +432,9 @@ def run(args: argparse.Namespace) -> int:
             delay_s = 0.0 if clock.started() else args.delay_factor * step_s
         else:
             delay_s = float(args.delay_ms) / 1e3
-    real_s = 0.0 if args.clock == "model" else measure_round_time(step_s, args, comm)
-    tau0 = initial_period(step_s, real_s + delay_s) if args.tau0 == "auto" else int(args.tau0)
+    real_s = (0.0 if args.clock == "model"
+              else measure_round_time(step_s, spec(args, 0), comm, args.algorithm))
+    tau0 = initial_period(step_s, real_s + delay_s) if tau0_arg == "auto" else int(tau0_arg)
     if comm.rank == 0:
         print(f"# localsgd: {comm.size} ranks, {args.workload} {args.option}, batch "
               f"{args.batch}/rank, lr {args.lr}, momentum {args.momentum}, wd "
