@@ -118,6 +118,15 @@ def test_gtopk_hook_trains_digits_like_dense(tmp_path: Path) -> None:
     assert dense["test_accuracy"] > 0.9, dense
     assert gtopk["test_accuracy"] >= dense["test_accuracy"] - 0.01, (gtopk, dense)
     assert 0 < gtopk["hook_sent_bytes"] < dense["hook_sent_bytes"] / 5
+    # --momentum-correction hands the optimizer to the hook: gTop-k's memory takes SGD's
+    # momentum over and trains differently; dense has no memory and does not change
+    res = run_job(3, [sys.executable, "examples/ddp_hook.py", "--epochs", "6", "--strategy",
+                      "dense,gtopk", "--density", "0.05", "--momentum-correction", "--json",
+                      str(out)], timeout=120)
+    assert res.returncode == 0, res.output
+    handed = json.loads(out.read_text())["runs"]
+    assert handed["dense"]["test_accuracy"] == dense["test_accuracy"]
+    assert handed["gtopk"]["test_accuracy"] != gtopk["test_accuracy"]
 
 
 # ---------------------------------------------------------------------- end of iteration
