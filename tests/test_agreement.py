@@ -140,7 +140,7 @@ def test_adacomm_equal_learning_rates_pass(comm):
     model = _linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     local = LocalSGD(model, AdaComm(2, interval_rounds=1), opt, comm=comm)
-    x = torch.ones(2, 4) * (comm.rank + 1)
+    x = torch.ones(2, 4) * (1 + comm.rank / comm.size)  # in [1, 2): stable at any size
     for _ in range(6):
         opt.zero_grad()
         loss = model(x).square().mean()
