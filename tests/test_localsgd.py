@@ -648,3 +648,42 @@ def test_gossip_averaging_model(comm, name):
     nbytes = total.numel() * total.element_size()
     assert gossip.traffic.sent_bytes == 6 * gossip.topology.degree * nbytes
     assert gossip.rounds == 6
+
+
+@pytest.mark.mpi
+def test_platform_period_on_a_declared_virtual_platform(comm):
+    """``platform_period`` under the virtual clock: ``Y`` is the declared step, ``D`` the
+    network model's averaging round (the cost model's allreduce of the parameters),
+    ``tau0 = initial_period(Y, D)``, the same on every rank; one rank has no round."""
+    from mpicomm import clock
+    from mpicomm.bench.harness import Spec
+    from mpicomm.bench.localsgd import platform_period
+    from mpicomm.collectives import cost
+    from mpicomm.costtable import CostTable, OpCost
+    from mpicomm.emulate.vnet import platform_from_env
+
+    plat = platform_from_env(comm.size, {"MPICOMM_VIRTUAL_RATE": "100mbit",
+                                         "MPICOMM_VIRTUAL_DELAY": "1ms"})
+    table = CostTable({op: OpCost(0.0, 0.0, "byte") for op in ("reduce", "copy")})
+    spec = Spec(workload="digits-mlp", options={"hidden": 16, "layers": 1}, batch=16,
+                lr=0.05, momentum=0.9, weight_decay=0.0, epoch_stats=False)
+    with clock.session(plat, table):
+        sub = comm.dup()   # a communicator the virtual clock times
+        sub.check = False
+        try:
+            for op, ms in (("forward", 0.2), ("backward", 0.5), ("optimizer", 0.3)):
+                clock.declare(op, ms * 1e-3)
+            tau0, step_s, round_s = platform_period(spec, sub)
+        finally:
+            sub.free()
+    assert step_s == pytest.approx(1e-3)
+    assert tau0 == initial_period(step_s, round_s)
+    assert comm.allgather_object((tau0, step_s, round_s)) == [(tau0, step_s, round_s)] * comm.size
+    if comm.size == 1:
+        assert round_s < 1e-9 and tau0 == 1
+        return
+    nbytes = 4 * (64 * 16 + 16 + 16 * 10 + 10)   # the MLP 64-16-10's parameters, float32
+    params = cost.CostParams(alpha=1e-3, beta=1 / 12.5e6)
+    predicted = cost.predict("allreduce", cost.choose("allreduce", nbytes, comm.size, params),
+                             nbytes, comm.size, params)
+    assert round_s == pytest.approx(predicted, rel=0.02)   # 0.1% at 2, 3 and 5 ranks

@@ -193,8 +193,10 @@ def measure_step_time(s: Spec, comm: Communicator, algorithm: str = "auto") -> f
     (:func:`mpicomm.bench.harness.step_costs`, the same entries every training step is
     charged)."""
     if clock.started():
-        return step_costs(s, build(s, comm), comm, float(s.lr or 0.0),
-                          float(s.momentum or 0.0), float(s.weight_decay or 0.0))
+        w = build(s, comm)
+        recipe = w.info.defaults   # where the spec leaves them to the workload's recipe
+        return step_costs(s, w, comm, *(recipe[k] if v is None else v for k, v in (
+            ("lr", s.lr), ("momentum", s.momentum), ("weight_decay", s.weight_decay))))
     r = train(_probe(s, 300), LocalSGDMethod(10**9, algorithm=algorithm), comm)
     return float(comm.allreduce_value(statistics.median(r.step_s[50:]), "max"))
 
