@@ -105,7 +105,7 @@ def test_train_adacomm_starts_at_the_platforms_period(tmp_path: Path) -> None:
     assert found, output
     tau0, step_ms, round_ms = int(found[1]), float(found[2]), float(found[3])
     assert step_ms > 0 and round_ms > 0
-    assert abs(tau0 - 32 * math.sqrt(round_ms / step_ms)) < 1.01   # ceil, 3 digits logged
+    assert abs(tau0 - 32 * math.sqrt(round_ms / step_ms)) < 1.2   # ceil, 3 digits logged
     assert s["tau_history"][0] == tau0 and f"tau0={tau0}," in s["describe"]["adacomm"]
 
 
