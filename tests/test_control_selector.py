@@ -498,50 +498,6 @@ def test_auto_redecides_a_kept_choice_that_measures_slower_than_another():
     assert auto.choices.outrun() == set()                  # 0.5 < 1.1 * 0.47
 
 
-def test_a_rotating_scheme_is_costed_over_a_whole_rotation():
-    """AR-Top-k's time depends on its turning source: its measured cost is the mean of a
-    whole rotation's agreed times once it has them (the minimum of two before), so a kept
-    AR-Top-k whose favourable sources hide behind the switch margin gives way. Times are
-    the flipping network's (8 ranks, 100 Mbit/s, 5 ms): 70/75/80 ms by source against
-    gTop-k's 66.1."""
-    from collections import deque
-
-    from mpicomm.strategies import AutoStrategy
-    from mpicomm.strategies.auto_choice import ROTATING
-    from mpicomm.strategies.auto_schemes import Choice
-
-    auto = AutoStrategy(calibrate_links=0, ratio=0.1, switch_margin=0.1, trial_steps=1,
-                        gain_weighted=False)
-    assert auto.choices.rotation == 1 and "artopk_tree" in ROTATING
-    key = ("b0", 0.1)
-    predicted = {"gtopk": 0.070, "artopk_tree": 0.065}
-    auto.choices.predicted[key] = predicted
-    auto.choices.kept[key] = Choice("artopk_tree", 0.1, 0.065, predicted)
-    auto.measured[key] = {"gtopk": deque([0.0661, 0.0661], maxlen=2)}
-    by_source = [0.0796, 0.070, 0.0747, 0.070, 0.0794, 0.070, 0.0797, 0.075]
-    auto.choices.rotation = 8   # what bind() sets at 8 ranks
-    for t in by_source:         # record() keeps a whole rotation of a rotating scheme
-        auto.choices.record(key, "artopk_tree", t, trial=False)
-    assert len(auto.measured[key]["artopk_tree"]) == 8
-    assert auto.choices.times(key, predicted)["artopk_tree"] == pytest.approx(
-        sum(by_source) / 8)                                   # 74.7 ms
-    assert auto.choices.outrun() == {key}                     # 74.7 > 1.1 * 66.1
-    auto.choices.rotation = 1                                 # the minimum of the last two
-    assert auto.choices.times(key, predicted)["artopk_tree"] == pytest.approx(0.070)
-    assert auto.choices.outrun() == set()                     # 70 < 1.1 * 66.1 = 72.7
-    auto.choices.rotation = 8   # fewer than a rotation measured: the minimum, as before
-    auto.measured[key]["artopk_tree"] = deque(by_source[:3], maxlen=8)
-    assert auto.choices.times(key, predicted)["artopk_tree"] == pytest.approx(0.070)
-    assert auto.choices.measured_time("gtopk", deque([0.07, 0.06])) == 0.06  # not rotating
-
-
-@pytest.mark.mpi
-def test_auto_costs_rotating_schemes_over_its_communicators_ranks(comm):
-    from mpicomm.strategies import AutoStrategy
-
-    assert AutoStrategy(calibrate_links=0).bind(comm).choices.rotation == comm.size
-
-
 def test_injected_link_is_the_alpha_beta_time_of_the_traffic_sent(monkeypatch):
     import types
 

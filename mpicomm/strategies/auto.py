@@ -166,7 +166,8 @@ class AutoStrategy(Strategy):
         self.memory.track_sent = True  # the step's ||g_e||² without forming g + e again
         self.handover = MomentumHandover(self.memory, not cfg.lgreco and cfg.momentum_correction)
         self.records: deque[Record] = deque(maxlen=cfg.history)
-        #: Called with each :class:`~.auto_schemes.Record` (a trace or metrics exporter).
+        #: Called with each :class:`~mpicomm.strategies.auto_schemes.Record` (e.g. a
+        #: trace or metrics exporter).
         self.callbacks: list[Callable[[Record], None]] = []
         self.online: Optional[OnlineCalibration] = None
         self.steps = 0
@@ -234,7 +235,6 @@ class AutoStrategy(Strategy):
 
     def bind(self, comm: Any) -> AutoStrategy:
         super().bind(comm)
-        self.choices.rotation = self.comm.size  # AR-Top-k's source turns over the ranks
         for s in self._subs.values():
             s.bind(self.comm)
         return self

@@ -35,8 +35,7 @@ from typing import Any, Optional
 
 from .auto_schemes import SCHEMES, Choice
 
-__all__ = ["SchemeChoices", "EFFICIENCY_DECAY", "EFFICIENCY_STALE", "MEASURED_TIMES",
-           "ROTATING"]
+__all__ = ["SchemeChoices", "EFFICIENCY_DECAY", "EFFICIENCY_STALE", "MEASURED_TIMES"]
 
 #: ``(bucket name, ratio)``: what a choice is kept for.
 Key = tuple[str, float]
@@ -56,13 +55,6 @@ EFFICIENCY_STALE = 10
 #: Agreed times kept per (bucket, ratio, scheme), at least: a measured cost is the
 #: minimum of them (one step's time on a shared host is noisy).
 MEASURED_TIMES = 2
-#: Schemes whose step time depends on the step's place in a rotation over the ranks
-#: (AR-Top-k's ``star`` source turns every step, and the index broadcast's tree puts the
-#: last ranks 1-3 latencies deep): their measured cost is the mean over a whole rotation
-#: (:attr:`SchemeChoices.rotation` agreed times) once one has run, since the minimum of
-#: two steps picks a favourable source (8 ranks, 100 Mbit/s, 5 ms: 70, 75 or 80 ms a step
-#: by source, mean 74.7).
-ROTATING = ("artopk_ring", "artopk_tree")
 
 
 class SchemeChoices:
@@ -88,7 +80,7 @@ class SchemeChoices:
         #: (bucket, ratio) -> the selector's predictions when the choice was kept.
         self.predicted: dict[Key, dict[str, float]] = {}
         #: (bucket, ratio) -> scheme -> its last ``max(trial_steps, MEASURED_TIMES)``
-        #: agreed times (seconds); a whole :attr:`rotation` of a :data:`ROTATING` one.
+        #: agreed times (seconds).
         self.measured: dict[Key, dict[str, deque[float]]] = {}
         #: (bucket, ratio) -> (kept scheme, its settled time): :meth:`times_moved`.
         self.baseline: dict[Key, tuple[str, float]] = {}
@@ -110,15 +102,12 @@ class SchemeChoices:
         self.step_other: Optional[float] = None
         #: Elements per bucket (the step share of :meth:`costs`).
         self.numels: dict[str, int] = {}
-        #: Steps in a rotation of the :data:`ROTATING` schemes' sources (the rank count,
-        #: set when the strategy is bound); 1: no rotation.
-        self.rotation = 1
 
     # ------------------------------------------------------------------ costs
     def costs(self, key: Key, predicted: Mapping[str, float], partial: bool = False,
               measured: bool = True) -> dict[str, float]:
-        """Each candidate's cost at ``key`` = (bucket, ratio): its measured time
-        (:meth:`measured_time` of its kept agreed times) once measured ``trial_steps``
+        """Each candidate's cost at ``key`` = (bucket, ratio): its measured time (min of
+        its kept agreed times, :data:`MEASURED_TIMES`) once measured ``trial_steps``
         times (``partial``: once measured at all), else its prediction. With
         ``gain_weighted``: seconds of the *step* per unit of Top-k progress,
         ``(t + share) / efficiency``, where ``share`` is the bucket's part (by elements)
@@ -138,20 +127,13 @@ class SchemeChoices:
 
     def times(self, key: Key, predicted: Mapping[str, float], partial: bool = False
               ) -> dict[str, float]:
-        """Each candidate's exchange time at ``key``: measured (:meth:`measured_time`)
-        once measured ``trial_steps`` times (``partial``: at all), else predicted."""
+        """Each candidate's exchange time at ``key``: measured (min of its kept agreed
+        times) once measured ``trial_steps`` times (``partial``: at all), else
+        predicted."""
         seen = self.measured.get(key, {})
         enough = max(1 if partial else self.trial_steps, 1)
-        return {s: self.measured_time(s, seen[s]) if len(seen.get(s, ())) >= enough else t
+        return {s: min(seen[s]) if len(seen.get(s, ())) >= enough else t
                 for s, t in predicted.items()}
-
-    def measured_time(self, scheme: str, times: deque[float]) -> float:
-        """A scheme's cost from its agreed times: the minimum (:data:`MEASURED_TIMES`),
-        or for a :data:`ROTATING` scheme the mean of its last :attr:`rotation` times
-        once it has that many."""
-        if scheme in ROTATING and self.rotation > 1 and len(times) >= self.rotation:
-            return sum(list(times)[-self.rotation:]) / self.rotation
-        return min(times)
 
     def efficiency_at(self, scheme: str, ratio: float) -> float:
         """``scheme``'s efficiency at ``ratio``: measured there, else carried over from
@@ -250,9 +232,8 @@ class SchemeChoices:
             else:
                 self.in_trial.pop((key, scheme), None)
         if self.trial_steps:
-            keep = max(self.trial_steps, MEASURED_TIMES,
-                       self.rotation if scheme in ROTATING else 1)
-            times = self.measured.setdefault(key, {}).setdefault(scheme, deque(maxlen=keep))
+            times = self.measured.setdefault(key, {}).setdefault(
+                scheme, deque(maxlen=max(self.trial_steps, MEASURED_TIMES)))
             times.append(seconds)
             choice = self.kept.get(key)
             if choice is not None and choice.scheme == scheme and \
