@@ -245,9 +245,7 @@ def train(spec: Spec, sync: Any, comm: Communicator, *, workload: Any = None,
     """
     w = workload if workload is not None else build(spec, comm)
     d = w.info.defaults
-    lr = d["lr"] if spec.lr is None else spec.lr
-    momentum = d["momentum"] if spec.momentum is None else spec.momentum
-    wd = d["weight_decay"] if spec.weight_decay is None else spec.weight_decay
+    lr, momentum, wd = optimizer_settings(spec, w)
     clip = spec.clip_norm if spec.clip_norm is not None else d.get("clip_norm")
     epochs = spec.epochs if spec.epochs is not None else (
         None if spec.budget_s is not None else int(d["epochs"]))
@@ -414,6 +412,15 @@ class _StepLoss(torch.nn.Module):
 
 #: Step costs measured in this process, by (workload, options, batch, optimizer).
 _MEASURED: dict[tuple[Any, ...], dict[str, OpCost]] = {}
+
+
+def optimizer_settings(spec: Spec, w: workloads.Workload) -> tuple[float, float, float]:
+    """``(lr, momentum, weight_decay)`` of a run: ``spec``'s, where it leaves one to the
+    workload's recipe (``None``) that of ``w.info.defaults``."""
+    d = w.info.defaults
+    return (d["lr"] if spec.lr is None else spec.lr,
+            d["momentum"] if spec.momentum is None else spec.momentum,
+            d["weight_decay"] if spec.weight_decay is None else spec.weight_decay)
 
 
 def step_costs(spec: Spec, w: workloads.Workload, comm: Communicator, lr: float,

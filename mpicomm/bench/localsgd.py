@@ -87,7 +87,7 @@ from .. import clock
 from ..comm import Communicator, init
 from . import _clock
 from ._util import UsageError, machine, print_table, write_json
-from .harness import Spec, build, step_costs, train
+from .harness import Spec, build, optimizer_settings, step_costs, train
 from .sync import LocalSGDMethod
 
 METHOD_SYNC = "sync"
@@ -194,9 +194,7 @@ def measure_step_time(s: Spec, comm: Communicator, algorithm: str = "auto") -> f
     charged)."""
     if clock.started():
         w = build(s, comm)
-        recipe = w.info.defaults   # where the spec leaves them to the workload's recipe
-        return step_costs(s, w, comm, *(recipe[k] if v is None else v for k, v in (
-            ("lr", s.lr), ("momentum", s.momentum), ("weight_decay", s.weight_decay))))
+        return step_costs(s, w, comm, *optimizer_settings(s, w))
     r = train(_probe(s, 300), LocalSGDMethod(10**9, algorithm=algorithm), comm)
     return float(comm.allreduce_value(statistics.median(r.step_s[50:]), "max"))
 

@@ -198,7 +198,7 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
         theirs = unpack(wire.recv(r - 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
         count = theirs[0].shape[0]
         if exact_fold and track:  # tag the partner's pairs with their positions as well
-            tags = (*tags, torch.full((n,), -1, dtype=torch.int64, device=device))
+            tags = (*tags, *untagged(n, 1))
             theirs_tags = (*untagged(count, 1), torch.arange(count, device=device))
         else:
             theirs_tags = untagged(count, len(tags))
