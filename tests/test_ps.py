@@ -22,7 +22,7 @@ import torch
 from mpi4py import MPI
 
 import mpicomm
-from mpicomm.ps import KVStore, wire
+from mpicomm.ps import KVStore, server, wire
 from mpicomm.ps import checkpoint as ckpt
 from mpicomm.ps.optim import ShardOptimizer
 from mpicomm.ps.sharding import ShardPlan
@@ -49,7 +49,6 @@ def reply_parts(request, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     in parts (every piece, 3 parts cut at multiples of 8 elements: the pipelined update
     and reply of large pieces). Returns ``parts`` (which of the two) and ``seen``, the
     part counts of the reply headers this rank sent."""
-    from mpicomm.ps import server
 
     seen: list[int] = []
     head = wire.isend_head
@@ -611,6 +610,9 @@ def test_update_rules_match_torch_optim(kind, kw):
     whole = p.clone()   # one piece updated part by part (the server's pipelined reply)
     whole_state = opt.init_state(whole)
     bounds = [(0, 256), (256, 512), (512, 1000)]
+    cut = p.clone()     # the same, given its parts as views (the server keeps them)
+    cut_state = opt.init_state(cut)
+    cut_parts = [cut[a:b] for a, b in bounds]
     for _ in range(20):
         g = torch.randn(1000, dtype=torch.float64)
         p_ref.grad = g.clone()
@@ -622,8 +624,21 @@ def test_update_rules_match_torch_optim(kind, kw):
                                 bounds):
             assert done == (a, b)
             assert torch.equal(whole[b:], before[b:])   # later parts not yet touched
+        assert list(opt.step_parts(cut, g.clone(), cut_state, bounds, cut_parts)) == bounds
     assert torch.equal(p, p_ref.detach())
     assert torch.equal(whole, p_ref.detach())
+    assert torch.equal(cut, p_ref.detach())
+
+
+def test_reply_parts_grow_with_the_piece():
+    mib = 1 << 20
+    assert server.reply_bounds(1000, 4) == [(0, 1000)]         # below the pipelining size
+    for nbytes, parts in ((mib, 2), (4 * mib, 2), (16 * mib, 8), (17 * mib, 8)):
+        bounds = server.reply_bounds(nbytes // 4, 4)
+        assert len(bounds) == parts
+        assert bounds[0][0] == 0 and bounds[-1][1] == nbytes // 4
+        assert all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+        assert all(a % server.PART_ALIGN == 0 for a, _ in bounds)
 
 
 def test_update_rule_arguments():

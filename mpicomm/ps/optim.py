@@ -82,18 +82,28 @@ class ShardOptimizer:
             pass
 
     def step_parts(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-                   bounds: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+                   bounds: Sequence[tuple[int, int]],
+                   param_parts: Sequence[torch.Tensor] | None = None
+                   ) -> Iterator[tuple[int, int]]:
         """One update of the flat ``param`` done part by part: yields ``(start, stop)``
         once ``param[start:stop]`` holds its new value, so that a caller can send it
         while the next part is updated. The rules are elementwise and the step count
         advances once, so the parts together are the same update as :meth:`step` (the
         same bits where the parts' bounds are multiples of the CPU's vector width).
-        ``bounds`` must cover ``param`` in order."""
+        ``bounds`` must cover ``param`` in order; ``param_parts``, if given, are
+        ``param`` cut at ``bounds`` already (views the caller keeps: no slicing here)."""
+        whole = len(bounds) == 1 and tuple(bounds[0]) == (0, param.numel())
+
+        def part(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            return t if whole else t[a:b]   # a slice costs about 1 us
+
+        mine = (param_parts if param_parts is not None else
+                [part(param, a, b) for a, b in bounds])
         if self.kind == "adam":
             state["step"] = step = int(state["step"]) + 1
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            for a, b in bounds:
-                self._adam(param[a:b], grad[a:b], m[a:b], v[a:b], step)
+            for p, (a, b) in zip(mine, bounds):
+                self._adam(p, part(grad, a, b), part(m, a, b), part(v, a, b), step)
                 yield a, b
             return
         buf, first = None, False
@@ -102,8 +112,8 @@ class ShardOptimizer:
             if buf is None:   # the first step: b <- g (written part by part below)
                 buf = state["momentum_buffer"] = torch.empty_like(grad)
                 first = True
-        for a, b in bounds:
-            self._sgd(param[a:b], grad[a:b], None if buf is None else buf[a:b], first)
+        for p, (a, b) in zip(mine, bounds):
+            self._sgd(p, part(grad, a, b), None if buf is None else part(buf, a, b), first)
             yield a, b
 
     def _sgd(self, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None,

@@ -51,7 +51,7 @@ finds such a send still in flight first moves the values to a new buffer (copy o
 write), so a reply never carries a half-updated value. An update that lets dense pulls
 through (a sync step's last push, an async push with its pull) answers them while it
 runs: for a piece of at least ``PIPELINE_MIN_BYTES`` the reply's header announces
-``REPLY_PARTS`` parts (:func:`reply_bounds`), the optimizer updates the piece part by
+its parts (:func:`reply_bounds`: two, or one per 2 MiB), the optimizer updates the piece part by
 part (:meth:`~mpicomm.ps.optim.ShardOptimizer.step_parts`, the same bits as one step)
 and each part is sent as soon as it is updated, so the transfer of one part overlaps the
 update of the next (on a 2-core host 5% off a 1 MB push + pull and 12% off 4 MB, as
@@ -116,9 +116,14 @@ __all__ = ["PieceState", "Server", "UPDATE_PASSES", "reply_bounds"]
 #: added into a sync sum is one more, keeping a pushed gradient a ``copy``.
 UPDATE_PASSES = 3
 #: A dense reply of at least this many bytes that an update lets through is updated and
-#: sent in ``REPLY_PARTS`` parts, each sent as soon as it is updated (module docstring).
+#: sent in parts, each sent as soon as it is updated (module docstring): ``REPLY_PARTS``,
+#: or one per ``REPLY_PART_BYTES`` where that is more. The first part's update is what the
+#: reply waits for; each part costs a message (about 10 us of Python on both sides). On a
+#: 2-core host, 1 worker + 1 server: 2 parts were best at 1 and 4 MB, 8 at 16 MB (3.9-4.5
+#: against 4.2-5.5 ms with 2).
 PIPELINE_MIN_BYTES = 512 * 1024
 REPLY_PARTS = 2
+REPLY_PART_BYTES = 2 * 1024 * 1024
 #: Parts start at multiples of this many elements (a multiple of every CPU's vector width:
 #: elementwise kernels then round every element as they do on the whole piece).
 PART_ALIGN = 1024
@@ -139,7 +144,9 @@ class PieceState:
     opt: dict[str, Any]
     workers: int
     version: int = 0
-    last_seq: np.ndarray = field(default=None)  # type: ignore[assignment]
+    #: per worker, as Python ints: read on every push and reply, where numpy's scalar
+    #: access and reductions cost microseconds each
+    last_seq: list[int] = field(default=None)  # type: ignore[assignment]
     slots: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     sums: dict[int, tuple[torch.Tensor | None, int]] = field(default_factory=dict)
     reply: tuple[tuple[int, ...], np.ndarray] | None = None  # the last mirror reply packed
@@ -152,21 +159,33 @@ class PieceState:
     encoded_version: int = -1  # the version the last link encodes
     chain: list[tuple[int, list[torch.Tensor], int]] = field(default_factory=list)
     held: list[int] = field(default_factory=list)  # per worker: its link (-1: none)
+    bounds: list[tuple[int, int]] = field(default_factory=list)  # reply_bounds of value
+    cut: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # value and its parts
 
     def __post_init__(self) -> None:
         if self.last_seq is None:
-            self.last_seq = np.zeros(self.workers, dtype=np.int64)
+            self.last_seq = [0] * self.workers
         self.held = [-1] * self.workers
+        self.bounds = reply_bounds(self.value.numel(), self.value.element_size())
+
+    def parts(self) -> list[torch.Tensor]:
+        """``value`` cut at ``bounds`` (views, kept while ``value`` is the same tensor)."""
+        if self.cut is None or self.cut[0] is not self.value:
+            self.cut = (self.value, [self.value[a:b] for a, b in self.bounds])
+        return self.cut[1]
 
 
 def reply_bounds(numel: int, itemsize: int) -> list[tuple[int, int]]:
     """The ``(start, stop)`` parts in which a piece of ``numel`` elements is updated and
     sent when its update answers a dense pull: one part below ``PIPELINE_MIN_BYTES``,
-    else ``REPLY_PARTS`` parts, cut at multiples of ``PART_ALIGN`` elements."""
-    if numel * itemsize < PIPELINE_MIN_BYTES:
+    else ``max(REPLY_PARTS, bytes // REPLY_PART_BYTES)`` parts, cut at multiples of
+    ``PART_ALIGN`` elements."""
+    nbytes = numel * itemsize
+    if nbytes < PIPELINE_MIN_BYTES:
         return [(0, numel)]
-    cuts = [0] + [numel * i // REPLY_PARTS // PART_ALIGN * PART_ALIGN
-                  for i in range(1, REPLY_PARTS)] + [numel]
+    parts = max(REPLY_PARTS, nbytes // REPLY_PART_BYTES)
+    cuts = [0] + [numel * i // parts // PART_ALIGN * PART_ALIGN
+                  for i in range(1, parts)] + [numel]
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
@@ -190,6 +209,7 @@ class Server:
         self.pieces: dict[tuple[int, int], PieceState] = {}
         self.closed = np.zeros(workers, dtype=bool)
         self.finished = False   # every worker has closed
+        self.some_closed = False
         self.pending: list[tuple[int, PieceState]] = []  # (worker, piece) pulls waiting
         servers = comm.size - workers
         self.first = (comm.rank - workers) * workers // servers  # replies start here
@@ -263,6 +283,7 @@ class Server:
         elif m.op == wire.CLOSE:
             self.closed[m.a] = True
             self.finished = bool(self.closed.all())
+            self.some_closed = True
             self._serve_pending()
         elif m.op == wire.CKPT:
             self.ckpt_requests += 1
@@ -283,7 +304,7 @@ class Server:
         """Apply (or hold, in sync mode) the push ``m``: its dense gradient received
         into ``grad`` (a buffer of this server's own), or inline in ``m``."""
         seq, w = m.a, m.b
-        last = int(st.last_seq[w])
+        last = st.last_seq[w]
         if seq <= last:  # already applied (a replay after restore, a resend): skip
             self.stats["duplicates"] += 1
             if grad is not None:
@@ -331,16 +352,17 @@ class Server:
             if st.reading:     # copy on write: the replies in flight keep the old buffer
                 st.value = st.value.clone()
                 st.reading = []
-        bounds = reply_bounds(st.value.numel(), st.value.element_size())
-        answers = self._answers(st) if len(bounds) > 1 else []
+        answers = self._answers(st) if len(st.bounds) > 1 else []
         if not answers:   # nobody to answer while it runs: one step
-            bounds = [(0, st.value.numel())]
-        parts = [st.value[a:b] for a, b in bounds]
-        for w in answers:
-            self._reply_head(w, st, st.version + 1, parts)
-        for i, _ in enumerate(self.optimizer.step_parts(st.value, total, st.opt, bounds)):
+            self.optimizer.step(st.value, total, st.opt)
+        else:
+            parts = st.parts()
             for w in answers:
-                self._send_values(w, st, parts[i])
+                self._reply_head(w, st, st.version + 1, parts)
+            for i, _ in enumerate(self.optimizer.step_parts(st.value, total, st.opt,
+                                                            st.bounds, parts)):
+                for w in answers:
+                    self._send_values(w, st, parts[i])
         st.version += 1
         self.stats["updates"] += 1
         self._release(st, total, True)
@@ -377,7 +399,7 @@ class Server:
 
     # ------------------------------------------------------------------ pulls
     def _ready(self, w: int, st: PieceState) -> bool:
-        c_w = int(st.last_seq[w])
+        c_w = st.last_seq[w]
         if self.mode == "sync":
             if st.version >= c_w:
                 return True
@@ -391,9 +413,9 @@ class Server:
         return self._slowest(w, st) >= c_w - self.staleness
 
     def _slowest(self, w: int, st: PieceState) -> int:
-        open_ = ~self.closed
-        open_[w] = True
-        return int(st.last_seq[open_].min())
+        if not self.some_closed:
+            return min(st.last_seq)
+        return min(c for v, c in enumerate(st.last_seq) if v == w or not self.closed[v])
 
     def _serve_pending(self) -> None:
         keep = []
@@ -428,11 +450,11 @@ class Server:
         """Count a reply to ``w`` carrying ``version`` of ``st``; for a dense one (given
         ``arrays``, the parts of the values it announces) send its header. Returns the
         reply header's ``(staleness, pushes applied, version)``."""
-        stale = max(0, int(st.last_seq[w]) - self._slowest(w, st))
+        stale = max(0, st.last_seq[w] - self._slowest(w, st))
         self.stats["max_staleness"] = max(self.stats["max_staleness"], stale)
         self.stats["pulls"] += 1
         hooks.instant("ps reply", "ps", key_id=st.key_id, piece=st.index, worker=w)
-        head = (stale, int(st.last_seq.sum()), version)
+        head = (stale, sum(st.last_seq), version)
         if arrays:
             self.sends.append(wire.isend_head(self.mpi, w, wire.TAG_REPLY, wire.REPLY,
                                               st.key_id, st.index, *head, 0, arrays,
@@ -518,7 +540,7 @@ class Server:
                 st.pull_view = self.pull_codec.view(shape, start, start + value.numel())
             if p.get("version") is not None:
                 st.version = int(p["version"])
-                st.last_seq = np.array(p["last_seq"], dtype=np.int64).copy()
+                st.last_seq = [int(v) for v in p["last_seq"]]
             self.pieces[key] = st
         self.sends.append((isend_object(self.mpi, {"op": "ack"}, source, wire.TAG_CONTROL,
                                         self.delay), None))
@@ -531,7 +553,7 @@ class Server:
                 raise RuntimeError(f"checkpoint while step {min(st.slots)} of key {st.name} "
                                    "is incomplete; call checkpoint() between steps")
             pieces[key] = {"value": to_numpy(st.value), "version": st.version,
-                           "last_seq": st.last_seq.copy(),
+                           "last_seq": np.array(st.last_seq, dtype=np.int64),
                            "opt": {k: (to_numpy(v) if isinstance(v, torch.Tensor) else int(v))
                                    for k, v in st.opt.items()}}
         self.sends.append((isend_object(self.mpi, {"pieces": pieces}, dest, wire.TAG_STATE,

@@ -324,8 +324,10 @@ def wait_requests(requests: list[MPI.Request], urgent: bool = False) -> None:
     """Complete ``requests`` without spinning a core (tests, then sleeps with backoff;
     ``urgent``: tests and yields, never sleeps: for this rank's own large sends, which
     move only while it calls into MPI)."""
+    if not requests or MPI.Request.Testall(requests):
+        return      # done already (the common case): no backoff to set up
     backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S)
-    while requests and not MPI.Request.Testall(requests):
+    while not MPI.Request.Testall(requests):
         backoff.idle(urgent)
 
 

@@ -42,6 +42,7 @@ import os
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -82,9 +83,15 @@ class KeyInfo:
     device: str
     pieces: tuple[Piece, ...]
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+    @cached_property
+    def numpy_dtype(self) -> np.dtype | None:
+        """The key's dtype as numpy's (``None`` for bfloat16, which numpy lacks)."""
+        return None if self.dtype == torch.bfloat16 else torch.empty(0, dtype=self.dtype
+                                                                     ).numpy().dtype
 
     def like(self) -> Any:
         """An empty array of the caller's framework, for :func:`from_torch`."""
@@ -217,6 +224,11 @@ class Worker:
                              f"{list(self.keys)[:8]})") from None
 
     def check_value(self, info: KeyInfo, x: Any, what: str) -> None:
+        if type(x) is np.ndarray:      # the usual cases, without a full inspection
+            if x.dtype == info.numpy_dtype and x.shape == info.shape:
+                return
+        elif type(x) is torch.Tensor and x.dtype == info.dtype and x.shape == info.shape:
+            return
         xi = inspect(x)
         if xi.shape != info.shape:
             raise ValueError(f"{what} of key {info.key!r}: shape {xi.shape}, the key has "
@@ -274,7 +286,7 @@ class Worker:
         """Send piece ``p`` of a dense push numbered ``seq`` straight from ``flat``
         (detached form); ``then = wire.PULL_AFTER`` asks the server to answer a pull of
         the piece right after applying it. Returns the sends (also in :attr:`sends`)."""
-        part = flat[p.start:p.stop]
+        part = flat if p.stop - p.start == flat.numel() else flat[p.start:p.stop]
         sends = wire.isend_detached(self.mpi, self.server_rank(p.server), wire.TAG_REQUEST,
                                     wire.PUSH, info.key_id, p.index, seq, self.rank, seq,
                                     then, arrays=[part], delay=self.delay)
@@ -328,7 +340,7 @@ class Worker:
                           else out.flags.c_contiguous)
             if not contiguous:
                 raise ValueError("pull: out must be contiguous")
-        target = None if out is None else to_torch(out).detach().reshape(-1)
+        target = None if out is None else _flat_cpu(out, copy=False)
         direct = target is not None and target.device.type == "cpu"
         flat = fetch(target if direct else None)
         if target is not None:
@@ -400,7 +412,8 @@ class Worker:
             nbytes = buf.nbytes
             if m.follow:   # a dense value, detached (maybe in parts): straight into place
                 t1 = time.perf_counter()
-                target = results[slot][p.start:p.stop]
+                whole = results[slot]
+                target = whole if p.numel == whole.numel() else whole[p.start:p.stop]
                 into = (list(torch.split(target, [n for _, n in m.follow]))
                         if len(m.follow) > 1 else [target])
                 got = wire.recv_detached(self.mpi, status.Get_source(), m, into)
@@ -588,9 +601,13 @@ def _to_cpu(obj: Any) -> Any:
     return ckpt.to_torch_cpu(obj)
 
 
-def _flat_cpu(x: Any) -> torch.Tensor:
+def _flat_cpu(x: Any, copy: bool = True) -> torch.Tensor:
+    """``x`` as a flat torch tensor: a view where it is a contiguous CPU array (numpy or
+    torch), else a flat copy on the CPU (``copy=False``: left on its device)."""
+    if type(x) is np.ndarray and x.flags.c_contiguous:
+        return torch.from_numpy(x).view(-1)
     t = to_torch(x).detach()
-    if t.device.type != "cpu":
+    if copy and t.device.type != "cpu":
         t = t.cpu()
     return t.reshape(-1)
 
