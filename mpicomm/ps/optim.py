@@ -27,7 +27,7 @@ Cost: a few passes over the shard per update (SGD 1-3, Adam about 8); state: one
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -83,28 +83,30 @@ class ShardOptimizer:
 
     def step_parts(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
                    bounds: Sequence[tuple[int, int]],
-                   param_parts: Sequence[torch.Tensor] | None = None
+                   cut: Callable[[torch.Tensor], Sequence[torch.Tensor]] | None = None
                    ) -> Iterator[tuple[int, int]]:
         """One update of the flat ``param`` done part by part: yields ``(start, stop)``
         once ``param[start:stop]`` holds its new value, so that a caller can send it
         while the next part is updated. The rules are elementwise and the step count
         advances once, so the parts together are the same update as :meth:`step` (the
         same bits where the parts' bounds are multiples of the CPU's vector width).
-        ``bounds`` must cover ``param`` in order; ``param_parts``, if given, are
-        ``param`` cut at ``bounds`` already (views the caller keeps: no slicing here)."""
-        whole = len(bounds) == 1 and tuple(bounds[0]) == (0, param.numel())
+        ``bounds`` must cover ``param`` in order. ``cut(t)``, if given, returns ``t`` (the
+        parameter, the gradient or a state buffer) cut at ``bounds``: a caller that keeps
+        the views saves the slicing (about 1 us a slice warm, several after a large
+        transfer has gone through the caches)."""
+        if cut is None:
+            whole = len(bounds) == 1 and tuple(bounds[0]) == (0, param.numel())
 
-        def part(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-            return t if whole else t[a:b]   # a slice costs about 1 us
+            def cut(t: torch.Tensor) -> Sequence[torch.Tensor]:
+                return [t] if whole else [t[a:b] for a, b in bounds]
 
-        mine = (param_parts if param_parts is not None else
-                [part(param, a, b) for a, b in bounds])
         if self.kind == "adam":
             state["step"] = step = int(state["step"]) + 1
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            for p, (a, b) in zip(mine, bounds):
-                self._adam(p, part(grad, a, b), part(m, a, b), part(v, a, b), step)
-                yield a, b
+            for i, (p, g, m, v) in enumerate(zip(cut(param), cut(grad),
+                                                 cut(state["exp_avg"]),
+                                                 cut(state["exp_avg_sq"]))):
+                self._adam(p, g, m, v, step)
+                yield bounds[i]
             return
         buf, first = None, False
         if self.momentum != 0:
@@ -112,9 +114,10 @@ class ShardOptimizer:
             if buf is None:   # the first step: b <- g (written part by part below)
                 buf = state["momentum_buffer"] = torch.empty_like(grad)
                 first = True
-        for p, (a, b) in zip(mine, bounds):
-            self._sgd(p, part(grad, a, b), None if buf is None else part(buf, a, b), first)
-            yield a, b
+        bufs = [None] * len(bounds) if buf is None else cut(buf)
+        for i, (p, g, b) in enumerate(zip(cut(param), cut(grad), bufs)):
+            self._sgd(p, g, b, first)
+            yield bounds[i]
 
     def _sgd(self, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None,
              first: bool) -> None:

@@ -160,7 +160,7 @@ class PieceState:
     chain: list[tuple[int, list[torch.Tensor], int]] = field(default_factory=list)
     held: list[int] = field(default_factory=list)  # per worker: its link (-1: none)
     bounds: list[tuple[int, int]] = field(default_factory=list)  # reply_bounds of value
-    cut: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # value and its parts
+    cuts: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.last_seq is None:
@@ -168,11 +168,20 @@ class PieceState:
         self.held = [-1] * self.workers
         self.bounds = reply_bounds(self.value.numel(), self.value.element_size())
 
-    def parts(self) -> list[torch.Tensor]:
-        """``value`` cut at ``bounds`` (views, kept while ``value`` is the same tensor)."""
-        if self.cut is None or self.cut[0] is not self.value:
-            self.cut = (self.value, [self.value[a:b] for a, b in self.bounds])
-        return self.cut[1]
+    def parts(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """``t`` cut at ``bounds``: views kept for the piece's own tensors (``value`` while
+        it is the same tensor, the optimizer's state), made afresh for any other (a
+        gradient buffer: keeping its views would keep it alive)."""
+        own = t is self.value or any(t is v for v in self.opt.values())
+        if not own:
+            return [t[a:b] for a, b in self.bounds]
+        kept = self.cuts.get(id(t))
+        if kept is None or kept[0] is not t:
+            if t is self.value:   # a new value buffer (copy on write): drop the old cut
+                self.cuts = {i: c for i, c in self.cuts.items()
+                             if any(c[0] is v for v in self.opt.values())}
+            kept = self.cuts[id(t)] = (t, [t[a:b] for a, b in self.bounds])
+        return kept[1]
 
 
 def reply_bounds(numel: int, itemsize: int) -> list[tuple[int, int]]:
@@ -356,11 +365,11 @@ class Server:
         if not answers:   # nobody to answer while it runs: one step
             self.optimizer.step(st.value, total, st.opt)
         else:
-            parts = st.parts()
+            parts = st.parts(st.value)
             for w in answers:
                 self._reply_head(w, st, st.version + 1, parts)
             for i, _ in enumerate(self.optimizer.step_parts(st.value, total, st.opt,
-                                                            st.bounds, parts)):
+                                                            st.bounds, st.parts)):
                 for w in answers:
                     self._send_values(w, st, parts[i])
         st.version += 1
