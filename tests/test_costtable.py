@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import mpicomm
 from mpicomm import clock, costtable
 from mpicomm.compress.topk_select import SELECT_COST_DENSITY, topk_indices
 from mpicomm.costtable import CostTable, OpCost
@@ -105,3 +106,35 @@ def test_select_kept_is_measured_alike_on_every_rank_and_charges_gtopk_more(comm
         assert t_with == t_without
     else:   # each merge keeps k of up to 2k pairs: at least k - 2k/100 kept beyond 1%
         assert t_with - t_without >= PER_KEPT * (k - int(2 * k * SELECT_COST_DENSITY)) * 0.999
+
+
+def test_a_sparse_input_in_random_order_pays_its_sort_and_a_sorted_one_does_not():
+    from mpicomm.sparse import gtopk
+
+    per_sort = 1e-6
+    table = CostTable({"sort": OpCost(0.0, per_sort), "select": OpCost(0.0, 0.0),
+                       "select:kept": OpCost(0.0, 0.0, "kept element"),
+                       "merge": OpCost(0.0, 0.0, "pair")})
+    idx = torch.randperm(5000, generator=torch.Generator().manual_seed(3))[:400]
+    val = torch.randn(400, generator=torch.Generator().manual_seed(4))
+
+    def charged(i: torch.Tensor) -> float:
+        with clock.session(_platform(1), table, clock.MPI.COMM_SELF):
+            raw = clock.MPI.COMM_SELF.Dup()
+            one = mpicomm.init(raw, check=False, abort_on_error=False)
+            try:
+                t0 = clock.now()
+                gtopk(i, val, 40, comm=one, size=5000)
+                return clock.now() - t0
+            finally:
+                one.free()
+                raw.Free()
+
+    assert charged(idx) == pytest.approx(per_sort * 400)
+    assert charged(torch.sort(idx).values) == 0.0
+
+
+def test_a_table_without_sort_charges_it_nothing():
+    table = CostTable({"select": OpCost(0.0, PER_ELEMENT)})
+    assert table.cost("sort", 1000) == 0.0
+    assert table.ops["sort"] == OpCost(0.0, 0.0, "element", "absent")

@@ -40,6 +40,8 @@ def _cost_kernels() -> None:
     value), ``select:kept`` (what keeping ``m`` more of 2^18 values adds, per index: the
     slope between ``m`` = 2^12 and 2^17, no per-call part), ``merge`` (sparse union of
     two sorted sets of ``n/2`` pairs each, a third of the indices shared, per pair),
+    ``sort`` (sorting ``n`` distinct indices in random order, what a sparse collective does
+    with a rank's input given unsorted, per element),
     ``scatter`` (zero a dense vector of ``n`` and scatter-add 1% of it, per element)."""
     import torch
 
@@ -66,6 +68,10 @@ def _cost_kernels() -> None:
         va, vb = torch.randn(n // 2, generator=gen), torch.randn(n // 2, generator=gen)
         return lambda: union((a, va), (b, vb))
 
+    def sort(n: int):  # type: ignore[no-untyped-def]
+        idx = torch.randperm(n << 4, generator=torch.Generator().manual_seed(0))[:n]
+        return lambda: torch.sort(idx, stable=True)
+
     def scatter(n: int):  # type: ignore[no-untyped-def]
         gen = torch.Generator().manual_seed(0)
         idx = torch.randperm(n, generator=gen)[:max(1, n // 100)]
@@ -81,6 +87,7 @@ def _cost_kernels() -> None:
     register_kernel("select:kept", select_kept, "kept element", (1 << 12, 1 << 17),
                     intercept=False)
     register_kernel("merge", merge, "pair", (1 << 12, 1 << 18))
+    register_kernel("sort", sort, "element", (1 << 12, 1 << 18))
     register_kernel("scatter", scatter, "element", (1 << 14, 1 << 20))
 
 

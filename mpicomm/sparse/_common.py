@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .. import clock
 from ..buffers import framework_of, from_torch, to_torch
 from ..buffers import inspect as inspect_buffer
 from ..collectives import cost
@@ -165,6 +166,7 @@ def read_pairs(indices: Any, values: Any, size: int | None, allow_nonfinite: boo
         raise ValueError("values contain NaN or infinity (pass allow_nonfinite=True to allow)")
     if n < 2 or bool((idx_in[1:] > idx_in[:-1]).all()):  # already canonical: O(n)
         return SparseInput(idx_in, val.contiguous(), idx_in, ti.dtype, indices, values)
+    clock.charge("sort", n)
     idx, order = torch.sort(idx_in, stable=True)
     same = idx[1:] == idx[:-1]
     if bool(same.any()):
