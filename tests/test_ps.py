@@ -636,6 +636,23 @@ def test_update_rules_match_torch_optim(kind, kw):
     assert torch.equal(cut, p_ref.detach())
 
 
+def test_a_piece_keeps_the_views_of_its_own_tensors_only():
+    value = torch.zeros(3 << 19)   # 6 MiB: three reply parts
+    st = server.PieceState(0, 0, "w/0", value, {"momentum_buffer": torch.zeros(3 << 19)}, 2)
+    assert len(st.bounds) == 3
+    parts = st.parts(st.value)
+    assert st.parts(st.value) is parts                     # kept
+    buf = st.opt["momentum_buffer"]
+    assert st.parts(buf) is st.parts(buf)                  # state: kept too
+    grad = torch.ones_like(value)
+    assert st.parts(grad) is not st.parts(grad)            # a gradient: cut afresh
+    st.value = value.clone()                               # copy on write
+    fresh = st.parts(st.value)
+    assert fresh is not parts and fresh[0].data_ptr() == st.value.data_ptr()
+    assert all(c[0] is not value for c in st.cuts.values())   # the old value let go
+    assert st.parts(buf) is st.parts(buf)
+
+
 def test_reply_parts_grow_with_the_piece():
     mib = 1 << 20
     assert server.reply_bounds(1000, 4) == [(0, 1000)]         # below the pipelining size
