@@ -172,16 +172,17 @@ class PieceState:
         """``t`` cut at ``bounds``: views kept for the piece's own tensors (``value`` while
         it is the same tensor, the optimizer's state), made afresh for any other (a
         gradient buffer: keeping its views would keep it alive)."""
-        own = t is self.value or any(t is v for v in self.opt.values())
-        if not own:
+        if t is not self.value and not self._is_state(t):
             return [t[a:b] for a, b in self.bounds]
         kept = self.cuts.get(id(t))
         if kept is None or kept[0] is not t:
             if t is self.value:   # a new value buffer (copy on write): drop the old cut
-                self.cuts = {i: c for i, c in self.cuts.items()
-                             if any(c[0] is v for v in self.opt.values())}
+                self.cuts = {i: c for i, c in self.cuts.items() if self._is_state(c[0])}
             kept = self.cuts[id(t)] = (t, [t[a:b] for a, b in self.bounds])
         return kept[1]
+
+    def _is_state(self, t: torch.Tensor) -> bool:
+        return any(t is v for v in self.opt.values())
 
 
 def reply_bounds(numel: int, itemsize: int) -> list[tuple[int, int]]:

@@ -41,8 +41,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -58,50 +56,13 @@ from ..p2p import improbe, isend_bytes, isend_object, recv_bytes, recv_object, s
 from . import checkpoint as ckpt
 from . import wire
 from .codec import Codec, PieceView, pull_name
+from .keys import KeyInfo, piece_name
 from .sharding import Piece, ShardPlan
 
 __all__ = ["KeyInfo", "Worker", "piece_name", "LARGE_BYTES"]
 
 #: Detached receives at least this large time the link for :meth:`Worker.expected_wait`.
 LARGE_BYTES = 1 << 16
-
-
-def piece_name(key: Hashable, index: int) -> str:
-    """The name a piece's compressor state and error-feedback residual go by."""
-    return f"{key}/{index}"
-
-
-@dataclass
-class KeyInfo:
-    """What a worker knows about a key."""
-
-    key: Hashable
-    key_id: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    framework: str
-    device: str
-    pieces: tuple[Piece, ...]
-
-    @cached_property
-    def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @cached_property
-    def numpy_dtype(self) -> np.dtype | None:
-        """The key's dtype as numpy's (``None`` for bfloat16, which numpy lacks)."""
-        return None if self.dtype == torch.bfloat16 else torch.empty(0, dtype=self.dtype
-                                                                     ).numpy().dtype
-
-    def like(self) -> Any:
-        """An empty array of the caller's framework, for :func:`from_torch`."""
-        if self.framework == "numpy":
-            return np.empty(0)
-        if self.framework == "cupy":
-            import cupy
-
-            return cupy.empty(0)
-        return torch.empty(0)
 
 
 class Worker:
@@ -286,7 +247,7 @@ class Worker:
         """Send piece ``p`` of a dense push numbered ``seq`` straight from ``flat``
         (detached form); ``then = wire.PULL_AFTER`` asks the server to answer a pull of
         the piece right after applying it. Returns the sends (also in :attr:`sends`)."""
-        part = flat if p.stop - p.start == flat.numel() else flat[p.start:p.stop]
+        part = _piece_of(flat, p)
         sends = wire.isend_detached(self.mpi, self.server_rank(p.server), wire.TAG_REQUEST,
                                     wire.PUSH, info.key_id, p.index, seq, self.rank, seq,
                                     then, arrays=[part], delay=self.delay)
@@ -412,8 +373,7 @@ class Worker:
             nbytes = buf.nbytes
             if m.follow:   # a dense value, detached (maybe in parts): straight into place
                 t1 = time.perf_counter()
-                whole = results[slot]
-                target = whole if p.numel == whole.numel() else whole[p.start:p.stop]
+                target = _piece_of(results[slot], p)
                 into = (list(torch.split(target, [n for _, n in m.follow]))
                         if len(m.follow) > 1 else [target])
                 got = wire.recv_detached(self.mpi, status.Get_source(), m, into)
@@ -599,6 +559,12 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     return ckpt.to_torch_cpu(obj)
+
+
+def _piece_of(flat: torch.Tensor, p: Piece) -> torch.Tensor:
+    """Piece ``p``'s elements of a key's flat tensor: the tensor itself where the piece
+    is the whole key (a slice costs about a microsecond on a hot path)."""
+    return flat if p.numel == flat.numel() else flat[p.start:p.stop]
 
 
 def _flat_cpu(x: Any, copy: bool = True) -> torch.Tensor:

@@ -103,17 +103,23 @@ def union_tagged(a: Pairs, b: Pairs, tags_a: Tags, tags_b: Tags
     return torch.from_numpy(si), torch.from_numpy(sv), tuple(map(torch.from_numpy, st))
 
 
+def _numpy_sort(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` sorted (stable) and the permutation, as ``torch.sort(x, stable=True)``."""
+    order = np.argsort(x, kind="stable")
+    return x[order], order
+
+
 #: The few array operations :func:`_union_sorted` needs, for torch tensors (any device)
 #: and numpy arrays (CPU float32/64: numpy's stable sort merges the two sorted runs of a
 #: union in one pass, and its gathers and masks are cheaper than torch's for 1-D data;
 #: a union of 1e4 + 1e4 pairs took 0.15 ms against 0.51 ms in torch on one core, 1e5 +
 #: 1e5 2.2 against 5.1 ms, the same bits).
-_TORCH = SimpleNamespace(argsort=lambda x: torch.sort(x, stable=True)[1],
+_TORCH = SimpleNamespace(sort=lambda x: torch.sort(x, stable=True),
                          flatnonzero=lambda m: torch.nonzero(m).view(-1),
                          maximum=torch.maximum,
                          trues=lambda x: torch.ones(x.shape[0], dtype=torch.bool,
                                                     device=x.device))
-_NUMPY = SimpleNamespace(argsort=lambda x: np.argsort(x, kind="stable"),
+_NUMPY = SimpleNamespace(sort=_numpy_sort,
                          flatnonzero=np.flatnonzero, maximum=np.maximum,
                          trues=lambda x: np.ones(x.shape[0], dtype=bool))
 
@@ -124,8 +130,8 @@ def _union_sorted(ci: Any, cv: Any, ct: list[Any], xp: SimpleNamespace
     ``ct``): a stable sort by index (equal indices: the first set's entry first), then
     each index held twice added into its first entry (``a + b``) with the larger tag,
     and the second entry dropped."""
-    order = xp.argsort(ci)
-    si, sv = ci[order], cv[order]
+    si, order = xp.sort(ci)
+    sv = cv[order]
     st = [t[order] for t in ct]
     first = xp.flatnonzero(si[1:] == si[:-1])  # each index occurs at most twice
     if first.shape[0]:
