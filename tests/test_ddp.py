@@ -245,26 +245,27 @@ def _momentum_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: in
 @pytest.mark.mpi
 @pytest.mark.parametrize("overlap", [True, False])
 def test_scheduled_sparsifier_under_the_hook_equals_gradientsync(group, overlap) -> None:
-    """gTop-k's default recipe (a density warm-up advanced per step and momentum
-    correction that takes the SGD optimizer's momentum over at the first step's end)
-    through the DDP hook with ``optimizer=`` gives the same weights, bit for bit, as
-    ``GradientSync.step`` over the same steps (one bucket each; the hook runs
-    ``step_done`` before the optimizer step, GradientSync after it). Without
-    ``optimizer=`` the optimizer keeps its momentum, the memory stays plain error
-    feedback, and the run equals GradientSync with ``momentum_correction=0``."""
+    """gTop-k by name (a density warm-up advanced per step) with the momentum correction
+    that takes the SGD optimizer's momentum over at the first step's end
+    (``momentum_correction="optimizer"``) through the DDP hook with ``optimizer=`` gives
+    the same weights, bit for bit, as ``GradientSync.step`` over the same steps (one
+    bucket each; the hook runs ``step_done`` before the optimizer step, GradientSync
+    after it). The default by name is plain error feedback: the optimizer keeps its
+    momentum, and the run equals GradientSync with ``momentum_correction=0``."""
     from mpicomm.torch import GradientSync
 
     steps = 8
     ref_model = _mlp()
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
-    ref_strategy = strategies.make("gtopk", density=0.02)
+    ref_strategy = strategies.make("gtopk", density=0.02, momentum_correction="optimizer")
     with GradientSync(ref_model, strategy=ref_strategy, comm=group, bucket_mb=64) as sync:
         ref = _momentum_steps(ref_model, ref_opt, group.rank, lambda: sync.step(ref_opt),
                               steps)
     assert ref_opt.param_groups[0]["momentum"] == 0.0       # taken over
     model = DistributedDataParallel(_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    hook = ddp_comm_hook("gtopk", group, overlap=overlap, optimizer=opt, density=0.02)
+    hook = ddp_comm_hook("gtopk", group, overlap=overlap, optimizer=opt, density=0.02,
+                         momentum_correction="optimizer")
     model.register_comm_hook(None, hook)
     mine = _momentum_steps(model, opt, group.rank, opt.step, steps)
     assert hook.state.steps == steps and opt.param_groups[0]["momentum"] == 0.0

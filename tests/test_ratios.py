@@ -75,10 +75,10 @@ def test_bare_labels_are_the_strategies_defaults():
             recipe = label_strategy(name, density=density)
             made = strategies.make(name, density=density)
             assert recipe.strategy.describe() == made.describe()
-            # topk and gtopk take the momentum from the optimizer at the first step,
-            # artopk leaves it there: the harness builds the optimizer with its
+            # topk takes the momentum from the optimizer at the first step, gtopk and
+            # artopk leave it there: the harness builds the optimizer with its
             # momentum, as a user would
-            assert made.momentum_correction == (0.0 if name == "artopk" else "optimizer")
+            assert made.momentum_correction == ("optimizer" if name == "topk" else 0.0)
             assert not recipe.owns_momentum
             assert label_density(name, density) == density
     assert label_density("gtopk+ef+mc", 0.001) == 0.001
@@ -108,7 +108,7 @@ def test_sparsifier_labels_with_options_keep_the_default_recipe_at_the_density()
     s = label_strategy("gtopk:flush_every=100", density=0.001).strategy
     d = s.describe()
     assert (d["density"], d["flush_every"], d["own_contribution"]) == (0.001, 100, True)
-    assert d["momentum_correction"] == "optimizer"
+    assert s.momentum_correction == 0.0 and d["schedule"] == "ramp:0.03,7.48"
     assert label_density("gtopk:flush_every=100", 0.001) == 0.001
     assert label_density("artopk:flush_every=50,density=0.01", 0.001) == 0.01
     assert label_strategy("artopk:flush_every=50,density=0.01",

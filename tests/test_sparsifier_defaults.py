@@ -1,9 +1,9 @@
 """The sparsifiers' default recipe: momentum correction taken over from the optimizer
 (and, for gTop-k, the put-back of truncated picks).
 
-``strategies.make("topk" | "gtopk")`` and the class ``ARTopK`` default to
-``momentum_correction="optimizer"`` (AR-Top-k by name: plain error feedback and a
-density ramp, checked here too): at the first ``GradientSync.step(optimizer)`` the
+``strategies.make("topk")`` and the classes ``GTopK`` and ``ARTopK`` default to
+``momentum_correction="optimizer"`` (gTop-k and AR-Top-k by name: plain error feedback
+and a density ramp, checked here too): at the first ``GradientSync.step(optimizer)`` the
 strategy moves an SGD optimizer's momentum into its error-feedback memory. Checked under
 ``mpiexec -n 1..5`` on a real model: the run is the same as the explicit DGC recipe
 (``momentum_correction=0.9`` with SGD without momentum), different from plain error
@@ -47,9 +47,9 @@ def _train(comm, strategy, momentum: float, steps: int = 6, use_step: bool = Tru
 
 
 def _class_default(name: str, **kwargs):
-    """The classes' default at density 0.05 (AR-Top-k by name has another recipe:
-    no momentum correction, a density ramp)."""
-    if name == "artopk":
+    """The classes' default at density 0.05 (gTop-k and AR-Top-k by name have another
+    recipe: no momentum correction, a density ramp)."""
+    if name in ("gtopk", "artopk"):
         kwargs = {"schedule": None, "momentum_correction": "optimizer", **kwargs}
     return strategies.make(name, density=0.05, **kwargs)
 
@@ -110,20 +110,25 @@ def test_gtopk_default_puts_truncated_picks_back():
 
 def test_gtopk_by_name_ramps_its_density_within_a_fixed_budget():
     """``make("gtopk")`` (and every entry point that builds by name) adds the measured
-    density ramp: from 0.03 geometrically down to the density, 9.311 density-steps in
-    all (1 092 steps at 0.001); the class itself and ``schedule=None`` have none."""
+    recipe: plain error feedback with the optimizer's momentum and a density ramp from
+    0.03 geometrically down to the density, 7.48 density-steps in all (877 steps at
+    0.001); the class itself and ``schedule=None`` have no ramp, and the class keeps
+    the momentum correction."""
     from mpicomm.bench.recipes import label_strategy
     from mpicomm.control import BudgetRamp
 
     s = strategies.make("gtopk", density=0.001)
-    assert s.schedule == BudgetRamp(0.03, 9.311)
-    assert s.describe()["schedule"] == "ramp:0.03,9.311"
-    # k of a 100 000-element buffer: 3 000 at step 0, 100 from step 1 092 on
-    assert [s._k(100_000, t, 0.001, None) for t in (0, 546, 1091, 1092, 5000)] == \
-        [3000, math.ceil(100_000 * 0.03 * (1 / 30) ** 0.5), 101, 100, 100]
+    assert s.schedule == BudgetRamp(0.03, 7.48)
+    assert s.describe()["schedule"] == "ramp:0.03,7.48"
+    assert s.momentum_correction == 0.0 and not s.adopt_pending
+    # k of a 100 000-element buffer: 3 000 at step 0, 100 from step 877 on
+    assert [s._k(100_000, t, 0.001, None) for t in (0, 438, 876, 877, 5000)] == \
+        [3000, math.ceil(100_000 * 0.03 * (1 / 30) ** (438 / 877)), 101, 100, 100]
     assert label_strategy("gtopk", density=0.001).strategy.schedule == s.schedule
     assert strategies.make("gtopk", schedule=None).schedule is None
     assert strategies.GTopK(density=0.001).schedule is None
+    assert strategies.GTopK(density=0.001).momentum_correction == "optimizer"
+    assert strategies.make("gtopk", momentum_correction="optimizer").adopt_pending
     assert strategies.make("gtopk", density=0.05)._k(1000, 0, 0.05, None) == 50
     assert strategies.make("topk").schedule is None
 

@@ -107,12 +107,14 @@ _BY_NAME: dict[str, type[Strategy]] = {
 #: What :func:`make` adds to a name's constructor defaults: the default recipe measured
 #: for that name (docs/compression.md, "The sparsifiers' default"); a keyword given to
 #: :func:`make` wins over it, and the classes themselves keep their plain defaults.
-#: gTop-k: a geometric density ramp from 0.03 down to its density spending 9.311
-#: density-steps (:class:`~mpicomm.control.BudgetRamp`: 1 092 steps at density 0.001,
-#: 511 at 0.01, none from 0.03 on), about 32 dense allreduces' bytes at P = 8; on
-#: MNIST-1D's CNN at 8 ranks (2 028 steps) a median gap to dense of -0.44 points at
-#: 57.6x fewer bytes (density 0.001) and -0.45 at 24.1x (0.01), over 3 seeds; at 16
-#: ranks with the same global batch, -1.47 at 46.3x (0.001): tuned for 8 ranks.
+#: gTop-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``)
+#: and a geometric density ramp from 0.03 down to its density spending 7.48
+#: density-steps (:class:`~mpicomm.control.BudgetRamp`: 877 steps at density 0.001, 411
+#: at 0.01, none from 0.03 on), about 26 dense allreduces' bytes at P = 8 and 32 at
+#: P = 16 (``P·lg P/(P-1)`` of one per unit of density); on MNIST-1D's CNN (2 028 steps,
+#: 3 seeds, medians) at 8 ranks -0.22 points at 68.4x fewer bytes (density 0.001) and
+#: -0.04 at 25.0x (0.01); at 16 ranks with the same global batch -0.69 at 54.9x (0.001)
+#: and -0.17 at 20.1x (0.01).
 #: AR-Top-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``)
 #: and a geometric density ramp from 0.1 spending 23.47 density-steps (1 092 steps at
 #: density 0.001, 600 at 0.01), about 35 dense allreduces' bytes (3/2 of one per unit of
@@ -120,7 +122,7 @@ _BY_NAME: dict[str, type[Strategy]] = {
 #: +0.03 points at 55.3x fewer bytes (0.001) and +0.03 at 35.8x (0.01), over 3 seeds;
 #: at 16 ranks with the same global batch, -2.90 at 55.3x (0.001): tuned for 8 ranks.
 RECIPES: dict[str, dict[str, Any]] = {
-    "gtopk": {"schedule": BudgetRamp(0.03, 9.311)},
+    "gtopk": {"schedule": BudgetRamp(0.03, 7.48), "momentum_correction": 0.0},
     "artopk": {"schedule": BudgetRamp(0.1, 23.47), "momentum_correction": 0.0},
 }
 

@@ -46,7 +46,7 @@ class GTopK(SparsifyingStrategy):
     the odd rank of a folded pair (ranks 1, 3, .., 2rem-1); ``k·s`` for the folded-out
     even ranks 0, 2, .., 2rem-2. Nothing at P = 1.
 
-    Default recipe: error feedback with DGC's momentum correction and masking taken over
+    Class default: error feedback with DGC's momentum correction and masking taken over
     from the optimizer (``momentum_correction="optimizer"``: at the first
     ``GradientSync.step(optimizer)`` an SGD optimizer's momentum m moves into the
     memory and the optimizer's is set to 0) and the put-back of truncated picks
@@ -57,20 +57,23 @@ class GTopK(SparsifyingStrategy):
     power of two): ``(P-1) / (P·lg P·density)``, 29x at P = 8 and density 0.01.
 
     By name (``strategies.make("gtopk")``, ``GradientSync(model, strategy="gtopk")``,
-    ``examples/train.py --strategy gtopk``) the default also ramps the density
-    (:data:`mpicomm.strategies.RECIPES`): ``schedule=BudgetRamp(0.03, 9.311)``, from
-    0.03 geometrically down to ``density`` while sending 9.311 density-steps in all
-    (1 092 steps at density 0.001, 511 at 0.01, no ramp from 0.03 on). Cost: about
-    ``(24/7)·9.3 ≈ 32`` dense allreduces' bytes at P = 8 (``lg P·8/(2(P-1)/P·4)``
-    per unit of density), so a 2 028-step run at density 0.001 sends 57.6x fewer
-    bytes than dense instead of 291x, and one at 0.01 24.1x instead of 29x. Why:
-    the update changes k entries per step, and at density 0.001 the two large layers
-    of MNIST-1D's CNN were picked about once per parameter in 2 028 steps; the ramp
-    applies 3-30x more entries per step while the gradients change fast. Measured
-    (MNIST-1D CNN, 8 ranks, 2 028 steps, density 0.001): -0.44, -1.05 and -0.27
-    points against dense on seeds 0-2 (median -0.44; without the ramp -1.74, -1.07,
-    -1.18); at density 0.01: -0.45, -0.53 and +0.11 (median -0.45) at 24.1x (without:
-    median -0.73 at 29.1x). Pass ``schedule=None`` for none; the class's own default
+    ``examples/train.py --strategy gtopk``) the default is the recipe measured on
+    MNIST-1D's CNN (:data:`mpicomm.strategies.RECIPES`): plain error feedback
+    (``momentum_correction=0.0``, the optimizer keeps its momentum) and a density ramp,
+    ``schedule=BudgetRamp(0.03, 7.48)``, from 0.03 geometrically down to ``density``
+    while sending 7.48 density-steps in all (877 steps at density 0.001, 411 at 0.01,
+    no ramp from 0.03 on). Cost: gTop-k sends ``P·lg P/(P-1)`` dense allreduces' bytes
+    per unit of density (``lg P·8`` bytes per pair-slot against ``2(P-1)/P·4``), so the
+    ramp costs about 26 dense allreduces' bytes at P = 8 and 32 at P = 16: a 2 028-step
+    run at density 0.001 sends 68.4x (P = 8) and 54.9x (P = 16) fewer bytes than dense
+    instead of 291x and 234x, one at 0.01 25.0x and 20.1x instead of 29x and 23x. Why
+    the ramp: the update changes k entries per step, and at density 0.001 the two large
+    layers of MNIST-1D's CNN were picked about once per parameter in 2 028 steps; the
+    ramp applies 3-30x more entries per step while the gradients change fast. Why plain
+    error feedback: at 16 ranks the momentum correction lost 1.07 points against 0.14
+    (seed 0, the same ramp). Measured (2 028 steps, 3 seeds, medians against dense):
+    -0.22 points at density 0.001 and -0.04 at 0.01 on 8 ranks, -0.69 and -0.17 on 16
+    (docs/compression.md). Pass ``schedule=None`` for no ramp; the class's own default
     has none.
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
