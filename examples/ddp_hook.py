@@ -18,9 +18,9 @@ prints the test accuracy, and the bytes each rank sent through the hook.
 ``--momentum-correction`` hands the optimizer to the hook (``optimizer=opt``) and asks
 the sparsifiers for DGC's momentum correction (``momentum_correction="optimizer"``; by
 name gTop-k and AR-Top-k default to plain error feedback), which takes SGD's momentum
-over; the runs then match ``GradientSync`` ones. On these short digits runs plain error feedback
-did better (3 ranks, 6 epochs, density 0.05: gTop-k 0.969 without it, 0.944 with it;
-dense 0.972).
+over; the runs then match ``GradientSync`` ones. On these short digits runs plain error
+feedback did better (3 ranks, 6 epochs, density 0.05: gTop-k 0.969 without it, 0.944
+with it; dense 0.972).
 """
 
 from __future__ import annotations

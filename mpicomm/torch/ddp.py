@@ -155,8 +155,9 @@ class MpicommHookState:
         Aggregate on a background thread (default) so communication overlaps backward.
     optimizer:
         The training loop's optimizer (optional). It is passed to the strategy's
-        ``step_done`` at the end of every iteration, so that the sparsifiers' default
-        ``momentum_correction="optimizer"`` and ``auto``'s momentum correction can take
+        ``step_done`` at the end of every iteration, so that a sparsifier's
+        ``momentum_correction="optimizer"`` (Top-k's default by name, every sparsifier
+        class's default) and ``auto``'s momentum correction can take
         an SGD optimizer's momentum over (DGC's recipe). Without it their memory stays
         plain error feedback and the optimizer keeps its momentum: it is applied once,
         by the optimizer.
