@@ -156,11 +156,11 @@ class MpicommHookState:
     optimizer:
         The training loop's optimizer (optional). It is passed to the strategy's
         ``step_done`` at the end of every iteration, so that a sparsifier's
-        ``momentum_correction="optimizer"`` (Top-k's default by name, every sparsifier
-        class's default) and ``auto``'s momentum correction can take
-        an SGD optimizer's momentum over (DGC's recipe). Without it their memory stays
-        plain error feedback and the optimizer keeps its momentum: it is applied once,
-        by the optimizer.
+        ``momentum_correction="optimizer"`` (Top-k's default by name, the default of the
+        classes ``TopKAllgather``, ``GTopK`` and ``ARTopK``) and ``auto``'s momentum
+        correction can take an SGD optimizer's momentum over (DGC's recipe). Without it
+        their memory stays plain error feedback and the optimizer keeps its momentum: it
+        is applied once, by the optimizer.
 
     The end of each iteration: DDP marks the last bucket of every backward
     (``GradBucket.is_last()``, after its bucket rebuild too). Right after that bucket is
