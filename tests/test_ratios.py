@@ -16,9 +16,10 @@ import sys
 import pytest
 
 from mpicomm import strategies, workloads
+from mpicomm.bench._util import UsageError
 from mpicomm.bench.harness import Spec, train
 from mpicomm.bench.probe import CompressionProbe
-from mpicomm.bench.ratios import ROW_KEYS, collect, is_rows, medians, metric_gap
+from mpicomm.bench.ratios import ROW_KEYS, collect, is_rows, medians, metric_gap, stale_default
 from mpicomm.bench.recipes import label_density, label_strategy, named_options
 from mpicomm.bench.sync import GradientMethod
 
@@ -197,3 +198,38 @@ def test_medians_keep_short_and_full_runs_apart():
         [(100, 1, -10.0), (400, 3, -0.5)]
     assert [m["seeds"] for m in medians(collect(runs))] == [4]
     assert all("steps" not in row for row in collect(runs))
+
+
+def test_a_run_of_an_earlier_default_is_never_read_as_todays():
+    """A run labelled by a sparsifier's bare name records the recipe it ran; when that is
+    no longer what the name builds, collecting refuses it (naming the run and what
+    changed) until it is relabelled with the recipe it ran; the adopted momentum of
+    ``momentum_correction="optimizer"`` counts as the optimizer's."""
+    def run(label, describe, momentum=0.9, acc=0.97):
+        return {"workload": "w", "ranks": 8, "seed": 0, "steps": 100, "label": label,
+                "metric": "accuracy", "direction": "max", "density": 0.001,
+                "curve": [{"accuracy": acc}], "sent_bytes_total": 10,
+                "config": {"momentum": momentum}, "extra": {"describe": describe}}
+
+    now = strategies.make("gtopk", density=0.001).describe()
+    earlier = {**strategies.GTopK(density=0.001).describe(), "momentum_correction": 0.9}
+    dense = run("dense", None, acc=0.98) | {"sent_bytes_total": 1000}
+    assert stale_default(run("gtopk", now)) == {}
+    assert stale_default(run("gtopk", earlier)) == {
+        "momentum_correction": (0.9, None), "momentum_masking": (True, None),
+        "schedule": (None, "ramp:0.03,7.48")}
+    assert stale_default(run("gtopk:flush_every=100", earlier | {"flush_every": 100}))
+    assert stale_default(run("gtopk+ef+mc+own", earlier)) == {}  # explicit: not a default
+    assert stale_default(run("gtopk", None)) == {}                # nothing recorded
+    # Top-k's default takes the optimizer's momentum over: recorded as the factor
+    topk = strategies.make("topk", density=0.001).describe()
+    assert stale_default(run("topk", topk | {"momentum_correction": 0.9})) == {}
+    plain = {k: v for k, v in topk.items() if not k.startswith("momentum_")}
+    assert stale_default(run("topk", plain, momentum=0.0)) == {}
+    assert stale_default(run("topk", plain))  # momentum 0.9 but nothing taken over
+
+    with pytest.raises(UsageError, match=r"gtopk \(w, 8 ranks, density 0.001, seed 0, "
+                                         r"100 steps\): momentum_correction ran 0.9"):
+        collect([dense, run("gtopk", earlier)])
+    rows = collect([dense, run("gtopk+ef+mc+own", earlier), run("gtopk", now)])
+    assert [r["strategy"] for r in rows] == ["gtopk", "gtopk+ef+mc+own"]

@@ -48,7 +48,7 @@ import torch
 
 from ._util import UsageError, machine, print_table, write_json
 from .probe import CompressionProbe
-from .recipes import label_density
+from .recipes import BASES, label_density, label_strategy, named_options
 from .train import add_arguments as add_train_arguments
 from .train import methods, parse_options
 
@@ -155,13 +155,59 @@ def metric_gap(run: dict[str, Any], dense: dict[str, Any]) -> float:
     return 100.0 * (ref - value)
 
 
+def _recipe(describe: dict[str, Any], momentum: float) -> dict[str, Any]:
+    """A strategy's ``describe()`` with the optimizer's momentum in place of
+    ``momentum_correction="optimizer"`` (what the strategy records once it has taken the
+    momentum over; nothing when the optimizer has none)."""
+    out = dict(describe)
+    if out.get("momentum_correction") == "optimizer":
+        if momentum > 0:
+            out["momentum_correction"] = momentum
+        else:
+            out.pop("momentum_correction")
+            out.pop("momentum_masking", None)
+    return out
+
+
+def stale_default(run: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """For a run labelled by a sparsifier's name alone (``gtopk``) or with options on its
+    default (``gtopk:flush_every=100``): every entry of the recipe in which what the run
+    recorded (``extra.describe``, taken at its end) differs from what the label builds
+    now, as ``{entry: (ran, now)}``. Empty when they agree, for other labels and for runs
+    that recorded no recipe. A non-empty answer means the defaults changed after the run:
+    its label no longer says what it ran."""
+    label = run["label"]
+    named = named_options(label)
+    if label not in BASES and (named is None or named[0] not in BASES):
+        return {}
+    ran = (run.get("extra") or {}).get("describe")
+    if not ran:
+        return {}
+    momentum = float((run.get("config") or {}).get("momentum") or 0.0)
+    now = label_strategy(label, density=run.get("density") or 0.01).strategy.describe()
+    ran, now = _recipe(ran, momentum), _recipe(now, momentum)
+    return {k: (ran.get(k), now.get(k)) for k in sorted(set(ran) | set(now))
+            if ran.get(k) != now.get(k)}
+
+
 def collect(runs: Sequence[dict[str, Any]], *, steps: bool = False
             ) -> list[dict[str, Any]]:
     """One row (:data:`ROW_KEYS`) per non-dense run that has a dense run of the same
     workload, rank count, seed and number of steps (the last one read, if several): a
     run cut short is never compared with a full-length dense run. ``steps=True`` adds the
     run's step count to each row (a ``steps`` key, which the rows file does not hold), so
-    that :func:`medians` keeps short and full-length runs of one label apart."""
+    that :func:`medians` keeps short and full-length runs of one label apart.
+    :class:`UsageError` naming every run whose label no longer builds what it ran
+    (:func:`stale_default`): such a run is relabelled with its recipe, never counted as
+    today's default."""
+    stale = [(r, diff) for r in runs if (diff := stale_default(r))]
+    if stale:
+        lines = [f"  {r['label']} ({r['workload']}, {r['ranks']} ranks, density "
+                 f"{r.get('density')}, seed {r['seed']}, {r['steps']} steps): "
+                 + ", ".join(f"{k} ran {x!r}, now {y!r}" for k, (x, y) in diff.items())
+                 for r, diff in stale]
+        raise UsageError("runs labelled by a default that has changed since they ran; "
+                         "relabel them with the recipe they ran:\n" + "\n".join(lines))
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
         return r["workload"], r["ranks"], r["seed"], r["steps"]
 
