@@ -98,8 +98,13 @@ def test_named_options_labels():
     assert label_strategy("qsgd:bits=2").strategy.describe()["bits"] == 2
     with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
         label_strategy("powersgd:rank")
-    with pytest.raises(ValueError, match="not a number"):
-        label_strategy("powersgd:rank=two")
+    with pytest.raises(ValueError, match="not a number, true/false or a name"):
+        label_strategy("powersgd:rank=2x")
+    with pytest.raises(ValueError, match="rank must be an integer"):
+        label_strategy("powersgd:rank=two")  # a name reaches the constructor
+    assert named_options("artopk:source=largest") == ("artopk", {"source": "largest"})
+    assert label_strategy("artopk:source=largest", density=0.001).strategy.source == \
+        "largest"
     with pytest.raises(ValueError, match="powersgd:ranks=2"):
         label_strategy("powersgd:ranks=2")
 

@@ -657,6 +657,29 @@ def test_artopk_var_picks_largest_ewma(comm):
 
 
 @pytest.mark.mpi
+def test_artopk_largest_picks_the_largest_error_fed_vector(comm):
+    """``source="largest"``: the rank whose ``x`` has the largest L2 norm at this step
+    selects the indices (no state needed; a state records the norms and the source);
+    ties go to the lowest rank."""
+    p, d, k = comm.size, 100, 5
+    for step in range(3):
+        big = (p // 2 + step) % p
+        xs = ar_inputs(p, d, 500 + step, scale=[1.0 + 9.0 * (r == big) for r in range(p)])
+        state = ARTopKState()
+        idx, val = artopk(xs[comm.rank], k, step, source="largest", comm=comm, state=state)
+        assert state.source == big
+        assert state.norms == pytest.approx([np.linalg.norm(x) for x in xs], rel=1e-12)
+        np.testing.assert_array_equal(idx, topk_indices(xs[big], k))
+        np.testing.assert_allclose(val, np.mean([x[idx] for x in xs], axis=0),
+                                   rtol=1e-12)
+        plain = artopk(xs[comm.rank], k, step, source="largest", comm=comm)
+        np.testing.assert_array_equal(plain[0], idx)
+    state = ARTopKState()
+    artopk(np.ones(d), k, 0, source="largest", comm=comm, state=state)
+    assert state.source == 0 and state.norms == [10.0] * p
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", ["ring", "tree"])
 def test_artopk_traffic(comm, algorithm):
     p, d, k = comm.size, 1000, 37
@@ -671,15 +694,16 @@ def test_artopk_traffic(comm, algorithm):
         assert moved.sent_bytes == bcast + values, (step, moved)
         # every non-source rank receives the k indices exactly once
         assert comm.allreduce_value(bcast) == (p - 1) * k * 4
-    # VAR adds an allgather of one float64 per rank (ring: P-1 messages of 8 bytes)
-    state = ARTopKState()
-    before = comm.traffic.snapshot()
-    artopk(x, k, 0, source="var", comm=comm, state=state, algorithm=algorithm)
-    moved = comm.traffic - before
-    bcast = binomial_children(comm.rank, state.source, p) * k * 4
-    values = (ring_allreduce_bytes(comm.rank, p, k, 4) if algorithm == "ring"
-              else rd_allreduce_bytes(comm.rank, p, k, 4))
-    assert moved.sent_bytes == bcast + values + (p - 1) * 8
+    # VAR and largest add an allgather of one float64 per rank (Bruck: P-1 of them sent)
+    for source in ("var", "largest"):
+        state = ARTopKState()
+        before = comm.traffic.snapshot()
+        artopk(x, k, 0, source=source, comm=comm, state=state, algorithm=algorithm)
+        moved = comm.traffic - before
+        bcast = binomial_children(comm.rank, state.source, p) * k * 4
+        values = (ring_allreduce_bytes(comm.rank, p, k, 4) if algorithm == "ring"
+                  else rd_allreduce_bytes(comm.rank, p, k, 4))
+        assert moved.sent_bytes == bcast + values + (p - 1) * 8
 
 
 @pytest.mark.mpi

@@ -136,15 +136,17 @@ def test_gtopk_by_name_ramps_its_density_within_a_fixed_budget():
 @pytest.mark.mpi
 def test_artopk_by_name_is_plain_error_feedback_with_a_density_ramp(comm):
     """``make("artopk")`` (and the bare label) builds the measured recipe: plain error
-    feedback with the optimizer's momentum and a ramp from 0.1 spending 23.47
-    density-steps (1 092 steps at 0.001, 600 at 0.01); a keyword given wins. A run by
-    name is the same as the explicit recipe, leaves the optimizer's momentum in place
-    and sends the ramp's k."""
+    feedback with the optimizer's momentum, a ramp from 0.1 spending 23.47
+    density-steps (1 092 steps at 0.001, 600 at 0.01) and the source with the largest
+    error-fed vector; a keyword given wins. A run by name is the same as the explicit
+    recipe, leaves the optimizer's momentum in place and sends the ramp's k."""
     from mpicomm.bench.recipes import label_strategy
     from mpicomm.control import BudgetRamp
 
     s = strategies.make("artopk", density=0.001)
     assert s.schedule == BudgetRamp(0.1, 23.47) and s.momentum_correction == 0.0
+    assert s.source == "largest" and strategies.ARTopK().source == "star"
+    assert strategies.make("artopk", source="star").source == "star"
     assert s.schedule.steps(0.001) == 1092 and s.schedule.steps(0.01) == 600
     assert [s._k(100_000, t, 0.001, None) for t in (0, 1091, 1092)] == [10_000, 101, 100]
     assert label_strategy("artopk", density=0.001).strategy.describe() == s.describe()
@@ -156,7 +158,10 @@ def test_artopk_by_name_is_plain_error_feedback_with_a_density_ramp(comm):
     by_name, opt, strategy = _train(comm, strategies.make("artopk", density=0.01), 0.9)
     assert opt.param_groups[0]["momentum"] == 0.9 and strategy.momentum_correction == 0.0
     explicit, _, _ = _train(comm, strategies.ARTopK(
-        density=0.01, schedule=BudgetRamp(0.1, 23.47), momentum_correction=0.0), 0.9)
+        density=0.01, schedule=BudgetRamp(0.1, 23.47), momentum_correction=0.0,
+        source="largest"), 0.9)
     assert torch.equal(by_name, explicit)
+    star, _, _ = _train(comm, strategies.make("artopk", density=0.01, source="star"), 0.9)
+    assert comm.size < 3 or not torch.equal(by_name, star)
     if comm.size > 1:  # step 5 of the ramp: 26 of the 259 entries, not 0.01's 3
         assert list(strategy.stats.extra["k"].values()) == [26]

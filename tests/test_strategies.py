@@ -476,6 +476,8 @@ def simulate(which: str, p: int, steps: list[list[np.ndarray]], k: int, name: st
             else:
                 if which == "artopk":
                     src = t % p
+                elif which == "largest":  # argmax of the error-fed vectors' norms
+                    src = int(np.argmax([np.linalg.norm(x) for x in c]))
                 else:  # artopk-var: argmax of the EWMA of the raw gradient norm
                     for r in range(p):
                         norm = float(np.linalg.norm(gs[r]))
@@ -496,6 +498,7 @@ EF_SPARSE = {
     "gtopk": lambda k: GTopK(k=k, own_contribution=False),  # the replay: the paper's rule
     "artopk": lambda k: ARTopK(k=k),
     "artopk-var": lambda k: ARTopK(k=k, source="var"),
+    "artopk-largest": lambda k: ARTopK(k=k, source="largest"),
     "randomk": lambda k: RandomKAllreduce(k=k, seed=3),
 }
 
@@ -507,7 +510,7 @@ def test_sparse_error_feedback_matches_the_algorithm(comm, which):
     strategy = EF_SPARSE[which](k).bind(comm)
     T = 2 * p + 1  # every AR-Top-k source gets a turn (twice)
     per_step = [grads(p, 100 + t, shapes) for t in range(T)]
-    updates, residuals = simulate(which.replace("artopk-var", "var"), p,
+    updates, residuals = simulate(which.replace("artopk-", ""), p,
                                   [[flat(g) for g in step] for step in per_step], k, "w..b")
     sent_total = np.zeros(48)
     for t in range(T):
@@ -645,10 +648,11 @@ def test_bytes_match_the_formulas(comm, dtype):
         values = ring_bytes(r, p, k, v) if algorithm == "ring" else rd_bytes(r, p, k, v)
         got = bytes_of(ARTopK(density=density, algorithm=algorithm), p + 1)
         assert got == [binomial_children(r, t % p, p) * k * 4 + values for t in range(p + 1)]
-        var = ARTopK(density=density, source="var", algorithm=algorithm)
-        got = bytes_of(var)[0]
-        src = var.stats.extra["source"]["w..s"]
-        assert got == binomial_children(r, src, p) * k * 4 + values + (p - 1) * 8
+        for source in ("var", "largest"):  # + the norms' allgather
+            chosen = ARTopK(density=density, source=source, algorithm=algorithm)
+            got = bytes_of(chosen)[0]
+            src = chosen.stats.extra["source"]["w..s"]
+            assert got == binomial_children(r, src, p) * k * 4 + values + (p - 1) * 8
     assert bytes_of(RandomKAllreduce(density=density), 2) == [ring_bytes(r, p, k, v)] * 2
     m = math.ceil(d * 5 / 8) + 4 * math.ceil(d / 64)
     assert bytes_of(QSGDAllgather(bits=4, bucket_size=64)) == [(p - 1) * m]

@@ -20,7 +20,8 @@
   (``allgather_topk@0.01``, ``gtopk@0.01``, ``artopk_tree@0.01``, ...).
 * any other name of :func:`mpicomm.strategies.available` (``auto``, ``qsgd``,
   ``powersgd``, ...) with its defaults, or with options as ``NAME:KEY=VALUE[,KEY=VALUE]``
-  (``powersgd:rank=2``, ``qsgd:bits=4,bucket_size=128``; numbers, ``true``/``false``);
+  (``powersgd:rank=2``, ``qsgd:bits=4,bucket_size=128``, ``artopk:source=largest``;
+  numbers, ``true``/``false`` or a name);
   for ``topk``, ``gtopk`` and ``artopk`` that is the default recipe at ``density`` with
   those options changed (``gtopk:flush_every=100``).
 
@@ -68,12 +69,17 @@ def _is_schedule(spec: str, steps_per_epoch: int) -> bool:
 
 
 def _option_value(text: str) -> Any:
+    """``true``/``false``, an int, a float, or a name (an identifier) as a string."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if text.isidentifier():
+        return text
+    raise ValueError(text)
 
 
 def named_options(label: str) -> tuple[str, dict[str, Any]] | None:
@@ -90,8 +96,8 @@ def named_options(label: str) -> tuple[str, dict[str, Any]] | None:
         try:
             out[key] = _option_value(value)
         except ValueError:
-            raise ValueError(f"strategy label {label!r}: {key}={value!r} is not a number "
-                             "or true/false") from None
+            raise ValueError(f"strategy label {label!r}: {key}={value!r} is not a number, "
+                             "true/false or a name") from None
     return name, out
 
 

@@ -115,15 +115,17 @@ _BY_NAME: dict[str, type[Strategy]] = {
 #: 3 seeds, medians) at 8 ranks -0.22 points at 68.4x fewer bytes (density 0.001) and
 #: -0.04 at 25.0x (0.01); at 16 ranks with the same global batch -0.69 at 54.9x (0.001)
 #: and -0.17 at 20.1x (0.01).
-#: AR-Top-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``)
-#: and a geometric density ramp from 0.1 spending 23.47 density-steps (1 092 steps at
+#: AR-Top-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``),
+#: a geometric density ramp from 0.1 spending 23.47 density-steps (1 092 steps at
 #: density 0.001, 600 at 0.01), about 35 dense allreduces' bytes (3/2 of one per unit of
-#: density, flat in P); on MNIST-1D's CNN at 8 ranks a median gap to dense of
-#: +0.03 points at 55.3x fewer bytes (0.001) and +0.03 at 35.8x (0.01), over 3 seeds;
-#: at 16 ranks with the same global batch, -2.90 at 55.3x (0.001): tuned for 8 ranks.
+#: density, flat in P), and the source with the largest error-fed buffer
+#: (``source="largest"``); on MNIST-1D's CNN (3 seeds, medians) at 8 ranks +0.03 points
+#: at 55.0x fewer bytes (0.001) and +0.11 at 35.7x (0.01); at 16 ranks with the same
+#: global batch -0.44 at 54.8x (0.001) and -0.14 at 35.6x (0.01).
 RECIPES: dict[str, dict[str, Any]] = {
     "gtopk": {"schedule": BudgetRamp(0.03, 7.48), "momentum_correction": 0.0},
-    "artopk": {"schedule": BudgetRamp(0.1, 23.47), "momentum_correction": 0.0},
+    "artopk": {"schedule": BudgetRamp(0.1, 23.47), "momentum_correction": 0.0,
+               "source": "largest"},
 }
 
 

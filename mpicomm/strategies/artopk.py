@@ -27,7 +27,8 @@ class ARTopK(SparsifyingStrategy):
         s   = source rank: "star" (t + b) mod P, b = the buffer's slot (the order in
               which buffer names first appeared), i.e. round-robin per buffer with the
               buffers of one step spread over different sources; "var" the rank with the
-              largest EWMA of its raw gradient's L2 norm (ties: lowest rank)
+              largest EWMA of its raw gradient's L2 norm; "largest" the rank with the
+              largest ||c_r|| at this step (ties: lowest rank)
         I   = top-k of |c_s|, broadcast from s  (the same on every rank)
         u   = zeros(d);  u[I] = (1/P) Σ_r c_r[I]     # allreduce (avg) of k values
         e_r = c_r with I zeroed
@@ -45,7 +46,8 @@ class ARTopK(SparsifyingStrategy):
       with ``B_j`` the j-th (mod P) of P near-equal blocks of k, ≈ 2(P-1)/P·k·vb;
       ``"tree"`` (recursive doubling): ``lg p2·k·vb`` (+ fold messages when P is not a
       power of two);
-    * ``source="var"`` adds an allgather of one float64 per rank: ``(P-1)·8``.
+    * ``source="var"`` or ``"largest"`` adds a Bruck allgather of one float64 per rank:
+      ``(P-1)·8``.
 
     Default recipe: error feedback with DGC's momentum correction and masking taken over
     from the optimizer (``momentum_correction="optimizer"``: at the first
@@ -60,22 +62,28 @@ class ARTopK(SparsifyingStrategy):
     By name (``strategies.make("artopk")``, ``GradientSync(model, strategy="artopk")``,
     ``examples/train.py --strategy artopk``) the default is another recipe
     (:data:`mpicomm.strategies.RECIPES`): plain error feedback with the optimizer's
-    momentum (``momentum_correction=0.0``) and ``schedule=BudgetRamp(0.1, 23.47)``, from
+    momentum (``momentum_correction=0.0``), ``schedule=BudgetRamp(0.1, 23.47)``, from
     density 0.1 geometrically down to ``density`` while sending 23.47 density-steps in
-    all (1 092 steps at density 0.001, 600 at 0.01, no ramp from 0.1 on). Cost: 3/2 of a
-    dense allreduce's bytes per unit of density, so about 35 dense allreduces' bytes: a
-    2 028-step run sends 55.3x fewer bytes than dense at density 0.001 (665x without)
-    and 35.8x at 0.01 (66.6x without). Measured (MNIST-1D CNN, 8 ranks, 2 028 steps,
-    gaps to dense on seeds 0-2): +0.03, -0.14 and +0.04 points at 0.001 (median +0.03;
-    the class's default without a ramp: median -3.61), +0.03, -0.07 and +0.29 at 0.01
-    (median +0.03; without: -0.90). The accuracy is noisy mid-run and climbs over the
-    last epochs (2-4 points in the last two at 0.001): judge it at the end of the run.
-    Why not momentum correction here: only the source's top-k is drained, so on the
-    other ranks the corrected velocity (about 1/(1-m) times the gradient) piles up
-    outside the picked indices and leaves as bursts; with the ramp, 312 steps reached
-    67.8% with plain error feedback against 38.0% with the correction (seed 0, density
-    0.001; each layer its own top-k instead of one over the fused bucket: 56.4%). Pass
-    ``schedule=None`` and ``momentum_correction="optimizer"`` for the class's default.
+    all (1 092 steps at density 0.001, 600 at 0.01, no ramp from 0.1 on), and
+    ``source="largest"``: the rank whose error-fed buffer ``c_r`` has the largest norm
+    picks the indices. Cost: 3/2 of a dense allreduce's bytes per unit of density, so
+    about 35 dense allreduces' bytes for the ramp, and one Bruck allgather of P float64
+    per step (⌈lg P⌉ latencies): a 2 028-step run sends 55.0x fewer bytes than dense at
+    density 0.001 (665x without the ramp) and 35.7x at 0.01 (66.6x without). Measured
+    (MNIST-1D CNN, 2 028 steps, gaps to dense on seeds 0-2, medians): at 8 ranks +0.03
+    points at 0.001 and +0.11 at 0.01; at 16 ranks with the same global batch -0.44 and
+    -0.14. With the round-robin source instead (``source="star"``) the 8-rank gaps are
+    the same (+0.03 and +0.03) but at 16 ranks they fall to -2.90 and -0.52: between its
+    turns a rank's residual grows for P-1 steps, while the largest-norm rule hands the
+    turn to whichever rank has fallen furthest behind. The accuracy is noisy mid-run and
+    climbs over the last epochs (2-4 points in the last two at 0.001 at 8 ranks): judge
+    it at the end of the run. Why not momentum correction here: only the source's top-k
+    is drained, so on the other ranks the corrected velocity (about 1/(1-m) times the
+    gradient) piles up outside the picked indices and leaves as bursts; with the ramp,
+    312 steps reached 67.8% with plain error feedback against 38.0% with the correction
+    (seed 0, density 0.001, 8 ranks, the STAR source; each layer its own top-k instead
+    of one over the fused bucket: 56.4%). Pass ``schedule=None``, ``source="star"`` and
+    ``momentum_correction="optimizer"`` for the class's default.
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
@@ -90,7 +98,9 @@ class ARTopK(SparsifyingStrategy):
     Tuning: the ring version's bandwidth barely grows with P, so it beats the sparse
     Allgather from P ≈ 3-4 on when bandwidth dominates; ``"tree"`` wins for small k or
     high latency. STAR spreads index ownership evenly (the paper found VAR concentrates
-    it and loses accuracy); ``smoothing`` is VAR's EWMA weight. With few steps per epoch
+    it and loses accuracy); ``smoothing`` is VAR's EWMA weight; ``"largest"`` follows
+    the error-fed buffers' norms and keeps the accuracy as P grows (above), for ⌈lg P⌉
+    latencies per step that matter only where the step is latency-bound. With few steps per epoch
     (digits at 8 ranks: 10) and SGD momentum in the optimizer, plain error feedback makes
     the updates residual bursts (~5x dense's norm: one rank's top-k drains the global
     residual poorly) that the momentum amplifies into late oscillations (one seed ended
@@ -184,9 +194,15 @@ class ARTopK(SparsifyingStrategy):
         self._states = {k: ARTopKState(**v) for k, v in state.get("artopk", {}).items()}
 
     def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
-        """Index broadcast + allreduce of k values (the root's/critical path bytes)."""
+        """Index broadcast + allreduce of k values (the root's/critical path bytes), and
+        the sources' norms where the source is chosen by them."""
         fn = cost.artopk_ring if self.algorithm == "ring" else cost.artopk_tree
-        return fn(k, index_itemsize(numel), itemsize, p, BYTES)
+        return fn(k, index_itemsize(numel), itemsize, p, BYTES) + self._norms(p, BYTES)
+
+    def _norms(self, p: int, params: cost.CostParams) -> float:
+        """The Bruck allgather of one float64 per rank that ``"var"`` and ``"largest"``
+        choose the source with (0 for ``"star"``)."""
+        return 0.0 if self.source == "star" else cost.allgather_bruck(8.0 * p, p, params)
 
     def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
                       compute: cost.ComputeParams) -> tuple[float, float]:
@@ -194,8 +210,8 @@ class ARTopK(SparsifyingStrategy):
         selection (every rank waits for it), densify."""
         k = k_of(numel, self.density, self.k)
         fn = cost.artopk_ring if self.algorithm == "ring" else cost.artopk_tree
-        return fn(k, index_itemsize(numel), itemsize, p, params), self._work(numel, itemsize,
-                                                                             compute)
+        return (fn(k, index_itemsize(numel), itemsize, p, params) + self._norms(p, params),
+                self._work(numel, itemsize, compute))
 
     def _predict_hosts(self, numel: int, itemsize: int, hosts: cost.HostCosts,
                        compute: cost.ComputeParams) -> tuple[float, float]:
@@ -203,6 +219,8 @@ class ARTopK(SparsifyingStrategy):
         k = k_of(numel, self.density, self.k)
         t = hosts.flat_sparse("artopk", k, index_itemsize(numel), itemsize,
                               ALGORITHMS[self.algorithm])
+        if self.source != "star" and hosts.p > 1:  # the norms' allgather
+            t = t + hosts.flat("allgather", "bruck", 8.0 * hosts.p)
         return t.comm, t.local + self._work(numel, itemsize, compute)
 
     def _work(self, numel: int, itemsize: int, compute: cost.ComputeParams) -> float:
