@@ -47,9 +47,10 @@ STAR leaves a rank's residual to grow for P-1 steps between its turns, which cos
 accuracy as P grows; ``"largest"`` follows the residuals instead: a rank that was the
 source has its largest entries drained and its norm falls, so the turn passes to the rank
 that has fallen furthest behind. Measured on MNIST-1D's CNN with error feedback and a
-density ramp (2 028 steps, 3 seeds): at 16 ranks the median gap to dense went from -2.90
-to -0.44 points at density 0.001 and from -0.52 to -0.14 at 0.01, for ⌈lg P⌉ more
-latencies per step; at 8 ranks both are within 0.1 of dense either way.
+density ramp (2 028 steps, 3 seeds): at 16 ranks the median gap to dense is -0.44
+points with ``"largest"`` against -2.90 with STAR at density 0.001, and -0.14 against
+-0.52 at 0.01, for ⌈lg P⌉ more latencies per step; at 8 ranks the two are alike
+(+0.03 and +0.11 against +0.03 and +0.03).
 """
 
 from __future__ import annotations
