@@ -44,6 +44,7 @@ from mpicomm.strategies import (
     available,
     make,
 )
+from mpicomm.topology import Topology
 
 from .arrays import cases
 from .launch import run_job
@@ -239,6 +240,17 @@ def test_predict_uses_the_cost_model():
     assert comm_s(ARTopK(k=k), d) == pytest.approx(cost.artopk_ring(k, 4, 4, p, c))
     assert comm_s(ARTopK(k=k, algorithm="tree"), d) == pytest.approx(
         cost.artopk_tree(k, 4, 4, p, c))
+    for source in ("var", "largest"):  # + the Bruck allgather of P float64 norms
+        assert comm_s(ARTopK(k=k, source=source), d) == pytest.approx(
+            cost.artopk_ring(k, 4, 4, p, c) + cost.allgather_bruck(8 * p, p, c))
+        # on a host layout: the same allgather priced on that layout's links
+        layout = Topology.from_sizes((2, 2, 2, 2))
+        local = cost.CostParams(alpha=1e-7, beta=1e-10, gamma=0.0)
+        on_hosts = cost.HostCosts(layout, local, c)
+        parts = [s.predict_parts(d, 4, p, c, none, topology=layout, local=local)["comm"]
+                 for s in (ARTopK(k=k), ARTopK(k=k, source=source))]
+        assert parts[1] - parts[0] == pytest.approx(
+            on_hosts.flat("allgather", "bruck", 8.0 * p).comm)
     assert comm_s(RandomKAllreduce(k=k), d) == pytest.approx(cost.allreduce_ring(4 * k, p, c))
     assert comm_s(FP16Allreduce(), d) == pytest.approx(cost.allreduce_ring(2 * d, p, c))
     m = math.ceil(d * 9 / 8) + 4 * math.ceil(d / 512)

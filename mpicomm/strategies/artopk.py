@@ -93,7 +93,9 @@ class ARTopK(SparsifyingStrategy):
     :class:`~mpicomm.strategies._compressed.CompressedStrategy`.
 
     Cost model: :func:`mpicomm.collectives.cost.artopk_ring` / ``artopk_tree``
-    ``(k, ib, vb, P)`` (:meth:`predict`). Only the source runs the O(d) selection.
+    ``(k, ib, vb, P)``, plus :func:`~mpicomm.collectives.cost.allgather_bruck` of the P
+    norms for ``"var"`` and ``"largest"`` (:meth:`predict`). Only the source runs the
+    O(d) selection.
 
     Tuning: the ring version's bandwidth barely grows with P, so it beats the sparse
     Allgather from P ≈ 3-4 on when bandwidth dominates; ``"tree"`` wins for small k or
