@@ -154,6 +154,32 @@ def test_report_renders_accuracy_tables(tmp_path: Path) -> None:
     assert "| dense | 97.56 / 96.89 / 97.11 | 97.11 | +0.00 | +0.00 | 637.5 | 1x | 60 |" in text
 
 
+def test_report_refuses_a_run_labelled_by_a_changed_default(tmp_path: Path) -> None:
+    """A file whose run is labelled ``artopk`` but ran another recipe (here the class's
+    round-robin source, no ramp) is refused, naming the file, the run and what changed;
+    the file-wide density stands in for runs that record none."""
+    from mpicomm import strategies
+    from mpicomm.bench._util import UsageError
+
+    res = tmp_path / "results"
+    ran = {**strategies.ARTopK(density=0.01).describe(), "momentum_correction": 0.9}
+    run = {"label": "artopk", "workload": "digits-mlp", "ranks": 8, "seed": 0, "steps": 120,
+           "config": {"momentum": 0.9}, "extra": {"describe": ran}}
+    write(res, "accuracy-8.json", {
+        "suite": "accuracy", "machine": machine(None, 8), "ranks": 8, "seeds": [0],
+        "config": {"density": 0.01}, "summary": [], "training_runs": [run]})
+    with pytest.raises(UsageError, match=r"accuracy-8.json: runs labelled by a default .*"
+                                         r"\n  artopk \(digits-mlp, 8 ranks, density 0.01, "
+                                         r"seed 0, 120 steps\): momentum_correction ran 0.9"):
+        report.load([str(res)])
+    now = strategies.make("artopk", density=0.01).describe()
+    write(res, "accuracy-8.json", {
+        "suite": "accuracy", "machine": machine(None, 8), "ranks": 8, "seeds": [0],
+        "config": {"density": 0.01}, "summary": [],
+        "training_runs": [{**run, "extra": {"describe": now}}]})
+    assert len(report.load([str(res)])[0]) == 1
+
+
 def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> None:
     res = tmp_path / "results"
     net = dict(EMU, schedule="/somewhere/benchmarks/schedule-adaptive.txt")

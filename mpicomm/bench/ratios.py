@@ -169,13 +169,15 @@ def _recipe(describe: dict[str, Any], momentum: float) -> dict[str, Any]:
     return out
 
 
-def stale_default(run: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+def stale_default(run: dict[str, Any], density: float | None = None
+                  ) -> dict[str, tuple[Any, Any]]:
     """For a run labelled by a sparsifier's name alone (``gtopk``) or with options on its
     default (``gtopk:flush_every=100``): every entry of the recipe in which what the run
     recorded (``extra.describe``, taken at its end) differs from what the label builds
     now, as ``{entry: (ran, now)}``. Empty when they agree, for other labels and for runs
     that recorded no recipe. A non-empty answer means the defaults changed after the run:
-    its label no longer says what it ran."""
+    its label no longer says what it ran. ``density``: the run's density where its record
+    holds none (a file-wide setting)."""
     label = run["label"]
     named = named_options(label)
     if label not in BASES and (named is None or named[0] not in BASES):
@@ -184,10 +186,28 @@ def stale_default(run: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     if not ran:
         return {}
     momentum = float((run.get("config") or {}).get("momentum") or 0.0)
-    now = label_strategy(label, density=run.get("density") or 0.01).strategy.describe()
+    density = run.get("density") or density or 0.01
+    now = label_strategy(label, density=density).strategy.describe()
     ran, now = _recipe(ran, momentum), _recipe(now, momentum)
     return {k: (ran.get(k), now.get(k)) for k in sorted(set(ran) | set(now))
             if ran.get(k) != now.get(k)}
+
+
+def check_labels(runs: Sequence[dict[str, Any]], density: float | None = None,
+                 where: str = "") -> None:
+    """:class:`UsageError` naming every run of ``runs`` whose label no longer builds what
+    it ran (:func:`stale_default`; ``density`` for runs that record none, ``where`` names
+    their file)."""
+    stale = [(r, diff) for r in runs if (diff := stale_default(r, density))]
+    if stale:
+        lines = [f"  {r['label']} ({r.get('workload')}, {r.get('ranks')} ranks, density "
+                 f"{r.get('density') or density}, seed {r.get('seed')}, {r.get('steps')} "
+                 "steps): "
+                 + ", ".join(f"{k} ran {x!r}, now {y!r}" for k, (x, y) in diff.items())
+                 for r, diff in stale]
+        raise UsageError(f"{where + ': ' if where else ''}runs labelled by a default that "
+                         "has changed since they ran; relabel them with the recipe they "
+                         "ran:\n" + "\n".join(lines))
 
 
 def collect(runs: Sequence[dict[str, Any]], *, steps: bool = False
@@ -200,14 +220,7 @@ def collect(runs: Sequence[dict[str, Any]], *, steps: bool = False
     :class:`UsageError` naming every run whose label no longer builds what it ran
     (:func:`stale_default`): such a run is relabelled with its recipe, never counted as
     today's default."""
-    stale = [(r, diff) for r in runs if (diff := stale_default(r))]
-    if stale:
-        lines = [f"  {r['label']} ({r['workload']}, {r['ranks']} ranks, density "
-                 f"{r.get('density')}, seed {r['seed']}, {r['steps']} steps): "
-                 + ", ".join(f"{k} ran {x!r}, now {y!r}" for k, (x, y) in diff.items())
-                 for r, diff in stale]
-        raise UsageError("runs labelled by a default that has changed since they ran; "
-                         "relabel them with the recipe they ran:\n" + "\n".join(lines))
+    check_labels(runs)
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
         return r["workload"], r["ranks"], r["seed"], r["steps"]
 

@@ -24,7 +24,9 @@ throughput (sequential, co-located, Crossover), the speedups, the measured ``C``
 best hierarchical row's speed-up over the flat baseline against its target. ``accuracy`` files
 (``examples/compression_accuracy.py --json``) get a table of test accuracy and bytes per
 step per strategy label. Suites it does not know (``ps`` ...) get a generic table of
-their ``rows``/``summary``; a file without ``suite`` is skipped with a note. Needs
+their ``rows``/``summary``; a file without ``suite`` is skipped with a note, and a file
+with a run labelled by a strategy's bare name whose recorded recipe is no longer what the
+name builds is refused (:func:`mpicomm.bench.ratios.check_labels`). Needs
 matplotlib (``pip install -e ".[bench]"``) for the plots; without it the tables are still
 written and the report says the plots were not made.
 """
@@ -41,7 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import report_virtual
-from .ratios import is_rows
+from .ratios import check_labels, is_rows
 from .report_control import adacomm_panel, has_adacomm, has_timeline, plot_adaptive
 from .report_hierarchy import (
     hierarchy_section,
@@ -79,6 +81,8 @@ def load(folders: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
                 notes.append(f"`{path}`: not a suite result (no `suite` field), skipped")
                 continue
             data["_path"] = path
+            config = data.get("config") or data.get("args") or {}
+            check_labels(data.get("training_runs") or [], config.get("density"), path)
             results.append(data)
     return results, notes
 
