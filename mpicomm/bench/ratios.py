@@ -218,8 +218,8 @@ def collect(runs: Sequence[dict[str, Any]], *, steps: bool = False
     run's step count to each row (a ``steps`` key, which the rows file does not hold), so
     that :func:`medians` keeps short and full-length runs of one label apart.
     :class:`UsageError` naming every run whose label no longer builds what it ran
-    (:func:`stale_default`): such a run is relabelled with its recipe, never counted as
-    today's default."""
+    (:func:`check_labels`): such a run is never counted as today's default; relabel it
+    with the recipe it ran."""
     check_labels(runs)
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
         return r["workload"], r["ranks"], r["seed"], r["steps"]
