@@ -680,6 +680,33 @@ def test_artopk_largest_picks_the_largest_error_fed_vector(comm):
 
 
 @pytest.mark.mpi
+def test_artopk_charges_the_norm_only_where_the_source_needs_it(comm, monkeypatch):
+    """The virtual clock charges ``"largest"``'s and ``"var"``'s norm as one elementwise
+    reduction over ``x``'s bytes (the gradient's for VAR with ``grad``); STAR computes
+    none."""
+    from mpicomm import clock
+
+    p, d, k = comm.size, 100, 5
+    x = ar_inputs(p, d, 520, "float32")[comm.rank]
+
+    def reductions(**kwargs) -> list[float]:
+        charged: list[tuple[str, float]] = []
+        monkeypatch.setattr(clock, "charge", lambda op, n=1.0: charged.append((op, n)))
+        artopk(x, k, 0, comm=comm, **kwargs)
+        monkeypatch.undo()
+        return [n for op, n in charged if op == "reduce" and n == d * 4]
+
+    assert reductions(source="star") == []
+    assert reductions(source="largest") == [d * 4]
+    assert reductions(source="var", state=ARTopKState()) == [d * 4]
+    grad = np.ones(d)  # float64: its 8 bytes per element are what the norm reads
+    charged: list[tuple[str, float]] = []
+    monkeypatch.setattr(clock, "charge", lambda op, n=1.0: charged.append((op, n)))
+    artopk(x, k, 0, comm=comm, source="var", state=ARTopKState(), grad=grad)
+    assert ("reduce", d * 8) in charged
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("algorithm", ["ring", "tree"])
 def test_artopk_traffic(comm, algorithm):
     p, d, k = comm.size, 1000, 37

@@ -251,6 +251,11 @@ def test_predict_uses_the_cost_model():
                  for s in (ARTopK(k=k), ARTopK(k=k, source=source))]
         assert parts[1] - parts[0] == pytest.approx(
             on_hosts.flat("allgather", "bruck", 8.0 * p).comm)
+        # compute: + one pass over the buffer for its norm, priced as a copy
+        rates = cost.ComputeParams(copy=1e-9)
+        work = [s.predict_parts(d, 4, p, c, rates)["compute"]
+                for s in (ARTopK(k=k), ARTopK(k=k, source=source))]
+        assert work[1] - work[0] == pytest.approx(d * 4 * 1e-9)
     assert comm_s(RandomKAllreduce(k=k), d) == pytest.approx(cost.allreduce_ring(4 * k, p, c))
     assert comm_s(FP16Allreduce(), d) == pytest.approx(cost.allreduce_ring(2 * d, p, c))
     m = math.ceil(d * 9 / 8) + 4 * math.ceil(d / 512)

@@ -28,7 +28,8 @@ Cost (ib/vb = index/value bytes, ib = 4 below 2^31 entries; see
 
 * ring:  ⌈lg P⌉(α + k·ib·β) + 2(P-1)α + 2(P-1)/P·k·vb·β  (+ (P-1)/P·k·vb·γ)
 * tree:  ⌈lg P⌉(α + k·ib·β) + lg p2·(α + k·vb·β) (+ fold: up to 2α + 2k·vb·β)
-* var and largest add a Bruck allgather of P float64: ⌈lg P⌉α + (P-1)·8β.
+* var and largest add a Bruck allgather of P float64: ⌈lg P⌉α + (P-1)·8β, and one
+  pass over ``x`` (or the gradient) for its norm: d·s·γ.
 
 Per-rank bytes *sent*: the index broadcast costs a rank ``children · k · ib`` (the root
 has ⌈lg P⌉ children, a leaf none; (P-1)·k·ib in total); the ring allreduce of k values
@@ -61,6 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import clock
 from ..buffers import to_torch
 from ..collectives.allgather import allgather
 from ..collectives.allreduce import allreduce
@@ -223,7 +225,9 @@ def artopk(x: Any, k: int, step: int, source: str = "star", comm: Communicator |
 
 
 def _norm(x: torch.Tensor) -> float:
-    """L2 norm of ``x``, accumulated in float64."""
+    """L2 norm of ``x``, accumulated in float64: one pass over ``x``, which the virtual
+    clock charges as an elementwise reduction of its bytes."""
+    clock.charge("reduce", x.numel() * x.element_size())
     return float(torch.linalg.vector_norm(x.detach().reshape(-1), dtype=torch.float64))
 
 

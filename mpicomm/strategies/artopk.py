@@ -226,5 +226,8 @@ class ARTopK(SparsifyingStrategy):
         return t.comm, t.local + self._work(numel, itemsize, compute)
 
     def _work(self, numel: int, itemsize: int, compute: cost.ComputeParams) -> float:
+        """Compensation, the source's selection, densify, and for ``"var"`` and
+        ``"largest"`` the norm (one pass over the buffer, priced as a copy)."""
+        norm = 0.0 if self.source == "star" else numel * itemsize * compute.copy
         return (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
-                + numel * compute.scatter)
+                + numel * compute.scatter + norm)
