@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             print(f"DDP {r['strategy']} on {comm.size} ranks, {args.epochs} epochs: test "
                   f"accuracy {r['test_accuracy']:.4f}, {r['train_s']:.1f} s, hook sent "
                   f"{r['hook_sent_bytes'] / 1e6:.2f} MB per rank", flush=True)
-    torch.distributed.destroy_process_group()
+    mpicomm.torch.destroy_process_group(comm)  # mpicomm: after every rank is done
     if comm.rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": comm.size, "epochs": args.epochs, "runs": runs}, f, indent=2)

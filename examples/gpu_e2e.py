@@ -29,7 +29,6 @@ import platform
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -147,7 +146,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 od.step()
 
             rows.append({"method": "DDP over gloo", "step_ms": timed(ddp_step)})
-            dist.barrier()
     return summarize(rows, comm, device, params, args)
 
 

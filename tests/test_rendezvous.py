@@ -17,6 +17,7 @@ import os
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import mpicomm
@@ -113,6 +114,49 @@ def test_process_group_returns_only_once_every_rank_has_its_group(comm: mpicomm.
 
 
 @pytest.mark.mpi
+def test_process_group_is_destroyed_only_once_every_rank_has_left_it(
+        comm: mpicomm.Communicator, monkeypatch):
+    """Rank 0 leaves the block's last gloo operation 0.3 s late: no rank destroys its
+    group (closing connections rank 0 may still read from) before it. When the body
+    raises, the group is destroyed at once, without waiting for the other ranks."""
+    import time
+
+    from mpicomm.torch import ddp
+
+    real = dist.destroy_process_group
+    real_barrier = comm.barrier
+    events: list[tuple[str, float]] = []
+
+    def record(*args, **kwargs):
+        events.append(("destroy", time.time()))
+        real(*args, **kwargs)
+
+    def barrier() -> None:
+        events.append(("barrier", time.time()))
+        real_barrier()
+
+    monkeypatch.setattr(ddp.dist, "destroy_process_group", record)
+    monkeypatch.setattr(comm, "barrier", barrier)
+    with process_group(comm):
+        dist.all_reduce(torch.ones(4))
+        if comm.rank == 0:
+            time.sleep(0.3)
+        left = time.time()
+    rank0_left = comm.bcast_object(left if comm.rank == 0 else None)
+    destroyed = [t for what, t in events if what == "destroy"]
+    assert len(destroyed) == 1 and min(comm.allgather_object(destroyed[0])) >= rank0_left
+    assert not dist.is_initialized()
+
+    del events[:]
+    with pytest.raises(KeyError, match="body"), process_group(comm):
+        events.append(("raise", time.time()))
+        raise KeyError("body")
+    after = [what for what, _ in events]
+    assert after[after.index("raise") + 1:] == ["destroy"]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.mpi
 def test_file_store_opens_no_socket_and_is_private(comm: mpicomm.Communicator):
     before = own_listeners()
     store = rendezvous_store(comm, kind="file")
@@ -127,6 +171,34 @@ def test_file_store_opens_no_socket_and_is_private(comm: mpicomm.Communicator):
         assert os.stat(directory).st_mode & 0o077 == 0
     comm.barrier()
     del store
+
+
+@pytest.mark.mpi
+def test_store_directory_goes_only_once_no_rank_holds_the_store(comm: mpicomm.Communicator):
+    """The exit clean-up of one rank never removes the directory under another rank's
+    live store (whose destructor would then wait out the store's timeout); the rank that
+    lets go last removes it, and so does the end of a ``process_group`` block."""
+    store = rendezvous_store(comm, kind="file")
+    directory = rendezvous._directories[-1]
+    assert comm.allgather_object(directory) == [directory] * comm.size
+    keeper = comm.size - 1
+    if comm.rank != keeper:
+        del store
+    comm.barrier()
+    if comm.rank == 0:
+        rendezvous._remove_all()                 # what rank 0 runs at exit
+    comm.barrier()
+    assert os.path.isdir(directory)               # the keeper still holds its store
+    comm.barrier()
+    if comm.rank == keeper:
+        del store
+        rendezvous.release_store()
+    comm.barrier()
+    assert not os.path.exists(directory)
+    with process_group(comm):
+        directory = rendezvous._directories[-1]
+    comm.barrier()
+    assert not os.path.exists(directory)
 
 
 @pytest.mark.mpi

@@ -93,19 +93,17 @@ def repeats_for(elems: int, base: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------- gloo
 class Gloo:
-    """A torch.distributed gloo group over the same ranks, rendezvous through
-    :func:`mpicomm.torch.rendezvous.rendezvous_store` (a private file store on one node)."""
+    """A torch.distributed gloo group over the same ranks
+    (:func:`mpicomm.torch.init_process_group`: a private file store on one node)."""
 
     def __init__(self, comm: Communicator):
         import torch.distributed as dist
 
-        from ..torch.rendezvous import loopback_devices, rendezvous_store
+        from ..torch.ddp import init_process_group
 
         self.dist = dist
-        store = rendezvous_store(comm)
-        with loopback_devices(comm):
-            dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size)
-        self._store = store
+        self.comm = comm
+        init_process_group(comm, "gloo")
 
     def call(self, collective: str, t: Any, out: Any) -> Callable[[], Any]:
         d = self.dist
@@ -119,12 +117,12 @@ class Gloo:
         scatter = getattr(d, "reduce_scatter_single", None) or d.reduce_scatter_tensor
         return lambda: scatter(out, t)
 
-    def close(self) -> None:
-        from ..torch.rendezvous import release_store
+    def close(self, wait: bool = True) -> None:
+        """Destroy the group (:func:`mpicomm.torch.destroy_process_group`; ``wait=False``
+        on an error path)."""
+        from ..torch.ddp import destroy_process_group
 
-        self.dist.destroy_process_group()
-        self._store = None
-        release_store()
+        destroy_process_group(self.comm, wait=wait)
 
 
 # ---------------------------------------------------------------------- one row
@@ -303,9 +301,12 @@ def run(args: argparse.Namespace) -> int:
             for elems in args.sizes:
                 rows.extend(bench_case(make_case(collective, elems, p), comm, gloo,
                                        args.repeats, params))
-    finally:
+    except BaseException:
         if gloo is not None:
-            gloo.close()
+            gloo.close(wait=False)
+        raise
+    if gloo is not None:
+        gloo.close()
     summary = summarize(rows, p)
     if comm.rank == 0:
         print(f"# {p} ranks; fitted alpha={params.alpha * 1e6:.2f} us, "

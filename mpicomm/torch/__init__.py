@@ -34,6 +34,7 @@ _EXPORTS = {
     "mpicomm_hook": "mpicomm.torch.ddp",
     "MpicommHookState": "mpicomm.torch.ddp",
     "init_process_group": "mpicomm.torch.ddp",
+    "destroy_process_group": "mpicomm.torch.ddp",
     "process_group": "mpicomm.torch.ddp",
     "PSOptimizer": "mpicomm.torch.ps",
     "TorchJob": "mpicomm.torch.crossover",

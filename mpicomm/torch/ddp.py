@@ -71,8 +71,8 @@ from ..strategies import Strategy
 from .rendezvous import loopback_devices, release_store, rendezvous_store
 from .strategy_options import build_strategy
 
-__all__ = ["init_process_group", "process_group", "MpicommHookState", "mpicomm_hook",
-           "ddp_comm_hook"]
+__all__ = ["init_process_group", "destroy_process_group", "process_group",
+           "MpicommHookState", "mpicomm_hook", "ddp_comm_hook"]
 
 
 # ---------------------------------------------------------------------- process group
@@ -93,7 +93,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     the creation): gloo's full mesh can be complete on one rank while another still
     connects, and a rank that went on to destroy its group then broke the other's
     connection ("Connection closed by peer"). Release with
-    ``torch.distributed.destroy_process_group()`` (or use ``process_group``).
+    :func:`destroy_process_group` (or use ``process_group``).
     """
     comm = resolve(comm)
     error: Exception | None = None
@@ -114,18 +114,41 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     comm.barrier()
 
 
+def destroy_process_group(comm: Communicator | None = None, *, wait: bool = True) -> None:
+    """Destroy ``torch.distributed``'s default process group once every rank of ``comm``
+    (default: the world) is done with it, and remove its store's directory. Collective
+    unless ``wait=False``.
+
+    An MPI barrier comes first. A rank leaves a gloo collective as soon as it has what
+    it needs, while its own last message to a peer may still sit in its send queue;
+    destroying the group then closes the connection under that message, and the peer
+    waits for it until the group's timeout. After the barrier every rank has left every
+    operation of the group, so no message is in flight when the connections close.
+    ``wait=False`` skips the barrier: for an error path, where the other ranks may
+    never reach it.
+    """
+    comm = resolve(comm)
+    if wait:
+        comm.barrier()
+    dist.destroy_process_group()
+    release_store()
+
+
 @contextlib.contextmanager
 def process_group(comm: Communicator | None = None, backend: str = "gloo",
                   **kwargs: Any) -> Iterator[None]:
-    """``init_process_group`` for the body of a ``with`` block, destroyed on exit (and its
-    store's directory removed)."""
+    """``init_process_group`` for the body of a ``with`` block, and
+    :func:`destroy_process_group` at its end. When the body raises, the group is
+    destroyed without the barrier (the other ranks may never reach it) and the
+    exception goes on."""
     comm = resolve(comm)
     init_process_group(comm, backend, **kwargs)
     try:
         yield
-    finally:
-        dist.destroy_process_group()
-        release_store()
+    except BaseException:
+        destroy_process_group(comm, wait=False)
+        raise
+    destroy_process_group(comm)
 
 
 # ---------------------------------------------------------------------- the hook

@@ -5,11 +5,11 @@ over MPI and exposed to no one else.
 
 * every rank on one node (``comm.nodes == 1``): a ``torch.distributed.FileStore`` in a
   private temporary directory (``mkdtemp``, mode 0700, owned by the user) that rank 0
-  creates and broadcasts over MPI. No socket is opened. Rank 0 removes the directory
-  when the process exits normally (``atexit``), or at ``release_store`` once the
-  store has removed its file; a job ended by
-  ``MPI_Abort`` leaves it behind under the temporary directory (a few bytes, readable by
-  its owner only).
+  creates and broadcasts over MPI. No socket is opened. The store removes its file
+  when the last rank lets go of it; the directory goes at ``release_store`` (after
+  ``destroy_process_group``) or at exit, on whichever rank finds it empty. A job ended
+  by ``MPI_Abort`` leaves it behind under the temporary directory (a few bytes,
+  readable by its owner only).
 * gloo's own connections (``loopback_devices``, used by
   ``mpicomm.torch.init_process_group``): on one node they listen on the loopback
   interface, unless ``GLOO_SOCKET_IFNAME`` says otherwise.
@@ -30,8 +30,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import os
-import shutil
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -46,20 +46,25 @@ __all__ = ["rendezvous_store", "release_store", "loopback_devices", "STORE_PREFI
 #: Name prefix of the private directories that hold a one-node job's FileStore.
 STORE_PREFIX = "mpicomm-store-"
 
-_directories: list[str] = []   # rank 0's store directories, removed at exit
+_directories: list[str] = []   # the store directories this rank knows, removed once empty
 
 
 @atexit.register
 def _remove_all() -> None:
-    for directory in list(_directories):
-        shutil.rmtree(directory, ignore_errors=True)
-        _directories.remove(directory)
+    gc.collect()           # a store caught in a reference cycle lets go of its file now
+    release_store()
 
 
 def release_store() -> None:
-    """Remove this rank's store directories that are empty (after
-    ``destroy_process_group``: the file store deletes its file when the last rank lets
-    go of it). Local, never blocks; a directory still in use is removed at exit."""
+    """Remove the store directories this rank knows that are empty. Local, never blocks.
+
+    A file store deletes its file when the last of its objects, on any rank, is
+    destroyed (``destroy_process_group``, or the last reference dropped), so an empty
+    directory is one that no rank uses any more. A directory is never removed with its
+    file: a rank still destroying its store reopens the file to count itself out, and
+    if the directory has gone it retries until the store's timeout (minutes) instead of
+    exiting. Called after ``destroy_process_group`` and at exit, on every rank; a group
+    that is still alive when every rank has exited leaves its empty directory behind."""
     for directory in list(_directories):
         try:
             os.rmdir(directory)
@@ -86,6 +91,8 @@ def _file_store(comm: Communicator) -> Any:
     path = comm.bcast_object(message)
     if path.startswith("error: "):
         raise RuntimeError(path[len("error: "):])
+    if comm.rank != 0:
+        _directories.append(os.path.dirname(path))
     return dist.FileStore(path, comm.size)
 
 
