@@ -93,7 +93,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     the creation): gloo's full mesh can be complete on one rank while another still
     connects, and a rank that went on to destroy its group then broke the other's
     connection ("Connection closed by peer"). Release with
-    :func:`destroy_process_group` (or use ``process_group``).
+    ``destroy_process_group`` (or use ``process_group``).
     """
     comm = resolve(comm)
     error: Exception | None = None
@@ -138,7 +138,7 @@ def destroy_process_group(comm: Communicator | None = None, *, wait: bool = True
 def process_group(comm: Communicator | None = None, backend: str = "gloo",
                   **kwargs: Any) -> Iterator[None]:
     """``init_process_group`` for the body of a ``with`` block, and
-    :func:`destroy_process_group` at its end. When the body raises, the group is
+    ``destroy_process_group`` at its end. When the body raises, the group is
     destroyed without the barrier (the other ranks may never reach it) and the
     exception goes on."""
     comm = resolve(comm)
