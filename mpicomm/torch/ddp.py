@@ -120,12 +120,11 @@ def destroy_process_group(comm: Communicator | None = None, *, wait: bool = True
     unless ``wait=False``.
 
     An MPI barrier comes first. A rank leaves a gloo collective as soon as it has what
-    it needs, while its own last message to a peer may still sit in its send queue;
-    destroying the group then closes the connection under that message, and the peer
-    waits for it until the group's timeout. After the barrier every rank has left every
-    operation of the group, so no message is in flight when the connections close.
-    ``wait=False`` skips the barrier: for an error path, where the other ranks may
-    never reach it.
+    it needs, and gloo closes a group's connections at once, so a rank that destroyed
+    its group (and then exited) while a peer was still inside the last operation could
+    fail that peer's operation. After the barrier every rank has left every operation
+    of the group. ``wait=False`` skips the barrier: for an error path, where the other
+    ranks may never reach it.
     """
     comm = resolve(comm)
     if wait:
