@@ -106,6 +106,13 @@ def test_gtopk_default_puts_truncated_picks_back():
     assert label_strategy("gtopk", density=0.01).strategy.own_contribution is True
     assert label_strategy("gtopk+ef", density=0.01).strategy.own_contribution is False
     assert label_strategy("gtopk+ef+own", density=0.01).strategy.own_contribution is True
+    # the exact values at the global index set: opt-in, and for gTop-k only
+    assert strategies.make("gtopk").exact_values is False
+    assert label_strategy("gtopk+ef+exact", density=0.01).strategy.exact_values is True
+    assert label_strategy("gtopk:exact_values=true", density=0.01).strategy.describe()[
+        "exact_values"] is True
+    with pytest.raises(ValueError, match="'exact' modifier is for gtopk only"):
+        label_strategy("topk+ef+exact", density=0.01)
 
 
 def test_gtopk_by_name_ramps_its_density_within_a_fixed_budget():

@@ -237,6 +237,8 @@ def test_predict_uses_the_cost_model():
     assert comm_s(TopKAllgather(density=0.01), d) == pytest.approx(
         cost.topk_allgather(k, 8, p, c))
     assert comm_s(GTopK(k=k), d) == pytest.approx(cost.gtopk(k, 8, p, c))
+    assert comm_s(GTopK(k=k, exact_values=True), d) == pytest.approx(
+        cost.gtopk(k, 8, p, c) + cost.allreduce_ring(4 * k, p, c))
     assert comm_s(ARTopK(k=k), d) == pytest.approx(cost.artopk_ring(k, 4, 4, p, c))
     assert comm_s(ARTopK(k=k, algorithm="tree"), d) == pytest.approx(
         cost.artopk_tree(k, 4, 4, p, c))
@@ -490,6 +492,9 @@ def simulate(which: str, p: int, steps: list[list[np.ndarray]], k: int, name: st
         else:
             if which == "randomk":
                 idx = RandomK(k=k, seed=3).indices(d, name=name, step=t).numpy()
+            elif which == "gtopk-exact":  # gTop-k's index set, every rank's own values
+                picks = [topk_indices(c[r], k) for r in range(p)]
+                idx = ref.simulate_gtopk([(i, c[r][i]) for r, i in enumerate(picks)], k)[0]
             else:
                 if which == "artopk":
                     src = t % p
@@ -513,6 +518,7 @@ def simulate(which: str, p: int, steps: list[list[np.ndarray]], k: int, name: st
 EF_SPARSE = {
     "topk": lambda k: TopKAllgather(k=k),
     "gtopk": lambda k: GTopK(k=k, own_contribution=False),  # the replay: the paper's rule
+    "gtopk-exact": lambda k: GTopK(k=k, exact_values=True),
     "artopk": lambda k: ARTopK(k=k),
     "artopk-var": lambda k: ARTopK(k=k, source="var"),
     "artopk-largest": lambda k: ARTopK(k=k, source="largest"),
@@ -661,6 +667,8 @@ def test_bytes_match_the_formulas(comm, dtype):
 
     assert bytes_of(TopKAllgather(density=density)) == [(p - 1) * k * (4 + v)]
     assert bytes_of(GTopK(density=density), 2) == [gtopk_bytes(r, p, k, 4 + v)] * 2
+    assert bytes_of(GTopK(density=density, exact_values=True), 2) == [
+        gtopk_bytes(r, p, k, 4 + v) + ring_bytes(r, p, k, v)] * 2
     for algorithm in ("ring", "tree"):
         values = ring_bytes(r, p, k, v) if algorithm == "ring" else rd_bytes(r, p, k, v)
         got = bytes_of(ARTopK(density=density, algorithm=algorithm), p + 1)

@@ -11,8 +11,9 @@
   default) / ``noef``, ``mc`` (DGC's momentum correction with momentum factor masking: the
   strategy keeps the velocity, the optimizer runs without momentum), ``mcnomask``,
   ``clip`` (local clipping at ``clip_norm / sqrt(P)``), ``own`` (gTop-k's
-  ``own_contribution``), ``wd`` (``warmup_dense``), ``layer`` (one fusion buffer per
-  tensor, ``fusion_bytes=1``: each layer's own top-k at the density) and at most one
+  ``own_contribution``), ``exact`` (gTop-k's ``exact_values``), ``wd``
+  (``warmup_dense``), ``layer`` (one fusion buffer per tensor, ``fusion_bytes=1``: each
+  layer's own top-k at the density) and at most one
   warm-up schedule: ``gtopkwu``, ``dgc``, ``linear``, ``linear2`` or any
   :func:`mpicomm.control.parse_schedule` form (``linear:8,0.25``, ``dgc:2``,
   ``warmup:0.25,0.0625/3``, ``dgc:10@step``; by epochs unless ``@step``).
@@ -41,7 +42,7 @@ BASES = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}
 #: Schedules a label can name (``mpicomm.control.parse_schedule`` forms).
 SCHEDULES = {"gtopkwu": "gtopk", "dgc": "dgc", "linear": "linear:5", "linear2": "linear:2"}
 #: Label modifiers besides the schedules.
-FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "wd", "layer")
+FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "exact", "wd", "layer")
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,10 @@ def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
     }
     if "layer" in mods:
         kwargs["fusion_bytes"] = 1
-    if "own" in mods and base != "gtopk":
-        raise ValueError(f"{label!r}: the 'own' modifier is for gtopk only")
+    for only_gtopk in ("own", "exact"):
+        if only_gtopk in mods and base != "gtopk":
+            raise ValueError(f"{label!r}: the {only_gtopk!r} modifier is for gtopk only")
     if base == "gtopk":
         kwargs["own_contribution"] = "own" in mods
+        kwargs["exact_values"] = "exact" in mods
     return Recipe(BASES[base](**kwargs), mc)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..collectives import cost
+from ..collectives import allreduce, cost
 from ..compress import TopK
 from ..compress.topk import index_itemsize
 from ..sparse import gtopk
@@ -36,9 +36,15 @@ class GTopK(SparsifyingStrategy):
     of two ``Σ_r c_r = P·u + Σ_r e_r`` holds (up to the rounding of the merges' sums):
     no gradient mass is lost, as for AR-Top-k. ``own_contribution=False`` is the
     paper's rule ``A_r = L_r ∩ I``: a rank whose pair was truncated on the way still
-    counts the index as sent, and that mass is lost. ``k = max(1, ceil(density·d))`` (or the given
-    ``k``), capped at ``d``; neither given means ``density=0.01``. With ``density=1`` no
-    merge truncates and ``u`` is the exact mean.
+    counts the index as sent, and that mass is lost. ``exact_values=True`` keeps the
+    butterfly's index set ``I`` but replaces its values by an allreduce (ring, average)
+    of every rank's ``c_r[I]``, and every residual is ``c_r`` with ``I`` zeroed: the
+    update at ``I`` is the exact mean and the identity above holds at any P. Cost: one
+    ring allreduce of k values more, ``2(P-1)/P·k·itemsize`` bytes per rank, about a
+    quarter more than the butterfly at P = 8 and 16 (float32).
+    ``k = max(1, ceil(density·d))`` (or the given ``k``), capped at ``d``; neither given
+    means ``density=0.01``. With ``density=1`` no merge truncates and ``u`` is the exact
+    mean.
 
     Bytes sent per rank (s = 4 + itemsize; p2 = largest power of two <= P,
     rem = P - p2; every message holds k pairs as soon as every rank has k picks):
@@ -105,9 +111,10 @@ class GTopK(SparsifyingStrategy):
                  momentum_correction: float | str = ADOPT,
                  momentum_masking: bool = True,
                  clip_norm: float | None = None, warmup_dense: bool = False,
-                 flush_every: int | None = None):
+                 flush_every: int | None = None, exact_values: bool = False):
         self.density, self.k = sparsity(density, k)
         self.own_contribution = check_flag("own_contribution", own_contribution)
+        self.exact_values = check_flag("exact_values", exact_values)
         super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
                          schedule=schedule,
                          momentum_correction=momentum_correction,
@@ -126,14 +133,21 @@ class GTopK(SparsifyingStrategy):
         self._record_selected(name, values)
         idx, val, dropped = gtopk(picks, values, k, self.comm, return_dropped=True,
                                   size=numel, own_contribution=self.own_contribution)
-        if self.memory is not None:
-            survived = picks[~dropped]
-            self.memory.update_sparse(name, c, survived)  # dropped picks stay in c
         self.stats.extra.setdefault("k", {})[name] = k
         self.stats.extra.setdefault("survived", {})[name] = int(
             k - int(dropped.sum()))
         out = torch.zeros(numel, dtype=flat.dtype, device=flat.device)
-        out[idx.to(torch.int64)] = val / self.comm.size
+        ix = idx.to(torch.int64)
+        if self.exact_values:   # every rank's c at the global index set, averaged
+            out[ix] = allreduce(c[ix].contiguous(), op="avg", algorithm="ring",
+                                comm=self.comm)
+            if self.memory is not None:
+                self.memory.update_sparse(name, c, ix)
+            return out
+        if self.memory is not None:
+            survived = picks[~dropped]
+            self.memory.update_sparse(name, c, survived)  # dropped picks stay in c
+        out[ix] = val / self.comm.size
         return out
 
     def selects_locally(self, name: str) -> bool:
@@ -141,28 +155,39 @@ class GTopK(SparsifyingStrategy):
         return True
 
     def describe(self) -> dict[str, Any]:
+        collective = "gtopk(butterfly)" + ("+allreduce(ring)" if self.exact_values else "")
         return {**super().describe(), "density": self.density, "k": self.k,
                 "own_contribution": self.own_contribution,
-                "compressor": "topk", "collective": "gtopk(butterfly)"}
+                "exact_values": self.exact_values,
+                "compressor": "topk", "collective": collective}
 
     def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
-        """Butterfly of k pairs: ``(lg p2 + 2·fold)·k·s`` on the critical path."""
-        return cost.gtopk(k, index_itemsize(numel) + itemsize, p, BYTES)
+        """Butterfly of k pairs: ``(lg p2 + 2·fold)·k·s`` on the critical path, and with
+        ``exact_values`` a ring allreduce of k values."""
+        return (cost.gtopk(k, index_itemsize(numel) + itemsize, p, BYTES)
+                + self._exact(k, itemsize, p, BYTES))
+
+    def _exact(self, k: int, itemsize: int, p: int, params: cost.CostParams) -> float:
+        """The ring allreduce of the k values of ``exact_values`` (0 without it)."""
+        return cost.allreduce_ring(k * itemsize, p, params) if self.exact_values else 0.0
 
     def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
                       compute: cost.ComputeParams) -> tuple[float, float]:
         """Butterfly of k pairs; compute: compensation, selection, one merge of <= 2k
         pairs per round (the term that dominates at large k on a fast link), densify."""
         k = k_of(numel, self.density, self.k)
-        return (cost.gtopk(k, index_itemsize(numel) + itemsize, p, params),
+        return (cost.gtopk(k, index_itemsize(numel) + itemsize, p, params)
+                + self._exact(k, itemsize, p, params),
                 self._work(numel, itemsize, p, k, compute))
 
     def _predict_hosts(self, numel: int, itemsize: int, hosts: cost.HostCosts,
                        compute: cost.ComputeParams) -> tuple[float, float]:
         """The butterfly's rounds on the host layout (a round across hosts sends every
-        local rank's k pairs through the host's port)."""
+        local rank's k pairs through the host's port), and the values' allreduce."""
         k = k_of(numel, self.density, self.k)
         t = hosts.flat_sparse("gtopk", k, index_itemsize(numel), itemsize)
+        if self.exact_values and hosts.p > 1:
+            t = t + hosts.flat("allreduce", "ring", float(k * itemsize))
         return t.comm, t.local + self._work(numel, itemsize, hosts.p, k, compute)
 
     def _work(self, numel: int, itemsize: int, p: int, k: int,
