@@ -226,6 +226,12 @@ def test_a_run_of_an_earlier_default_is_never_read_as_todays():
     assert stale_default(run("gtopk:flush_every=100", earlier | {"flush_every": 100}))
     assert stale_default(run("gtopk+ef+mc+own", earlier)) == {}  # explicit: not a default
     assert stale_default(run("gtopk", None)) == {}                # nothing recorded
+    # an option added after the run counts as the class's default (what ran before it)
+    older = {k: v for k, v in now.items() if k != "exact_values"}
+    assert stale_default(run("gtopk", older)) == {}
+    assert stale_default(run("gtopk:exact_values=true", older)) == {
+        "collective": ("gtopk(butterfly)", "gtopk(butterfly)+allreduce(ring)"),
+        "exact_values": (False, True)}
     # Top-k's default takes the optimizer's momentum over: recorded as the factor
     topk = strategies.make("topk", density=0.001).describe()
     assert stale_default(run("topk", topk | {"momentum_correction": 0.9})) == {}

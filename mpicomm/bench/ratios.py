@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import inspect
 import json
 import math
 import os
@@ -169,6 +170,17 @@ def _recipe(describe: dict[str, Any], momentum: float) -> dict[str, Any]:
     return out
 
 
+#: Recipe entries a run records only when its strategy took the optimizer's momentum
+#: over (:func:`_recipe`): their absence is a fact about the run, not an older record.
+_MOMENTUM_KEYS = ("momentum_correction", "momentum_masking")
+
+
+def _option_defaults(cls: type) -> dict[str, Any]:
+    """The keyword defaults of ``cls``'s constructor."""
+    return {name: p.default for name, p in inspect.signature(cls).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
 def stale_default(run: dict[str, Any], density: float | None = None
                   ) -> dict[str, tuple[Any, Any]]:
     """For a run labelled by a sparsifier's name alone (``gtopk``) or with options on its
@@ -176,8 +188,10 @@ def stale_default(run: dict[str, Any], density: float | None = None
     recorded (``extra.describe``, taken at its end) differs from what the label builds
     now, as ``{entry: (ran, now)}``. Empty when they agree, for other labels and for runs
     that recorded no recipe. A non-empty answer means the defaults changed after the run:
-    its label no longer says what it ran. ``density``: the run's density where its record
-    holds none (a file-wide setting)."""
+    its label no longer says what it ran. An option the record lacks was added after the
+    run: it counts as the class's own default for it, the behaviour from before it
+    existed. ``density``: the run's density where its record holds none (a file-wide
+    setting)."""
     label = run["label"]
     named = named_options(label)
     if label not in BASES and (named is None or named[0] not in BASES):
@@ -187,8 +201,11 @@ def stale_default(run: dict[str, Any], density: float | None = None
         return {}
     momentum = float((run.get("config") or {}).get("momentum") or 0.0)
     density = run.get("density") or density or 0.01
-    now = label_strategy(label, density=density).strategy.describe()
-    ran, now = _recipe(ran, momentum), _recipe(now, momentum)
+    strategy = label_strategy(label, density=density).strategy
+    now = strategy.describe()
+    added = {k: v for k, v in _option_defaults(type(strategy)).items()
+             if k in now and k not in ran and k not in _MOMENTUM_KEYS}
+    ran, now = _recipe({**added, **ran}, momentum), _recipe(now, momentum)
     return {k: (ran.get(k), now.get(k)) for k in sorted(set(ran) | set(now))
             if ran.get(k) != now.get(k)}
 
