@@ -51,8 +51,9 @@ _directories: list[str] = []   # the store directories this rank knows, removed 
 
 @atexit.register
 def _remove_all() -> None:
-    gc.collect()           # a store caught in a reference cycle lets go of its file now
-    release_store()
+    if _directories:       # a store caught in a reference cycle lets go of its file now
+        gc.collect()
+        release_store()
 
 
 def release_store() -> None:
