@@ -114,7 +114,10 @@ def test_sparsifier_labels_with_options_keep_the_default_recipe_at_the_density()
     s = label_strategy("gtopk:flush_every=100", density=0.001).strategy
     d = s.describe()
     assert (d["density"], d["flush_every"], d["own_contribution"]) == (0.001, 100, True)
-    assert s.momentum_correction == 0.0 and d["schedule"] == "ramp:0.03,7.48"
+    assert s.momentum_correction == 0.0 and d["schedule"] == "ramp:0.03,6.2"
+    assert d["exact_values"] is True    # the recipe below density 0.003
+    d = label_strategy("gtopk:flush_every=100,density=0.01", density=0.001).strategy.describe()
+    assert (d["schedule"], d["exact_values"]) == ("ramp:0.03,7.48", False)
     assert label_density("gtopk:flush_every=100", 0.001) == 0.001
     assert label_density("artopk:flush_every=50,density=0.01", 0.001) == 0.01
     assert label_strategy("artopk:flush_every=50,density=0.01",
@@ -210,9 +213,9 @@ def test_a_run_of_an_earlier_default_is_never_read_as_todays():
     no longer what the name builds, collecting refuses it (naming the run and what
     changed) until it is relabelled with the recipe it ran; the adopted momentum of
     ``momentum_correction="optimizer"`` counts as the optimizer's."""
-    def run(label, describe, momentum=0.9, acc=0.97):
+    def run(label, describe, momentum=0.9, acc=0.97, density=0.001):
         return {"workload": "w", "ranks": 8, "seed": 0, "steps": 100, "label": label,
-                "metric": "accuracy", "direction": "max", "density": 0.001,
+                "metric": "accuracy", "direction": "max", "density": density,
                 "curve": [{"accuracy": acc}], "sent_bytes_total": 10,
                 "config": {"momentum": momentum}, "extra": {"describe": describe}}
 
@@ -222,14 +225,22 @@ def test_a_run_of_an_earlier_default_is_never_read_as_todays():
     assert stale_default(run("gtopk", now)) == {}
     assert stale_default(run("gtopk", earlier)) == {
         "momentum_correction": (0.9, None), "momentum_masking": (True, None),
-        "schedule": (None, "ramp:0.03,7.48")}
+        "schedule": (None, "ramp:0.03,6.2"), "exact_values": (False, True),
+        "collective": ("gtopk(butterfly)", "gtopk(butterfly)+allreduce(ring)")}
+    # the recipe of density 0.01 run at 0.001: stale, the name builds more there now
+    at_001 = strategies.make("gtopk", density=0.01).describe() | {"density": 0.001}
+    assert stale_default(run("gtopk", at_001)) == {
+        "schedule": ("ramp:0.03,7.48", "ramp:0.03,6.2"), "exact_values": (False, True),
+        "collective": ("gtopk(butterfly)", "gtopk(butterfly)+allreduce(ring)")}
+    assert stale_default(run("gtopk+ef+own+ramp:0.03,7.48", at_001)) == {}
     assert stale_default(run("gtopk:flush_every=100", earlier | {"flush_every": 100}))
     assert stale_default(run("gtopk+ef+mc+own", earlier)) == {}  # explicit: not a default
     assert stale_default(run("gtopk", None)) == {}                # nothing recorded
     # an option added after the run counts as the class's default (what ran before it)
-    older = {k: v for k, v in now.items() if k != "exact_values"}
-    assert stale_default(run("gtopk", older)) == {}
-    assert stale_default(run("gtopk:exact_values=true", older)) == {
+    now_001 = strategies.make("gtopk", density=0.01).describe()
+    older = {k: v for k, v in now_001.items() if k != "exact_values"}
+    assert stale_default(run("gtopk", older, density=0.01)) == {}
+    assert stale_default(run("gtopk:exact_values=true", older, density=0.01)) == {
         "collective": ("gtopk(butterfly)", "gtopk(butterfly)+allreduce(ring)"),
         "exact_values": (False, True)}
     # Top-k's default takes the optimizer's momentum over: recorded as the factor
@@ -240,7 +251,9 @@ def test_a_run_of_an_earlier_default_is_never_read_as_todays():
     assert stale_default(run("topk", plain))  # momentum 0.9 but nothing taken over
 
     with pytest.raises(UsageError, match=r"gtopk \(w, 8 ranks, density 0.001, seed 0, "
-                                         r"100 steps\): momentum_correction ran 0.9"):
+                                         r"100 steps\): collective ran 'gtopk\(butterfly\)', "
+                                         r"now 'gtopk\(butterfly\)\+allreduce\(ring\)'.*"
+                                         r"momentum_correction ran 0.9"):
         collect([dense, run("gtopk", earlier)])
     rows = collect([dense, run("gtopk+ef+mc+own", earlier), run("gtopk", now)])
     assert [r["strategy"] for r in rows] == ["gtopk", "gtopk+ef+mc+own"]

@@ -118,26 +118,58 @@ def test_gtopk_default_puts_truncated_picks_back():
 def test_gtopk_by_name_ramps_its_density_within_a_fixed_budget():
     """``make("gtopk")`` (and every entry point that builds by name) adds the measured
     recipe: plain error feedback with the optimizer's momentum and a density ramp from
-    0.03 geometrically down to the density, 7.48 density-steps in all (877 steps at
-    0.001); the class itself and ``schedule=None`` have no ramp, and the class keeps
+    0.03 geometrically down to the density, 7.48 density-steps in all (411 steps at
+    0.01); the class itself and ``schedule=None`` have no ramp, and the class keeps
     the momentum correction."""
     from mpicomm.bench.recipes import label_strategy
     from mpicomm.control import BudgetRamp
 
-    s = strategies.make("gtopk", density=0.001)
+    s = strategies.make("gtopk", density=0.01)
     assert s.schedule == BudgetRamp(0.03, 7.48)
     assert s.describe()["schedule"] == "ramp:0.03,7.48"
     assert s.momentum_correction == 0.0 and not s.adopt_pending
-    # k of a 100 000-element buffer: 3 000 at step 0, 100 from step 877 on
-    assert [s._k(100_000, t, 0.001, None) for t in (0, 438, 876, 877, 5000)] == \
-        [3000, math.ceil(100_000 * 0.03 * (1 / 30) ** (438 / 877)), 101, 100, 100]
-    assert label_strategy("gtopk", density=0.001).strategy.schedule == s.schedule
+    assert s.exact_values is False
+    # k of a 100 000-element buffer: 3 000 at step 0, 1 000 from step 411 on
+    assert [s._k(100_000, t, 0.01, None) for t in (0, 205, 410, 411, 5000)] == \
+        [3000, math.ceil(100_000 * 0.03 * (1 / 3) ** (205 / 411)), 1003, 1000, 1000]
+    assert label_strategy("gtopk", density=0.01).strategy.schedule == s.schedule
+    assert strategies.make("gtopk").describe() == s.describe()
     assert strategies.make("gtopk", schedule=None).schedule is None
     assert strategies.GTopK(density=0.001).schedule is None
     assert strategies.GTopK(density=0.001).momentum_correction == "optimizer"
     assert strategies.make("gtopk", momentum_correction="optimizer").adopt_pending
     assert strategies.make("gtopk", density=0.05)._k(1000, 0, 0.05, None) == 50
     assert strategies.make("topk").schedule is None
+
+
+def test_gtopk_by_name_below_density_0003_averages_exact_values_on_a_shorter_ramp():
+    """Under density 0.003 the name's recipe also takes the exact mean at the
+    butterfly's indices and shortens the ramp to 6.2 density-steps (727 steps at
+    0.001); at 0.003 and above, from ``k`` alone, or for another name, nothing changes;
+    a keyword given wins over the recipe."""
+    from mpicomm.bench.recipes import label_strategy
+    from mpicomm.control import BudgetRamp
+
+    low = strategies.make("gtopk", density=0.001)
+    assert low.exact_values is True and low.schedule == BudgetRamp(0.03, 6.2)
+    assert low.momentum_correction == 0.0 and low.own_contribution is True
+    assert [low._k(100_000, t, 0.001, None) for t in (0, 726, 727)] == [3000, 101, 100]
+    assert low.describe() == label_strategy(
+        "gtopk+ef+own+exact+ramp:0.03,6.2", density=0.001).strategy.describe()
+    assert label_strategy("gtopk", density=0.001).strategy.describe() == low.describe()
+    assert strategies.make("gtopk", density=0.002999).exact_values is True
+    for kwargs in ({"density": 0.003}, {"density": 0.01}, {"k": 10}, {}):
+        s = strategies.make("gtopk", **kwargs)
+        assert s.exact_values is False and s.schedule == BudgetRamp(0.03, 7.48), kwargs
+    assert strategies.make("gtopk", density=0.001, exact_values=False).exact_values is False
+    assert strategies.make("gtopk", density=0.001, schedule=None).schedule is None
+    assert strategies.recipe("gtopk", 0.001) == {
+        "schedule": BudgetRamp(0.03, 6.2), "momentum_correction": 0.0,
+        "exact_values": True}
+    assert strategies.recipe("artopk", 0.001) == strategies.recipe("artopk", 0.01)
+    assert strategies.recipe("topk", 0.001) == {}
+    with pytest.raises(ValueError, match="density"):   # the class's own message
+        strategies.make("gtopk", density=-1.0)
 
 
 @pytest.mark.mpi

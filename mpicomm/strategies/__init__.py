@@ -94,6 +94,8 @@ __all__ = [
     "make",
     "available",
     "RECIPES",
+    "LOW_DENSITY_RECIPES",
+    "recipe",
 ]
 
 _BY_NAME: dict[str, type[Strategy]] = {
@@ -105,16 +107,16 @@ _BY_NAME: dict[str, type[Strategy]] = {
 
 
 #: What :func:`make` adds to a name's constructor defaults: the default recipe measured
-#: for that name (docs/compression.md, "The sparsifiers' default"); a keyword given to
-#: :func:`make` wins over it, and the classes themselves keep their plain defaults.
+#: for that name (docs/compression.md, "The sparsifiers' default"), with the changes of
+#: :data:`LOW_DENSITY_RECIPES` below their density; a keyword given to :func:`make` wins
+#: over it, and the classes themselves keep their plain defaults.
 #: gTop-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``)
 #: and a geometric density ramp from 0.03 down to its density spending 7.48
-#: density-steps (:class:`~mpicomm.control.BudgetRamp`: 877 steps at density 0.001, 411
-#: at 0.01, none from 0.03 on), about 26 dense allreduces' bytes at P = 8 and 32 at
-#: P = 16 (``P·lg P/(P-1)`` of one per unit of density); on MNIST-1D's CNN (2 028 steps,
-#: 3 seeds, medians) at 8 ranks -0.22 points at 68.4x fewer bytes (density 0.001) and
-#: -0.04 at 25.0x (0.01); at 16 ranks with the same global batch -0.69 at 54.9x (0.001)
-#: and -0.17 at 20.1x (0.01).
+#: density-steps (:class:`~mpicomm.control.BudgetRamp`: 411 steps at density 0.01, none
+#: from 0.03 on), about 26 dense allreduces' bytes at P = 8 and 32 at P = 16
+#: (``P·lg P/(P-1)`` of one per unit of density); on MNIST-1D's CNN (2 028 steps, 3
+#: seeds, medians) at density 0.01 -0.04 points at 25.0x fewer bytes on 8 ranks and
+#: -0.17 at 20.1x on 16 with the same global batch.
 #: AR-Top-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``),
 #: a geometric density ramp from 0.1 spending 23.47 density-steps (1 092 steps at
 #: density 0.001, 600 at 0.01), about 35 dense allreduces' bytes (3/2 of one per unit of
@@ -128,6 +130,33 @@ RECIPES: dict[str, dict[str, Any]] = {
                "source": "largest"},
 }
 
+#: ``{name: (below, changes)}``: what a name's recipe changes for a ``density`` under
+#: ``below`` (a strategy built from ``k`` alone takes the recipe of the default density,
+#: 0.01).
+#: gTop-k under density 0.003: the exact mean at the butterfly's indices
+#: (``exact_values=True``, a ring allreduce of k values more per step, a quarter more
+#: bytes at P = 8 and 16) and a ramp shortened to 6.2 density-steps to pay for it (727
+#: steps at density 0.001); on MNIST-1D's CNN at density 0.001 (2 028 steps, 3 seeds,
+#: medians) +0.00 points at 60.9x fewer bytes on 8 ranks and -0.06 at 51.2x on 16,
+#: where the recipe above gave -0.22 at 68.4x and -0.69 at 54.9x. At density 0.01 the
+#: extra quarter would put gTop-k under 20x fewer bytes; the switch lies between the
+#: two measured densities.
+LOW_DENSITY_RECIPES: dict[str, tuple[float, dict[str, Any]]] = {
+    "gtopk": (0.003, {"schedule": BudgetRamp(0.03, 6.2), "exact_values": True}),
+}
+
+
+def recipe(name: str, density: Any = None) -> dict[str, Any]:
+    """The keywords :func:`make` adds for ``name`` at ``density`` (:data:`RECIPES`, with
+    :data:`LOW_DENSITY_RECIPES`'s changes where ``density`` is a number below their
+    bound); empty for a name without a recipe."""
+    out = dict(RECIPES.get(name, {}))
+    below, changes = LOW_DENSITY_RECIPES.get(name, (0.0, {}))
+    if isinstance(density, (int, float)) and not isinstance(density, bool) \
+            and density < below:
+        out.update(changes)
+    return out
+
 
 def available() -> tuple[str, ...]:
     """Names accepted by :func:`make`."""
@@ -136,9 +165,9 @@ def available() -> tuple[str, ...]:
 
 def make(name: str, **kwargs: Any) -> Strategy:
     """Build the strategy called ``name`` with keyword arguments for its constructor, on
-    top of the name's default recipe (:data:`RECIPES`; ``schedule=None`` turns gTop-k's
-    and AR-Top-k's ramps off)."""
+    top of the name's default recipe at the given density (:func:`recipe`;
+    ``schedule=None`` turns gTop-k's and AR-Top-k's ramps off)."""
     cls = _BY_NAME.get(name)
     if cls is None:
         raise ValueError(f"unknown strategy {name!r}; available: {', '.join(available())}")
-    return cls(**{**RECIPES.get(name, {}), **kwargs})
+    return cls(**{**recipe(name, kwargs.get("density")), **kwargs})

@@ -41,12 +41,8 @@ class GTopK(SparsifyingStrategy):
     of every rank's ``c_r[I]``, and every residual is ``c_r`` with ``I`` zeroed: the
     update at ``I`` is the exact mean and the identity above holds at any P. Cost: one
     ring allreduce of k values more, ``2(P-1)/P·k·itemsize`` bytes per rank, about a
-    quarter more than the butterfly at P = 8 and 16 (float32). Measured on MNIST-1D's
-    CNN at density 0.001 (2 028 steps, 3 seeds, medians), with the by-name recipe's
-    ramp shortened to 6.2 density-steps to pay for it: +0.00 points at 60.9x fewer
-    bytes than dense on 8 ranks and -0.06 at 51.2x on 16 (the recipe without it: -0.22
-    at 68.4x and -0.69 at 54.9x). It is not part of the recipe because at density 0.01
-    the extra quarter puts gTop-k under 20x fewer bytes at 8 and 16 ranks.
+    quarter more than the butterfly at P = 8 and 16 (float32). The by-name recipe turns
+    it on below density 0.003 (below).
     ``k = max(1, ceil(density·d))`` (or the given ``k``), capped at ``d``; neither given
     means ``density=0.01``. With ``density=1`` no merge truncates and ``u`` is the exact
     mean.
@@ -69,23 +65,29 @@ class GTopK(SparsifyingStrategy):
 
     By name (``strategies.make("gtopk")``, ``GradientSync(model, strategy="gtopk")``,
     ``examples/train.py --strategy gtopk``) the default is the recipe measured on
-    MNIST-1D's CNN (:data:`mpicomm.strategies.RECIPES`): plain error feedback
+    MNIST-1D's CNN (:func:`mpicomm.strategies.recipe`): plain error feedback
     (``momentum_correction=0.0``, the optimizer keeps its momentum) and a density ramp,
     ``schedule=BudgetRamp(0.03, 7.48)``, from 0.03 geometrically down to ``density``
-    while sending 7.48 density-steps in all (877 steps at density 0.001, 411 at 0.01,
-    no ramp from 0.03 on). Cost: gTop-k sends ``P·lg P/(P-1)`` dense allreduces' bytes
-    per unit of density (``lg P·8`` bytes per pair-slot against ``2(P-1)/P·4``), so the
-    ramp costs about 26 dense allreduces' bytes at P = 8 and 32 at P = 16: a 2 028-step
-    run at density 0.001 sends 68.4x (P = 8) and 54.9x (P = 16) fewer bytes than dense
-    instead of 291x and 234x, one at 0.01 25.0x and 20.1x instead of 29x and 23x. Why
-    the ramp: the update changes k entries per step, and at density 0.001 the two large
+    while sending 7.48 density-steps in all (411 steps at density 0.01, no ramp from
+    0.03 on); below density 0.003 also ``exact_values=True`` and a ramp of 6.2
+    density-steps instead (``BudgetRamp(0.03, 6.2)``, 727 steps at 0.001). Cost:
+    gTop-k sends ``P·lg P/(P-1)`` dense allreduces' bytes per unit of density (``lg P·8``
+    bytes per pair-slot against ``2(P-1)/P·4``), so the 7.48 ramp costs about 26 dense
+    allreduces' bytes at P = 8 and 32 at P = 16: a 2 028-step run at density 0.01 sends
+    25.0x (P = 8) and 20.1x (P = 16) fewer bytes than dense instead of 29x and 23x; one
+    at 0.001, with the exact values, 60.9x and 51.2x instead of 226x and 190x. Why the
+    ramp: the update changes k entries per step, and at density 0.001 the two large
     layers of MNIST-1D's CNN were picked about once per parameter in 2 028 steps; the
-    ramp applies 3-30x more entries per step while the gradients change fast. Why plain
-    error feedback: at 16 ranks the momentum correction lost 1.07 points against 0.14
-    (seed 0, the same ramp). Measured (2 028 steps, 3 seeds, medians against dense):
-    -0.22 points at density 0.001 and -0.04 at 0.01 on 8 ranks, -0.69 and -0.17 on 16
-    (docs/compression.md). Pass ``schedule=None`` for no ramp; the class's own default
-    has none.
+    ramp applies 3-30x more entries per step while the gradients change fast. Why
+    plain error feedback: at 16 ranks the momentum correction lost 1.07 points against
+    0.14 (seed 0, the same ramp). Why the exact values below 0.003: at density 0.001
+    the butterfly's partial sums cost the recipe without them -0.22 (8 ranks) and
+    -0.69 points (16); at 0.01 their quarter more bytes would put gTop-k under 20x
+    fewer bytes than dense, and the switch lies between the two measured densities.
+    Measured (2 028 steps, 3 seeds, medians against dense): +0.00 points at density
+    0.001 and -0.04 at 0.01 on 8 ranks, -0.06 and -0.17 on 16 (docs/compression.md).
+    Pass ``schedule=None`` for no ramp, ``exact_values=False`` to keep the butterfly's
+    values; the class's own default has neither ramp nor exact values.
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
