@@ -66,7 +66,8 @@ FORMAT = "mpicomm-cost-table/2"
 FORMATS = ("mpicomm-cost-table/1", FORMAT)
 #: Ops a table made before they existed may lack: such a table charges them nothing (as
 #: it did when it was made), and the run records them with ``source="absent"``.
-LATER_OPS = {"select:kept": "kept element", "sort": "element"}
+LATER_OPS = {"select:kept": "kept element", "sort": "element", "encode:log8": "pair",
+             "decode:log8": "pair"}
 ENV_COSTS = "MPICOMM_VIRTUAL_COSTS"
 #: Longest sleep of a rank waiting for its turn (it must not take the CPU from the rank
 #: that measures).

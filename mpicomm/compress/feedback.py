@@ -114,14 +114,18 @@ class ErrorFeedback:
         self._store(name, from_torch(residual, like=compensated))
 
     def update_sparse(self, name: str, compensated: Any, indices: Any, *,
-                      inplace: bool = True) -> None:
+                      inplace: bool = True, sent: Any = None) -> None:
         """Residual = ``compensated`` with the flat positions ``indices`` set to zero.
 
         With ``inplace=True`` (default) ``compensated`` itself is zeroed at ``indices``
         and kept as the residual (no copy): gather the values to send *before* calling
         this, and do not reuse ``compensated`` afterwards. ``inplace=False`` copies.
-        With :attr:`track_sent`, ``||compensated[indices]||²`` is kept for
-        :meth:`sent_sq` (``indices`` distinct, as every sparsifier's are).
+        ``sent``: the values that reach the other ranks at ``indices`` where they differ
+        from ``compensated``'s own there (a lossy wire format); the residual then keeps
+        ``compensated[indices] - sent`` at ``indices`` instead of zero.
+        With :attr:`track_sent`, ``||sent||²`` (``||compensated[indices]||²`` without
+        ``sent``) is kept for :meth:`sent_sq` (``indices`` distinct, as every
+        sparsifier's are).
         """
         info = inspect(compensated)
         c = to_torch(compensated).detach()
@@ -134,10 +138,20 @@ class ErrorFeedback:
         # on CUDA as a device-side assertion at the next synchronization).
         i = torch.where(i < 0, info.numel, i)
         try:
-            if self.track_sent:
-                sent = c.view(-1).index_select(0, i).to(torch.float64)
-                self._sent_sq[name] = torch.dot(sent, sent)
-            c.view(-1).index_fill_(0, i, 0)
+            if sent is None:
+                if self.track_sent:
+                    own = c.view(-1).index_select(0, i).to(torch.float64)
+                    self._sent_sq[name] = torch.dot(own, own)
+                c.view(-1).index_fill_(0, i, 0)
+            else:
+                s = to_torch(sent).reshape(-1).to(device=c.device, dtype=c.dtype)
+                if s.shape != i.shape:
+                    raise ValueError(f"update_sparse: {s.shape[0]} sent values for "
+                                     f"{i.shape[0]} indices of tensor {name!r}")
+                if self.track_sent:
+                    self._sent_sq[name] = torch.dot(s.to(torch.float64),
+                                                    s.to(torch.float64))
+                c.view(-1).index_copy_(0, i, c.view(-1).index_select(0, i) - s)
         except IndexError:
             raise ValueError(
                 f"update_sparse: index out of range for tensor {name!r} of {info.numel} "

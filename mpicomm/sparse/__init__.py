@@ -19,19 +19,21 @@ Inputs are numpy arrays, torch tensors (CPU/CUDA) or cupy arrays; results come b
 same framework and device, sorted by index ascending and identical on every rank. Every
 selection uses the library's total order (``|v|`` desc, then index asc).
 :mod:`mpicomm.sparse.reference` holds single-process numpy references (the spec),
-:mod:`mpicomm.sparse.sets` the kernels on sparse sets (union, truncation, merge).
+:mod:`mpicomm.sparse.sets` the kernels on sparse sets (union, truncation, merge),
+:mod:`mpicomm.sparse.coding` a compact wire format of pairs (``topk_allgather(...,
+coding="log8")``: one byte a value, varint index gaps).
 Costs are in :mod:`mpicomm.collectives.cost` (``topk_allgather``, ``gtopk``,
 ``artopk_ring``, ``artopk_tree``).
 """
 
-from . import reference, sets
+from . import coding, reference, sets
 from .allgather import exact_topk, topk_allgather
 from .artopk import ARTopKState, artopk
 from .gtopk import gtopk
 from .hierarchical import hierarchical_topk
 
 __all__ = ["topk_allgather", "gtopk", "artopk", "ARTopKState", "exact_topk",
-           "hierarchical_topk", "reference", "sets"]
+           "hierarchical_topk", "coding", "reference", "sets"]
 
 
 def _cost_kernels() -> None:
@@ -42,11 +44,14 @@ def _cost_kernels() -> None:
     two sorted sets of ``n/2`` pairs each, a third of the indices shared, per pair),
     ``sort`` (sorting ``n`` distinct indices in random order, what a sparse collective does
     with a rank's input given unsorted, per element),
-    ``scatter`` (zero a dense vector of ``n`` and scatter-add 1% of it, per element)."""
+    ``scatter`` (zero a dense vector of ``n`` and scatter-add 1% of it, per element),
+    ``encode:log8`` and ``decode:log8`` (:mod:`~mpicomm.sparse.coding` of ``n`` pairs
+    spread over ``100·n`` elements, per pair)."""
     import torch
 
     from ..compress.topk_select import SELECT_COST_DENSITY
     from ..costtable import register_kernel
+    from .coding import decode, encode
     from .sets import truncate, union
 
     def select(n: int):  # type: ignore[no-untyped-def]
@@ -83,12 +88,26 @@ def _cost_kernels() -> None:
 
         return run
 
+    def pairs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randperm(100 * n, generator=gen)[:n], torch.randn(n, generator=gen)
+
+    def encode_log8(n: int):  # type: ignore[no-untyped-def]
+        idx, val = pairs(n)
+        return lambda: encode(idx, val)
+
+    def decode_log8(n: int):  # type: ignore[no-untyped-def]
+        buf = encode(*pairs(n))
+        return lambda: decode(buf, torch.float32)
+
     register_kernel("select", select, "element", (1 << 14, 1 << 20))
     register_kernel("select:kept", select_kept, "kept element", (1 << 12, 1 << 17),
                     intercept=False)
     register_kernel("merge", merge, "pair", (1 << 12, 1 << 18))
     register_kernel("sort", sort, "element", (1 << 12, 1 << 18))
     register_kernel("scatter", scatter, "element", (1 << 14, 1 << 20))
+    register_kernel("encode:log8", encode_log8, "pair", (1 << 10, 1 << 16))
+    register_kernel("decode:log8", decode_log8, "pair", (1 << 10, 1 << 16))
 
 
 _cost_kernels()

@@ -6,7 +6,10 @@ index space of 2^31 or more, then values in their dtype) and a ring
 :func:`mpicomm.allgatherv` circulates the buffers, so ranks may hold different numbers
 of pairs. Every rank then adds each rank's values at its indices into a dense zero
 vector, rank by rank in rank order (within one rank indices are distinct, so each step
-is a plain indexed add): the same bits on every rank and on every device.
+is a plain indexed add): the same bits on every rank and on every device. With
+``coding="log8"`` the buffers hold :mod:`mpicomm.sparse.coding`'s compact format (one
+byte a value, varint index gaps; about 2-3 bytes a pair) and the decoded values are
+added instead.
 
 :func:`exact_topk` (the authors' "select k from k×P" reference): the same gather, then
 the values are summed by index over the union of supports (rank order) and the exact
@@ -46,26 +49,41 @@ from ._common import (
     to_caller,
     wire_index_dtype,
 )
+from .coding import check_coding, decode, encode
 from .sets import Pairs, truncate
 
 __all__ = ["topk_allgather", "exact_topk"]
 
 
-def gather_sets(pairs: Pairs, comm: Communicator, index_dtype: torch.dtype) -> list[Pairs]:
-    """Every rank's (idx, val) set, in rank order, via one ring allgatherv of bytes."""
+def gather_sets(pairs: Pairs, comm: Communicator, index_dtype: torch.dtype,
+                coding: str | None = None) -> list[Pairs]:
+    """Every rank's (idx, val) set, in rank order, via one ring allgatherv of bytes
+    (plain pairs, or :mod:`~mpicomm.sparse.coding`'s ``coding``, decoded on the values'
+    device)."""
     idx, val = pairs
-    packed = pack_pairs(idx, val, index_dtype)
+    if coding is None:
+        packed = pack_pairs(idx, val, index_dtype)
+    else:
+        clock.charge("encode:log8", idx.shape[0])
+        packed = encode(idx, val).to(val.device)
     gathered, rows = allgatherv(packed, comm=comm, algorithm="ring", return_counts=True)
     sets, start = [], 0
     for n in rows:
-        sets.append(unpack(gathered[start:start + n], index_dtype, val.dtype))
+        chunk = gathered[start:start + n]
+        if coding is None:
+            sets.append(unpack(chunk, index_dtype, val.dtype))
+        else:
+            i, v = decode(chunk, val.dtype)
+            clock.charge("decode:log8", i.shape[0])
+            sets.append((i.to(idx.device), v.to(val.device)))
         start += n
     return sets
 
 
 @traced("topk_allgather", cat="sparse", describe=describe_sparse("topk_allgather"))
 def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
-                   comm: Communicator | None = None, *, allow_nonfinite: bool = False) -> Any:
+                   comm: Communicator | None = None, *, allow_nonfinite: bool = False,
+                   coding: str | None = None) -> Any:
     """Gather every rank's sparse (indices, values) and scatter-add them into a dense vector.
 
     Parameters
@@ -81,21 +99,30 @@ def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
     comm:
         :class:`~mpicomm.Communicator` (default: the world).
     allow_nonfinite:
-        Skip the finiteness check of the values.
+        Skip the finiteness check of the values (not with ``coding``).
+    coding:
+        ``None`` (int32/int64 indices and the values' own bytes) or ``"log8"``
+        (:mod:`mpicomm.sparse.coding`: one byte per value on a log scale, varint index
+        gaps; about 2-3 bytes a pair). The values are then what the coding decodes
+        (:func:`mpicomm.sparse.coding.quantize` of each rank's values), exactly.
 
     Returns a dense 1-D vector of length ``size`` with the values' dtype, in their
     framework and on their device, identical on every rank.
     """
     comm = resolve(comm)
     with comm.validating("topk_allgather") as agreed:
-        agreed.update(size=size, op=op)
+        agreed.update(size=size, op=op, coding=coding)
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+        check_coding(coding)
+        if coding is not None and allow_nonfinite:
+            raise ValueError(f"coding={coding!r} needs finite values: "
+                             "allow_nonfinite=True is for the plain pairs only")
         size = check_int("size", size, 1)
         sp = read_pairs(indices, values, size, allow_nonfinite)
         agreed["dtype"] = str(sp.val.dtype)
 
-    sets = gather_sets((sp.idx, sp.val), comm, wire_index_dtype(size))
+    sets = gather_sets((sp.idx, sp.val), comm, wire_index_dtype(size), coding)
     clock.charge("scatter", size)
     dense = torch.zeros(size, dtype=sp.val.dtype, device=sp.device)
     for idx, val in sets:

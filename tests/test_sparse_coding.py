@@ -1,0 +1,199 @@
+"""The ``log8`` wire format of sparse pairs: the codec, the coded sparse Allgather and
+Top-k's ``coding`` option with error feedback.
+
+Single-process tests check the codec against its definition; the ``mpi`` tests run at
+any rank count and compare every rank's result with a numpy reference built from the
+same quantized values, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mpicomm import costtable, strategies
+from mpicomm.compress import ErrorFeedback
+from mpicomm.sparse import coding, topk_allgather
+
+
+def _pairs(seed: int, size: int, k: int, dtype: torch.dtype = torch.float32
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(size, generator=gen)[:k]
+    return idx, torch.randn(k, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _definition(values: np.ndarray) -> np.ndarray:
+    """The format's decoded values, from its definition (float64)."""
+    v = values.astype(np.float64)
+    scale = np.abs(v).max() if v.size else 0.0
+    out = np.zeros_like(v)
+    if scale == 0:
+        return out
+    nz = v != 0
+    q = np.rint(-8 * np.log2(np.abs(v[nz]) / scale))
+    out[nz] = np.where(q >= 127, 0.0, np.sign(v[nz]) * scale * np.exp2(-np.minimum(q, 126) / 8))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("size,k", [(10, 10), (1000, 7), (105_738, 1_058), (1 << 20, 300)])
+def test_round_trip_keeps_indices_and_decodes_the_defined_values(dtype, size, k):
+    idx, val = _pairs(size + k, size, k, dtype)
+    buf = coding.encode(idx, val)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1
+    got_idx, got_val = coding.decode(buf, dtype)
+    order = torch.argsort(idx)
+    assert torch.equal(got_idx, idx[order].to(torch.int64))
+    assert got_val.dtype == dtype
+    np.testing.assert_allclose(got_val.numpy(), _definition(val[order].numpy()).astype(
+        got_val.numpy().dtype), rtol=1e-12, atol=0)
+    assert torch.equal(coding.quantize(val)[order], got_val)   # what the sender keeps
+    # within range the relative error is at most 2^(1/16) - 1
+    v = val[order].double()
+    inside = v.abs() >= v.abs().max() * 2 ** (-126.5 / 8)
+    rel = ((got_val.double() - v).abs() / v.abs())[inside]
+    assert float(rel.max()) <= 2 ** (1 / 16) - 1 + 1e-12
+    assert torch.equal(torch.sign(got_val[inside]), torch.sign(v[inside]).to(dtype))
+    # size: 12 header bytes, one per value, the varints of the gaps
+    gaps = np.diff(np.sort(idx.numpy()), prepend=0)
+    varint = sum(max(1, math.ceil(int(g).bit_length() / 7)) for g in gaps)
+    assert buf.shape[0] == 12 + k + varint
+    assert coding.encode(idx, val).tolist() == buf.tolist()    # deterministic
+
+
+def test_edge_values_zero_tiny_large_indices_and_an_empty_message():
+    idx = torch.tensor([2**62, 0, 1, 2**40, 7])
+    val = torch.tensor([3.0, -1.0, 0.0, 3.0 * 2.0**-20, -3.0], dtype=torch.float64)
+    got_idx, got_val = coding.decode(coding.encode(idx, val), torch.float64)
+    assert got_idx.tolist() == [0, 1, 7, 2**40, 2**62]
+    assert got_val[[2, 4]].tolist() == [-3.0, 3.0]          # the scale is exact
+    assert got_val[1] == 0 and got_val[3] == 0               # zero, and below the range
+    assert got_val[0] == pytest.approx(-1.0, rel=0.045)
+    empty = coding.encode(torch.zeros(0, dtype=torch.int64), torch.zeros(0))
+    assert empty.shape[0] == 12
+    i, v = coding.decode(empty, torch.float32)
+    assert i.shape == v.shape == (0,)
+    i, v = coding.decode(coding.encode(torch.tensor([5]), torch.tensor([0.0])), torch.float32)
+    assert i.tolist() == [5] and v.tolist() == [0.0]
+
+
+def test_bad_coding_values_and_messages_are_clear_errors():
+    with pytest.raises(ValueError, match="coding must be None or one of"):
+        coding.check_coding("gzip")
+    with pytest.raises(ValueError, match="finite"):
+        coding.encode(torch.tensor([0, 1]), torch.tensor([1.0, float("nan")]))
+    buf = coding.encode(*_pairs(0, 1000, 20))
+    with pytest.raises(RuntimeError, match="shorter than its header"):
+        coding.decode(buf[:5], torch.float32)
+    with pytest.raises(RuntimeError, match="indices for a count"):
+        coding.decode(buf[:-1], torch.float32)
+    with pytest.raises(ValueError, match="coding must be None"):
+        strategies.make("topk", coding="zip")
+
+
+def test_expected_bytes_follow_the_mean_gap():
+    assert coding.coded_bytes(0, 100) == 12
+    assert coding.coded_bytes(1_000, 100_000) == 12 + 1_000 * 2      # gap 100: 1 byte
+    assert coding.coded_bytes(100, 100_000) == 12 + 100 * 3          # gap 1 000: 2 bytes
+    assert coding.coded_bytes(10, 10) == 12 + 10 * 2
+
+
+def test_update_sparse_keeps_what_the_wire_lost():
+    ef = ErrorFeedback()
+    ef.track_sent = True
+    c = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    sent = torch.tensor([-1.9, 3.1])
+    ef.update_sparse("w", c.clone(), torch.tensor([1, 2]), sent=sent)
+    residual = ef.residual("w")
+    assert torch.equal(residual, torch.stack([c[0], c[1] - sent[0], c[2] - sent[1], c[3]]))
+    assert float(ef.sent_sq("w")) == pytest.approx(1.9**2 + 3.1**2)
+    with pytest.raises(ValueError, match="2 sent values for 1 indices"):
+        ef.update_sparse("w", c.clone(), torch.tensor([1]), sent=sent)
+
+
+def test_the_virtual_clock_has_the_coding_kernels_and_older_tables_charge_nothing():
+    assert {"encode:log8", "decode:log8"} <= set(costtable.kernels())
+    table = costtable.CostTable({})
+    assert table.cost("encode:log8", 1000) == 0.0 and table.cost("decode:log8", 10) == 0.0
+
+
+def test_topk_predicts_the_coded_bytes():
+    plain = strategies.make("topk", density=0.01)
+    coded = strategies.make("topk", density=0.01, coding="log8")
+    assert coded.describe()["coding"] == "log8" and plain.describe()["coding"] is None
+    n, k, p = 105_738, 1_058, 16
+    assert plain._sparse_bytes(n, k, 4, p) == (p - 1) * k * 8
+    assert coded._sparse_bytes(n, k, 4, p) == (p - 1) * coding.coded_bytes(k, n)
+
+
+# ------------------------------------------------------------------------ several ranks
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_coded_allgather_sums_every_ranks_decoded_values(comm, op, dtype):
+    size = 5_000
+    sets = [_pairs(10 + r, size, 20 + 7 * r, dtype) for r in range(comm.size)]
+    before = comm.traffic.snapshot()
+    got = topk_allgather(*sets[comm.rank], size, op=op, comm=comm, coding="log8")
+    moved = comm.traffic - before
+    want = torch.zeros(size, dtype=dtype)
+    for idx, val in sets:                       # rank order, as the collective adds
+        want[idx] += coding.quantize(val)
+    if op == "avg" and comm.size > 1:
+        want /= comm.size
+    assert got.dtype == dtype and torch.equal(got, want)
+    right = (comm.rank + 1) % comm.size
+    expected = sum(coding.encode(*s).shape[0] for r, s in enumerate(sets) if r != right)
+    assert moved.sent_bytes == (expected if comm.size > 1 else 0)
+    plain = sum((4 + dtype.itemsize) * s[0].shape[0] for r, s in enumerate(sets) if r != right)
+    assert comm.size == 1 or moved.sent_bytes < plain / 2
+
+
+@pytest.mark.mpi
+def test_coded_allgather_refuses_bad_arguments_on_every_rank(comm):
+    idx, val = _pairs(comm.rank, 100, 5)
+    with pytest.raises(ValueError, match="coding must be None or one of"):
+        topk_allgather(idx, val, 100, comm=comm, coding="zip")
+    with pytest.raises(ValueError, match="allow_nonfinite"):
+        topk_allgather(idx, val, 100, comm=comm, coding="log8", allow_nonfinite=True)
+    if comm.size > 1:   # one rank asks for another format: refused everywhere
+        with pytest.raises(ValueError, match="coding"):
+            topk_allgather(idx, val, 100, comm=comm,
+                           coding="log8" if comm.rank == 0 else None)
+    assert topk_allgather(idx, val, 100, comm=comm, coding="log8").shape == (100,)
+
+
+@pytest.mark.mpi
+def test_coded_topk_loses_no_gradient_mass(comm):
+    """With error feedback what was applied and what the residuals hold add up to every
+    gradient given (P·Σ_t u_t + Σ_r e_r = Σ_t Σ_r g_r,t), at any rank count; every rank
+    applies the same update."""
+    shapes = [(30, 40), (300,)]
+    strategy = strategies.TopKAllgather(density=0.02, coding="log8",
+                                        momentum_correction=0.0, comm=comm)
+    applied = np.zeros(1_500)
+    total = np.zeros(1_500)
+    for step in range(4):
+        gs = [[torch.randn(s, generator=torch.Generator().manual_seed(97 * step + 7 * r + i),
+                           dtype=torch.float64) for i, s in enumerate(shapes)]
+              for r in range(comm.size)]
+        out = strategy.aggregate([g.clone() for g in gs[comm.rank]], ["w", "b"])
+        flat = torch.cat([o.reshape(-1) for o in out]).numpy()
+        everyone = comm.allgather_object(flat.tobytes())
+        assert all(b == everyone[0] for b in everyone)
+        applied += flat
+        total += sum(torch.cat([g.reshape(-1) for g in ranks]).numpy() for ranks in gs)
+    residual = np.sum(comm.allgather_object(strategy.residual("w..b").numpy()), axis=0)
+    np.testing.assert_allclose(comm.size * applied + residual, total, rtol=0, atol=1e-9)
+    plain = strategies.TopKAllgather(density=0.02, momentum_correction=0.0, comm=comm)
+    assert strategy.describe()["coding"] == "log8"
+    if comm.size > 1:
+        before = comm.traffic.snapshot()
+        strategy.aggregate([torch.ones(s, dtype=torch.float64) for s in shapes], ["w", "b"])
+        coded = (comm.traffic - before).sent_bytes
+        before = comm.traffic.snapshot()
+        plain.aggregate([torch.ones(s, dtype=torch.float64) for s in shapes], ["w", "b"])
+        assert coded < (comm.traffic - before).sent_bytes / 3
