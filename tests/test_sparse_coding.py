@@ -78,6 +78,9 @@ def test_edge_values_zero_tiny_large_indices_and_an_empty_message():
     assert i.shape == v.shape == (0,)
     i, v = coding.decode(coding.encode(torch.tensor([5]), torch.tensor([0.0])), torch.float32)
     assert i.tolist() == [5] and v.tolist() == [0.0]
+    bf = torch.tensor([1.5, -0.25], dtype=torch.bfloat16)   # no numpy dtype: goes via float64
+    i, v = coding.decode(coding.encode(torch.tensor([3, 1]), bf), torch.bfloat16)
+    assert i.tolist() == [1, 3] and torch.equal(v, coding.quantize(bf).flip(0))
 
 
 def test_bad_coding_values_and_messages_are_clear_errors():

@@ -54,7 +54,7 @@ def check_coding(coding: str | None) -> str | None:
 
 def _levels(values: np.ndarray) -> tuple[float, np.ndarray]:
     """The scale M and each value's byte (sign bit and level)."""
-    mag = np.abs(values.astype(np.float64))
+    mag = np.abs(values)
     if not np.isfinite(mag).all():
         raise ValueError("the log8 coding needs finite values")
     scale = float(mag.max()) if mag.size else 0.0
@@ -78,8 +78,7 @@ def _values(scale: float, codes: np.ndarray, dtype: torch.dtype) -> torch.Tensor
 def quantize(values: torch.Tensor) -> torch.Tensor:
     """The values a receiver of :func:`encode` decodes for ``values`` (same dtype and
     device): what the sender should keep ``values - quantize(values)`` of."""
-    v = values.detach().cpu().numpy()
-    scale, codes = _levels(v)
+    scale, codes = _levels(values.detach().cpu().to(torch.float64).numpy())
     return _values(scale, codes, values.dtype).to(values.device)
 
 
@@ -113,7 +112,7 @@ def _from_varints(buf: np.ndarray, count: int) -> np.ndarray:
 def encode(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """One uint8 tensor (on the host) holding the pairs in the ``"log8"`` format."""
     idx = indices.detach().cpu().numpy().astype(np.int64).reshape(-1)
-    val = values.detach().cpu().numpy().reshape(-1)
+    val = values.detach().cpu().to(torch.float64).numpy().reshape(-1)
     order = np.argsort(idx, kind="stable")
     idx, val = idx[order], val[order]
     scale, codes = _levels(val)
