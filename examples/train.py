@@ -96,7 +96,7 @@ log = logging.getLogger("train")
 
 #: Command-line options handed to a strategy whose constructor has a parameter of that name.
 STRATEGY_OPTIONS = ("density", "bits", "rank", "source", "schedule", "momentum_correction",
-                    "momentum_masking", "clip_norm", "warmup_dense")
+                    "momentum_masking", "clip_norm", "warmup_dense", "coding")
 
 
 # ---------------------------------------------------------------------- options
@@ -129,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="bits per value, for quantizing strategies (default: theirs)")
     ap.add_argument("--rank", type=int, default=None,
                     help="PowerSGD's low rank (default: the strategy's)")
+    ap.add_argument("--coding", choices=("log8",), default=None,
+                    help="wire format of Allgather Top-k's pairs: log8, one byte a value "
+                         "on a log scale and varint index gaps (default: int32 indices "
+                         "and the values' own bytes)")
     ap.add_argument("--source", default=None,
                     help="AR-Top-k's index source (default: the strategy's)")
     ap.add_argument("--schedule", default=None, metavar="SPEC",

@@ -120,6 +120,8 @@ def _train_module() -> Any:
     (["--rank", "2"], "--strategy dense: takes no --rank"),
     (["--source", "var"], "--strategy dense: takes no --source"),
     (["--strategy", "gtopk", "--bits", "4"], "--strategy gtopk: takes no --bits"),
+    (["--strategy", "gtopk", "--coding", "log8"],
+     "--strategy gtopk: takes no --coding (strategies that do: topk)"),
     # values the strategy rejects
     (["--strategy", "gtopk", "--density", "2"], "density must be in (0, 1]"),
     (["--strategy", "topk", "--density", "-0.1"], "density must be in (0, 1]"),
@@ -230,6 +232,18 @@ def test_train_schedule_and_momentum_correction(tmp_path: Path) -> None:
     # one warm-up step at density 0.5, the rest at 0.01: (P-1)·k·8 bytes per step
     k_warm, k = -(-26122 // 2), -(-26122 // 100)
     assert s["sent_bytes_per_rank"] == 8 * (k_warm + (s["steps"] - 1) * k)
+
+
+def test_train_topk_with_the_log8_coding(tmp_path: Path) -> None:
+    """``--coding log8``: Allgather Top-k's pairs in the compact format, fewer bytes than
+    int32 indices and float32 values (8 a pair), and the run still learns."""
+    _, s = train(tmp_path, "--strategy", "topk", "--density", "0.01", "--coding", "log8",
+                 "--no-progress")
+    check_summary(s)
+    assert s["describe"]["coding"] == "log8"
+    k = -(-26122 // 100)
+    assert 0 < s["sent_bytes_per_rank"] < 8 * s["steps"] * k / 2
+    assert s["test_accuracy"] > 0.5
 
 
 def test_train_warmup_dense(tmp_path: Path) -> None:
