@@ -129,10 +129,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="bits per value, for quantizing strategies (default: theirs)")
     ap.add_argument("--rank", type=int, default=None,
                     help="PowerSGD's low rank (default: the strategy's)")
-    ap.add_argument("--coding", choices=("log8",), default=None,
+    ap.add_argument("--coding", choices=("log8", "none"), default=None,
                     help="wire format of Allgather Top-k's pairs: log8, one byte a value "
-                         "on a log scale and varint index gaps (default: int32 indices "
-                         "and the values' own bytes)")
+                         "on a log scale and varint index gaps, or none, int32 indices "
+                         "and the values' own bytes (default: the strategy's; topk by "
+                         "name: log8 from density 0.003 on)")
     ap.add_argument("--source", default=None,
                     help="AR-Top-k's index source (default: the strategy's)")
     ap.add_argument("--schedule", default=None, metavar="SPEC",
@@ -307,6 +308,8 @@ def strategy_kwargs(name: str, args: argparse.Namespace) -> dict[str, Any]:
         users = [s for s in strategies.available() if opt in strategy_options(s)]
         raise ValueError(f"takes no --{opt.replace('_', '-')} (strategies that do: "
                          f"{', '.join(users)})")
+    if given.get("coding") == "none":
+        given["coding"] = None
     return given
 
 

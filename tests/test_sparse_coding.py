@@ -124,8 +124,8 @@ def test_the_virtual_clock_has_the_coding_kernels_and_older_tables_charge_nothin
 
 
 def test_topk_predicts_the_coded_bytes():
-    plain = strategies.make("topk", density=0.01)
-    coded = strategies.make("topk", density=0.01, coding="log8")
+    plain = strategies.TopKAllgather(density=0.01)
+    coded = strategies.TopKAllgather(density=0.01, coding="log8")
     assert coded.describe()["coding"] == "log8" and plain.describe()["coding"] is None
     n, k, p = 105_738, 1_058, 16
     assert plain._sparse_bytes(n, k, 4, p) == (p - 1) * k * 8

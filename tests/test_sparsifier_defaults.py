@@ -47,10 +47,12 @@ def _train(comm, strategy, momentum: float, steps: int = 6, use_step: bool = Tru
 
 
 def _class_default(name: str, **kwargs):
-    """The classes' default at density 0.05 (gTop-k and AR-Top-k by name have another
-    recipe: no momentum correction, a density ramp)."""
+    """The classes' default at density 0.05 (by name the sparsifiers have other recipes:
+    no momentum correction, a density ramp for gTop-k and AR-Top-k, Top-k's coding)."""
     if name in ("gtopk", "artopk"):
         kwargs = {"schedule": None, "momentum_correction": "optimizer", **kwargs}
+    else:
+        kwargs = {"coding": None, "momentum_correction": "optimizer", **kwargs}
     return strategies.make(name, density=0.05, **kwargs)
 
 
@@ -89,7 +91,7 @@ def test_adopt_momentum_only_from_plain_sgd():
         assert [dict(g) for g in other.param_groups] == before
     s = strategies.make("gtopk", density=0.01, error_feedback=False)
     assert s.momentum_correction == 0.0 and not s.adopt_pending
-    assert strategies.make("topk").describe()["momentum_correction"] == "optimizer"
+    assert strategies.TopKAllgather().describe()["momentum_correction"] == "optimizer"
     with pytest.raises(ValueError, match="'optimizer'"):
         strategies.make("artopk", momentum_correction="sgd")
 
@@ -167,9 +169,33 @@ def test_gtopk_by_name_below_density_0003_averages_exact_values_on_a_shorter_ram
         "schedule": BudgetRamp(0.03, 6.2), "momentum_correction": 0.0,
         "exact_values": True}
     assert strategies.recipe("artopk", 0.001) == strategies.recipe("artopk", 0.01)
-    assert strategies.recipe("topk", 0.001) == {}
     with pytest.raises(ValueError, match="density"):   # the class's own message
         strategies.make("gtopk", density=-1.0)
+
+
+def test_topk_by_name_codes_its_pairs_with_plain_error_feedback_from_density_0003():
+    """From density 0.003 (and from ``k`` alone) Top-k by name sends its pairs in the
+    log8 format with plain error feedback; below, the class's plain pairs and the
+    momentum correction taken over from the optimizer; a keyword given wins."""
+    from mpicomm.bench.recipes import label_strategy
+
+    for kwargs in ({"density": 0.01}, {"density": 0.003}, {"k": 10}, {}):
+        s = strategies.make("topk", **kwargs)
+        assert s.coding == "log8" and s.momentum_correction == 0.0, kwargs
+        assert not s.adopt_pending and s.schedule is None
+    low = strategies.make("topk", density=0.001)
+    assert low.coding is None and low.adopt_pending
+    assert low.describe() == strategies.TopKAllgather(density=0.001).describe()
+    assert strategies.TopKAllgather(density=0.01).coding is None   # the class: plain
+    assert strategies.make("topk", density=0.01, coding=None).coding is None
+    assert strategies.make("topk", density=0.001, coding="log8").coding == "log8"
+    assert label_strategy("topk", density=0.01).strategy.describe() == \
+        strategies.make("topk", density=0.01).describe()
+    assert label_strategy("topk:coding=none,momentum_correction=optimizer",
+                          density=0.01).strategy.describe() == \
+        strategies.TopKAllgather(density=0.01).describe()
+    assert strategies.recipe("topk", 0.001) == {"coding": None,
+                                                "momentum_correction": "optimizer"}
 
 
 @pytest.mark.mpi

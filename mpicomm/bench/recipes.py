@@ -70,9 +70,12 @@ def _is_schedule(spec: str, steps_per_epoch: int) -> bool:
 
 
 def _option_value(text: str) -> Any:
-    """``true``/``false``, an int, a float, or a name (an identifier) as a string."""
+    """``true``/``false``, ``none`` (None), an int, a float, or a name (an identifier) as
+    a string."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
+    if text.lower() == "none":
+        return None
     for kind in (int, float):
         try:
             return kind(text)
