@@ -433,8 +433,8 @@ def test_auto_takes_the_momentum_over_as_the_fixed_strategies_do(comm, scheme, r
                            calibrate_links=0, trial_steps=0, momentum_correction=True)
     mine, momentum = _momentum_run(comm, auto)
     assert momentum == 0.0 and auto.memory.momentum == 0.9
-    fixed = strategies.make("dense" if scheme == "dense" else "topk", comm=comm,
-                            **({} if scheme == "dense" else {"density": ratio}))
+    fixed = (strategies.make("dense", comm=comm) if scheme == "dense"     # the classes'
+             else strategies.TopKAllgather(comm=comm, density=ratio))      # DGC recipe
     theirs, theirs_momentum = _momentum_run(comm, fixed)
     assert theirs_momentum == (0.9 if scheme == "dense" else 0.0)
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
