@@ -93,6 +93,11 @@ def test_bad_coding_values_and_messages_are_clear_errors():
         coding.decode(buf[:5], torch.float32)
     with pytest.raises(RuntimeError, match="indices for a count"):
         coding.decode(buf[:-1], torch.float32)
+    empty = coding.encode(torch.zeros(0, dtype=torch.int64), torch.zeros(0))
+    for tail in ([0x80], [0x05]):   # after an empty message: an unfinished varint, one more
+        with pytest.raises(RuntimeError, match="for a count of 0"):
+            coding.decode(torch.cat([empty, torch.tensor(tail, dtype=torch.uint8)]),
+                          torch.float32)
     with pytest.raises(ValueError, match="coding must be None"):
         strategies.make("topk", coding="zip")
 

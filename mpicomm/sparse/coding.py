@@ -97,11 +97,13 @@ def _varints(gaps: np.ndarray) -> np.ndarray:
 
 def _from_varints(buf: np.ndarray, count: int) -> np.ndarray:
     """Inverse of :func:`_varints` for ``count`` integers filling ``buf`` exactly."""
-    if count == 0 and buf.shape[0] == 0:
+    ends = np.flatnonzero((buf & 0x80) == 0)       # the last byte of each varint
+    used = int(ends[-1]) + 1 if ends.shape[0] else 0
+    if ends.shape[0] != count or used != buf.shape[0]:
+        raise RuntimeError(f"log8 message: {ends.shape[0]} indices for a count of {count} "
+                           f"({buf.shape[0]} index bytes)")
+    if count == 0:
         return np.zeros(0, dtype=np.uint64)
-    ends = np.flatnonzero((buf & 0x80) == 0)
-    if ends.shape[0] != count or (count and ends[-1] != buf.shape[0] - 1):
-        raise RuntimeError(f"log8 message: {ends.shape[0]} indices for a count of {count}")
     starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64)
     nbytes = ends - starts + 1
     place = np.arange(buf.shape[0], dtype=np.int64) - np.repeat(starts, nbytes)
