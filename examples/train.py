@@ -130,10 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=None,
                     help="PowerSGD's low rank (default: the strategy's)")
     ap.add_argument("--coding", choices=("log8", "none"), default=None,
-                    help="wire format of Allgather Top-k's pairs: log8, one byte a value "
-                         "on a log scale and varint index gaps, or none, int32 indices "
-                         "and the values' own bytes (default: the strategy's; topk by "
-                         "name: log8 from density 0.003 on)")
+                    help="wire format of Allgather Top-k's and gTop-k's pairs: log8, one "
+                         "byte a value on a log scale and varint index gaps, or none, "
+                         "int32 indices and the values' own bytes (default: the "
+                         "strategy's; topk and gtopk by name: log8 from density 0.003 on)")
     ap.add_argument("--source", default=None,
                     help="AR-Top-k's index source (default: the strategy's)")
     ap.add_argument("--schedule", default=None, metavar="SPEC",

@@ -120,8 +120,8 @@ def _train_module() -> Any:
     (["--rank", "2"], "--strategy dense: takes no --rank"),
     (["--source", "var"], "--strategy dense: takes no --source"),
     (["--strategy", "gtopk", "--bits", "4"], "--strategy gtopk: takes no --bits"),
-    (["--strategy", "gtopk", "--coding", "log8"],
-     "--strategy gtopk: takes no --coding (strategies that do: topk)"),
+    (["--strategy", "artopk", "--coding", "log8"],
+     "--strategy artopk: takes no --coding (strategies that do: gtopk, topk)"),
     # values the strategy rejects
     (["--strategy", "gtopk", "--density", "2"], "density must be in (0, 1]"),
     (["--strategy", "topk", "--density", "-0.1"], "density must be in (0, 1]"),
@@ -244,6 +244,21 @@ def test_train_topk_with_the_log8_coding(tmp_path: Path) -> None:
     k = -(-26122 // 100)
     assert 0 < s["sent_bytes_per_rank"] < 8 * s["steps"] * k / 2
     assert s["test_accuracy"] > 0.5
+
+
+def test_train_gtopk_by_name_codes_its_butterfly(tmp_path: Path) -> None:
+    """gTop-k by name at density 0.01: the butterfly's pairs coded and the exact values
+    at its indices, fewer bytes than with plain pairs (``--coding none``: 8 a pair), and
+    the run still learns."""
+    _, s = train(tmp_path, "--strategy", "gtopk", "--density", "0.01", "--no-progress")
+    check_summary(s)
+    assert (s["describe"]["coding"], s["describe"]["exact_values"]) == ("log8", True)
+    assert s["test_accuracy"] > 0.5
+    _, plain = train(tmp_path, "--strategy", "gtopk", "--density", "0.01", "--coding",
+                     "none", "--no-progress")
+    assert (plain["describe"]["coding"], plain["describe"]["exact_values"]) == (None, True)
+    assert plain["steps"] == s["steps"]
+    assert 0 < s["sent_bytes_per_rank"] < 0.75 * plain["sent_bytes_per_rank"]
 
 
 def test_train_warmup_dense(tmp_path: Path) -> None:

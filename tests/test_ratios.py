@@ -119,9 +119,9 @@ def test_sparsifier_labels_with_options_keep_the_default_recipe_at_the_density()
     d = s.describe()
     assert (d["density"], d["flush_every"], d["own_contribution"]) == (0.001, 100, True)
     assert s.momentum_correction == 0.0 and d["schedule"] == "ramp:0.03,6.2"
-    assert d["exact_values"] is True    # the recipe below density 0.003
+    assert (d["exact_values"], d["coding"]) == (True, None)   # the recipe below 0.003
     d = label_strategy("gtopk:flush_every=100,density=0.01", density=0.001).strategy.describe()
-    assert (d["schedule"], d["exact_values"]) == ("ramp:0.03,7.48", False)
+    assert (d["schedule"], d["coding"]) == ("ramp:0.03,7.48", "log8")
     assert label_density("gtopk:flush_every=100", 0.001) == 0.001
     assert label_density("artopk:flush_every=50,density=0.01", 0.001) == 0.01
     assert label_strategy("artopk:flush_every=50,density=0.01",
@@ -234,19 +234,16 @@ def test_a_run_of_an_earlier_default_is_never_read_as_todays():
     # the recipe of density 0.01 run at 0.001: stale, the name builds more there now
     at_001 = strategies.make("gtopk", density=0.01).describe() | {"density": 0.001}
     assert stale_default(run("gtopk", at_001)) == {
-        "schedule": ("ramp:0.03,7.48", "ramp:0.03,6.2"), "exact_values": (False, True),
-        "collective": ("gtopk(butterfly)", "gtopk(butterfly)+allreduce(ring)")}
-    assert stale_default(run("gtopk+ef+own+ramp:0.03,7.48", at_001)) == {}
+        "schedule": ("ramp:0.03,7.48", "ramp:0.03,6.2"), "coding": ("log8", None)}
+    assert stale_default(run("gtopk+ef+own+exact+log8+ramp:0.03,7.48", at_001)) == {}
     assert stale_default(run("gtopk:flush_every=100", earlier | {"flush_every": 100}))
     assert stale_default(run("gtopk+ef+mc+own", earlier)) == {}  # explicit: not a default
     assert stale_default(run("gtopk", None)) == {}                # nothing recorded
     # an option added after the run counts as the class's default (what ran before it)
     now_001 = strategies.make("gtopk", density=0.01).describe()
-    older = {k: v for k, v in now_001.items() if k != "exact_values"}
-    assert stale_default(run("gtopk", older, density=0.01)) == {}
-    assert stale_default(run("gtopk:exact_values=true", older, density=0.01)) == {
-        "collective": ("gtopk(butterfly)", "gtopk(butterfly)+allreduce(ring)"),
-        "exact_values": (False, True)}
+    older = {k: v for k, v in now_001.items() if k != "coding"}
+    assert stale_default(run("gtopk", older, density=0.01)) == {"coding": (None, "log8")}
+    assert stale_default(run("gtopk:coding=none", older, density=0.01)) == {}
     # Top-k's default takes the optimizer's momentum over: recorded as the factor
     topk = strategies.make("topk", density=0.001).describe()
     assert stale_default(run("topk", topk | {"momentum_correction": 0.9})) == {}

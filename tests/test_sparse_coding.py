@@ -1,5 +1,5 @@
 """The ``log8`` wire format of sparse pairs: the codec, the coded sparse Allgather and
-Top-k's ``coding`` option with error feedback.
+gTop-k butterfly, and Top-k's and gTop-k's ``coding`` options with error feedback.
 
 Single-process tests check the codec against its definition; the ``mpi`` tests run at
 any rank count and compare every rank's result with a numpy reference built from the
@@ -15,7 +15,8 @@ import torch
 
 from mpicomm import costtable, strategies
 from mpicomm.compress import ErrorFeedback
-from mpicomm.sparse import coding, topk_allgather
+from mpicomm.sparse import coding, gtopk, topk_allgather
+from mpicomm.sparse import reference as ref
 
 
 def _pairs(seed: int, size: int, k: int, dtype: torch.dtype = torch.float32
@@ -137,6 +138,30 @@ def test_topk_predicts_the_coded_bytes():
     assert coded._sparse_bytes(n, k, 4, p) == (p - 1) * coding.coded_bytes(k, n)
 
 
+def test_gtopk_coding_needs_the_exact_values_and_predicts_its_bytes():
+    with pytest.raises(ValueError, match="needs exact_values=True"):
+        strategies.GTopK(density=0.01, coding="log8")
+    with pytest.raises(ValueError, match="coding must be None"):
+        strategies.GTopK(density=0.01, coding="zip", exact_values=True)
+    coded = strategies.GTopK(density=0.01, coding="log8", exact_values=True)
+    assert coded.describe()["coding"] == "log8"
+    n, k = 105_738, 1_058
+    for p, rounds in ((8, 3), (16, 4)):
+        ring = 2 * (p - 1) / p * k * 4               # the exact values' ring allreduce
+        assert coded._sparse_bytes(n, k, 4, p) == pytest.approx(
+            rounds * coding.coded_bytes(k, n) + ring, rel=1e-6)
+
+
+def test_the_coded_simulator_merges_decoded_sets():
+    sets = [(np.array([1, 4, 9]), np.array([3.0, -1.1, 0.7])),
+            (np.array([4, 9, 12]), np.array([1.3, 0.2, -2.9]))]
+    idx, val = ref.simulate_gtopk(sets, 2, coding="log8")
+    q = [coding.quantize(torch.from_numpy(v)).numpy() for _, v in sets]
+    assert idx.tolist() == [1, 12]
+    assert val.tolist() == [q[0][0], q[1][2]]
+    assert ref.simulate_gtopk(sets, 2)[1].tolist() == [3.0, -2.9]
+
+
 # ------------------------------------------------------------------------ several ranks
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", ["sum", "avg"])
@@ -205,3 +230,65 @@ def test_coded_topk_loses_no_gradient_mass(comm):
         before = comm.traffic.snapshot()
         plain.aggregate([torch.ones(s, dtype=torch.float64) for s in shapes], ["w", "b"])
         assert coded < (comm.traffic - before).sent_bytes / 3
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_coded_gtopk_matches_the_simulator_and_sends_fewer_bytes(comm, dtype):
+    size, k = 4_000, 40
+    sets = [_pairs(50 + r, size, 30 + 9 * r, dtype) for r in range(comm.size)]
+    trace = ref.GTopKTrace(comm.size)
+    want = ref.simulate_gtopk([(i.numpy(), v.numpy()) for i, v in sets], k, trace=trace,
+                              coding="log8")
+    before = comm.traffic.snapshot()
+    idx, val, dropped = gtopk(*sets[comm.rank], k, comm=comm, size=size,
+                              return_dropped=True, own_contribution=True, coding="log8")
+    moved = comm.traffic - before
+    assert idx.tolist() == want[0].tolist()
+    assert val.numpy().tobytes() == want[1].tobytes()
+    everyone = comm.allgather_object((idx.tolist(), val.numpy().tobytes()))
+    assert all(e == everyone[0] for e in everyone)
+    assert dropped.shape == sets[comm.rank][0].shape
+    assert set(sets[comm.rank][0][~dropped].tolist()) <= set(idx.tolist())
+    assert moved.messages == trace.messages(comm.rank)
+    plain = trace.bytes_sent(comm.rank, 4 + dtype.itemsize)
+    folded_pair = comm.rank < 2 * (comm.size - (1 << (comm.size.bit_length() - 1)))
+    if comm.size > 1 and not folded_pair:      # the fold-out stays plain
+        assert 0 < moved.sent_bytes < plain / 2
+
+
+@pytest.mark.mpi
+def test_coded_gtopk_refuses_bad_arguments_on_every_rank(comm):
+    idx, val = _pairs(comm.rank, 100, 5)
+    with pytest.raises(ValueError, match="coding must be None or one of"):
+        gtopk(idx, val, 5, comm=comm, coding="zip")
+    with pytest.raises(ValueError, match="allow_nonfinite"):
+        gtopk(idx, val, 5, comm=comm, coding="log8", allow_nonfinite=True)
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="coding"):
+            gtopk(idx, val, 5, comm=comm, coding="log8" if comm.rank == 0 else None)
+    assert gtopk(idx, val, 5, comm=comm, coding="log8")[0].shape[0] <= 5
+
+
+@pytest.mark.mpi
+def test_coded_gtopk_strategy_loses_no_gradient_mass(comm):
+    """The coded butterfly only picks the indices; the values are the exact mean, and
+    what was applied plus the residuals is every gradient given, at any rank count."""
+    shapes = [(30, 40), (300,)]
+    strategy = strategies.GTopK(density=0.02, coding="log8", exact_values=True,
+                                momentum_correction=0.0, comm=comm)
+    applied = np.zeros(1_500)
+    total = np.zeros(1_500)
+    for step in range(4):
+        gs = [[torch.randn(s, generator=torch.Generator().manual_seed(31 * step + 5 * r + i),
+                           dtype=torch.float64) for i, s in enumerate(shapes)]
+              for r in range(comm.size)]
+        out = strategy.aggregate([g.clone() for g in gs[comm.rank]], ["w", "b"])
+        flat = torch.cat([o.reshape(-1) for o in out]).numpy()
+        everyone = comm.allgather_object(flat.tobytes())
+        assert all(b == everyone[0] for b in everyone)
+        assert np.count_nonzero(flat) <= 30
+        applied += flat
+        total += sum(torch.cat([g.reshape(-1) for g in ranks]).numpy() for ranks in gs)
+    residual = np.sum(comm.allgather_object(strategy.residual("w..b").numpy()), axis=0)
+    np.testing.assert_allclose(comm.size * applied + residual, total, rtol=0, atol=1e-9)

@@ -108,8 +108,9 @@ def test_gtopk_default_puts_truncated_picks_back():
     assert label_strategy("gtopk", density=0.01).strategy.own_contribution is True
     assert label_strategy("gtopk+ef", density=0.01).strategy.own_contribution is False
     assert label_strategy("gtopk+ef+own", density=0.01).strategy.own_contribution is True
-    # the exact values at the global index set: opt-in, and for gTop-k only
-    assert strategies.make("gtopk").exact_values is False
+    # the exact values at the global index set: the class's opt-in, and for gTop-k only
+    assert strategies.GTopK().exact_values is False
+    assert label_strategy("gtopk+ef+own", density=0.01).strategy.exact_values is False
     assert label_strategy("gtopk+ef+exact", density=0.01).strategy.exact_values is True
     assert label_strategy("gtopk:exact_values=true", density=0.01).strategy.describe()[
         "exact_values"] is True
@@ -119,10 +120,11 @@ def test_gtopk_default_puts_truncated_picks_back():
 
 def test_gtopk_by_name_ramps_its_density_within_a_fixed_budget():
     """``make("gtopk")`` (and every entry point that builds by name) adds the measured
-    recipe: plain error feedback with the optimizer's momentum and a density ramp from
+    recipe: plain error feedback with the optimizer's momentum, a density ramp from
     0.03 geometrically down to the density, 7.48 density-steps in all (411 steps at
-    0.01); the class itself and ``schedule=None`` have no ramp, and the class keeps
-    the momentum correction."""
+    0.01), and the coded butterfly with the exact values; the class itself and
+    ``schedule=None`` have no ramp, and the class keeps the momentum correction and
+    the plain butterfly."""
     from mpicomm.bench.recipes import label_strategy
     from mpicomm.control import BudgetRamp
 
@@ -130,7 +132,14 @@ def test_gtopk_by_name_ramps_its_density_within_a_fixed_budget():
     assert s.schedule == BudgetRamp(0.03, 7.48)
     assert s.describe()["schedule"] == "ramp:0.03,7.48"
     assert s.momentum_correction == 0.0 and not s.adopt_pending
-    assert s.exact_values is False
+    assert s.exact_values is True and s.coding == "log8"
+    assert s.describe() == label_strategy("gtopk+ef+own+exact+log8+ramp:0.03,7.48",
+                                          density=0.01).strategy.describe()
+    with pytest.raises(ValueError, match="pass coding=None"):
+        strategies.make("gtopk", exact_values=False)
+    plain = strategies.make("gtopk", exact_values=False, coding=None)
+    assert plain.describe()["collective"] == "gtopk(butterfly)"
+    assert strategies.GTopK().coding is None
     # k of a 100 000-element buffer: 3 000 at step 0, 1 000 from step 411 on
     assert [s._k(100_000, t, 0.01, None) for t in (0, 205, 410, 411, 5000)] == \
         [3000, math.ceil(100_000 * 0.03 * (1 / 3) ** (205 / 411)), 1003, 1000, 1000]
@@ -145,15 +154,16 @@ def test_gtopk_by_name_ramps_its_density_within_a_fixed_budget():
 
 
 def test_gtopk_by_name_below_density_0003_averages_exact_values_on_a_shorter_ramp():
-    """Under density 0.003 the name's recipe also takes the exact mean at the
-    butterfly's indices and shortens the ramp to 6.2 density-steps (727 steps at
-    0.001); at 0.003 and above, from ``k`` alone, or for another name, nothing changes;
-    a keyword given wins over the recipe."""
+    """Under density 0.003 the name's recipe keeps the exact mean at the butterfly's
+    indices but sends plain pairs, and shortens the ramp to 6.2 density-steps (727
+    steps at 0.001); at 0.003 and above, from ``k`` alone, or for another name, nothing
+    changes; a keyword given wins over the recipe."""
     from mpicomm.bench.recipes import label_strategy
     from mpicomm.control import BudgetRamp
 
     low = strategies.make("gtopk", density=0.001)
     assert low.exact_values is True and low.schedule == BudgetRamp(0.03, 6.2)
+    assert low.coding is None
     assert low.momentum_correction == 0.0 and low.own_contribution is True
     assert [low._k(100_000, t, 0.001, None) for t in (0, 726, 727)] == [3000, 101, 100]
     assert low.describe() == label_strategy(
@@ -162,12 +172,12 @@ def test_gtopk_by_name_below_density_0003_averages_exact_values_on_a_shorter_ram
     assert strategies.make("gtopk", density=0.002999).exact_values is True
     for kwargs in ({"density": 0.003}, {"density": 0.01}, {"k": 10}, {}):
         s = strategies.make("gtopk", **kwargs)
-        assert s.exact_values is False and s.schedule == BudgetRamp(0.03, 7.48), kwargs
+        assert s.coding == "log8" and s.schedule == BudgetRamp(0.03, 7.48), kwargs
     assert strategies.make("gtopk", density=0.001, exact_values=False).exact_values is False
     assert strategies.make("gtopk", density=0.001, schedule=None).schedule is None
     assert strategies.recipe("gtopk", 0.001) == {
         "schedule": BudgetRamp(0.03, 6.2), "momentum_correction": 0.0,
-        "exact_values": True}
+        "exact_values": True, "coding": None}
     assert strategies.recipe("artopk", 0.001) == strategies.recipe("artopk", 0.01)
     with pytest.raises(ValueError, match="density"):   # the class's own message
         strategies.make("gtopk", density=-1.0)

@@ -11,7 +11,8 @@
   default) / ``noef``, ``mc`` (DGC's momentum correction with momentum factor masking: the
   strategy keeps the velocity, the optimizer runs without momentum), ``mcnomask``,
   ``clip`` (local clipping at ``clip_norm / sqrt(P)``), ``own`` (gTop-k's
-  ``own_contribution``), ``exact`` (gTop-k's ``exact_values``), ``wd``
+  ``own_contribution``), ``exact`` (gTop-k's ``exact_values``), ``log8`` (Top-k's
+  and gTop-k's ``coding="log8"``), ``wd``
   (``warmup_dense``), ``layer`` (one fusion buffer per tensor, ``fusion_bytes=1``: each
   layer's own top-k at the density) and at most one
   warm-up schedule: ``gtopkwu``, ``dgc``, ``linear``, ``linear2`` or any
@@ -42,7 +43,7 @@ BASES = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}
 #: Schedules a label can name (``mpicomm.control.parse_schedule`` forms).
 SCHEDULES = {"gtopkwu": "gtopk", "dgc": "dgc", "linear": "linear:5", "linear2": "linear:2"}
 #: Label modifiers besides the schedules.
-FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "exact", "wd", "layer")
+FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "exact", "log8", "wd", "layer")
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,10 @@ def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
     for only_gtopk in ("own", "exact"):
         if only_gtopk in mods and base != "gtopk":
             raise ValueError(f"{label!r}: the {only_gtopk!r} modifier is for gtopk only")
+    if "log8" in mods:
+        if base == "artopk":
+            raise ValueError(f"{label!r}: the 'log8' modifier is for topk and gtopk only")
+        kwargs["coding"] = "log8"
     if base == "gtopk":
         kwargs["own_contribution"] = "own" in mods
         kwargs["exact_values"] = "exact" in mods

@@ -21,7 +21,7 @@ selection uses the library's total order (``|v|`` desc, then index asc).
 :mod:`mpicomm.sparse.reference` holds single-process numpy references (the spec),
 :mod:`mpicomm.sparse.sets` the kernels on sparse sets (union, truncation, merge),
 :mod:`mpicomm.sparse.coding` a compact wire format of pairs (``topk_allgather(...,
-coding="log8")``: one byte a value, varint index gaps).
+coding="log8")``, ``gtopk(..., coding="log8")``: one byte a value, varint index gaps).
 Costs are in :mod:`mpicomm.collectives.cost` (``topk_allgather``, ``gtopk``,
 ``artopk_ring``, ``artopk_tree``).
 """

@@ -37,6 +37,7 @@ from ..compress.topk_select import index_dtype_for
 from ..hooks import Describe
 from ..tags import TAG_GTOPK_ALIVE, TAG_GTOPK_FOLD, TAG_GTOPK_ROUND  # noqa: F401
 from ..validate import check_int
+from .coding import check_coding, coded_bytes
 
 __all__ = [
     "SparseInput",
@@ -176,15 +177,18 @@ def read_pairs(indices: Any, values: Any, size: int | None, allow_nonfinite: boo
 
 
 def read_topk_args(comm: Communicator, name: str, indices: Any, values: Any, k: Any,
-                   size: Any, allow_nonfinite: bool) -> tuple[SparseInput, int, int | None]:
-    """Validate the (indices, values, k, size) arguments shared by the top-k collectives.
+                   size: Any, allow_nonfinite: bool, coding: str | None = None
+                   ) -> tuple[SparseInput, int, int | None]:
+    """Validate the (indices, values, k, size, coding) arguments shared by the top-k
+    collectives.
 
     Runs under :meth:`Communicator.validating`, so in checked mode a bad argument on one
     rank raises on every rank and the ranks' k, size and value dtype are compared.
     Returns the canonical sparse input, ``k`` and ``size``.
     """
     with comm.validating(name) as agreed:
-        agreed.update(k=k, size=size)
+        agreed.update(k=k, size=size, coding=coding)
+        check_coding(coding, allow_nonfinite)
         if size is not None:
             size = check_int("size", size, 1)
         k = check_k(k, size)
@@ -203,7 +207,8 @@ def to_caller(t: torch.Tensor, like: Any, dtype: torch.dtype | None = None) -> A
 
 def describe_sparse(collective: str) -> Describe:
     """Span args of a sparse collective for :func:`mpicomm.hooks.traced`: ``k``, value
-    bytes and, for ``gtopk`` and ``topk_allgather``, the cost model's prediction."""
+    bytes and, for ``gtopk`` and ``topk_allgather``, the cost model's prediction (with
+    ``coding`` and ``size``, for the coded pairs' expected bytes)."""
 
     def describe(bound: inspect.BoundArguments, comm: Any) -> dict[str, Any]:
         a = bound.arguments
@@ -220,6 +225,8 @@ def describe_sparse(collective: str) -> Describe:
         if formula is not None and k and p > 1 and "indices" in a:
             s = inspect_buffer(a["indices"]).nbytes // max(1, inspect_buffer(
                 a["indices"]).numel) + info.nbytes // max(1, info.numel)
+            if a.get("coding") is not None and a.get("size"):   # the coded pairs' bytes
+                s = coded_bytes(k, a["size"]) / k
             out["predicted_s"] = formula(k, s, p, params or cost.CostParams())
         return out
 

@@ -39,8 +39,6 @@ from .. import clock
 from ..collectives.allgather import allgatherv
 from ..comm import Communicator, resolve
 from ..hooks import traced
-from ..p2p import pack as pack_pairs
-from ..p2p import unpack
 from ._common import (
     check_int,
     describe_sparse,
@@ -49,7 +47,7 @@ from ._common import (
     to_caller,
     wire_index_dtype,
 )
-from .coding import check_coding, decode, encode
+from .coding import check_coding, from_wire, to_wire
 from .sets import Pairs, truncate
 
 __all__ = ["topk_allgather", "exact_topk"]
@@ -61,21 +59,12 @@ def gather_sets(pairs: Pairs, comm: Communicator, index_dtype: torch.dtype,
     (plain pairs, or :mod:`~mpicomm.sparse.coding`'s ``coding``, decoded on the values'
     device)."""
     idx, val = pairs
-    if coding is None:
-        packed = pack_pairs(idx, val, index_dtype)
-    else:
-        clock.charge("encode:log8", idx.shape[0])
-        packed = encode(idx, val).to(val.device)
+    packed = to_wire(idx, val, index_dtype, coding).to(val.device)
     gathered, rows = allgatherv(packed, comm=comm, algorithm="ring", return_counts=True)
     sets, start = [], 0
     for n in rows:
-        chunk = gathered[start:start + n]
-        if coding is None:
-            sets.append(unpack(chunk, index_dtype, val.dtype))
-        else:
-            i, v = decode(chunk, val.dtype)
-            clock.charge("decode:log8", i.shape[0])
-            sets.append((i.to(idx.device), v.to(val.device)))
+        sets.append(from_wire(gathered[start:start + n], index_dtype, val.dtype, coding,
+                              val.device))
         start += n
     return sets
 
@@ -114,10 +103,7 @@ def topk_allgather(indices: Any, values: Any, size: int, op: str = "sum",
         agreed.update(size=size, op=op, coding=coding)
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-        check_coding(coding)
-        if coding is not None and allow_nonfinite:
-            raise ValueError(f"coding={coding!r} needs finite values: "
-                             "allow_nonfinite=True is for the plain pairs only")
+        check_coding(coding, allow_nonfinite)
         size = check_int("size", size, 1)
         sp = read_pairs(indices, values, size, allow_nonfinite)
         agreed["dtype"] = str(sp.val.dtype)

@@ -34,7 +34,11 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["CODINGS", "encode", "decode", "quantize", "coded_bytes"]
+from .. import clock
+from ..p2p import pack, unpack
+
+__all__ = ["CODINGS", "encode", "decode", "quantize", "coded_bytes", "to_wire",
+           "from_wire"]
 
 #: Wire formats of :func:`encode` (``None``, the plain pairs, is the default elsewhere).
 CODINGS = ("log8",)
@@ -45,10 +49,14 @@ _ZERO = 127
 _SIGN = 0x80
 
 
-def check_coding(coding: str | None) -> str | None:
-    """``coding`` if it is ``None`` or one of :data:`CODINGS`; ``ValueError`` otherwise."""
+def check_coding(coding: str | None, allow_nonfinite: bool = False) -> str | None:
+    """``coding`` if it is ``None`` or one of :data:`CODINGS` (and, with ``coding``, the
+    values are checked finite: not ``allow_nonfinite``); ``ValueError`` otherwise."""
     if coding is not None and coding not in CODINGS:
         raise ValueError(f"coding must be None or one of {CODINGS}, got {coding!r}")
+    if coding is not None and allow_nonfinite:
+        raise ValueError(f"coding={coding!r} needs finite values: "
+                         "allow_nonfinite=True is for the plain pairs only")
     return coding
 
 
@@ -138,6 +146,30 @@ def decode(buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     codes = raw[size:size + count]
     idx = np.cumsum(_from_varints(raw[size + count:], count)).astype(np.int64)
     return torch.from_numpy(idx), _values(scale, codes, dtype)
+
+
+def to_wire(idx: torch.Tensor, val: torch.Tensor, index_dtype: torch.dtype,
+            coding: str | None) -> torch.Tensor:
+    """The message of a sparse set: plain pairs with ``index_dtype`` indices (on the
+    values' device), or ``coding``'s format (on the host; its receiver reads
+    :func:`quantize` of the values)."""
+    if coding is None:
+        return pack(idx, val, index_dtype)
+    clock.charge("encode:log8", idx.shape[0])
+    return encode(idx, val)
+
+
+def from_wire(buf: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype,
+              coding: str | None, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (int64 indices, ``value_dtype`` values) of one :func:`to_wire` message, on
+    ``device``."""
+    if coding is None:
+        idx, val = unpack(buf, index_dtype, value_dtype)
+        return idx.to(device), val.to(device)
+    idx, val = decode(buf, value_dtype)
+    clock.charge("decode:log8", idx.shape[0])
+    return idx.to(device), val.to(device)
 
 
 def coded_bytes(k: int, size: int) -> float:

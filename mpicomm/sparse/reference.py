@@ -105,8 +105,20 @@ class GTopKTrace:
         return len(self.pairs_sent[rank])
 
 
+def _decoded(pairs: Pairs, coding: str | None) -> Pairs:
+    """A set as the receiver of its message reads it (the values :func:`quantize
+    <mpicomm.sparse.coding.quantize>` gives with ``coding``)."""
+    if coding is None:
+        return pairs
+    import torch
+
+    from .coding import quantize
+
+    return pairs[0], quantize(torch.from_numpy(pairs[1])).numpy()
+
+
 def simulate_gtopk(per_rank_pairs: Sequence[Pairs], k: int,
-                   trace: GTopKTrace | None = None) -> Pairs:
+                   trace: GTopKTrace | None = None, coding: str | None = None) -> Pairs:
     """The (indices, values) that :func:`mpicomm.sparse.gtopk` returns on every rank.
 
     ``per_rank_pairs[r]`` is rank r's input. Steps, for P ranks, p2 the largest power of
@@ -120,6 +132,8 @@ def simulate_gtopk(per_rank_pairs: Sequence[Pairs], k: int,
        both keep ``merge_truncate(set_lower, set_higher, k)``;
     4. fold-out: rank 2r+1 sends the final set back to rank 2r.
 
+    With ``coding`` every set sent in steps 2 and 3 is replaced by its decoded values
+    before the merge (on both partners of a round); the fold-out is plain.
     If ``trace`` is given, it records how many pairs each rank sent per message.
     """
     p = len(per_rank_pairs)
@@ -131,7 +145,7 @@ def simulate_gtopk(per_rank_pairs: Sequence[Pairs], k: int,
     p2, rem = fold_layout(p)
     for r in range(rem):
         sent[2 * r].append(sets[2 * r][0].size)
-        sets[2 * r + 1] = merge_truncate(sets[2 * r], sets[2 * r + 1], k)
+        sets[2 * r + 1] = merge_truncate(_decoded(sets[2 * r], coding), sets[2 * r + 1], k)
     current = {v: sets[real_rank(v, rem)] for v in range(p2)}
     mask = 1
     while mask < p2:
@@ -140,7 +154,8 @@ def simulate_gtopk(per_rank_pairs: Sequence[Pairs], k: int,
             partner = v ^ mask
             sent[real_rank(v, rem)].append(current[v][0].size)
             lo, hi = (v, partner) if v < partner else (partner, v)
-            nxt[v] = merge_truncate(current[lo], current[hi], k)
+            nxt[v] = merge_truncate(_decoded(current[lo], coding),
+                                    _decoded(current[hi], coding), k)
         current = nxt
         mask <<= 1
     result = current[0]

@@ -116,13 +116,15 @@ _BY_NAME: dict[str, type[Strategy]] = {
 #: (``momentum_correction=0``); on MNIST-1D's CNN (2 028 steps, 3 seeds, medians) at
 #: density 0.01 -0.01 points at 46.2x fewer bytes on 8 ranks and +0.07 at 23.1x on 16
 #: with the same global batch.
-#: gTop-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``)
-#: and a geometric density ramp from 0.03 down to its density spending 7.48
-#: density-steps (:class:`~mpicomm.control.BudgetRamp`: 411 steps at density 0.01, none
-#: from 0.03 on), about 26 dense allreduces' bytes at P = 8 and 32 at P = 16
-#: (``P·lg P/(P-1)`` of one per unit of density); on MNIST-1D's CNN (2 028 steps, 3
-#: seeds, medians) at density 0.01 -0.04 points at 25.0x fewer bytes on 8 ranks and
-#: -0.17 at 20.1x on 16 with the same global batch.
+#: gTop-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``),
+#: a geometric density ramp from 0.03 down to its density spending 7.48 density-steps
+#: (:class:`~mpicomm.control.BudgetRamp`: 411 steps at density 0.01, none from 0.03 on),
+#: and the exact mean at the butterfly's indices with the butterfly's pairs in the log8
+#: wire format (``exact_values=True``, ``coding="log8"``: about half the plain
+#: butterfly's bytes, the exact values included); on MNIST-1D's CNN (2 028 steps, 3
+#: seeds, medians) at density 0.01 +0.05 points at 44.3x fewer bytes on 8 ranks and
+#: -0.21 at 39.6x on 16 with the same global batch (the plain butterfly's values:
+#: -0.04 at 25.0x and -0.17 at 20.1x, and -1.11 on digits).
 #: AR-Top-k: plain error feedback with the optimizer's momentum (``momentum_correction=0``),
 #: a geometric density ramp from 0.1 spending 23.47 density-steps (1 092 steps at
 #: density 0.001, 600 at 0.01), about 35 dense allreduces' bytes (3/2 of one per unit of
@@ -132,7 +134,8 @@ _BY_NAME: dict[str, type[Strategy]] = {
 #: global batch -0.44 at 54.8x (0.001) and -0.14 at 35.6x (0.01).
 RECIPES: dict[str, dict[str, Any]] = {
     "topk": {"coding": "log8", "momentum_correction": 0.0},
-    "gtopk": {"schedule": BudgetRamp(0.03, 7.48), "momentum_correction": 0.0},
+    "gtopk": {"schedule": BudgetRamp(0.03, 7.48), "momentum_correction": 0.0,
+              "exact_values": True, "coding": "log8"},
     "artopk": {"schedule": BudgetRamp(0.1, 23.47), "momentum_correction": 0.0,
                "source": "largest"},
 }
@@ -145,17 +148,14 @@ RECIPES: dict[str, dict[str, Any]] = {
 #: MNIST-1D's CNN at density 0.001 -0.49 points at 125x fewer bytes on 8 ranks and
 #: -0.20 at 62.3x on 16, where the coding lost 0.76 points (8 ranks, seed 0) and 1.69
 #: and 1.31 (16 ranks, seeds 0 and 1) with the momentum correction.
-#: gTop-k under density 0.003: the exact mean at the butterfly's indices
-#: (``exact_values=True``, a ring allreduce of k values more per step, a quarter more
-#: bytes at P = 8 and 16) and a ramp shortened to 6.2 density-steps to pay for it (727
-#: steps at density 0.001); on MNIST-1D's CNN at density 0.001 (2 028 steps, 3 seeds,
-#: medians) +0.00 points at 60.9x fewer bytes on 8 ranks and -0.06 at 51.2x on 16,
-#: where the recipe above gave -0.22 at 68.4x and -0.69 at 54.9x. At density 0.01 the
-#: extra quarter would put gTop-k under 20x fewer bytes; the switch lies between the
-#: two measured densities.
+#: gTop-k under density 0.003: plain pairs (``coding=None``), still with the exact values,
+#: and a ramp shortened to 6.2 density-steps (727 steps at density 0.001); on MNIST-1D's
+#: CNN at density 0.001 (2 028 steps, 3 seeds, medians) +0.00 points at 60.9x fewer
+#: bytes on 8 ranks and -0.06 at 51.2x on 16, where the butterfly's own values gave
+#: -0.22 at 68.4x and -0.69 at 54.9x. The coding was measured at density 0.01 only.
 LOW_DENSITY_RECIPES: dict[str, tuple[float, dict[str, Any]]] = {
     "topk": (0.003, {"coding": None, "momentum_correction": "optimizer"}),
-    "gtopk": (0.003, {"schedule": BudgetRamp(0.03, 6.2), "exact_values": True}),
+    "gtopk": (0.003, {"schedule": BudgetRamp(0.03, 6.2), "coding": None}),
 }
 
 

@@ -26,8 +26,9 @@ import torch
 from ..buffers import FLOAT_DTYPES, inspect
 from ..collectives import cost
 from ..compress import ErrorFeedback
-from ..compress.topk import check_density, check_k, k_for
+from ..compress.topk import check_density, check_k, index_itemsize, k_for
 from ..p2p import pack_bytes, unpack_bytes
+from ..sparse.coding import coded_bytes
 from ..validate import check_algorithm, check_int
 from .base import DEFAULT_FUSION_BYTES, Strategy
 
@@ -85,6 +86,17 @@ def k_of(numel: int, density: float | None, k: int | None) -> int:
     numel))``), at most ``numel`` (a buffer smaller than ``k`` is sent whole)."""
     kk = k if k is not None else k_for(numel, density)  # type: ignore[arg-type]
     return max(1, min(kk, numel))
+
+
+def pair_bytes(coding: str | None, numel: int, k: int, itemsize: int
+               ) -> tuple[float, float]:
+    """(index, value) bytes of one pair of a k-of-``numel`` message on the wire: the
+    index type's and ``itemsize``, or with ``coding`` the expected varint and header
+    share of evenly spread picks and one value byte (:func:`~mpicomm.sparse.coding.
+    coded_bytes`)."""
+    if coding is None:
+        return float(index_itemsize(numel)), float(itemsize)
+    return coded_bytes(k, numel) / max(k, 1) - 1.0, 1.0
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -8,9 +8,17 @@ import torch
 
 from ..collectives import allreduce, cost
 from ..compress import TopK
-from ..compress.topk import index_itemsize
 from ..sparse import gtopk
-from ._compressed import ADOPT, BYTES, SparsifyingStrategy, check_flag, k_of, sparsity
+from ..sparse.coding import check_coding
+from ._compressed import (
+    ADOPT,
+    BYTES,
+    SparsifyingStrategy,
+    check_flag,
+    k_of,
+    pair_bytes,
+    sparsity,
+)
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["GTopK"]
@@ -42,7 +50,15 @@ class GTopK(SparsifyingStrategy):
     update at ``I`` is the exact mean and the identity above holds at any P. Cost: one
     ring allreduce of k values more, ``2(P-1)/P·k·itemsize`` bytes per rank, about a
     quarter more than the butterfly at P = 8 and 16 (float32). The by-name recipe turns
-    it on below density 0.003 (below).
+    it on (below).
+    ``coding="log8"`` (with ``exact_values=True`` only) sends the butterfly's sets in
+    :mod:`mpicomm.sparse.coding`'s format, about 2.3 bytes a pair at density 0.01
+    instead of 8: the butterfly then only chooses the indices (values within the
+    coding's 4.4% of each other may trade places at the boundary of the top k), the
+    allreduce gives the exact mean there, and the residuals are exact as above. Bytes
+    per rank ``lg p2·k·s + 2(P-1)/P·k·itemsize`` with s ≈ 2.3: about half of the plain
+    butterfly's, exact values included. Cost: an encode and a decode of k pairs per
+    round on the host.
     ``k = max(1, ceil(density·d))`` (or the given ``k``), capped at ``d``; neither given
     means ``density=0.01``. With ``density=1`` no merge truncates and ``u`` is the exact
     mean.
@@ -66,28 +82,32 @@ class GTopK(SparsifyingStrategy):
     By name (``strategies.make("gtopk")``, ``GradientSync(model, strategy="gtopk")``,
     ``examples/train.py --strategy gtopk``) the default is the recipe measured on
     MNIST-1D's CNN (:func:`mpicomm.strategies.recipe`): plain error feedback
-    (``momentum_correction=0.0``, the optimizer keeps its momentum) and a density ramp,
+    (``momentum_correction=0.0``, the optimizer keeps its momentum), a density ramp,
     ``schedule=BudgetRamp(0.03, 7.48)``, from 0.03 geometrically down to ``density``
     while sending 7.48 density-steps in all (411 steps at density 0.01, no ramp from
-    0.03 on); below density 0.003 also ``exact_values=True`` and a ramp of 6.2
-    density-steps instead (``BudgetRamp(0.03, 6.2)``, 727 steps at 0.001). Cost:
-    gTop-k sends ``P·lg P/(P-1)`` dense allreduces' bytes per unit of density (``lg P·8``
-    bytes per pair-slot against ``2(P-1)/P·4``), so the 7.48 ramp costs about 26 dense
-    allreduces' bytes at P = 8 and 32 at P = 16: a 2 028-step run at density 0.01 sends
-    25.0x (P = 8) and 20.1x (P = 16) fewer bytes than dense instead of 29x and 23x; one
-    at 0.001, with the exact values, 60.9x and 51.2x instead of 226x and 190x. Why the
-    ramp: the update changes k entries per step, and at density 0.001 the two large
-    layers of MNIST-1D's CNN were picked about once per parameter in 2 028 steps; the
-    ramp applies 3-30x more entries per step while the gradients change fast. Why
-    plain error feedback: at 16 ranks the momentum correction lost 1.07 points against
-    0.14 (seed 0, the same ramp). Why the exact values below 0.003: at density 0.001
-    the butterfly's partial sums cost the recipe without them -0.22 (8 ranks) and
-    -0.69 points (16); at 0.01 their quarter more bytes would put gTop-k under 20x
-    fewer bytes than dense, and the switch lies between the two measured densities.
-    Measured (2 028 steps, 3 seeds, medians against dense): +0.00 points at density
-    0.001 and -0.04 at 0.01 on 8 ranks, -0.06 and -0.17 on 16 (docs/compression.md).
-    Pass ``schedule=None`` for no ramp, ``exact_values=False`` to keep the butterfly's
-    values; the class's own default has neither ramp nor exact values.
+    0.03 on), and the exact values with the coded butterfly (``exact_values=True``,
+    ``coding="log8"``); below density 0.003 plain pairs (``coding=None``), still with
+    the exact values, and a ramp of 6.2 density-steps instead (``BudgetRamp(0.03,
+    6.2)``, 727 steps at 0.001). Cost: per unit of density the plain butterfly sends
+    ``P·lg P/(P-1)`` dense allreduces' bytes (``lg P·8`` bytes per pair-slot against
+    ``2(P-1)/P·4``), the coded one with the exact values about half of that; a 2 028-step
+    run at density 0.01 sends 44.3x (P = 8) and 39.6x (P = 16) fewer bytes than
+    dense (25.0x and 20.1x with the plain butterfly's values); one at 0.001 60.9x and
+    51.2x (226x and 190x without the ramp and the exact values). Why the ramp: the
+    update changes k entries per step, and at density 0.001 the two large layers of
+    MNIST-1D's CNN were picked about once per parameter in 2 028 steps; the ramp
+    applies 3-30x more entries per step while the gradients change fast. Why plain
+    error feedback: at 16 ranks the momentum correction lost 1.07 points against 0.14
+    (seed 0, the same ramp). Why the exact values: the butterfly's values are partial
+    sums for P > 2 (a truncated rank's value is missing); without them the same recipe
+    gave -0.22 (8 ranks) and -0.69 points (16) at density 0.001, and on digits (8 ranks,
+    120 steps, density 0.01) -1.11. Why the coding only from 0.003 on: it pays for the
+    exact values at density 0.01, and at 0.001 the plain pairs were measured (the
+    coding there is not). Measured (2 028 steps, 3 seeds, medians against dense): +0.00
+    points at density 0.001 and +0.05 at 0.01 on 8 ranks, -0.06 and -0.21 on 16
+    (docs/compression.md). Pass ``schedule=None`` for no ramp, ``exact_values=False,
+    coding=None`` for the butterfly's own values; the class's own default has neither
+    ramp, nor exact values, nor coding.
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
@@ -118,10 +138,16 @@ class GTopK(SparsifyingStrategy):
                  momentum_correction: float | str = ADOPT,
                  momentum_masking: bool = True,
                  clip_norm: float | None = None, warmup_dense: bool = False,
-                 flush_every: int | None = None, exact_values: bool = False):
+                 flush_every: int | None = None, exact_values: bool = False,
+                 coding: str | None = None):
         self.density, self.k = sparsity(density, k)
         self.own_contribution = check_flag("own_contribution", own_contribution)
         self.exact_values = check_flag("exact_values", exact_values)
+        self.coding = check_coding(coding)
+        if self.coding is not None and not self.exact_values:
+            raise ValueError(f"coding={coding!r} needs exact_values=True (the coded "
+                             "butterfly only picks the indices); pass coding=None for "
+                             "the butterfly's own values")
         super().__init__(comm, error_feedback=error_feedback, fusion_bytes=fusion_bytes,
                          schedule=schedule,
                          momentum_correction=momentum_correction,
@@ -139,7 +165,8 @@ class GTopK(SparsifyingStrategy):
         picks, values = payload.arrays["indices"], payload.arrays["values"]
         self._record_selected(name, values)
         idx, val, dropped = gtopk(picks, values, k, self.comm, return_dropped=True,
-                                  size=numel, own_contribution=self.own_contribution)
+                                  size=numel, own_contribution=self.own_contribution,
+                                  coding=self.coding)
         self.stats.extra.setdefault("k", {})[name] = k
         self.stats.extra.setdefault("survived", {})[name] = int(
             k - int(dropped.sum()))
@@ -165,13 +192,13 @@ class GTopK(SparsifyingStrategy):
         collective = "gtopk(butterfly)" + ("+allreduce(ring)" if self.exact_values else "")
         return {**super().describe(), "density": self.density, "k": self.k,
                 "own_contribution": self.own_contribution,
-                "exact_values": self.exact_values,
+                "exact_values": self.exact_values, "coding": self.coding,
                 "compressor": "topk", "collective": collective}
 
     def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
         """Butterfly of k pairs: ``(lg p2 + 2·fold)·k·s`` on the critical path, and with
         ``exact_values`` a ring allreduce of k values."""
-        return (cost.gtopk(k, index_itemsize(numel) + itemsize, p, BYTES)
+        return (cost.gtopk(k, sum(pair_bytes(self.coding, numel, k, itemsize)), p, BYTES)
                 + self._exact(k, itemsize, p, BYTES))
 
     def _exact(self, k: int, itemsize: int, p: int, params: cost.CostParams) -> float:
@@ -183,7 +210,7 @@ class GTopK(SparsifyingStrategy):
         """Butterfly of k pairs; compute: compensation, selection, one merge of <= 2k
         pairs per round (the term that dominates at large k on a fast link), densify."""
         k = k_of(numel, self.density, self.k)
-        return (cost.gtopk(k, index_itemsize(numel) + itemsize, p, params)
+        return (cost.gtopk(k, sum(pair_bytes(self.coding, numel, k, itemsize)), p, params)
                 + self._exact(k, itemsize, p, params),
                 self._work(numel, itemsize, p, k, compute))
 
@@ -192,7 +219,7 @@ class GTopK(SparsifyingStrategy):
         """The butterfly's rounds on the host layout (a round across hosts sends every
         local rank's k pairs through the host's port), and the values' allreduce."""
         k = k_of(numel, self.density, self.k)
-        t = hosts.flat_sparse("gtopk", k, index_itemsize(numel), itemsize)
+        t = hosts.flat_sparse("gtopk", k, *pair_bytes(self.coding, numel, k, itemsize))
         if self.exact_values and hosts.p > 1:
             t = t + hosts.flat("allreduce", "ring", float(k * itemsize))
         return t.comm, t.local + self._work(numel, itemsize, hosts.p, k, compute)
@@ -200,5 +227,6 @@ class GTopK(SparsifyingStrategy):
     def _work(self, numel: int, itemsize: int, p: int, k: int,
               compute: cost.ComputeParams) -> float:
         rounds = 0 if p == 1 else (p.bit_length() - 1) + (p & (p - 1) != 0)
+        merges = 2 if self.coding is None else 4   # the coding's encode and decode
         return (self._feedback_seconds(numel, itemsize, compute) + numel * compute.select
-                + rounds * 2 * k * compute.merge + numel * compute.scatter)
+                + rounds * merges * k * compute.merge + numel * compute.scatter)

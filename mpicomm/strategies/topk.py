@@ -8,10 +8,17 @@ import torch
 
 from ..collectives import cost
 from ..compress import SampledTopK, TopK
-from ..compress.topk import index_itemsize
 from ..sparse import topk_allgather
-from ..sparse.coding import check_coding, coded_bytes, quantize
-from ._compressed import ADOPT, BYTES, SparsifyingStrategy, check_flag, k_of, sparsity
+from ..sparse.coding import check_coding, quantize
+from ._compressed import (
+    ADOPT,
+    BYTES,
+    SparsifyingStrategy,
+    check_flag,
+    k_of,
+    pair_bytes,
+    sparsity,
+)
 from .base import DEFAULT_FUSION_BYTES
 
 __all__ = ["TopKAllgather"]
@@ -149,30 +156,23 @@ class TopKAllgather(SparsifyingStrategy):
                 "compressor": "sampled_topk" if self.sampled else "topk",
                 "collective": "allgatherv(ring)", "coding": self.coding}
 
-    def _pair_bytes(self, numel: int, k: int, itemsize: int) -> tuple[float, float]:
-        """(index, value) bytes of one pair on the wire; with ``coding`` the expected
-        varint and header share of evenly spread picks, and one value byte."""
-        if self.coding is None:
-            return float(index_itemsize(numel)), float(itemsize)
-        return coded_bytes(k, numel) / max(k, 1) - 1.0, 1.0
-
     def _sparse_bytes(self, numel: int, k: int, itemsize: int, p: int) -> float:
         """Ring Allgather of every rank's k pairs: ``(P-1)·k·s``."""
-        return cost.topk_allgather(k, sum(self._pair_bytes(numel, k, itemsize)), p, BYTES)
+        return cost.topk_allgather(k, sum(pair_bytes(self.coding, numel, k, itemsize)), p, BYTES)
 
     def _predict_flat(self, numel: int, itemsize: int, p: int, params: cost.CostParams,
                       compute: cost.ComputeParams) -> tuple[float, float]:
         """Ring allgather of k pairs; compute: compensation, selection, densify of the
         P·k gathered pairs into d elements."""
         k = k_of(numel, self.density, self.k)
-        s = sum(self._pair_bytes(numel, k, itemsize))
+        s = sum(pair_bytes(self.coding, numel, k, itemsize))
         return cost.topk_allgather(k, s, p, params), self._work(numel, itemsize, p, k, compute)
 
     def _predict_hosts(self, numel: int, itemsize: int, hosts: cost.HostCosts,
                        compute: cost.ComputeParams) -> tuple[float, float]:
         """The ring allgather's steps on the host layout."""
         k = k_of(numel, self.density, self.k)
-        t = hosts.flat_sparse("allgather", k, *self._pair_bytes(numel, k, itemsize))
+        t = hosts.flat_sparse("allgather", k, *pair_bytes(self.coding, numel, k, itemsize))
         return t.comm, t.local + self._work(numel, itemsize, hosts.p, k, compute)
 
     def _work(self, numel: int, itemsize: int, p: int, k: int,
