@@ -110,7 +110,7 @@ def test_bad_arguments(group: mpicomm.Communicator) -> None:
 
 def test_gtopk_hook_trains_digits_like_dense(tmp_path: Path) -> None:
     out = tmp_path / "ddp.json"
-    res = run_job(3, [sys.executable, "examples/ddp_hook.py", "--epochs", "6", "--strategy",
+    res = run_job(3, [sys.executable, "examples/ddp_hook.py", "--epochs", "8", "--strategy",
                       "dense,gtopk", "--density", "0.05", "--json", str(out)], timeout=120)
     assert res.returncode == 0, res.output
     runs = json.loads(out.read_text())["runs"]
@@ -120,7 +120,7 @@ def test_gtopk_hook_trains_digits_like_dense(tmp_path: Path) -> None:
     assert 0 < gtopk["hook_sent_bytes"] < dense["hook_sent_bytes"] / 5
     # --momentum-correction hands the optimizer to the hook: gTop-k's memory takes SGD's
     # momentum over and trains differently; dense has no memory and does not change
-    res = run_job(3, [sys.executable, "examples/ddp_hook.py", "--epochs", "6", "--strategy",
+    res = run_job(3, [sys.executable, "examples/ddp_hook.py", "--epochs", "8", "--strategy",
                       "dense,gtopk", "--density", "0.05", "--momentum-correction", "--json",
                       str(out)], timeout=120)
     assert res.returncode == 0, res.output
