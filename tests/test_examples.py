@@ -68,7 +68,10 @@ def test_train_gtopk(tmp_path: Path) -> None:
     steps = [r for r in records if r["kind"] == "step"]
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert len(steps) == s["steps"] and len(epochs) == 2
-    assert sum(r["sent_bytes"] for r in steps) == s["sent_bytes_per_rank"]  # rank 0's
+    # the metrics are rank 0's; the coded pairs make the two ranks' totals differ: one of
+    # them is the largest, and both average to the mean
+    rank0 = sum(r["sent_bytes"] for r in steps)
+    assert s["sent_bytes_max_rank"] in (rank0, 2 * s["sent_bytes_per_rank"] - rank0)
     assert all(r["strategy"] == "gtopk" and r["compression"] > 5 and r["loss"] > 0
                and r["predicted_comm_s"] > 0 and r["comm_s"] > 0 for r in steps)
     assert epochs[-1]["accuracy"] == s["history"][-1]["train_acc"]
