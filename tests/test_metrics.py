@@ -97,7 +97,7 @@ def test_gradient_sync_records_every_step(tmp_path: Path,
     assert len(records) == 3
     assert records[-1]["loss"] == pytest.approx(loss.item())
     r = records[-1]
-    assert r["strategy"] == "gtopk" and r["collective"] == "gtopk(butterfly)"
+    assert r["strategy"] == "gtopk" and r["collective"] == "gtopk(butterfly)+allreduce(ring)"
     assert r["loss"] > 0 and r["dense_bytes"] == sum(
         p.numel() * 4 for p in model.parameters())
     assert r["comm_s"] > 0 and r["wait_s"] >= 0 and r["skipped"] is False
