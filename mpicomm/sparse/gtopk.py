@@ -214,7 +214,7 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
     folded_pair = r < 2 * rem
     if folded_pair:
         if r % 2 == 0:  # folded out: hand over the set, wait for the answer
-            wire.send(send_set(mine)[0], r + 1, TAG_GTOPK_FOLD)
+            wire.send(to_wire(*mine, index_dtype, coding), r + 1, TAG_GTOPK_FOLD)
             idx, val = unpack(wire.recv(r + 1, TAG_GTOPK_FOLD), index_dtype, value_dtype)
             if not (exact_fold and track):
                 return idx, val, None
