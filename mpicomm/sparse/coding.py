@@ -38,7 +38,7 @@ from .. import clock
 from ..p2p import pack, unpack
 
 __all__ = ["CODINGS", "encode", "decode", "quantize", "coded_bytes", "to_wire",
-           "from_wire"]
+           "to_wire_as_read", "from_wire"]
 
 #: Wire formats of :func:`encode` (``None``, the plain pairs, is the default elsewhere).
 CODINGS = ("log8",)
@@ -119,17 +119,23 @@ def _from_varints(buf: np.ndarray, count: int) -> np.ndarray:
     return np.add.reduceat(parts, starts)
 
 
-def encode(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One uint8 tensor (on the host) holding the pairs in the ``"log8"`` format."""
+def _encode(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, float,
+                                                                  np.ndarray]:
+    """The ``"log8"`` message of the pairs, with the scale and the codes of ``values``
+    in their given order (what :func:`_values` decodes)."""
     idx = indices.detach().cpu().numpy().astype(np.int64).reshape(-1)
-    val = values.detach().cpu().to(torch.float64).numpy().reshape(-1)
+    scale, codes = _levels(values.detach().cpu().to(torch.float64).numpy().reshape(-1))
     order = np.argsort(idx, kind="stable")
-    idx, val = idx[order], val[order]
-    scale, codes = _levels(val)
     header = np.zeros(1, dtype=_HEADER)
     header["count"], header["scale"] = idx.shape[0], scale
-    gaps = np.diff(idx, prepend=0).astype(np.uint64)
-    return torch.from_numpy(np.concatenate([header.view(np.uint8), codes, _varints(gaps)]))
+    gaps = np.diff(idx[order], prepend=0).astype(np.uint64)
+    msg = np.concatenate([header.view(np.uint8), codes[order], _varints(gaps)])
+    return torch.from_numpy(msg), scale, codes
+
+
+def encode(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One uint8 tensor (on the host) holding the pairs in the ``"log8"`` format."""
+    return _encode(indices, values)[0]
 
 
 def decode(buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +163,19 @@ def to_wire(idx: torch.Tensor, val: torch.Tensor, index_dtype: torch.dtype,
         return pack(idx, val, index_dtype)
     clock.charge("encode:log8", idx.shape[0])
     return encode(idx, val)
+
+
+def to_wire_as_read(idx: torch.Tensor, val: torch.Tensor, index_dtype: torch.dtype,
+                    coding: str | None
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`to_wire`'s message, and the pairs as its receiver reads them (``val``
+    itself when plain, :func:`quantize` of it when coded), from one pass over the
+    values: for a sender that merges what it sent as its partner reads it."""
+    if coding is None:
+        return pack(idx, val, index_dtype), (idx, val)
+    clock.charge("encode:log8", idx.shape[0])
+    msg, scale, codes = _encode(idx, val)
+    return msg, (idx, _values(scale, codes, val.dtype).to(val.device))
 
 
 def from_wire(buf: torch.Tensor, index_dtype: torch.dtype, value_dtype: torch.dtype,

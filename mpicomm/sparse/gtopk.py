@@ -81,7 +81,7 @@ from ._common import (
     to_caller,
     wire_index_dtype,
 )
-from .coding import from_wire, quantize, to_wire
+from .coding import from_wire, to_wire, to_wire_as_read
 from .sets import Pairs, members, merge_truncate_tagged, truncate_tagged
 
 __all__ = ["gtopk"]
@@ -202,11 +202,6 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
     value_dtype = mine[1].dtype
     wire = Wire(comm, device)
 
-    def send_set(pairs: Pairs) -> tuple[torch.Tensor, Pairs]:
-        """The message of ``pairs``, and the pairs as its receiver reads them."""
-        msg = to_wire(*pairs, index_dtype, coding)
-        return msg, (pairs if coding is None else (pairs[0], quantize(pairs[1])))
-
     def read_set(buf: torch.Tensor) -> Pairs:
         return from_wire(buf, index_dtype, value_dtype, coding, device)
 
@@ -234,7 +229,7 @@ def _butterfly(mine: Pairs, k: int, comm: Communicator, index_dtype: torch.dtype
     mask = 1
     while mask < p2:
         partner = v ^ mask
-        msg, mine = send_set(mine)
+        msg, mine = to_wire_as_read(*mine, index_dtype, coding)
         theirs = read_set(wire.exchange(msg, real_rank(partner, rem), TAG_GTOPK_ROUND))
         theirs_tags = untagged(theirs[0].shape[0], len(tags))
         if v < partner:
