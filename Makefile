@@ -299,9 +299,9 @@ RATIOS_DENSITIES ?= 0.001 0.01
 RATIOS_SPARSE ?= --strategy topk --strategy gtopk --strategy artopk
 RATIOS_OTHERS ?= --strategy powersgd:rank=2 --strategy powersgd:rank=4 --strategy qsgd:bits=4
 # mnist1d-cnn: its full recipe (13 epochs, 2 028 steps at 8 ranks) with an evaluation
-# every epoch at 8 ranks (156 steps); text-lm: its one-epoch recipe
+# every epoch at 8 ranks (156 steps); text-lm: its one-epoch recipe, ten evaluations
 RATIOS_CNN ?= --workload mnist1d-cnn --eval-every 156
-RATIOS_LM ?= --workload text-lm --eval-every 500
+RATIOS_LM ?= --workload text-lm --eval-every 363
 bench-ratios: $(STAMP)
 	@mkdir -p $(RATIOS_OUT)/ratios
 	for n in $(RATIOS_RANKS); do \
