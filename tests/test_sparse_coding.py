@@ -63,6 +63,13 @@ def test_round_trip_keeps_indices_and_decodes_the_defined_values(dtype, size, k)
     varint = sum(max(1, math.ceil(int(g).bit_length() / 7)) for g in gaps)
     assert buf.shape[0] == 12 + k + varint
     assert coding.encode(idx, val).tolist() == buf.tolist()    # deterministic
+    # the sender's one-pass form: the same message, and the values the receiver decodes
+    msg, (sent_idx, sent_val) = coding.to_wire_as_read(idx, val, torch.int32, "log8")
+    assert torch.equal(msg, buf) and sent_idx is idx
+    assert torch.equal(sent_val, coding.quantize(val))
+    plain, (same_idx, same_val) = coding.to_wire_as_read(idx, val, torch.int32, None)
+    assert torch.equal(plain, coding.to_wire(idx, val, torch.int32, None))
+    assert same_idx is idx and same_val is val
 
 
 def test_edge_values_zero_tiny_large_indices_and_an_empty_message():
