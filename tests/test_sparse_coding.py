@@ -237,15 +237,14 @@ def test_coded_topk_loses_no_gradient_mass(comm):
     strategy = strategies.TopKAllgather(density=0.02, coding="log8",
                                         momentum_correction=0.0, comm=comm)
     _check_no_mass_lost(comm, strategy, 97, 30 * comm.size)
-    shapes = _SHAPES
     plain = strategies.TopKAllgather(density=0.02, momentum_correction=0.0, comm=comm)
     assert strategy.describe()["coding"] == "log8"
     if comm.size > 1:
         before = comm.traffic.snapshot()
-        strategy.aggregate([torch.ones(s, dtype=torch.float64) for s in shapes], ["w", "b"])
+        strategy.aggregate([torch.ones(s, dtype=torch.float64) for s in _SHAPES], ["w", "b"])
         coded = (comm.traffic - before).sent_bytes
         before = comm.traffic.snapshot()
-        plain.aggregate([torch.ones(s, dtype=torch.float64) for s in shapes], ["w", "b"])
+        plain.aggregate([torch.ones(s, dtype=torch.float64) for s in _SHAPES], ["w", "b"])
         assert coded < (comm.traffic - before).sent_bytes / 3
 
 

@@ -76,9 +76,9 @@ class ARTopK(SparsifyingStrategy):
     density 0.001) -5.21% of dense's perplexity at 92.7x (seed 0): too few updates per
     parameter for a run that short (docs/compression.md). With the round-robin source
     instead (``source="star"``) the 8-rank gaps are the same (+0.03 and +0.03) but at 16
-    ranks they fall to -2.90 and -0.52: between its
-    turns a rank's residual grows for P-1 steps, while the largest-norm rule hands the
-    turn to whichever rank has fallen furthest behind. The accuracy is noisy mid-run and
+    ranks they fall to -2.90 and -0.52: between its turns a rank's residual grows for P-1
+    steps, while the largest-norm rule hands the turn to whichever rank has fallen
+    furthest behind. The accuracy is noisy mid-run and
     climbs over the last epochs (2-4 points in the last two at 0.001 at 8 ranks): judge
     it at the end of the run. Why not momentum correction here: only the source's top-k
     is drained, so on the other ranks the corrected velocity (about 1/(1-m) times the
