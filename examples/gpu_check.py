@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -153,8 +154,12 @@ def plan(args: argparse.Namespace, out: Path, env: dict[str, str]) -> list[tuple
     return steps
 
 
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    """The last non-blank line of a step's output, without terminal colour codes."""
+    lines = [ln for ln in ANSI_ESCAPE.sub("", text).strip().splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
 
 

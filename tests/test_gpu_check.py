@@ -52,6 +52,13 @@ def test_plan_covers_every_gpu_step() -> None:
         gpu_check.parse_args(["--only", "pytest,nonsense"])
 
 
+def test_summary_line_drops_terminal_colours() -> None:
+    gpu_check = _gpu_check()
+    coloured = "collected\n\x1b[32m\x1b[1m1480 passed\x1b[0m, \x1b[33m4 deselected\x1b[0m\n\n"
+    assert gpu_check.last_line(coloured) == "1480 passed, 4 deselected"
+    assert gpu_check.last_line("  \n") == ""
+
+
 def test_cpu_smoke_run_writes_json_the_report_renders(tmp_path: Path) -> None:
     out = tmp_path / "results"
     small = ("--width 0.0625 --batch 4 --image 8 --steps 2 --warmup 1 "
