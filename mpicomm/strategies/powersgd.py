@@ -67,7 +67,11 @@ class PowerSGDAllreduce(CompressedStrategy):
     matches the dense run (1-4 for many vision models, 16-64 for transformers);
     ``start_iter`` around 10% of training lets the early, fast-changing gradients through
     uncompressed; keep ``warm_start``; ``min_compression_rate=2`` leaves matrices where
-    the factors would save less than half of the bytes dense.
+    the factors would save less than half of the bytes dense. Measured at 8 ranks
+    against dense of the same seed: MNIST-1D's CNN (2 028 steps) -0.30 points (median of
+    3 seeds) at 26.4x fewer bytes with ``rank=2``; the language model (``text-lm``, 3 626
+    steps, seed 0) +0.25% of dense's perplexity at 27.7x with ``rank=4``
+    (docs/compression.md).
     """
 
     name = "powersgd"
