@@ -111,9 +111,8 @@ class GTopK(SparsifyingStrategy):
     at 0.002 -0.04% and -1.40% at 66.7x; at 0.01 +1.22% at 48.0x (seed 0). At 16 ranks
     (1 551 steps on CPython 3.12's corpus, seed 0, density 0.001) -12.5% at 41.8x: four
     rounds instead of three, and half the changes per parameter. Pass ``schedule=None``
-    for no ramp,
-    ``exact_values=False, coding=None`` for the butterfly's own values; the class's own
-    default has neither ramp, nor exact values, nor coding.
+    for no ramp, ``exact_values=False, coding=None`` for the butterfly's own values; the
+    class's own default has neither ramp, nor exact values, nor coding.
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
