@@ -74,20 +74,20 @@ class ARTopK(SparsifyingStrategy):
     points at 0.001 and +0.11 at 0.01; at 16 ranks with the same global batch -0.44 and
     -0.14. On the language model (``text-lm``, one epoch of 3 626 steps, 8 ranks,
     density 0.001) -5.21% of dense's perplexity at 92.7x (seed 0): too few updates per
-    parameter for a run that short (docs/compression.md); at density 0.01 +1.36% at
-    45.0x (seed 0). With the round-robin source instead (``source="star"``) the 8-rank
-    gaps are the same (+0.03 and +0.03) but at 16 ranks they fall to -2.90 and -0.52:
-    between its turns a rank's residual grows for P-1 steps, while the largest-norm rule
-    hands the turn to whichever rank has fallen furthest behind. The accuracy is noisy
-    mid-run and climbs over the last epochs (2-4 points in the last two at 0.001 at 8
-    ranks): judge it at the end of the run. Why not momentum correction here: only the
-    source's top-k is drained, so on the other ranks the corrected velocity (about
-    1/(1-m) times the gradient) piles up outside the picked indices and leaves as
-    bursts; with the ramp, 312 steps reached 67.8% with plain error feedback against
-    38.0% with the correction (seed 0, density 0.001, 8 ranks, the STAR source; each
-    layer its own top-k instead of one over the fused bucket: 56.4%). Pass
-    ``schedule=None``, ``source="star"`` and ``momentum_correction="optimizer"`` for the
-    class's default.
+    parameter for a run that short (docs/compression.md); at density 0.01 +1.36% and
+    -0.05% at 45.0x (seeds 0 and 1). With the round-robin source instead
+    (``source="star"``) the 8-rank gaps are the same (+0.03 and +0.03) but at 16 ranks
+    they fall to -2.90 and -0.52: between its turns a rank's residual grows for P-1
+    steps, while the largest-norm rule hands the turn to whichever rank has fallen
+    furthest behind. The accuracy is noisy mid-run and climbs over the last epochs (2-4
+    points in the last two at 0.001 at 8 ranks): judge it at the end of the run. Why not
+    momentum correction here: only the source's top-k is drained, so on the other ranks
+    the corrected velocity (about 1/(1-m) times the gradient) piles up outside the
+    picked indices and leaves as bursts; with the ramp, 312 steps reached 67.8% with
+    plain error feedback against 38.0% with the correction (seed 0, density 0.001, 8
+    ranks, the STAR source; each layer its own top-k instead of one over the fused
+    bucket: 56.4%). Pass ``schedule=None``, ``source="star"`` and
+    ``momentum_correction="optimizer"`` for the class's default.
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
