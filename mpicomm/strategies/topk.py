@@ -81,8 +81,8 @@ class TopKAllgather(SparsifyingStrategy):
     steps on CPython 3.12's corpus, seed 0) -2.34% at 62.5x, outside the 2% bound. Why
     not the coding at 0.001: with the momentum correction it lost 0.76 points (8 ranks,
     seed 0) and 1.69 and 1.31 (16 ranks, seeds 0 and 1), and plain pairs already send
-    more than 50x fewer bytes there. Pass ``coding=None``
-    for plain pairs (docs/compression.md).
+    more than 50x fewer bytes there. Pass ``coding=None`` for plain pairs
+    (docs/compression.md).
 
     ``schedule`` (a density warm-up, :mod:`mpicomm.control.schedules`),
     ``momentum_correction`` / ``momentum_masking`` (DGC's momentum correction in the
