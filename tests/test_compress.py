@@ -469,7 +469,7 @@ def test_qsgd_promise_on_every_device(device: str) -> None:
     assert torch.all((mean - x.cpu().double()).abs() <= 5 * step / (2 * math.sqrt(n)) + 1e-9)
 
 
-@pytest.mark.parametrize("width", list(range(1, 10)))
+@pytest.mark.parametrize("width", list(range(1, 17)))
 def test_bitpack_round_trip(width: int) -> None:
     g = torch.Generator().manual_seed(width)
     for count in (0, 1, 7, 8, 1001):
@@ -477,6 +477,10 @@ def test_bitpack_round_trip(width: int) -> None:
         packed = pack_bits(codes, width)
         assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(count, width)
         assert torch.equal(unpack_bits(packed, width, count), codes)
+        shifts = np.arange(width - 1, -1, -1)
+        msb_first = (codes.numpy()[:, None].astype(np.int64) >> shifts) & 1
+        np.testing.assert_array_equal(packed.numpy(),
+                                      np.packbits(msb_first.astype(np.uint8).ravel()))
         if width == 1:
             np.testing.assert_array_equal(packed.numpy(),
                                           np.packbits(codes.numpy().astype(np.uint8)))
