@@ -394,3 +394,24 @@ def test_bench_localsgd_reports_tau_1_from_the_sync_run():
     assert runs[1].method == "sync"                     # the sync run itself is kept
     with pytest.raises(ValueError, match="no sync run"):
         sync_as(runs, "tau=1", "fixed", 1)
+
+
+def test_table_cuts_at_the_limit_and_the_ratios_section_lists_every_row(tmp_path: Path):
+    rows = [{"a": i} for i in range(5)]
+    assert "(2 more rows in the JSON)" in report.table(rows, limit=3)
+    assert "more rows" not in report.table(rows, limit=None)
+    assert report.table(rows, limit=None).count("\n| ") == 5  # the rows after the header
+
+    from mpicomm.bench import report_ratios
+
+    def run(label: str, seed: int, density: float | None, acc: float, sent: int):
+        return {"workload": "w", "ranks": 8, "seed": seed, "steps": 10, "label": label,
+                "metric": "accuracy", "direction": "max", "density": density,
+                "curve": [{"accuracy": acc}], "sent_bytes_total": sent}
+
+    runs = [run("dense", 0, None, 0.9, 1000)]
+    runs += [run(f"topk+ef+r{i}", 0, 0.01, 0.9, 10) for i in range(70)]
+    text, _ = report_ratios.section([{"suite": "ratios", "training_runs": runs}],
+                                    str(tmp_path), "img", report.table,
+                                    lambda: (_ for _ in ()).throw(ImportError()))
+    assert all(f"| topk+ef+r{i} |" in text for i in range(70)) and "more rows" not in text

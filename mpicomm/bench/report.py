@@ -122,9 +122,12 @@ def fmt(v: Any) -> str:
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
-          limit: int = 60) -> str:
+          limit: int | None = 60) -> str:
+    """A markdown table of ``rows`` (``columns``: every scalar key by default), cut after
+    ``limit`` rows with a line saying how many the JSON has beyond (``None``: all)."""
     if not rows:
         return "(no rows)\n"
+    limit = len(rows) if limit is None else limit
     if columns is None:
         columns = []
         for r in rows:

@@ -181,7 +181,8 @@ def section(results: Sequence[dict[str, Any]], folder: str, rel: str,
            "at densities 0.001 and 0.01, at least 50x / 20x fewer bytes. One row per "
            "run: `benchmarks/results/compression-ratios.json`.\n",
            table(rows, ("workload", "ranks", "strategy", "density", "steps", "seeds",
-                        "unit", "metric_gap", "worst_gap", "bytes_vs_dense", "met")) + "\n"]
+                        "unit", "metric_gap", "worst_gap", "bytes_vs_dense", "met"),
+                 limit=None) + "\n"]
     notes = os.path.join(folder, NOTES)
     if os.path.exists(notes):
         with open(notes) as f:
