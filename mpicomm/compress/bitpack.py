@@ -75,12 +75,13 @@ def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
         octets = torch.zeros(groups * width, dtype=torch.int64, device=p.device)
         octets[:used] = p[:used]
         octets = octets.view(groups, width)
+        mask = (1 << width) - 1
         acc = octets[:, 0] << (8 * (width - 1))
         for b in range(1, width):
             acc |= octets[:, b] << (8 * (width - 1 - b))
         codes = torch.empty(groups, 8, dtype=torch.int32, device=p.device)
         for j in range(8):
-            codes[:, j] = (acc >> (width * (7 - j))) & ((1 << width) - 1)
+            codes[:, j] = (acc >> (width * (7 - j))) & mask
         return codes.view(-1)[:count]
     bits = torch.empty(p.shape[0], 8, dtype=torch.uint8, device=p.device)
     for i in range(8):
