@@ -417,3 +417,22 @@ def test_table_cuts_at_the_limit_and_the_ratios_section_lists_every_row(tmp_path
     text, _ = report_ratios.section([{"suite": "ratios", "training_runs": runs}],
                                     str(tmp_path), "img", report.table, no_pyplot)
     assert all(f"| topk+ef+r{i} |" in text for i in range(70)) and "more rows" not in text
+
+
+def test_load_note_speaks_for_each_machine_and_the_conditions_list_every_file():
+    quiet = {"suite": "s", "ranks": 2, "machine": dict(machine(None, 2), loadavg=[1.2, 1, 1]),
+             "_path": "quiet.json"}
+    lent = {"suite": "s", "ranks": 8, "_path": "lent.json",
+            "machine": {"host": "big", "cpus": 16, "ranks": 8, "loadavg": [9.0, 5, 2]}}
+    busy = dict(quiet, ranks=8, machine=dict(machine(None, 8), loadavg=[30.0, 20, 10]),
+                _path="busy.json")
+    note = report.load_note([quiet, lent, busy])
+    assert "box, 2 CPU core(s): 2 result file(s), up to 8 ranks per run" in note
+    assert "1-minute load average up to 30 (**oversubscribed**)" in note
+    assert "big, 16 CPU core(s): 1 result file(s), up to 8 ranks per run, 1-minute load " \
+           "average up to 9." in note  # 8 ranks and load 9 on 16 cores: not oversubscribed
+    assert "they waited for CPU time" in note
+    assert "oversubscribed" not in report.load_note([quiet, lent])
+    many = [dict(quiet, _path=f"r{i}.json") for i in range(70)]
+    assert "more rows" not in report.conditions(many)
+    assert all(f"| r{i}.json |" in report.conditions(many) for i in range(70))

@@ -142,18 +142,31 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
 
 
 def load_note(results: Sequence[dict[str, Any]]) -> str:
-    """How busy the machine was: cores, most ranks, highest 1-minute load average."""
-    cpus = max((r.get("machine", {}).get("cpus") or 0 for r in results), default=0)
-    ranks = max((ranks_of(r) for r in results), default=0)
-    loads = [r["machine"]["loadavg"][0] for r in results
-             if r.get("machine", {}).get("loadavg")]
-    text = (f"{cpus} CPU core(s), up to {ranks} ranks per run; the load average column is "
-            "read when each suite finished.")
-    if loads and cpus and (max(loads) > cpus or ranks > cpus):
-        text += (f" **Oversubscribed**: the 1-minute load reached {max(loads):.3g} on "
-                 f"{cpus} core(s), so ranks waited for CPU time; compute-heavy steps (top-k "
-                 "selection, gTop-k's merges) and message latency carry that wait, and the "
-                 "figures below are noisy. Re-run on a quiet machine with a core per rank.")
+    """How busy each machine was: its cores, result files, most ranks and highest 1-minute
+    load average, one sentence per machine (results from a lent machine are not mixed with
+    this one's)."""
+    machines: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in results:
+        m = r.get("machine", {})
+        machines.setdefault((str(m.get("host", "?")), int(m.get("cpus") or 0)), []).append(r)
+    notes = []
+    for (host, cpus), group in sorted(machines.items(), key=lambda kv: -len(kv[1])):
+        ranks = max(ranks_of(r) for r in group)
+        loads = [r["machine"]["loadavg"][0] for r in group
+                 if r.get("machine", {}).get("loadavg")]
+        text = (f"{host}, {cpus or '?'} CPU core(s): {len(group)} result file(s), up to "
+                f"{ranks} ranks per run")
+        if loads:
+            text += f", 1-minute load average up to {max(loads):.3g}"
+        if cpus and (ranks > cpus or (loads and max(loads) > cpus)):
+            text += " (**oversubscribed**)"
+        notes.append(text + ".")
+    text = ("The load average column is read when each suite finished. " + " ".join(notes))
+    if any("oversubscribed" in n for n in notes):
+        text += (" Where ranks outnumbered cores they waited for CPU time: compute-heavy "
+                 "steps (top-k selection, gTop-k's merges) and message latency carry that "
+                 "wait, so wall-clock figures from those runs are noisy; results marked "
+                 "virtual or model clock do not depend on the load.")
     return text + "\n"
 
 
@@ -174,7 +187,7 @@ def conditions(results: Sequence[dict[str, Any]]) -> str:
             "MPI": m.get("mpi"),
         })
         rows[-1].update(virtual_conditions(r))
-    return table(rows)
+    return table(rows, limit=None)
 
 
 # ---------------------------------------------------------------------- sparse
