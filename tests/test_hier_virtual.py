@@ -5,8 +5,8 @@ A message that queued on its sender's upload arrives long after its send time pl
 latency. A rank waiting for its download must publish that later bound as its floor:
 with the send-time bound only, a rank that waits for it (a lane of the sender's host in
 a ring, say) keeps a floor below the download's key, the download waits for that floor,
-and the job stalls. These cases stalled (120 s, then an error) before the floor was
-raised; here a stall fails within :data:`STALL_S`.
+and the job stalls. Here a stall fails within :data:`STALL_S` instead of the clock's
+own limit.
 """
 
 from __future__ import annotations
