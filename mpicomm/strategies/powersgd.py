@@ -70,8 +70,8 @@ class PowerSGDAllreduce(CompressedStrategy):
     the factors would save less than half of the bytes dense. Measured at 8 ranks
     against dense of the same seed: MNIST-1D's CNN (2 028 steps) -0.30 points (median of
     3 seeds) at 26.4x fewer bytes with ``rank=2``; the language model (``text-lm``, 3 626
-    steps, seed 0) +0.25% of dense's perplexity at 27.7x with ``rank=4``
-    (docs/compression.md).
+    steps, seeds 0-2) -0.59% of dense's perplexity (median; +0.25, -0.59 and -1.73) at
+    27.7x with ``rank=4`` (docs/compression.md).
     """
 
     name = "powersgd"
