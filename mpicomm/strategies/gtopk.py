@@ -106,8 +106,8 @@ class GTopK(SparsifyingStrategy):
     coding there is not). Measured (2 028 steps, 3 seeds, medians against dense): +0.00
     points at density 0.001 and +0.05 at 0.01 on 8 ranks, -0.06 and -0.21 on 16
     (docs/compression.md). On the language model (``text-lm``, one epoch of 3 626 steps,
-    8 ranks) it misses at density 0.001: -3.73% and -2.99% of dense's perplexity (seeds
-    0 and 1) at 89.8x fewer bytes, each parameter changed about 3.6 times in the run;
+    8 ranks) it misses at density 0.001: -3.73%, -2.99% and -3.02% of dense's perplexity
+    (seeds 0-2) at 89.8x fewer bytes, each parameter changed about 3.6 times in the run;
     at 0.002 -0.04%, -1.40% and -1.41% at 66.7x (seeds 0-2), within the 2% and 50x
     bounds; at 0.01 +1.22% and +0.67% at 48.0x (seeds 0 and 1). At 16 ranks (1 551 steps
     on CPython 3.12's corpus, seed 0, density 0.001) -12.5% at 41.8x: four rounds
