@@ -149,20 +149,21 @@ def load_note(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
         m = r.get("machine", {})
         machines.setdefault((str(m.get("host", "?")), int(m.get("cpus") or 0)), []).append(r)
-    notes = []
+    notes, any_oversubscribed = [], False
     for (host, cpus), group in sorted(machines.items(), key=lambda kv: -len(kv[1])):
         ranks = max(ranks_of(r) for r in group)
-        loads = [r["machine"]["loadavg"][0] for r in group
-                 if r.get("machine", {}).get("loadavg")]
+        load = max((r["machine"]["loadavg"][0] for r in group
+                    if r.get("machine", {}).get("loadavg")), default=None)
         text = (f"{host}, {cpus or '?'} CPU core(s): {len(group)} result file(s), up to "
                 f"{ranks} ranks per run")
-        if loads:
-            text += f", 1-minute load average up to {max(loads):.3g}"
-        if cpus and (ranks > cpus or (loads and max(loads) > cpus)):
+        if load is not None:
+            text += f", 1-minute load average up to {load:.3g}"
+        if cpus and (ranks > cpus or (load is not None and load > cpus)):
             text += " (**oversubscribed**)"
+            any_oversubscribed = True
         notes.append(text + ".")
     text = ("The load average column is read when each suite finished. " + " ".join(notes))
-    if any("oversubscribed" in n for n in notes):
+    if any_oversubscribed:
         text += (" Where ranks outnumbered cores they waited for CPU time: compute-heavy "
                  "steps (top-k selection, gTop-k's merges) and message latency carry that "
                  "wait, so wall-clock figures from those runs are noisy; results marked "
