@@ -427,8 +427,10 @@ bench-controllers: $(STAMP)
 # 105 738 parameters) on the virtual clock (load-independent), CTL_SEL_NP ranks on as
 # many hosts, CTL_SEL_EPOCHS epochs (2 028 steps at 8 ranks), CTL_SEL_SEEDS seeds: a
 # network that flips twice (benchmarks/schedule-controllers-flips.txt: 10 Gbit/s 50 us,
-# 100 Mbit/s 5 ms from step 700, 1 Gbit/s 1 ms from step 1400) and a constant 1 Gbit/s
-# 1 ms; then L-GreCo against uniform top-k densities on text-lm at 1 Gbit/s and at
+# 100 Mbit/s 5 ms from step 700, 1 Gbit/s 1 ms from step 1400), the same three networks
+# with a short slow start (benchmarks/schedule-controllers-flips-slowstart.txt:
+# 100 Mbit/s 5 ms for 150 steps, 10 Gbit/s 50 us, 1 Gbit/s 1 ms from step 1400) and a
+# constant 1 Gbit/s 1 ms; then L-GreCo against uniform top-k densities on text-lm at 1 Gbit/s and at
 # 100 Mbit/s (where the exchange is a sizeable part of its step). Every job charges
 # compute from one cost table (benchmarks/costs-controllers-mnist1d.json: the model's
 # step declared), so methods may also run as separate jobs (--only) and be merged with
@@ -451,6 +453,9 @@ bench-controllers-selector: $(STAMP)
 	$(MPIEXEC) -n $(CTL_SEL_NP) $(CTL_ADAPTIVE) --rate 10gbit --delay 50us \
 	  --virtual-schedule benchmarks/schedule-controllers-flips.txt \
 	  --json $(BENCH_OUT)/controllers/adaptive-mnist1d-flips-$(CTL_SEL_NP).json
+	$(MPIEXEC) -n $(CTL_SEL_NP) $(CTL_ADAPTIVE) --rate 100mbit --delay 5ms \
+	  --virtual-schedule benchmarks/schedule-controllers-flips-slowstart.txt \
+	  --json $(BENCH_OUT)/controllers/adaptive-mnist1d-flips-slowstart-$(CTL_SEL_NP).json
 	$(MPIEXEC) -n $(CTL_SEL_NP) $(CTL_ADAPTIVE) --rate 1gbit --delay 1ms \
 	  --json $(BENCH_OUT)/controllers/adaptive-mnist1d-constant-$(CTL_SEL_NP).json
 	$(MPIEXEC) -n $(CTL_SEL_NP) $(PY) -m mpicomm.bench adaptive --workload text-lm \

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = [r["step"] for r in rows if r["rc"] != 0]
         summary = {"suite": "gpu_check", "device": args.device, "ranks": max(args.ranks),
                    "machine": {"python": sys.version.split()[0],
-                               "host": os.uname().nodename},
+                               "host": os.uname().nodename, "cpus": os.cpu_count()},
                    "rows": rows, "summary": {"failed": failed or "none"}}
         # rewritten after every step, so the report step renders the steps before it
         (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))

@@ -57,7 +57,8 @@ def plot_adaptive(r: dict[str, Any], path: str, plt: Any) -> None:
                 label=scheme)
     ax.set(yscale="log", xlabel="training step", ylabel="chosen ratio (fraction kept)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left", markerscale=4)
+    # outside the axes, right of the bandwidth's axis: no phase of the run is hidden
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.1, 1.0), markerscale=4)
     net = ax.twinx()
     net.step([p[0] for p in line], [p[3] for p in line], where="post", color="k", lw=1,
              label="Gbit/s")
