@@ -430,12 +430,12 @@ bench-controllers: $(STAMP)
 # 100 Mbit/s 5 ms from step 700, 1 Gbit/s 1 ms from step 1400), the same three networks
 # with a short slow start (benchmarks/schedule-controllers-flips-slowstart.txt:
 # 100 Mbit/s 5 ms for 150 steps, 10 Gbit/s 50 us, 1 Gbit/s 1 ms from step 1400) and a
-# constant 1 Gbit/s 1 ms; then L-GreCo against uniform top-k densities on text-lm at 1 Gbit/s and at
-# 100 Mbit/s (where the exchange is a sizeable part of its step). Every job charges
-# compute from one cost table (benchmarks/costs-controllers-mnist1d.json: the model's
-# step declared), so methods may also run as separate jobs (--only) and be merged with
-# benchmarks/adaptive_merge.py; a fixed choice stops at the target (--stop-at-target),
-# dense and auto run to the end. CTL_GRID is the full grid of 12; CTL_SEL_STATIC the
+# constant 1 Gbit/s 1 ms; then L-GreCo against uniform top-k densities on text-lm at
+# 1 Gbit/s and at 100 Mbit/s (where the exchange is a sizeable part of its step). Every
+# job charges compute from one cost table (benchmarks/costs-controllers-mnist1d.json: the
+# model's step declared), so methods may also run as separate jobs (--only) and be
+# merged with benchmarks/adaptive_merge.py; a fixed choice stops at the target
+# (--stop-at-target), dense and auto run to the end. CTL_GRID is the full grid of 12; CTL_SEL_STATIC the
 # subset run (default all of it).
 CTL_GRID = allgather_topk@0.1,allgather_topk@0.01,allgather_topk@0.001,gtopk@0.1,gtopk@0.01,$\
 	gtopk@0.001,artopk_ring@0.1,artopk_ring@0.01,artopk_ring@0.001,artopk_tree@0.1,$\
