@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpicomm.bench.adaptive import median_row, ratio_moves
+from mpicomm.bench.adaptive import lgreco_summary, median_row, ratio_moves
 
 from .launch import load_script, run_job
 
@@ -252,3 +252,43 @@ def test_adaptive_merge_compares_clocks_by_what_they_charge():
                                                        per_unit=1e-9)}, "dense")
     with pytest.raises(ValueError, match="clock differs"):
         merge([old, charged], ["a", "d"])
+
+
+def test_lgreco_summary_is_the_median_over_seeds_of_each_seed_ratio():
+    """One (uniform, L-GreCo) pair per seed: each target is the median of the per-seed
+    ratios, not a ratio of medians; a seed that missed the target makes the time None."""
+    def pair(seed, uniform_s, lgreco_s, lgreco_kb):
+        return [{"family": "topk", "seed": seed, "time_to_target_s": uniform_s,
+                 "sent_kB_step": 300.0},
+                {"family": "topk", "seed": seed, "time_to_target_s": lgreco_s,
+                 "sent_kB_step": lgreco_kb, "dp_size_vs_uniform": 0.25 + seed / 100}]
+    rows = pair(0, 20.0, 16.0, 100.0) + pair(1, 10.0, 9.5, 150.0) + pair(2, 30.0, 21.0, 120.0)
+    summary = lgreco_summary(rows)
+    assert summary["lgreco_time_to_target_ratio"] == pytest.approx(0.8)   # 0.8, 0.95, 0.7
+    assert summary["lgreco_bytes_ratio"] == pytest.approx(2.5)            # 3, 2, 2.5
+    assert summary["lgreco_dp_size_vs_uniform"] == pytest.approx(0.26)
+    missed = pair(0, 20.0, None, 100.0) + pair(1, 10.0, 9.5, 150.0)
+    assert lgreco_summary(missed)["lgreco_time_to_target_ratio"] is None
+    qsgd = [dict(r, family="qsgd") for r in pair(0, 20.0, 18.0, 150.0)]
+    assert lgreco_summary(qsgd)["lgreco_time_to_target_ratio_qsgd"] == pytest.approx(0.9)
+
+
+def test_bench_adaptive_lgreco_runs_each_seed_of_the_offset(tmp_path):
+    """``--only lgreco --seeds 2 --seed-offset 1``: uniform and L-GreCo on seeds 1 and 2,
+    in that order, and the summary is the median of the two seeds' ratios."""
+    out = tmp_path / "lgreco.json"
+    result = run_job(3, [sys.executable, "-m", "mpicomm.bench", "adaptive", "--epochs", "1",
+                         "--hidden", "32", "--only", "lgreco", "--lgreco-families", "topk",
+                         "--lgreco-ratio", "0.1", "--lgreco-steps", "12", "--seeds", "2",
+                         "--seed-offset", "1", "--target", "0.2",
+                         "--schedule", "0:0.1:100", "--json", str(out)],
+                     timeout=240)
+    assert result.returncode == 0, result.output
+    data = json.loads(out.read_text())
+    rows = data["lgreco"]
+    assert [(r["setting"], r["seed"]) for r in rows] == [
+        ("uniform", 1), ("lgreco", 1), ("uniform", 2), ("lgreco", 2)]
+    # the batch order differs between seeds
+    assert rows[0]["final_acc"] != rows[2]["final_acc"]
+    ratios = [u["sent_kB_step"] / l["sent_kB_step"] for u, l in zip(rows[::2], rows[1::2])]
+    assert data["summary"]["lgreco_bytes_ratio"] == pytest.approx(float(np.median(ratios)))

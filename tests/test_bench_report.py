@@ -187,9 +187,11 @@ def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> N
              "sent_kB_step": 10.0, "x_dense": 30.0 / t, "choices": c}
             for m, t, a, c in (("dense", 30.0, 0.98, ""), ("gtopk@0.01", 10.0, 0.97, ""),
                                ("auto", 12.0, 0.965, "artopk_ring@0.01:40"))]
-    lgreco = [{"method": "topk uniform", "sent_kB_step": 300.0, "final_acc": 0.96},
-              {"method": "topk lgreco", "sent_kB_step": 150.0, "final_acc": 0.96,
-               "dp_size_vs_uniform": 0.5, "dp_error_vs_budget": 1.0}]
+    lgreco = [{"method": "topk uniform", "seed": 0, "time_to_target_s": 20.0,
+               "sent_kB_step": 300.0, "final_acc": 0.96},
+              {"method": "topk lgreco", "seed": 0, "time_to_target_s": 17.0,
+               "sent_kB_step": 150.0, "final_acc": 0.96, "dp_size_vs_uniform": 0.5,
+               "dp_error_vs_budget": 1.0}]
     summary = {"auto_vs_best_static": 1.2, "best_static": "gtopk@0.01",
                "auto_speedup_vs_dense": 2.5, "auto_acc_loss_points": 1.5,
                "lgreco_bytes_ratio": 2.0, "lgreco_bytes_ratio_qsgd": None}
@@ -205,7 +207,7 @@ def test_report_renders_the_adaptive_suite_with_its_targets(tmp_path: Path) -> N
     assert "schedule `schedule-adaptive.txt`; medians of 3 runs (batch orders), accuracy " \
         "checked every 1 step(s)" in text
     assert "| auto | 12 | 0.965 | 100 | 10 | 2.5 | artopk_ring@0.01:40 |" in text
-    assert "| topk lgreco | 150 | 0.96 | 0.5 | 1 |" in text
+    assert "| topk lgreco | 0 | 17 | 150 | 0.96 | 0.5 | 1 |" in text
     lines = text.splitlines()
     verdict = {c[0]: c[-1] for c in ([x.strip() for x in line.strip("|").split("|")]
                                      for line in lines if line.startswith("| auto_")

@@ -317,8 +317,10 @@ def ratio_moves(line: list[tuple[int, str, float, float, float]], settle: int = 
 
 def lgreco_rows(comm: Communicator, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per-layer uniform density (every layer at ``--lgreco-ratio``: the budget's total
-    error) against L-GreCo's per-layer densities (total error <= that budget)."""
+    error) against L-GreCo's per-layer densities (total error <= that budget), per family
+    and seed of ``--seeds`` / ``--seed-offset``: uniform then L-GreCo on the same seed."""
     rows = []
+    seeds = range(args.seed_offset, args.seed_offset + args.seeds)
     per_epoch = harness_build(spec(args, 0, "probe"), comm).info.steps_per_epoch
     epochs = max(1, args.lgreco_steps // per_epoch)
     for family in [f for f in args.lgreco_families.split(",") if f]:
@@ -328,19 +330,50 @@ def lgreco_rows(comm: Communicator, args: argparse.Namespace) -> list[dict[str, 
         else:
             options = {"lgreco_family": family, "lgreco_default": 4,
                        "schemes": (FAMILY_SCHEMES[family],)}
-        for name, every in (("uniform", 1 << 30), ("lgreco", 10)):
-            s = AutoStrategy(lgreco=True, lgreco_every=every, lgreco_acc_steps=5, **options)
-            row = train(f"{family} {name}", comm, args, strategy=s, epochs=epochs,
-                        max_steps=args.lgreco_steps)
-            row["family"], row["setting"] = family, name
-            history = s.lgreco.history if s.lgreco is not None else []
-            if history:
-                row["dp_size_vs_uniform"] = float(np.mean([h["size"] / h["uniform_size"]
-                                                           for h in history]))
-                row["dp_error_vs_budget"] = float(np.max([h["error"] / h["budget"]
-                                                          for h in history if h["budget"]]))
-            rows.append(row)
+        for seed in seeds:
+            for name, every in (("uniform", 1 << 30), ("lgreco", 10)):
+                s = AutoStrategy(lgreco=True, lgreco_every=every, lgreco_acc_steps=5,
+                                 **options)
+                row = train(f"{family} {name}", comm, args, strategy=s, seed=seed,
+                            epochs=epochs, max_steps=args.lgreco_steps)
+                row["family"], row["setting"] = family, name
+                history = s.lgreco.history if s.lgreco is not None else []
+                if history:
+                    row["dp_size_vs_uniform"] = float(np.mean(
+                        [h["size"] / h["uniform_size"] for h in history]))
+                    row["dp_error_vs_budget"] = float(np.max(
+                        [h["error"] / h["budget"] for h in history if h["budget"]]))
+                rows.append(row)
     return rows
+
+
+def lgreco_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """L-GreCo's targets from :func:`lgreco_rows`' (uniform, L-GreCo) pairs, per family
+    (the ``topk`` keys carry no suffix): bytes per step of uniform over L-GreCo's, the
+    DP's size against uniform's, and L-GreCo's time to the target over uniform's; each
+    the median over seeds of the per-seed ratio (None where a run never reached the
+    target or sent nothing)."""
+    per_family: dict[str, dict[str, list[float | None]]] = {}
+    for uniform, per_layer in zip(rows[::2], rows[1::2]):
+        ratios = per_family.setdefault(uniform["family"], {"bytes": [], "size": [],
+                                                             "time": []})
+        ratios["bytes"].append(uniform["sent_kB_step"] / per_layer["sent_kB_step"]
+                               if per_layer["sent_kB_step"] else None)
+        ratios["size"].append(per_layer.get("dp_size_vs_uniform"))
+        ratios["time"].append(per_layer["time_to_target_s"] / uniform["time_to_target_s"]
+                              if per_layer["time_to_target_s"] and
+                              uniform["time_to_target_s"] else None)
+
+    def median(values: list[float | None]) -> float | None:
+        return float(np.median(values)) if values and None not in values else None
+
+    summary: dict[str, Any] = {}
+    for family, ratios in per_family.items():
+        tag = "" if family == "topk" else f"_{family}"
+        summary[f"lgreco_bytes_ratio{tag}"] = median(ratios["bytes"])
+        summary[f"lgreco_dp_size_vs_uniform{tag}"] = median(ratios["size"])
+        summary[f"lgreco_time_to_target_ratio{tag}"] = median(ratios["time"])
+    return summary
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -454,15 +487,7 @@ def run(args: argparse.Namespace) -> int:
     lg = lgreco_rows(comm, args)
     for row in lg:
         records.append(row.pop("record"))
-    for uniform, per_layer in zip(lg[::2], lg[1::2]):
-        tag = "" if uniform["family"] == "topk" else f"_{uniform['family']}"
-        summary[f"lgreco_bytes_ratio{tag}"] = (
-            uniform["sent_kB_step"] / per_layer["sent_kB_step"]
-            if per_layer["sent_kB_step"] else None)
-        summary[f"lgreco_dp_size_vs_uniform{tag}"] = per_layer.get("dp_size_vs_uniform")
-        summary[f"lgreco_time_to_target_ratio{tag}"] = (
-            per_layer["time_to_target_s"] / uniform["time_to_target_s"]
-            if per_layer["time_to_target_s"] and uniform["time_to_target_s"] else None)
+    summary.update(lgreco_summary(lg))
     if comm.rank == 0:
         print(f"# adaptive: {comm.size} ranks, {args.workload} {args.option}, "
               f"batch {args.batch}/rank, {args.epochs} epochs, target acc {args.target}, "
@@ -475,8 +500,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n# L-GreCo vs per-layer uniform settings (topk: allgather_topk at ratio "
               f"{args.lgreco_ratio}; qsgd 4 bits; powersgd rank 4); DP error <= budget = "
               "uniform's error (the first 10 steps of both run uniform)")
-        print_table(lg, ("method", "sent_kB_step", "final_acc", "dp_size_vs_uniform",
-                         "dp_error_vs_budget"))
+        print_table(lg, ("method", "seed", "time_to_target_s", "sent_kB_step", "final_acc",
+                         "dp_size_vs_uniform", "dp_error_vs_budget"))
         print("\n# targets")
         for k, v in summary.items():
             print(f"{k}: {v}")

@@ -59,8 +59,9 @@ def adaptive_section(r: dict[str, Any], table: Table) -> str:
                                      "sent_kB_step", "x_dense", "choices")),
            "L-GreCo against every layer at the uniform setting (bytes per step measured; "
            "DP size / uniform size at the same total error):\n",
-           table(r.get("lgreco", []), ("method", "sent_kB_step", "final_acc",
-                                       "dp_size_vs_uniform", "dp_error_vs_budget"))]
+           table(r.get("lgreco", []), ("method", "seed", "time_to_target_s", "sent_kB_step",
+                                       "final_acc", "dp_size_vs_uniform",
+                                       "dp_error_vs_budget"))]
     summary = r.get("summary", {})
     rows = []
     for key, value in summary.items():
