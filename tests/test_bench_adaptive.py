@@ -256,7 +256,7 @@ def test_adaptive_merge_compares_clocks_by_what_they_charge():
 
 def test_lgreco_summary_is_the_median_over_seeds_of_each_seed_ratio():
     """One (uniform, L-GreCo) pair per seed: each target is the median of the per-seed
-    ratios, not a ratio of medians; a seed that missed the target makes the time None."""
+    ratios, not a ratio of medians; a run that missed the target is infinitely late."""
     def pair(seed, uniform_s, lgreco_s, lgreco_kb):
         return [{"family": "topk", "seed": seed, "time_to_target_s": uniform_s,
                  "sent_kB_step": 300.0},
@@ -267,8 +267,18 @@ def test_lgreco_summary_is_the_median_over_seeds_of_each_seed_ratio():
     assert summary["lgreco_time_to_target_ratio"] == pytest.approx(0.8)   # 0.8, 0.95, 0.7
     assert summary["lgreco_bytes_ratio"] == pytest.approx(2.5)            # 3, 2, 2.5
     assert summary["lgreco_dp_size_vs_uniform"] == pytest.approx(0.26)
+    # L-GreCo missed on one seed of three: infinitely late, the median is the next
+    one_missed = pair(0, 20.0, 16.0, 100.0) + pair(1, 10.0, None, 150.0) + \
+        pair(2, 30.0, 21.0, 120.0)
+    assert lgreco_summary(one_missed)["lgreco_time_to_target_ratio"] == pytest.approx(0.8)
+    # missed on one of two (the median is infinite), or both missed on a seed: no ratio
     missed = pair(0, 20.0, None, 100.0) + pair(1, 10.0, 9.5, 150.0)
     assert lgreco_summary(missed)["lgreco_time_to_target_ratio"] is None
+    both = pair(0, None, None, 100.0) + pair(1, 10.0, 9.5, 150.0) + pair(2, 30.0, 21.0, 120.0)
+    assert lgreco_summary(both)["lgreco_time_to_target_ratio"] is None
+    # uniform alone missed: L-GreCo was first (ratio 0 on that seed)
+    first = pair(0, None, 16.0, 100.0) + pair(1, 10.0, 9.5, 150.0) + pair(2, 30.0, 21.0, 120.0)
+    assert lgreco_summary(first)["lgreco_time_to_target_ratio"] == pytest.approx(0.7)
     qsgd = [dict(r, family="qsgd") for r in pair(0, 20.0, 18.0, 150.0)]
     assert lgreco_summary(qsgd)["lgreco_time_to_target_ratio_qsgd"] == pytest.approx(0.9)
 

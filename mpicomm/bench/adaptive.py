@@ -351,8 +351,10 @@ def lgreco_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """L-GreCo's targets from :func:`lgreco_rows`' (uniform, L-GreCo) pairs, per family
     (the ``topk`` keys carry no suffix): bytes per step of uniform over L-GreCo's, the
     DP's size against uniform's, and L-GreCo's time to the target over uniform's; each
-    the median over seeds of the per-seed ratio (None where a run never reached the
-    target or sent nothing)."""
+    the median over seeds of the per-seed ratio. A run that never reached the target
+    counts as infinitely late (L-GreCo's miss: ratio inf; uniform's alone: 0), so one
+    missed seed of three leaves the median of the other two's order; a median that is
+    infinite, or a seed where both missed, gives None."""
     per_family: dict[str, dict[str, list[float | None]]] = {}
     for uniform, per_layer in zip(rows[::2], rows[1::2]):
         ratios = per_family.setdefault(uniform["family"], {"bytes": [], "size": [],
@@ -360,12 +362,15 @@ def lgreco_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ratios["bytes"].append(uniform["sent_kB_step"] / per_layer["sent_kB_step"]
                                if per_layer["sent_kB_step"] else None)
         ratios["size"].append(per_layer.get("dp_size_vs_uniform"))
-        ratios["time"].append(per_layer["time_to_target_s"] / uniform["time_to_target_s"]
-                              if per_layer["time_to_target_s"] and
-                              uniform["time_to_target_s"] else None)
+        mine, theirs = per_layer["time_to_target_s"], uniform["time_to_target_s"]
+        ratios["time"].append(None if not mine and not theirs else
+                              math.inf if not mine else 0.0 if not theirs else mine / theirs)
 
     def median(values: list[float | None]) -> float | None:
-        return float(np.median(values)) if values and None not in values else None
+        if not values or None in values:
+            return None
+        middle = float(np.median(values))
+        return middle if math.isfinite(middle) else None
 
     summary: dict[str, Any] = {}
     for family, ratios in per_family.items():
