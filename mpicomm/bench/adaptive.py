@@ -352,9 +352,9 @@ def lgreco_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     (the ``topk`` keys carry no suffix): bytes per step of uniform over L-GreCo's, the
     DP's size against uniform's, and L-GreCo's time to the target over uniform's; each
     the median over seeds of the per-seed ratio. A run that never reached the target
-    counts as infinitely late (L-GreCo's miss: ratio inf; uniform's alone: 0), so one
-    missed seed of three leaves the median of the other two's order; a median that is
-    infinite, or a seed where both missed, gives None."""
+    counts as infinitely late (L-GreCo's miss: ratio inf; uniform's alone: 0), so with
+    one miss in three seeds the median is the larger of the other two ratios; a median
+    that is infinite, or a seed where both missed, gives None."""
     per_family: dict[str, dict[str, list[float | None]]] = {}
     for uniform, per_layer in zip(rows[::2], rows[1::2]):
         ratios = per_family.setdefault(uniform["family"], {"bytes": [], "size": [],
