@@ -73,7 +73,7 @@ class ARTopK(SparsifyingStrategy):
     (MNIST-1D CNN, 2 028 steps, gaps to dense on seeds 0-2, medians): at 8 ranks +0.03
     points at 0.001 and +0.11 at 0.01; at 16 ranks with the same global batch -0.44 and
     -0.14. On the language model (``text-lm``, one epoch of 3 626 steps, 8 ranks,
-    density 0.001) -5.21% and -5.19% of dense's perplexity at 92.7x (seeds 0 and 1): too
+    density 0.001) -5.21%, -5.19% and -3.88% of dense's perplexity at 92.7x (seeds 0-2): too
     few updates per parameter for a run that short (docs/compression.md); at 0.002
     +0.05%, -2.12% and -1.18% at 83.6x (seeds 0-2; median within the 2% and 50x bounds);
     at density 0.01 +1.36%, -0.05% and -0.59% at 45.0x. With the round-robin source instead
