@@ -80,6 +80,7 @@ import argparse
 import math
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -365,20 +366,23 @@ def lgreco_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         mine, theirs = per_layer["time_to_target_s"], uniform["time_to_target_s"]
         ratios["time"].append(None if not mine and not theirs else
                               math.inf if not mine else 0.0 if not theirs else mine / theirs)
-
-    def median(values: list[float | None]) -> float | None:
-        if not values or None in values:
-            return None
-        middle = float(np.median(values))
-        return middle if math.isfinite(middle) else None
-
     summary: dict[str, Any] = {}
     for family, ratios in per_family.items():
         tag = "" if family == "topk" else f"_{family}"
-        summary[f"lgreco_bytes_ratio{tag}"] = median(ratios["bytes"])
-        summary[f"lgreco_dp_size_vs_uniform{tag}"] = median(ratios["size"])
-        summary[f"lgreco_time_to_target_ratio{tag}"] = median(ratios["time"])
+        summary[f"lgreco_bytes_ratio{tag}"] = finite_median(ratios["bytes"])
+        summary[f"lgreco_dp_size_vs_uniform{tag}"] = finite_median(ratios["size"])
+        summary[f"lgreco_time_to_target_ratio{tag}"] = finite_median(ratios["time"])
     return summary
+
+
+def finite_median(values: Sequence[float | None]) -> float | None:
+    """The median of ``values``, where ``math.inf`` stands for a run that never reached
+    the target (so it is None only when half or more missed), or None when there are no
+    values or one of them is undefined (None)."""
+    if not values or any(v is None for v in values):
+        return None
+    middle = float(np.median(values))
+    return middle if math.isfinite(middle) else None
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -394,10 +398,9 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             row[key] = float(np.median(values))
-    times = [r["time_to_target_s"] if r["time_to_target_s"] is not None else math.inf
-             for r in runs]
-    middle = float(np.median(times))
-    row["time_to_target_s"] = middle if math.isfinite(middle) else None
+    row["time_to_target_s"] = finite_median(
+        [r["time_to_target_s"] if r["time_to_target_s"] is not None else math.inf
+         for r in runs])
     return row
 
 
