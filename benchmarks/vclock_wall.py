@@ -58,7 +58,8 @@ QUIET_MARGIN = 0.5
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_"))}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env.pop("MPICOMM_CLOCK", None)
     env["MPICOMM_PYTHON"] = sys.executable
     return env

@@ -126,6 +126,9 @@ def test_job_env_and_wrapper() -> None:
     assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "eth0"
     assert env[linkdelay.ENV_RANKS_PER_HOST] == "2" and float(env[linkdelay.ENV_DELAY]) == 0.001
     assert env["MPICOMM_HOST_SIZES"] == "2,2,2,2"  # mpicomm.topology's layout
+    assert env["UCX_RNDV_THRESH"] == "inf"  # eager: both directions of an exchange at once
+    kept = run.job_env(2, 1, "1gbit", 0.0, False, "/r", None, base={"UCX_RNDV_THRESH": "auto"})
+    assert kept["UCX_RNDV_THRESH"] == "auto"
     env = run.job_env(4, 2, None, 0.0, True, "/r", None, base={})
     assert env["MPIR_CVAR_NOLOCAL"] == "1" and env["MPICOMM_EMU_RATE"] == "unshaped"
     # host-major placement in the per-rank wrapper: rank r -> host r // R

@@ -22,7 +22,9 @@ The steps of a wall-clock run:
 3. Runs ``mpiexec -n H*R <wrapper> command args...`` where the per-rank wrapper moves
    rank ``r`` (``PMI_RANK``) into host ``r // R`` with ``ip netns exec`` (host-major
    placement). MPI traffic between hosts goes over TCP on ``eth0``:
-   ``UCX_TLS=tcp UCX_NET_DEVICES=eth0`` and MPICH's clique emulation
+   ``UCX_TLS=tcp UCX_NET_DEVICES=eth0``, eager sends at every size
+   (:data:`RNDV_THRESH`: both directions of an exchange at once), and MPICH's clique
+   emulation
    (``MPIR_CVAR_NUM_CLIQUES=H``, ``MPIR_CVAR_CLIQUES_BY_BLOCK=1``: ranks of different
    hosts are not "local", so there is no shared-memory shortcut between them). With
    ``--no-shm``, ``MPIR_CVAR_NOLOCAL=1``: TCP between ranks of one host too (over the
@@ -138,12 +140,24 @@ def _log(msg: str) -> None:
     sys.stderr.flush()
 
 
+#: Size from which UCX switches from eager sends to its rendezvous protocol on the emulated
+#: TCP links: never. In a rendezvous by ``put`` (which UCX's default picks for some
+#: pairs of hosts) the receiver's ready-to-receive reply waits behind its own outgoing
+#: data on the same connection, so an exchange in both directions at once (recursive
+#: doubling, gTop-k) runs one direction after the other: 4 MB each way between two of 4
+#: hosts at 100 Mbit/s took 670 ms in some pairings and 350 ms in others (line time 320
+#: ms). Eager sends need no reply from the receiver; every pairing then took 346-361 ms,
+#: what a full-duplex link gives. A value the caller sets is kept.
+RNDV_THRESH = "inf"
+
+
 def job_env(hosts: int, per_host: int, rate: str | None, delay: float, no_shm: bool,
             rundir: str, schedule: str | None,
             base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of ``mpiexec`` and so of every rank."""
     env = dict(os.environ if base is None else base)
     env.update(UCX_TLS="tcp", UCX_NET_DEVICES="eth0")
+    env.setdefault("UCX_RNDV_THRESH", RNDV_THRESH)
     if no_shm:
         env["MPIR_CVAR_NOLOCAL"] = "1"
     else:
