@@ -24,9 +24,9 @@ The steps of a wall-clock run:
    placement). MPI traffic between hosts goes over TCP on ``eth0``:
    ``UCX_TLS=tcp UCX_NET_DEVICES=eth0``, eager sends at every size
    (:data:`RNDV_THRESH`: both directions of an exchange at once), and MPICH's clique
-   emulation
-   (``MPIR_CVAR_NUM_CLIQUES=H``, ``MPIR_CVAR_CLIQUES_BY_BLOCK=1``: ranks of different
-   hosts are not "local", so there is no shared-memory shortcut between them). With
+   emulation (``MPIR_CVAR_NUM_CLIQUES=H``, ``MPIR_CVAR_CLIQUES_BY_BLOCK=1``: ranks of
+   different hosts are not "local", so there is no shared-memory shortcut between
+   them). With
    ``--no-shm``, ``MPIR_CVAR_NOLOCAL=1``: TCP between ranks of one host too (over the
    host's loopback, which is not shaped, as on a real machine).
 4. Latency: this kernel has no ``netem``; ``DELAY`` is injected by mpicomm's own
@@ -141,13 +141,13 @@ def _log(msg: str) -> None:
 
 
 #: Size from which UCX switches from eager sends to its rendezvous protocol on the emulated
-#: TCP links: never. In a rendezvous by ``put`` (which UCX's default picks for some
-#: pairs of hosts) the receiver's ready-to-receive reply waits behind its own outgoing
-#: data on the same connection, so an exchange in both directions at once (recursive
-#: doubling, gTop-k) runs one direction after the other: 4 MB each way between two of 4
-#: hosts at 100 Mbit/s took 670 ms in some pairings and 350 ms in others (line time 320
-#: ms). Eager sends need no reply from the receiver; every pairing then took 346-361 ms,
-#: what a full-duplex link gives. A value the caller sets is kept.
+#: TCP links: never. With UCX's default rendezvous over TCP (and with ``put_zcopy``
+#: forced) an exchange in both directions at once between two of 4 hosts sometimes ran
+#: one direction after the other: 4 MB each way at 100 Mbit/s took either about 350 or
+#: about 670 ms (line time 320 ms), so one of the two rounds of a recursive doubling ran
+#: at half speed. Eager sends need no reply from the receiver before the data moves;
+#: every pairing then took 346-361 ms, what a full-duplex link gives (``get_zcopy`` did
+#: too). A value the caller sets is kept.
 RNDV_THRESH = "inf"
 
 
