@@ -29,6 +29,12 @@ does. The virtual links charge the TCP/IP/Ethernet headers (``--framing tcp``, t
 :mod:`mpicomm.emulate.vnet`), as tc counts them against the emulated links' rate;
 ``--framing none`` charges the payload only. ``--reuse-wall`` keeps the wall-clock files
 of an earlier run and redoes only the virtual half (which needs no quiet machine).
+``--wall-only`` measures the cost table and the wall-clock half and stops: on a borrowed
+quiet machine that is all that needs its time (at 100 Mbit/s, d = 1e6 and 1e7 and 5
+repeats, each case run 7 times with the warm-ups: about 4 minutes at 2 hosts and 4.5 at
+4, most of it the ping-pong's six one-way trips of 40 MB; the virtual half adds under a
+minute); bring back the output folder and finish with ``--reuse-wall``, which keeps that
+machine's core count and loads.
 
 It writes ``vclock-wall-comparison.json``: per host count, case and size the wall
 time, the virtual time (whole cost table), their relative difference and whether it is
@@ -108,12 +114,17 @@ def main() -> int:
                     help="headers per frame on the virtual links (tcp, none, PAYLOAD,HEADER)")
     ap.add_argument("--reuse-wall", action="store_true",
                     help="keep vclock-wall-H.json from an earlier run (virtual half only)")
+    ap.add_argument("--wall-only", action="store_true",
+                    help="the cost table and the wall-clock half only (finish elsewhere "
+                         "with --reuse-wall)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
     rate, _, delay = args.net.partition(":")
     if not rate or not delay:
         ap.error(f"--net wants RATE:DELAY, got {args.net!r}")
+    if args.reuse_wall and args.wall_only:
+        ap.error("--reuse-wall and --wall-only exclude each other")
     hosts = [int(h) for h in args.hosts.split(",") if h.strip()]
     sys.path.insert(0, str(ROOT))
     from mpicomm.emulate.netns import MIN_BURST
@@ -129,8 +140,10 @@ def main() -> int:
              args.timeout)
     cores = os.cpu_count() or 1
     earlier = out / "vclock-wall-comparison.json"
-    earlier_hosts = (json.loads(earlier.read_text()).get("per_hosts", {})
-                     if args.reuse_wall and earlier.exists() else {})
+    earlier_summary = (json.loads(earlier.read_text())
+                       if args.reuse_wall and earlier.exists() else {})
+    earlier_hosts = earlier_summary.get("per_hosts", {})
+    cores = earlier_summary.get("cores", cores)  # the machine that ran the wall half
     summary: dict = {"net": args.net, "burst_bytes": burst, "sizes": args.sizes,
                      "framing": args.framing, "queue": args.queue,
                      "tolerance": args.tolerance,
@@ -153,12 +166,16 @@ def main() -> int:
                   "--repeats", str(args.repeats), "--json", str(wall_path)],
                  args.timeout + 60)
             after = os.getloadavg()
+        quiet = h <= cores and max(before[0], after[0]) <= h + QUIET_MARGIN
+        if args.wall_only:
+            summary["per_hosts"][h] = {"loadavg_before": before, "loadavg_after": after,
+                                       "quiet": quiet, "rows": [], "all_within": None}
+            continue
         _run([mpiexec, "-n", str(h), *bench, "vclock", "--nets", args.net, "--framing",
               args.framing, "--sizes", args.sizes, "--costs", str(costs), "--json",
               str(virt_path)], args.timeout)
         rows = compare(json.loads(wall_path.read_text())["results"],
                        json.loads(virt_path.read_text())["results"], args.tolerance)
-        quiet = h <= cores and max(before[0], after[0]) <= h + QUIET_MARGIN
         summary["per_hosts"][h] = {"loadavg_before": before, "loadavg_after": after,
                                    "quiet": quiet, "rows": rows,
                                    "all_within": all(r["within"] for r in rows)}

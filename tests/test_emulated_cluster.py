@@ -326,3 +326,39 @@ def test_failed_setup_removes_what_it_made(monkeypatch: pytest.MonkeyPatch) -> N
     assert [n for n in netns.leftover_namespaces(os.getpid()) if "-probe" not in n] == []
     out = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
     assert f"me{os.getpid()}" not in out
+
+
+@needs_netns
+def test_vclock_wall_split_into_wall_half_and_virtual_half(tmp_path: Path) -> None:
+    """``benchmarks/vclock_wall.py --wall-only`` writes the wall-clock half and the loads
+    (what a borrowed quiet machine must run); ``--reuse-wall`` later adds the virtual half
+    from the same cost table and keeps the first machine's core count and quiet flag."""
+    import shutil
+
+    script = str(ROOT / "benchmarks" / "vclock_wall.py")
+    shutil.copy(ROOT / "benchmarks" / "results" / "vclock-wall" / "vclock-costs.json",
+                tmp_path / "vclock-costs.json")
+    common = ["--hosts", "2", "--net", "1gbit:100us", "--sizes", "1e3", "--repeats", "1",
+              "--out", str(tmp_path), "--timeout", "120"]
+    env = clean_env()
+    wall = subprocess.run([sys.executable, script, "--wall-only", *common], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert wall.returncode == 0, wall.stdout + wall.stderr
+    first = json.loads((tmp_path / "vclock-wall-comparison.json").read_text())
+    assert first["per_hosts"]["2"]["rows"] == [] and first["per_hosts"]["2"]["all_within"] is None
+    assert (tmp_path / "vclock-wall-2.json").exists()
+    assert not (tmp_path / "vclock-virtual-2.json").exists()
+    first["cores"] = 999  # as if the wall half ran on another machine
+    (tmp_path / "vclock-wall-comparison.json").write_text(json.dumps(first))
+    virt = subprocess.run([sys.executable, script, "--reuse-wall", *common], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert virt.returncode == 0, virt.stdout + virt.stderr
+    done = json.loads((tmp_path / "vclock-wall-comparison.json").read_text())
+    assert done["cores"] == 999
+    assert done["per_hosts"]["2"]["loadavg_before"] == first["per_hosts"]["2"]["loadavg_before"]
+    cases = {r["case"] for r in done["per_hosts"]["2"]["rows"]}
+    assert {"pingpong", "allreduce-ring", "gtopk"} <= cases
+    assert all(r["wall_s"] > 0 and r["virtual_s"] > 0 for r in done["per_hosts"]["2"]["rows"])
+    both = subprocess.run([sys.executable, script, "--wall-only", "--reuse-wall", *common],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "exclude each other" in both.stderr
