@@ -20,12 +20,16 @@ Mbit/s) lets a shorter message through faster than the rate (gTop-k's 80 KB at d
 and density 0.01 in about 1 ms instead of 6.4 ms), which neither a real NIC nor the
 virtual clock's link (every byte at the rate) does.
 
-The emulated links queue at most ``--queue`` (default 5 ms, the target of Linux's
-default ``fq_codel``) instead of the emulator's 50 ms: where both directions of a link
-are busy (allgather, allreduce, gTop-k between two hosts) each side's acknowledgements
-wait behind its own data, and a long queue holds back the other side's TCP window
-(:mod:`mpicomm.emulate.netns`), which neither a short-queued NIC nor the virtual link
-does. The virtual links charge the TCP/IP/Ethernet headers (``--framing tcp``, the default;
+The emulated links send small packets (acknowledgements) ahead of the data
+(``emulated-cluster --ack-priority``: ``htb`` with a small-packet class,
+:meth:`mpicomm.emulate.netns.Cluster._shape_ack_first`) and queue at most ``--queue`` of
+data (default 20 ms). With one ``tbf`` queue, where both directions of a link are busy
+(allgather, allreduce, gTop-k between two hosts) each side's acknowledgements wait behind
+its own data and a long queue holds back the other side's TCP window, while a short one
+(5 ms) drops the bursts of messages of tens of kilobytes; neither happens on a host whose
+queues are per flow (Linux's default ``fq_codel``) nor on the virtual link.
+``--no-ack-priority`` shapes with one ``tbf`` queue (use ``--queue 5ms`` then). The
+virtual links charge the TCP/IP/Ethernet headers (``--framing tcp``, the default;
 :mod:`mpicomm.emulate.vnet`), as tc counts them against the emulated links' rate;
 ``--framing none`` charges the payload only. ``--reuse-wall`` keeps the wall-clock files
 of an earlier run and redoes only the virtual half (which needs no quiet machine).
@@ -108,8 +112,11 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=None,
                     help="tc token bucket of the emulated links in bytes (default: two "
                          "frames, 3028)")
-    ap.add_argument("--queue", default="5ms",
-                    help="tc queue allowance of the emulated links (default 5ms)")
+    ap.add_argument("--queue", default="20ms",
+                    help="tc queue allowance of the emulated links (default 20ms)")
+    ap.add_argument("--ack-priority", action=argparse.BooleanOptionalAction, default=True,
+                    help="emulated links shaped by htb with small packets first "
+                         "(emulated-cluster --ack-priority; the default)")
     ap.add_argument("--framing", default="tcp",
                     help="headers per frame on the virtual links (tcp, none, PAYLOAD,HEADER)")
     ap.add_argument("--reuse-wall", action="store_true",
@@ -146,6 +153,7 @@ def main() -> int:
     cores = earlier_summary.get("cores", cores)  # the machine that ran the wall half
     summary: dict = {"net": args.net, "burst_bytes": burst, "sizes": args.sizes,
                      "framing": args.framing, "queue": args.queue,
+                     "shaping": "htb-ack-first" if args.ack_priority else "tbf",
                      "tolerance": args.tolerance,
                      "cores": cores, "costs": str(costs.relative_to(ROOT))
                      if costs.is_relative_to(ROOT) else str(costs), "per_hosts": {}}
@@ -161,7 +169,7 @@ def main() -> int:
             before = os.getloadavg()
             _run([str(ROOT / "launchers" / "emulated-cluster"), "--hosts", str(h), "--rate",
                   rate, "--delay", delay, "--burst", str(burst), "--queue", args.queue,
-                  "--timeout",
+                  *(["--ack-priority"] if args.ack_priority else []), "--timeout",
                   str(int(args.timeout)), "--", *bench, "vclock", "--sizes", args.sizes,
                   "--repeats", str(args.repeats), "--json", str(wall_path)],
                  args.timeout + 60)

@@ -75,6 +75,8 @@ variable                            meaning
                                     reports;
 ``MPICOMM_EMU_QUEUE``               the links' queue allowance in seconds (``--queue``), for
                                     reports;
+``MPICOMM_EMU_SHAPING``             ``tbf``, or ``htb-ack-first`` with ``--ack-priority``, for
+                                    reports;
 ``MPICOMM_EMU_DELAY``               injected one-way delay in seconds between hosts;
 ``MPICOMM_EMU_DELAY_FILE``          file with the current delay, rewritten by ``--schedule``;
 ``MPICOMM_EMU_SCHEDULE``            the schedule file, for reports;

@@ -159,11 +159,39 @@ def test_job_env_and_wrapper() -> None:
      "--framing is for --clock virtual"),
     (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--framing", "jumbo", "--",
       "true"], "MPICOMM_VIRTUAL_FRAMING='jumbo'"),
+    (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--ack-priority", "--",
+      "true"], "--ack-priority"),
 ])
 def test_bad_arguments_exit_2_before_creating_anything(argv: list[str], message: str,
                                                        capsys: pytest.CaptureFixture) -> None:
     assert run.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_ack_first_shaping_commands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--ack-priority``: htb at the rate with a small-packet class ahead of a byte FIFO of
+    the queue's length (at least two 64 KiB segments); a rate change changes the classes
+    and the FIFO, and the plain shaping stays one tbf."""
+    calls: list[list[str]] = []
+    monkeypatch.setattr(netns, "_run", lambda argv, check=True: calls.append(list(argv)))
+    cluster = netns.Cluster(2, None, 3028, 0.02, ack_priority=True)
+    cluster._shape("add", "ns", "eth0", 1e8)
+    text = [" ".join(c) for c in calls]
+    assert text[0] == "tc -n ns qdisc add dev eth0 root handle 1: htb default 20"
+    assert "classid 1:1 htb rate 100000000bit ceil 100000000bit burst 3028" in text[1]
+    assert "classid 1:10 htb rate 5000000bit" in text[2] and text[2].endswith("prio 0")
+    assert "classid 1:20 htb rate 95000000bit" in text[3] and text[3].endswith("prio 1")
+    assert text[5].endswith("parent 1:20 handle 20: bfifo limit 250000")  # 20 ms at 100 Mbit/s
+    assert "u32 match u16 0x0000 0xff80 at 2 flowid 1:10" in text[6]  # IP length < 128
+    calls.clear()
+    cluster._shape("change", "ns", "eth0", 1e7)
+    text = [" ".join(c) for c in calls]
+    assert all(t.startswith(("tc -n ns class change", "tc -n ns qdisc change")) for t in text)
+    assert text[-1].endswith(f"bfifo limit {netns.MIN_DATA_QUEUE}")  # 25 KB raised to 128 KiB
+    calls.clear()
+    netns.Cluster(2, None, 3028, 0.02)._shape("add", "ns", "eth0", 1e8)
+    assert len(calls) == 1 and calls[0][4:8] == ["add", "dev", "eth0", "root"]
+    assert "tbf" in calls[0]
 
 
 # ---------------------------------------------------------------------- injected latency
@@ -238,6 +266,22 @@ def test_pingpong_matches_configured_rate_and_delay(tmp_path: Path) -> None:
     got = json.loads(out.read_text())
     assert got["latency_s"] == pytest.approx(0.050, rel=0.2), got
     assert got["bandwidth_bits"] == pytest.approx(200e6, rel=0.2), got
+
+
+@needs_netns
+def test_ack_first_shaping_keeps_the_rate_and_delay(tmp_path: Path) -> None:
+    """The same verification with ``--ack-priority`` (htb, small packets first)."""
+    out = tmp_path / "pp.json"
+    res = launch("--hosts", "2", "--rate", "200mbit", "--delay", "50ms", "--queue", "20ms",
+                 "--ack-priority", "--timeout", "60", "--", sys.executable, "-m",
+                 "mpicomm.emulate.pingpong", "--bytes", "2000000", "--rounds", "3", "--json",
+                 str(out))
+    assert res.returncode == 0, res.stdout
+    assert "tc htb, small packets first" in res.stdout
+    got = json.loads(out.read_text())
+    assert got["latency_s"] == pytest.approx(0.050, rel=0.2), got
+    assert got["bandwidth_bits"] == pytest.approx(200e6, rel=0.2), got
+    assert "htb" in got["machine"]["network"]["rate_by"], got
 
 
 @needs_netns

@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["library_version", "mpi_flavor", "find_mpiexec", "own_python", "usable_cores",
-           "launcher_env", "machine", "network"]
+           "launcher_env", "machine", "network", "SHAPING_ACK_FIRST"]
+
+#: ``MPICOMM_EMU_SHAPING`` of an emulated cluster run with ``--ack-priority``.
+SHAPING_ACK_FIRST = "htb-ack-first"
 
 
 def library_version() -> str:
@@ -134,7 +137,9 @@ def network() -> dict[str, Any]:
             "rate": os.environ.get("MPICOMM_EMU_RATE", "unshaped"),
             "delay_s": float(os.environ.get("MPICOMM_EMU_DELAY", "0") or 0),
             "schedule": os.environ.get("MPICOMM_EMU_SCHEDULE") or None,
-            "rate_by": "kernel (tc tbf on both ends of each host link)",
+            "rate_by": ("kernel (tc htb on both ends of each host link, small packets "
+                        "first)" if os.environ.get("MPICOMM_EMU_SHAPING") == SHAPING_ACK_FIRST
+                        else "kernel (tc tbf on both ends of each host link)"),
             "burst_bytes": int(os.environ.get("MPICOMM_EMU_BURST", "0") or 0) or None,
             "queue_s": float(os.environ.get("MPICOMM_EMU_QUEUE", "0") or 0) or None,
             "delay_by": "injected in mpicomm's point-to-point layer (Ctx/Wire); "

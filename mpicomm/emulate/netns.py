@@ -28,8 +28,12 @@ each host's acknowledgements of the data it receives wait behind the data it sen
 which holds back the other side's TCP window. With 50 ms of queue a 2 MB exchange at
 100 Mbit/s took 195-199 ms, with 5 ms (the target of Linux's default ``fq_codel``)
 179-182 ms, against 168 ms of line time; a one-way transfer is the same with either.
-``tc qdisc change`` updates the rate while a job runs. This kernel has no ``netem``, so
-latency is not added here (see :mod:`mpicomm.emulate.linkdelay`).
+``Cluster(..., ack_priority=True)`` (``emulated-cluster --ack-priority``) shapes with
+``htb`` instead and sends small packets (acknowledgements) ahead of the data queue
+(:meth:`Cluster._shape_ack_first`), so a long queue no longer holds back the other side's
+window. ``tc qdisc change`` (``tc class change``) updates the rate while a job runs. This
+kernel has no ``netem``, so latency is not added here (see
+:mod:`mpicomm.emulate.linkdelay`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
                "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 #: tbf's queue allowance (its ``latency``) in seconds: how long a packet may wait.
 QUEUE_S = 0.05
+#: Smallest data queue of the acknowledgement-first shaping, bytes: two 64 KiB segments.
+MIN_DATA_QUEUE = 2 * 65536
+#: Guaranteed share of the rate for the small-packet class of the acknowledgement-first
+#: shaping; either class may borrow up to the whole rate.
+ACK_SHARE = 0.05
 
 
 class NetnsUnavailable(RuntimeError):
@@ -177,6 +186,9 @@ class Cluster:
     rate_bits: float | None
     burst: int | None = None
     queue: float = QUEUE_S
+    #: Shape with ``htb`` and send small packets (pure acknowledgements) ahead of data
+    #: instead of one ``tbf`` queue; see :meth:`_shape_ack_first`.
+    ack_priority: bool = False
     owner: int = field(default_factory=os.getpid)
     created: list[str] = field(default_factory=list)
 
@@ -234,7 +246,7 @@ class Cluster:
                 _run([*ip_sw, "link", "set", b, "up"])
                 if self.rate_bits is not None:
                     for ns, dev in self.links(i):
-                        self._tbf("add", ns, dev, self.rate_bits)
+                        self._shape("add", ns, dev, self.rate_bits)
         except BaseException:
             self.teardown()
             raise
@@ -243,10 +255,61 @@ class Cluster:
         """(namespace, device) of both shaped ends of host ``i``'s link."""
         return [(self.host(i), "eth0"), (self.switch, self._veth(i, "b"))]
 
+    def _shape(self, verb: str, ns: str, dev: str, rate_bits: float) -> None:
+        """Shape one end of a link (``verb``: ``add``, or ``change`` for a new rate)."""
+        if self.ack_priority:
+            self._shape_ack_first(verb, ns, dev, rate_bits)
+        else:
+            self._tbf(verb, ns, dev, rate_bits)
+
     def _tbf(self, verb: str, ns: str, dev: str, rate_bits: float) -> None:
         _run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf",
               "rate", _tc_rate(rate_bits), "burst", str(burst_bytes(rate_bits, self.burst)),
               "latency", _tc_time(self.queue)])
+
+    def queue_bytes(self, rate_bits: float) -> int:
+        """The data queue of :meth:`_shape_ack_first` in bytes: ``queue`` at the rate, at
+        least :data:`MIN_DATA_QUEUE` (two offloaded 64 KiB segments, which a shorter
+        byte queue would drop every time)."""
+        return max(MIN_DATA_QUEUE, int(self.queue * rate_bits / 8))
+
+    def _shape_ack_first(self, verb: str, ns: str, dev: str, rate_bits: float) -> None:
+        """``htb`` at ``rate_bits`` with two classes that share it: packets of fewer than
+        128 IP bytes (acknowledgements, small control messages; an ``u32`` filter on the
+        IP total length) go first, everything else waits in a byte FIFO of
+        :meth:`queue_bytes`. A host's own acknowledgements then never queue behind the
+        data it sends, as with Linux's default ``fq_codel``, which keeps each flow in
+        its own queue (not available on this kernel). With one ``tbf`` queue, an
+        exchange in both directions at once delays each side's acknowledgements by the
+        queue's length, which throttles the other side's TCP window; a short queue
+        avoids that but drops bursts. Measured at 100 Mbit/s, 4 hosts, 20 ms queue,
+        eager sends: two rounds of 40 MB each way (partners r XOR 1, then r XOR 2) 1.06x
+        the line time, against 1.36x with one ``tbf`` queue of 20 ms; 80 KB each way
+        1.03x, against 1.67x with ``tbf`` and 5 ms."""
+        tc = ["tc", "-n", ns]
+        if verb == "add":
+            _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
+                  "default", "20"])
+        burst = str(burst_bytes(rate_bits, self.burst))
+        for classid, parent, share, prio in (("1:1", "1:", 1.0, None),
+                                             ("1:10", "1:1", ACK_SHARE, "0"),
+                                             ("1:20", "1:1", 1 - ACK_SHARE, "1")):
+            cmd = [*tc, "class", verb, "dev", dev, "parent", parent, "classid", classid,
+                   "htb", "rate", _tc_rate(rate_bits * share), "ceil", _tc_rate(rate_bits),
+                   "burst", burst, "cburst", burst, "quantum", "1514"]
+            _run(cmd + (["prio", prio] if prio is not None else []))
+        limit = ["bfifo", "limit", str(self.queue_bytes(rate_bits))]
+        if verb == "add":
+            _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:",
+                  "pfifo", "limit", "1000"])
+            _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:",
+                  *limit])
+            _run([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip",
+                  "prio", "1", "u32", "match", "u16", "0x0000", "0xff80", "at", "2",
+                  "flowid", "1:10"])
+        else:
+            _run([*tc, "qdisc", "change", "dev", dev, "parent", "1:20", "handle", "20:",
+                  *limit])
 
     def set_rate(self, rate_bits: float) -> None:
         """Change every link's rate now (``tc qdisc change``; adds the qdisc when the run
@@ -254,7 +317,7 @@ class Cluster:
         verb = "add" if self.rate_bits is None else "change"
         for i in range(self.hosts):
             for ns, dev in self.links(i):
-                self._tbf(verb, ns, dev, rate_bits)
+                self._shape(verb, ns, dev, rate_bits)
         self.rate_bits = rate_bits
 
     # teardown

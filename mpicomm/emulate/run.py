@@ -1,8 +1,8 @@
 """The emulated cluster's command line (``launchers/emulated-cluster``).
 
 ``emulated-cluster --hosts H [--ranks-per-host R] [--rate RATE] [--delay DELAY]
-[--schedule FILE] [--burst BYTES] [--queue DELAY] [--timeout SECONDS] [--no-shm]
-[--clock wall|virtual] [--framing F] -- command args...``
+[--schedule FILE] [--burst BYTES] [--queue DELAY] [--ack-priority] [--timeout SECONDS]
+[--no-shm] [--clock wall|virtual] [--framing F] -- command args...``
 
 With ``--clock virtual`` nothing is shaped and no namespace is made (no root needed):
 the command runs under ``mpiexec -n H*R`` with the virtual clock's platform variables
@@ -63,6 +63,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from . import linkdelay
+from .mpienv import SHAPING_ACK_FIRST
 from .netns import (
     QUEUE_S,
     Cluster,
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--queue", default=None,
                     help="tc queue allowance of every shaped link, a delay such as 5ms "
                          "(default 50ms): how long a packet may wait behind others")
+    ap.add_argument("--ack-priority", action="store_true",
+                    help="shape with htb and send small packets (acknowledgements) ahead "
+                         "of data, as a host's per-flow queues do; use with --queue 20ms")
     ap.add_argument("--timeout", type=float, default=None,
                     help="kill the job after SECONDS (exit status 124)")
     ap.add_argument("--no-shm", action="store_true",
@@ -197,6 +201,8 @@ def _check(args: argparse.Namespace) -> tuple[list[str], float | None, float, li
         if args.clock == "virtual":
             raise ValueError("--queue sizes the tc queue; the virtual clock's links have none")
         Cluster.check_queue(_queue_s(args))
+    if args.ack_priority and args.clock == "virtual":
+        raise ValueError("--ack-priority shapes tc queues; the virtual clock's links have none")
     if args.clock == "wall" and _framed(args):
         raise ValueError("--framing is for --clock virtual; on the wall clock tc counts the "
                          "real headers")
@@ -311,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
                                                     signal.SIGHUP)}
-    cluster = Cluster(args.hosts, rate, args.burst, _queue_s(args))
+    cluster = Cluster(args.hosts, rate, args.burst, _queue_s(args),
+                      ack_priority=args.ack_priority)
     rundir: str | None = None
     proc: subprocess.Popen | None = None
     applier: Applier | None = None
@@ -330,7 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rate is not None:
             env["MPICOMM_EMU_BURST"] = str(burst_bytes(rate, args.burst))
             env["MPICOMM_EMU_QUEUE"] = repr(cluster.queue)
-        shaped = (f"{args.rate} (tc tbf, bucket {burst_bytes(rate, args.burst)} B, queue "
+            env["MPICOMM_EMU_SHAPING"] = SHAPING_ACK_FIRST if args.ack_priority else "tbf"
+        qdisc = "htb, small packets first" if args.ack_priority else "tbf"
+        shaped = (f"{args.rate} (tc {qdisc}, bucket {burst_bytes(rate, args.burst)} B, queue "
                   f"{cluster.queue * 1e3:g} ms)"
                   if rate is not None else "unshaped")
         _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s), rate {shaped}, "
