@@ -134,6 +134,7 @@ def main() -> int:
         ap.error("--reuse-wall and --wall-only exclude each other")
     hosts = [int(h) for h in args.hosts.split(",") if h.strip()]
     sys.path.insert(0, str(ROOT))
+    from mpicomm.emulate.mpienv import shaping_name
     from mpicomm.emulate.netns import MIN_BURST
 
     burst = MIN_BURST if args.burst is None else args.burst
@@ -153,7 +154,7 @@ def main() -> int:
     cores = earlier_summary.get("cores", cores)  # the machine that ran the wall half
     summary: dict = {"net": args.net, "burst_bytes": burst, "sizes": args.sizes,
                      "framing": args.framing, "queue": args.queue,
-                     "shaping": "htb-ack-first" if args.ack_priority else "tbf",
+                     "shaping": shaping_name(args.ack_priority),
                      "tolerance": args.tolerance,
                      "cores": cores, "costs": str(costs.relative_to(ROOT))
                      if costs.is_relative_to(ROOT) else str(costs), "per_hosts": {}}

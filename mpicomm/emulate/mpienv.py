@@ -27,10 +27,16 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["library_version", "mpi_flavor", "find_mpiexec", "own_python", "usable_cores",
-           "launcher_env", "machine", "network", "SHAPING_ACK_FIRST"]
+           "launcher_env", "machine", "network", "SHAPING_ACK_FIRST", "shaping_name"]
 
 #: ``MPICOMM_EMU_SHAPING`` of an emulated cluster run with ``--ack-priority``.
 SHAPING_ACK_FIRST = "htb-ack-first"
+
+
+def shaping_name(ack_priority: bool) -> str:
+    """``MPICOMM_EMU_SHAPING`` of an emulated cluster: ``htb-ack-first`` with
+    ``--ack-priority``, else ``tbf``."""
+    return SHAPING_ACK_FIRST if ack_priority else "tbf"
 
 
 def library_version() -> str:

@@ -26,9 +26,8 @@ The steps of a wall-clock run:
    (:data:`RNDV_THRESH`: both directions of an exchange at once), and MPICH's clique
    emulation (``MPIR_CVAR_NUM_CLIQUES=H``, ``MPIR_CVAR_CLIQUES_BY_BLOCK=1``: ranks of
    different hosts are not "local", so there is no shared-memory shortcut between
-   them). With
-   ``--no-shm``, ``MPIR_CVAR_NOLOCAL=1``: TCP between ranks of one host too (over the
-   host's loopback, which is not shaped, as on a real machine).
+   them). With ``--no-shm``, ``MPIR_CVAR_NOLOCAL=1``: TCP between ranks of one host too
+   (over the host's loopback, which is not shaped, as on a real machine).
 4. Latency: this kernel has no ``netem``; ``DELAY`` is injected by mpicomm's own
    point-to-point layer (:mod:`mpicomm.emulate.linkdelay`) which the wrapper's environment
    switches on. The MPI library's own collectives bypass it.
@@ -63,7 +62,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from . import linkdelay
-from .mpienv import SHAPING_ACK_FIRST
+from .mpienv import shaping_name
 from .netns import (
     QUEUE_S,
     Cluster,
@@ -337,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rate is not None:
             env["MPICOMM_EMU_BURST"] = str(burst_bytes(rate, args.burst))
             env["MPICOMM_EMU_QUEUE"] = repr(cluster.queue)
-            env["MPICOMM_EMU_SHAPING"] = SHAPING_ACK_FIRST if args.ack_priority else "tbf"
+            env["MPICOMM_EMU_SHAPING"] = shaping_name(args.ack_priority)
         qdisc = "htb, small packets first" if args.ack_priority else "tbf"
         shaped = (f"{args.rate} (tc {qdisc}, bucket {burst_bytes(rate, args.burst)} B, queue "
                   f"{cluster.queue * 1e3:g} ms)"
