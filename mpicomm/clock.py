@@ -30,8 +30,10 @@ the metrics and the benchmarks read. Two modes, chosen by ``MPICOMM_CLOCK``:
     ``MPICOMM_VIRTUAL_SCHEDULE``; :func:`mpicomm.emulate.vnet.platform_from_env`) is a
     virtual cluster of ``P/R`` hosts; ``launchers/emulated-cluster --clock virtual``
     sets them from its own options. The clock starts when the world communicator is
-    created (:func:`mpicomm.init`, collective; a bad platform raises one ``ValueError``
-    on every rank there); its origin is 0.
+    created (:func:`mpicomm.init` or the first collective, collective; a bad platform
+    raises one ``ValueError`` on every rank there); its origin is 0. Before that,
+    :func:`now` reads the origin plus what :func:`compute` declared, and the clock
+    starts from there (so ``t0 = now()`` may come first).
 
 Threads: a thread other than the one that started the clock gets its own virtual time,
 starting at the main thread's; work handed over through :class:`Queue` carries the
@@ -161,6 +163,9 @@ class _Virtual:
 
 _virtual: _Virtual | None = None
 _mode: str | None = None
+#: virtual seconds declared by :func:`compute` before the clock started (the process's
+#: main thread starts from them)
+_before_start = 0.0
 _start_lock = threading.Lock()
 
 
@@ -194,10 +199,7 @@ def now() -> float:
     """Seconds on this rank's (this thread's) clock: wall or virtual."""
     v = _virtual
     if v is None:
-        if mode() == "virtual":
-            raise RuntimeError("virtual clock: not started yet; call mpicomm.init() on "
-                               "every rank first")
-        return time.perf_counter()
+        return _before_start if mode() == "virtual" else time.perf_counter()
     return v.actor().t
 
 
@@ -212,13 +214,16 @@ def charge(op: str, units: float = 1.0) -> None:
 
 
 def compute(seconds: float) -> None:
-    """Charge ``seconds`` of compute declared by the caller (no-op on the wall clock)."""
-    v = _virtual
-    if v is None:
-        return
+    """Charge ``seconds`` of compute declared by the caller (no-op on the wall clock;
+    before the virtual clock starts, the time it starts from)."""
+    global _before_start
     if not seconds >= 0:
         raise ValueError(f"seconds must be >= 0, got {seconds}")
-    v.actor().advance(float(seconds))
+    v = _virtual
+    if v is not None:
+        v.actor().advance(float(seconds))
+    elif mode() == "virtual":
+        _before_start += float(seconds)
 
 
 def sleep(seconds: float) -> None:
@@ -472,7 +477,7 @@ def _stall_from_env() -> float | None:
 
 def _begin(world: MPI.Intracomm, plat: Platform, table: CostTable | None,
            stall_s: float | None) -> None:
-    global _virtual
+    global _virtual, _before_start
     if world.Get_size() != MPI.COMM_WORLD.Get_size():
         raise RuntimeError("virtual clock: start it on the world communicator")
     rank = world.Get_rank()
@@ -481,7 +486,8 @@ def _begin(world: MPI.Intracomm, plat: Platform, table: CostTable | None,
     path = world.bcast(path, root=0)
     if engine is None:
         engine = vengine.Engine(path, plat, create=False)
-    engine.open_actor(rank, 0, 0.0)
+    origin, _before_start = _before_start, 0.0
+    engine.open_actor(rank, 0, origin)
     world.Barrier()
     if rank == 0:
         os.unlink(path)
@@ -490,7 +496,7 @@ def _begin(world: MPI.Intracomm, plat: Platform, table: CostTable | None,
         table.info["source"] = "measured at start"
     v = _Virtual(plat, engine, rank, table)
     v.stall_s = stall_s
-    main = _Actor(engine, rank * engine.T, 0.0)
+    main = _Actor(engine, rank * engine.T, origin)
     v.main = main
     v.local.actor = main
     _virtual = v

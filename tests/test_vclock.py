@@ -4,6 +4,7 @@ virtual-time order, and whole jobs under mpiexec (tests/vclock_jobs.py) at 1, 2,
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import json
@@ -549,6 +550,46 @@ def test_bad_platform_is_one_clear_error_on_every_rank():
                   MPICOMM_CLOCK="virtual", MPICOMM_VIRTUAL_RATE="0")
     assert res.returncode != 0
     assert "MPICOMM_VIRTUAL_RATE='0': a rate must be > 0" in res.output
+
+
+def test_before_the_start_the_clock_reads_the_origin_plus_declared_compute(monkeypatch):
+    monkeypatch.setattr(clock, "_mode", None)
+    monkeypatch.setattr(clock, "_before_start", 0.0)
+    monkeypatch.setenv("MPICOMM_CLOCK", "virtual")
+    assert not clock.started() and clock.now() == 0.0
+    clock.compute(0.25)
+    clock.compute(0.5)
+    assert clock.now() == 0.75
+    with pytest.raises(ValueError, match="seconds must be >= 0"):
+        clock.compute(-1.0)
+    monkeypatch.setattr(clock, "_mode", None)
+
+
+_READ_FIRST = """
+import numpy as np, mpicomm
+from mpi4py import MPI
+from mpicomm import clock
+t0 = clock.now()                      # before any communicator: the origin
+rank = mpicomm.world().rank
+clock.compute(0.25 if rank == 0 else 0.0)
+y = mpicomm.allreduce(np.ones(10**6, dtype=np.float32), algorithm="ring")
+rows = MPI.COMM_WORLD.gather((t0, clock.now(), float(y[0])), root=0)
+if rank == 0:
+    print("T", repr(rows), flush=True)
+"""
+
+
+def test_now_may_come_before_the_first_collective():
+    res = run_job(3, [sys.executable, "-c", _READ_FIRST], timeout=180, MPICOMM_CLOCK="virtual",
+                  MPICOMM_VIRTUAL_RATE="1gbit", MPICOMM_VIRTUAL_DELAY="1ms")
+    assert res.returncode == 0, res.output
+    rows = ast.literal_eval(res.output.split("T ", 1)[1].splitlines()[0])
+    assert len(rows) == 3
+    line = 2 * (2 / 3) * 4e6 * 8 / 1e9      # the ring's 2(P-1)/P·n bytes at 1 Gbit/s
+    for t0, t1, value in rows:
+        assert t0 == 0.0 and value == 3.0
+        # rank 0's compute before the start delays every rank's ring (+ 4 latencies at most)
+        assert 0.25 + line <= t1 <= 0.25 + line + 4e-3
 
 
 @pytest.mark.mpi
