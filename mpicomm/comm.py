@@ -501,7 +501,18 @@ _world_lock = threading.Lock()
 
 
 def world() -> Communicator:
-    """The communicator over ``MPI.COMM_WORLD`` used when a call gets ``comm=None``."""
+    """The communicator over ``MPI.COMM_WORLD`` used when a call gets ``comm=None``.
+
+    Collective the first time. Created here rather than by :func:`init` (a collective
+    called without ``init``), it sets up what ``init`` does by default: the abort handler
+    (``MPICOMM_ABORT_ON_ERROR``) and logging (``MPICOMM_LOG_LEVEL``)."""
+    if _world is None:
+        install_from_env()
+        configure_logging()
+    return _open_world()
+
+
+def _open_world() -> Communicator:
     global _world
     with _world_lock:
         if _world is None:
@@ -527,7 +538,7 @@ def init(
     install_from_env(abort_on_error)
     configure_logging()
     if mpi_comm is None:
-        comm = world()
+        comm = _open_world()
         _run_init_hooks(comm, world=True, check=comm.check if check is None else bool(check))
         if check is not None:
             comm.check = bool(check)

@@ -79,6 +79,28 @@ def test_an_unexpected_error_is_one_traceback_naming_the_ranks_that_failed():
     assert result.seconds < 60, result
 
 
+_IMPLICIT = textwrap.dedent("""
+    import time, numpy as np, mpicomm
+    mpicomm.allreduce(np.ones(4))     # no init: the first collective makes the world
+    rank = mpicomm.world().rank
+    if rank == 1:
+        time.sleep(0.3)
+        raise RuntimeError("boom on rank 1")
+    mpicomm.allreduce(np.ones(4))     # the others wait for rank 1
+""")
+
+
+@pytest.mark.parametrize("ranks", [3, 5])
+def test_without_init_a_failure_on_one_rank_still_ends_the_job(ranks):
+    result = run_job(ranks, [sys.executable, "-c", _IMPLICIT], timeout=120)
+    assert result.returncode == 1, result.output
+    out = lines(result.output)
+    assert out[0] == (f"[mpicomm rank 1/{ranks}] uncaught exception; aborting the job "
+                      f"(ranks that failed: 1 of {ranks}):"), result.output
+    assert result.output.count("Traceback") == 1 and out[-1] == "RuntimeError: boom on rank 1"
+    assert result.seconds < 60, result
+
+
 def _alive(marker: str) -> list[int]:
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
