@@ -360,10 +360,9 @@ def install_abort_handler() -> None:
     """
     global _abort_installed, _show_traceback
     with _abort_lock:
-        if _abort_installed:
-            return
         interactive = hasattr(sys, "ps1") or bool(sys.flags.interactive)
-        if interactive and MPI.COMM_WORLD.Get_size() == 1:
+        if _abort_installed or (interactive and MPI.COMM_WORLD.Get_size() == 1):
+            _show_traceback = env_flag("MPICOMM_TRACEBACK", False)
             return
 
         def excepthook(exc_type, exc, tb):

@@ -101,6 +101,16 @@ def test_without_init_a_failure_on_one_rank_still_ends_the_job(ranks):
     assert result.seconds < 60, result
 
 
+@pytest.mark.parametrize("ranks", [3, 5])
+def test_without_init_a_bad_argument_before_any_collective_is_one_message(ranks):
+    script = "from mpicomm import strategies\nstrategies.make('gtopk', density=2)"
+    result = run_job(ranks, [sys.executable, "-c", script], timeout=120)
+    assert result.returncode == EXIT_USAGE, result.output
+    out = lines(result.output)
+    assert out[0] == "python -c: error: density must be in (0, 1], got 2", result.output
+    assert len(out) == 2 and f"(ValueError on all {ranks} ranks" in out[1], out
+
+
 def _alive(marker: str) -> list[int]:
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
