@@ -174,6 +174,24 @@ def test_cyclic_ring_baseline_prices_every_step_across_the_network(hosts, per_ho
     assert cyclic_ring_prediction(n, model) == pytest.approx(want, rel=1e-9)
 
 
+def test_benchmark_predicts_the_emulated_clusters_links_as_configured(monkeypatch):
+    """Under ``launchers/emulated-cluster`` (its ``MPICOMM_EMU_*`` variables) the suite's
+    predictions use the configured rate and delay between hosts, not a fitted or
+    default link."""
+    from mpicomm.bench.hierarchy import model
+
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+    for var in ("MPICOMM_EMU_HOSTS", "MPICOMM_EMU_RATE", "MPICOMM_EMU_DELAY"):
+        monkeypatch.delenv(var, raising=False)
+    assert model(comm).network == cost.CostParams()
+    monkeypatch.setenv("MPICOMM_EMU_HOSTS", "2")
+    monkeypatch.setenv("MPICOMM_EMU_RATE", "1gbit")
+    monkeypatch.setenv("MPICOMM_EMU_DELAY", "0.0001")
+    net = model(comm).network
+    assert (net.alpha, net.beta) == (1e-4, 8e-9)
+    comm.free()
+
+
 def test_report_plots_the_hierarchy_results(tmp_path):
     from mpicomm.bench.report import _plt
     from mpicomm.bench.report_hierarchy import plot_hierarchy

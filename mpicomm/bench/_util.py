@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -11,6 +12,7 @@ from typing import Any
 
 from .. import clock
 from ..abort import UsageError  # noqa: F401  (the suites raise it; see mpicomm.abort)
+from ..collectives.cost import CostParams
 from ..comm import Communicator
 from ..emulate.mpienv import machine  # noqa: F401  (the suites' JSON header)
 
@@ -86,3 +88,19 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def configured_link(params: CostParams) -> CostParams | None:
+    """On the emulated cluster with a shaped rate: ``params`` with the configured link
+    (alpha = the one-way delay, beta = 8 / rate, no compute), else ``None``. The fit of
+    :func:`calibrate.measure` reads a ``tc`` link as faster than its rate when the
+    token bucket lets its messages of up to a few MiB through in bursts, so the bound
+    of the link as configured is the one to judge by there."""
+    from ..emulate.mpienv import network
+    from ..emulate.netns import parse_rate
+
+    net = network()
+    if net["kind"] != "emulated cluster" or net["rate"] == "unshaped":
+        return None
+    return dataclasses.replace(params, alpha=net["delay_s"], beta=8.0 / parse_rate(net["rate"]),
+                               gamma=0.0)

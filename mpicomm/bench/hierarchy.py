@@ -56,7 +56,7 @@ from ..emulate.linkdelay import share_link
 from ..sparse import artopk, gtopk, hierarchical_topk, topk_allgather
 from ..topology import Topology
 from . import _clock
-from ._util import UsageError, machine, positive_floats, print_table, write_json
+from ._util import UsageError, configured_link, machine, positive_floats, print_table, write_json
 from .sparse import gradient
 
 DEFAULT_SIZES = (10_000_000,)
@@ -113,11 +113,14 @@ def measure(fn: Callable[[], Any], comm: Communicator, repeats: int,
 def model(comm: Communicator) -> cost.HostCosts:
     """The two link classes of ``comm``'s layout. On the virtual clock the platform's:
     ``alpha = delay``, ``beta = 1/rate`` between hosts, the shared-memory link inside
-    them, ``gamma`` the cost table's reduction per byte; otherwise the calibrated (or
-    default) ones, see :func:`mpicomm.collectives.cost.host_costs`."""
+    them, ``gamma`` the cost table's reduction per byte; on the emulated cluster its
+    configured rate and delay between hosts (:func:`~._util.configured_link`);
+    otherwise the calibrated (or default) ones, see
+    :func:`mpicomm.collectives.cost.host_costs`."""
     virtual, table = clock.platform(), clock.cost_table()
-    if virtual is None:
-        return cost.host_costs(comm)
+    if virtual is None:   # on the emulated cluster, its links as configured
+        base = comm.resources.get("cost_params") or cost.CostParams()
+        return cost.host_costs(comm, configured_link(base))
     gamma = cost.CostParams().gamma
     if table is not None and "reduce" in table.ops:
         gamma = table.ops["reduce"].per_unit

@@ -18,7 +18,7 @@ ranks, W = N - S workers, for every S in ``--servers`` below N).
    ``n``; no compute), with ``ps/bound``. Target: ``ps/bound <= 1.5`` at 1-16 MB. On the
    emulated cluster with a shaped rate the rows also hold ``link_bound_ms``, the same
    bound for the link as configured (alpha = its one-way delay, beta = 8 / rate:
-   :func:`configured_link`), and ``ps/link_bound``, which the target then reads.
+   :func:`~._util.configured_link`), and ``ps/link_bound``, which the target then reads.
    Alpha and beta are those of the measured link (:func:`calibrate.measure`: a ping-pong
    of 8 B to 4 MiB between two ranks, blocking sends from preallocated buffers; on one
    host the shared-memory link), the same as the ring's prediction uses; they are in
@@ -90,14 +90,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .. import clock
 from ..comm import Communicator, init
 from . import _clock
-from ._util import UsageError, machine, median_seconds, print_table, write_json
+from ._util import UsageError, configured_link, machine, median_seconds, print_table, write_json
 from .harness import default_threads
 from .straggler import (
     StragglerPause,
@@ -110,9 +110,6 @@ from .straggler import (
     parse_target,
     reach,
 )
-
-if TYPE_CHECKING:
-    from ..collectives.cost import CostParams
 
 SECTIONS = ("comm", "straggler", "accuracy", "pull", "convergence")
 
@@ -160,7 +157,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", default="0",
                         help="convergence: comma-separated run seeds (medians over them)")
     _clock.add_arguments(parser)
-
 
 
 # ---------------------------------------------------------------------- helpers
@@ -271,23 +267,6 @@ def bench_comm(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
     return rows
 
 
-def configured_link(params: CostParams) -> CostParams | None:
-    """On the emulated cluster with a shaped rate: ``params`` with the configured link
-    (alpha = the one-way delay, beta = 8 / rate, no compute), else ``None``. The fit of
-    :func:`calibrate.measure` reads a ``tc`` link as faster than its rate when the
-    token bucket lets its messages of up to a few MiB through in bursts, so the bound
-    of the link as configured is the one to judge by there."""
-    from ..emulate.mpienv import network
-    from ..emulate.netns import parse_rate
-
-    net = network()
-    if net["kind"] != "emulated cluster" or net["rate"] == "unshaped":
-        return None
-    return dataclasses.replace(params, alpha=net["delay_s"], beta=8.0 / parse_rate(net["rate"]),
-                               gamma=0.0)
-
-
-
 # ---------------------------------------------------------------------- 4. compressed pulls
 def _compressor(name: str | None) -> Any:
     """A compressor by name, sparsifiers at density 0.01 (``None``: dense)."""
@@ -335,7 +314,6 @@ def bench_pull(args: argparse.Namespace, comm: Communicator) -> list[dict[str, A
                            "server_cpu_ms_per_step", "worker_ms_per_step",
                            "pulled_B_per_worker_step"])
     return rows
-
 
 
 # ---------------------------------------------------------------------- 2. straggler
