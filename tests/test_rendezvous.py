@@ -24,6 +24,8 @@ import mpicomm
 from mpicomm.torch import process_group, rendezvous
 from mpicomm.torch.rendezvous import STORE_PREFIX, loopback_devices, rendezvous_store
 
+from .launch import run_job
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
 
@@ -164,41 +166,52 @@ def test_file_store_opens_no_socket_and_is_private(comm: mpicomm.Communicator):
     assert store.get(f"rank{(comm.rank + 1) % comm.size}") == \
         str((comm.rank + 1) % comm.size).encode()
     assert own_listeners() - before == set()
-    path = comm.bcast_object(getattr(store, "path", None))
-    if path is not None:
-        directory = os.path.dirname(path)
-        assert os.path.basename(directory).startswith(STORE_PREFIX)
-        assert os.stat(directory).st_mode & 0o077 == 0
+    path = comm.bcast_object(store.path)
+    assert os.path.basename(path).startswith(STORE_PREFIX)
+    assert os.stat(path).st_mode & 0o077 == 0
     comm.barrier()
     del store
 
 
 @pytest.mark.mpi
-def test_store_directory_goes_only_once_no_rank_holds_the_store(comm: mpicomm.Communicator):
-    """The exit clean-up of one rank never removes the directory under another rank's
-    live store (whose destructor would then wait out the store's timeout); the rank that
-    lets go last removes it, and so does the end of a ``process_group`` block."""
+def test_store_file_goes_when_the_last_rank_lets_go(comm: mpicomm.Communicator):
+    """The file stays while any rank holds its store and is gone once the last one (here
+    the highest rank, after the others) has let go; a ``process_group`` block leaves no
+    file either."""
     store = rendezvous_store(comm, kind="file")
-    directory = rendezvous._directories[-1]
-    assert comm.allgather_object(directory) == [directory] * comm.size
+    path = store.path
+    assert comm.allgather_object(path) == [path] * comm.size
     keeper = comm.size - 1
     if comm.rank != keeper:
         del store
     comm.barrier()
-    if comm.rank == 0:
-        rendezvous._remove_all()                 # what rank 0 runs at exit
-    comm.barrier()
-    assert os.path.isdir(directory)               # the keeper still holds its store
+    assert os.path.isfile(path)                   # the keeper still holds its store
     comm.barrier()
     if comm.rank == keeper:
         del store
-        rendezvous.release_store()
     comm.barrier()
-    assert not os.path.exists(directory)
+    assert not os.path.exists(path)
     with process_group(comm):
-        directory = rendezvous._directories[-1]
+        path = dist.distributed_c10d._get_default_store().underlying_store.path
     comm.barrier()
-    assert not os.path.exists(directory)
+    assert not os.path.exists(path)
+
+
+_DDP_TO_THE_END = """
+import torch, mpicomm, mpicomm.torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+comm = mpicomm.init()
+with mpicomm.torch.process_group(comm):
+    model = DDP(torch.nn.Linear(3, 3))      # holds the group's store until exit
+    model(torch.ones(2, 3)).sum().backward()
+"""
+
+
+def test_a_ddp_model_alive_at_exit_leaves_no_store_behind(tmp_path):
+    res = run_job(3, [sys.executable, "-c", _DDP_TO_THE_END], timeout=120,
+                  TMPDIR=str(tmp_path))
+    assert res.returncode == 0, res.output
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(STORE_PREFIX)] == []
 
 
 @pytest.mark.mpi

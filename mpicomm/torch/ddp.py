@@ -68,7 +68,7 @@ import torch.distributed as dist
 from .. import clock, hooks
 from ..comm import Communicator, resolve
 from ..strategies import Strategy
-from .rendezvous import loopback_devices, release_store, rendezvous_store
+from .rendezvous import loopback_devices, rendezvous_store
 from .strategy_options import build_strategy
 
 __all__ = ["init_process_group", "destroy_process_group", "process_group",
@@ -82,7 +82,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
 
     Rank ``r`` of ``comm`` (default: the world) becomes rank ``r`` of the process group.
     The rendezvous goes through ``mpicomm.torch.rendezvous.rendezvous_store``: on one
-    node a file store in a private temporary directory (no socket is opened), across
+    node a file store in a private temporary file (no socket is opened), across
     nodes a TCP store that listens only on the address rank 0 announces over MPI; on one
     node gloo's own connections listen on loopback (unless ``GLOO_SOCKET_IFNAME`` is
     set). So no
@@ -116,8 +116,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
 
 def destroy_process_group(comm: Communicator | None = None, *, wait: bool = True) -> None:
     """Destroy ``torch.distributed``'s default process group once every rank of ``comm``
-    (default: the world) is done with it, and remove its store's directory. Collective
-    unless ``wait=False``.
+    (default: the world) is done with it. Collective unless ``wait=False``.
 
     An MPI barrier comes first. A rank leaves a gloo collective as soon as it has what
     it needs, and gloo closes a group's connections at once, so a rank that destroyed
@@ -130,7 +129,6 @@ def destroy_process_group(comm: Communicator | None = None, *, wait: bool = True
     if wait:
         comm.barrier()
     dist.destroy_process_group()
-    release_store()
 
 
 @contextlib.contextmanager

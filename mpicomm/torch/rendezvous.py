@@ -4,12 +4,13 @@ over MPI and exposed to no one else.
 ``rendezvous_store(comm)`` returns a store that every rank of ``comm`` shares:
 
 * every rank on one node (``comm.nodes == 1``): a ``torch.distributed.FileStore`` in a
-  private temporary directory (``mkdtemp``, mode 0700, owned by the user) that rank 0
-  creates and broadcasts over MPI. No socket is opened. The store removes its file
-  when the last rank lets go of it; the directory goes at ``release_store`` (after
-  ``destroy_process_group``) or at exit, on whichever rank finds it empty. A job ended
-  by ``MPI_Abort`` leaves it behind under the temporary directory (a few bytes,
-  readable by its owner only).
+  private temporary file (``mkstemp``: a new file of a random name, mode 0600, owned by
+  the user) that rank 0 creates and broadcasts over MPI. No socket is opened. The store
+  removes the file when the last of the ranks' stores is destroyed: at
+  ``destroy_process_group``, or at the latest when the processes exit (a
+  ``DistributedDataParallel`` model keeps its group's store alive until then), so
+  nothing is left behind. A job ended by ``MPI_Abort`` leaves the file under the
+  temporary directory (a few bytes, readable by its owner only).
 * gloo's own connections (``loopback_devices``, used by
   ``mpicomm.torch.init_process_group``): on one node they listen on the loopback
   interface, unless ``GLOO_SOCKET_IFNAME`` says otherwise.
@@ -21,16 +22,14 @@ over MPI and exposed to no one else.
   and write its keys, as with ``torchrun``'s store.
 
 Cost: one broadcast over MPI, plus the store's own start (a file, or one TCP listener).
-Collective over ``comm``; an error on rank 0 (no temporary directory, a port that cannot
+Collective over ``comm``; an error on rank 0 (no temporary file, a port that cannot
 be bound) is raised on every rank.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
-import gc
 import os
 import socket
 import tempfile
@@ -41,39 +40,10 @@ import torch.distributed as dist
 
 from ..comm import Communicator
 
-__all__ = ["rendezvous_store", "release_store", "loopback_devices", "STORE_PREFIX"]
+__all__ = ["rendezvous_store", "loopback_devices", "STORE_PREFIX"]
 
-#: Name prefix of the private directories that hold a one-node job's FileStore.
+#: Name prefix of the private files that hold a one-node job's FileStore.
 STORE_PREFIX = "mpicomm-store-"
-
-_directories: list[str] = []   # the store directories this rank knows, removed once empty
-
-
-@atexit.register
-def _remove_all() -> None:
-    if _directories:       # a store caught in a reference cycle lets go of its file now
-        gc.collect()
-        release_store()
-
-
-def release_store() -> None:
-    """Remove the store directories this rank knows that are empty. Local, never blocks.
-
-    A file store deletes its file when the last of its objects, on any rank, is
-    destroyed (``destroy_process_group``, or the last reference dropped), so an empty
-    directory is one that no rank uses any more. A directory is never removed with its
-    file: a rank still destroying its store reopens the file to count itself out, and
-    if the directory has gone it retries until the store's timeout (minutes) instead of
-    exiting. Called after ``destroy_process_group`` and at exit, on every rank; a group
-    that is still alive when every rank has exited leaves its empty directory behind."""
-    for directory in list(_directories):
-        try:
-            os.rmdir(directory)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            continue
-        _directories.remove(directory)
 
 
 def _announced_host() -> str:
@@ -84,16 +54,13 @@ def _file_store(comm: Communicator) -> Any:
     message: str | None = None
     if comm.rank == 0:
         try:
-            directory = tempfile.mkdtemp(prefix=STORE_PREFIX)
-            _directories.append(directory)
-            message = os.path.join(directory, "store")
+            fd, message = tempfile.mkstemp(prefix=STORE_PREFIX)
+            os.close(fd)
         except OSError as exc:
-            message = f"error: rank 0 could not create the store's directory: {exc}"
+            message = f"error: rank 0 could not create the store's file: {exc}"
     path = comm.bcast_object(message)
     if path.startswith("error: "):
         raise RuntimeError(path[len("error: "):])
-    if comm.rank != 0:
-        _directories.append(os.path.dirname(path))
     return dist.FileStore(path, comm.size)
 
 
