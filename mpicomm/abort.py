@@ -62,6 +62,10 @@ EXIT_INTERRUPTED = 130
 #: written reaches the terminal (seen with MPICH's hydra when a rank fails at start-up).
 ABORT_GRACE_S = 0.5
 
+#: Name prefixes, under ``/dev/shm``, of the shared-memory segments an MPI library keeps
+#: named until ``MPI_Finalize`` (MPICH's per-node segment), which an abort would leave.
+MPI_SHM_PREFIXES = ("mpich_shm_",)
+
 #: Seconds the lowest failing rank waits for the other ranks' reports (ends early when
 #: every rank has reported): longer for errors that every rank is expected to raise.
 GATHER_S = {"usage": 3.0, "interrupt": 1.0, "error": 1.0}
@@ -163,9 +167,34 @@ def abort_after_flush(code: int = 1, *, quiet: bool = False) -> None:
         with contextlib.suppress(OSError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 2)
+    release_mpi_shared_memory()
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)
+
+
+def release_mpi_shared_memory(maps: str = "/proc/self/maps") -> list[str]:
+    """Unlink the MPI library's named shared-memory segments that this process maps
+    (:data:`MPI_SHM_PREFIXES` under ``/dev/shm``) and return their paths.
+
+    ``MPI_Finalize`` removes them; ``MPI_Abort`` does not, so every aborted job would
+    leave its node's segment (a few MB of memory) in ``/dev/shm``. Unlinking only drops
+    the name: the ranks still running keep their mappings until they are ended. Linux
+    (``/proc``); elsewhere nothing."""
+    try:
+        with open(maps) as f:
+            paths = {line.split(maxsplit=5)[5].strip() for line in f
+                     if "/dev/shm/" in line and not line.rstrip().endswith("(deleted)")}
+    except OSError:
+        return []
+    gone = []
+    for path in sorted(paths):
+        if os.path.dirname(path) == "/dev/shm" and \
+                os.path.basename(path).startswith(MPI_SHM_PREFIXES):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                gone.append(path)
+    return gone
 
 
 # ---------------------------------------------------------------------- failure reports

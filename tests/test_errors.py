@@ -111,6 +111,31 @@ def test_without_init_a_bad_argument_before_any_collective_is_one_message(ranks)
     assert len(out) == 2 and f"(ValueError on all {ranks} ranks" in out[1], out
 
 
+_SEGMENTS = textwrap.dedent("""
+    import time, numpy as np, mpicomm
+    comm = mpicomm.init()
+    mpicomm.allreduce(np.ones(4), comm=comm)
+    named = [line.split()[-1] for line in open("/proc/self/maps")
+             if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)")]
+    print("SEGMENTS", *sorted(set(named)), flush=True)
+    if comm.rank == 1:
+        time.sleep(0.3)
+        raise RuntimeError("boom on rank 1")
+    mpicomm.allreduce(np.ones(4), comm=comm)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_an_aborted_job_leaves_no_mpi_shared_memory_behind():
+    result = run_job(3, [sys.executable, "-c", _SEGMENTS], timeout=120)
+    assert result.returncode == 1, result.output
+    named = {p for line in result.output.splitlines() if line.startswith("SEGMENTS")
+             for p in line.split()[1:]}
+    if not named:
+        pytest.skip("this MPI library keeps no named segment in /dev/shm (not MPICH)")
+    assert [p for p in named if os.path.exists(p)] == []
+
+
 def _alive(marker: str) -> list[int]:
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

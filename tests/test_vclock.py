@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import threading
@@ -205,7 +206,9 @@ def test_wall_clock_mode(monkeypatch):
 @pytest.fixture
 def engine():
     plat = Platform(rate=1e6, delay=1e-3, hosts=(0, 0, 1, 1))
-    eng = vengine.Engine(vengine.Engine.new_path(), plat, create=True, threads=2, slots=8)
+    path = vengine.Engine.new_path()
+    eng = vengine.Engine(path, plat, create=True, threads=2, slots=8)
+    os.unlink(path)                 # open now: the mapping outlives the name
     for rank in range(4):
         eng.open_actor(rank, 0, 0.0)
     yield eng
