@@ -83,6 +83,7 @@ class UsageError(ValueError):
 
 _abort_lock = threading.Lock()
 _abort_installed = False
+_replaced_hooks: tuple[Any, Any] | None = None   # (sys, threading) excepthooks it replaced
 _failing = threading.Lock()   # held by the one thread that reports this rank's failure
 _job_local = threading.local()
 _show_traceback = False
@@ -387,7 +388,7 @@ def install_abort_handler() -> None:
     failure, so it may be called before :func:`mpicomm.init` and by one rank alone.
     ``ValueError`` on an unreadable ``MPICOMM_TRACEBACK``.
     """
-    global _abort_installed, _show_traceback
+    global _abort_installed, _show_traceback, _replaced_hooks
     with _abort_lock:
         interactive = hasattr(sys, "ps1") or bool(sys.flags.interactive)
         if _abort_installed or (interactive and MPI.COMM_WORLD.Get_size() == 1):
@@ -403,6 +404,7 @@ def install_abort_handler() -> None:
             name = args.thread.name if args.thread is not None else None
             _report_and_abort(args.exc_type, args.exc_value, args.exc_traceback, name)
 
+        _replaced_hooks = (sys.excepthook, threading.excepthook)
         sys.excepthook = excepthook
         threading.excepthook = thread_hook
         _abort_installed = True
@@ -410,10 +412,22 @@ def install_abort_handler() -> None:
     _show_traceback = env_flag("MPICOMM_TRACEBACK", False)
 
 
+def remove_abort_handler() -> None:
+    """Put back the exception hooks :func:`install_abort_handler` replaced (nothing when
+    it is not installed)."""
+    global _abort_installed, _replaced_hooks
+    with _abort_lock:
+        if _abort_installed and _replaced_hooks is not None:
+            sys.excepthook, threading.excepthook = _replaced_hooks
+            _abort_installed, _replaced_hooks = False, None
+
+
 def install_from_env(enabled: bool | None = None) -> bool:
-    """Install the handler unless ``enabled`` is false (default: ``MPICOMM_ABORT_ON_ERROR``,
-    on); returns whether it is installed. What :func:`mpicomm.init` and the entry points
-    (``python -m mpicomm``, the benchmark suites, the examples) call first."""
+    """Install the handler when ``enabled`` (default: ``MPICOMM_ABORT_ON_ERROR``, on), else
+    remove it; returns whether it is installed. What importing mpicomm in a job of several
+    ranks, :func:`mpicomm.init` (whose ``abort_on_error=False`` so removes the handler the
+    import installed) and the entry points (``python -m mpicomm``, the benchmark suites,
+    the examples) call first."""
     if enabled is None:
         try:
             enabled = env_flag("MPICOMM_ABORT_ON_ERROR", True)
@@ -422,4 +436,6 @@ def install_from_env(enabled: bool | None = None) -> bool:
             raise
     if enabled:
         install_abort_handler()
+    else:
+        remove_abort_handler()
     return _abort_installed

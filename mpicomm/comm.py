@@ -533,7 +533,8 @@ def init(
     collective uses when given ``comm=None``; ``check=True`` turns checked mode on for it.
     With an mpi4py communicator it returns a new ``Communicator`` wrapping that one.
     ``abort_on_error`` (default ``MPICOMM_ABORT_ON_ERROR``, on) installs
-    :func:`install_abort_handler`. Collective over the ranks of the communicator.
+    :func:`install_abort_handler` (``False`` removes it: importing mpicomm in a job of
+    several ranks installs it). Collective over the ranks of the communicator.
     """
     install_from_env(abort_on_error)
     configure_logging()

@@ -111,6 +111,15 @@ def test_without_init_a_bad_argument_before_any_collective_is_one_message(ranks)
     assert len(out) == 2 and f"(ValueError on all {ranks} ranks" in out[1], out
 
 
+def test_init_without_abort_on_error_removes_the_handler_the_import_installed():
+    script = ("import sys, mpicomm\nassert sys.excepthook is not sys.__excepthook__\n"
+              "mpicomm.init(abort_on_error=False)\n"
+              "assert sys.excepthook is sys.__excepthook__\nprint('RESTORED', flush=True)")
+    result = run_job(3, [sys.executable, "-c", script], timeout=120)
+    assert result.returncode == 0, result.output
+    assert result.output.count("RESTORED") == 3, result.output
+
+
 _SEGMENTS = textwrap.dedent("""
     import time, numpy as np, mpicomm
     comm = mpicomm.init()
