@@ -1,8 +1,9 @@
 """The error policy: a failure on one rank ends the whole job, never a hang, and prints
 one message, not one per rank.
 
-:func:`install_abort_handler` (installed by :func:`mpicomm.init` unless
-``MPICOMM_ABORT_ON_ERROR=0``; :func:`install_from_env` is that decision) makes an
+:func:`install_abort_handler` (installed when mpicomm is imported in a job of several
+ranks, and by :func:`mpicomm.init` and the first collective of a script without it,
+unless ``MPICOMM_ABORT_ON_ERROR=0``; :func:`install_from_env` is that decision) makes an
 uncaught exception on any rank, in any thread, end the job through ``MPI_Abort``, so
 ``mpiexec`` ends every rank within seconds. Before aborting, the failing ranks tell each
 other what failed (a small message to every rank on ``MPI_COMM_WORLD``, tag
@@ -27,7 +28,8 @@ Cost: nothing until a failure. Then the failing rank waits for the other ranks' 
 until all have reported or :data:`GATHER_S` has passed (an error that the other ranks
 will raise too may come seconds later from a rank that started later; an error of one
 rank alone thus ends the job that much later), flushes, sleeps :data:`ABORT_GRACE_S` so
-that the launcher forwards the message, and calls ``MPI_Abort``. A rank whose lower
+that the launcher forwards the message, unlinks the MPI library's named shared memory
+(:func:`release_mpi_shared_memory`) and calls ``MPI_Abort``. A rank whose lower
 neighbour failed too stays silent until the job is ended, or for :data:`SILENT_S` at most
 (then it prints its own error and aborts).
 """
