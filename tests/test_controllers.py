@@ -289,6 +289,22 @@ def test_auto_selector_follows_a_scripted_network_identically_on_every_rank(comm
         assert len(set(picks)) >= 2, picks              # it did move
 
 
+@pytest.mark.mpi
+def test_auto_reports_the_params_it_used_after_its_communicator_is_freed(comm):
+    """``describe()["params"]`` is the refined alpha and beta auto ran with, also once
+    the communicator that held them is freed (as at the end of a ``GradientSync``)."""
+    mine = comm.dup()
+    mine.resources["cost_params"] = CostParams(alpha=1e-3, beta=8e-8)   # 100 Mbit/s
+    auto = strategies.make("auto", comm=mine, calibrate_links=0)
+    torch.manual_seed(mine.rank)
+    for _ in range(3):
+        auto.aggregate([torch.randn(5000)], names=["w"])
+    used = auto.describe()["params"]
+    assert used["beta"] > 1e-9           # the refined 100 Mbit/s link, not the default
+    mine.free()
+    assert auto.describe()["params"] == used
+
+
 # ---------------------------------------------------------------------- one rule
 @pytest.mark.parametrize("gain_weighted", [True, False])
 def test_cr_time_objective_prices_each_ratio_with_the_scheme_that_runs_there(monkeypatch,

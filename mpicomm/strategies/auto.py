@@ -205,8 +205,8 @@ class AutoStrategy(Strategy):
 
     @property
     def params(self) -> CostParams:
-        """The agreed, refined alpha-beta-gamma in use."""
-        return calibrated(self.comm)[0]
+        """The agreed, refined alpha-beta-gamma in use (kept once the communicator is freed)."""
+        return self.online.params if self.online is not None else calibrated(self.comm)[0]
 
     @property
     def scheme_gains(self) -> dict[str, float]:
