@@ -84,8 +84,9 @@ class UsageError(ValueError):
 
 
 _abort_lock = threading.Lock()
-_abort_installed = False
-_replaced_hooks: tuple[Any, Any] | None = None   # (sys, threading) excepthooks it replaced
+#: The (sys, threading) exception hooks the installed handler replaced; None when it is
+#: not installed.
+_replaced_hooks: tuple[Any, Any] | None = None
 _failing = threading.Lock()   # held by the one thread that reports this rank's failure
 _job_local = threading.local()
 _show_traceback = False
@@ -390,38 +391,36 @@ def install_abort_handler() -> None:
     failure, so it may be called before :func:`mpicomm.init` and by one rank alone.
     ``ValueError`` on an unreadable ``MPICOMM_TRACEBACK``.
     """
-    global _abort_installed, _show_traceback, _replaced_hooks
+    global _show_traceback, _replaced_hooks
     with _abort_lock:
         interactive = hasattr(sys, "ps1") or bool(sys.flags.interactive)
-        if _abort_installed or (interactive and MPI.COMM_WORLD.Get_size() == 1):
-            _show_traceback = env_flag("MPICOMM_TRACEBACK", False)
-            return
+        if _replaced_hooks is None and not (interactive and MPI.COMM_WORLD.Get_size() == 1):
 
-        def excepthook(exc_type, exc, tb):
-            _report_and_abort(exc_type, exc, tb)
+            def excepthook(exc_type, exc, tb):
+                _report_and_abort(exc_type, exc, tb)
 
-        def thread_hook(args: threading.ExceptHookArgs) -> None:
-            if args.exc_type is SystemExit:
-                return
-            name = args.thread.name if args.thread is not None else None
-            _report_and_abort(args.exc_type, args.exc_value, args.exc_traceback, name)
+            def thread_hook(args: threading.ExceptHookArgs) -> None:
+                if args.exc_type is SystemExit:
+                    return
+                name = args.thread.name if args.thread is not None else None
+                _report_and_abort(args.exc_type, args.exc_value, args.exc_traceback, name)
 
-        _replaced_hooks = (sys.excepthook, threading.excepthook)
-        sys.excepthook = excepthook
-        threading.excepthook = thread_hook
-        _abort_installed = True
-    # read after installing: an unreadable value is itself reported as a usage error
+            _replaced_hooks = (sys.excepthook, threading.excepthook)
+            sys.excepthook = excepthook
+            threading.excepthook = thread_hook
+    # read after installing, at every call: an unreadable value is itself reported as a
+    # usage error
     _show_traceback = env_flag("MPICOMM_TRACEBACK", False)
 
 
 def remove_abort_handler() -> None:
     """Put back the exception hooks :func:`install_abort_handler` replaced (nothing when
     it is not installed)."""
-    global _abort_installed, _replaced_hooks
+    global _replaced_hooks
     with _abort_lock:
-        if _abort_installed and _replaced_hooks is not None:
+        if _replaced_hooks is not None:
             sys.excepthook, threading.excepthook = _replaced_hooks
-            _abort_installed, _replaced_hooks = False, None
+            _replaced_hooks = None
 
 
 def install_from_env(enabled: bool | None = None) -> bool:
@@ -440,4 +439,4 @@ def install_from_env(enabled: bool | None = None) -> bool:
         install_abort_handler()
     else:
         remove_abort_handler()
-    return _abort_installed
+    return _replaced_hooks is not None

@@ -119,8 +119,7 @@ def model(comm: Communicator) -> cost.HostCosts:
     :func:`mpicomm.collectives.cost.host_costs`."""
     virtual, table = clock.platform(), clock.cost_table()
     if virtual is None:   # on the emulated cluster, its links as configured
-        base = comm.resources.get("cost_params") or cost.CostParams()
-        return cost.host_costs(comm, configured_link(base))
+        return cost.host_costs(comm, configured_link(cost.calibrated(comm)[0]))
     gamma = cost.CostParams().gamma
     if table is not None and "reduce" in table.ops:
         gamma = table.ops["reduce"].per_unit
