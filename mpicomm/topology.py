@@ -47,12 +47,12 @@ from mpi4py import MPI
 
 from . import clock
 from .emulate.linkdelay import world_ranks
+from .emulate.vnet import ENV_HOST_SIZES
+from .emulate.vnet import parse_host_sizes as host_sizes
 from .validate import check_int
 
 __all__ = ["Topology", "detect", "world_layout", "parse_host_sizes", "ENV_HOST_SIZES"]
 
-#: Environment variable that fixes the host layout of the world (consecutive ranks).
-ENV_HOST_SIZES = "MPICOMM_HOST_SIZES"
 
 
 @dataclass(frozen=True)
@@ -169,20 +169,10 @@ def parse_host_sizes(text: str, size: int, name: str = ENV_HOST_SIZES) -> Topolo
     """The layout ``text`` (``"2,2,1"``: consecutive ranks per host) for ``size`` ranks.
 
     ``ValueError`` naming ``name`` when it is not a list of positive integers or does
-    not add up to ``size`` (every rank reads the same value, so every rank raises).
+    not add up to ``size`` (:func:`mpicomm.emulate.vnet.parse_host_sizes`, which the
+    virtual clock's platform reads the same variable with).
     """
-    try:
-        sizes = [int(part) for part in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected comma-separated positive integers "
-                         "such as 2,2,1 (ranks per host, consecutive ranks)") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise ValueError(f"{name}={text!r}: every host needs at least one rank")
-    if sum(sizes) != size:
-        raise ValueError(f"{name}={text!r} places {sum(sizes)} ranks on {len(sizes)} "
-                         f"hosts but the job has {size} ranks; the sizes must add up to "
-                         "the number of ranks")
-    return Topology.from_sizes(sizes)
+    return Topology.from_sizes(host_sizes(text, size, name))
 
 
 def world_layout() -> Topology | None:

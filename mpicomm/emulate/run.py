@@ -61,7 +61,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from . import linkdelay
+from . import linkdelay, vnet
 from .mpienv import shaping_name
 from .netns import (
     QUEUE_S,
@@ -77,9 +77,6 @@ from .schedule import Applier, parse_delay, read_schedule, write_atomic
 __all__ = ["main", "build_parser", "job_env", "WRAPPER"]
 
 PROG = "emulated-cluster"
-#: The host layout of the job (read by :mod:`mpicomm.topology`): R ranks on each host.
-ENV_HOST_SIZES = "MPICOMM_HOST_SIZES"
-
 #: Per-rank wrapper: rank from the launcher's environment, host = rank // R.
 WRAPPER = """#!/bin/sh
 r=${{PMI_RANK:-${{PMIX_RANK:-${{OMPI_COMM_WORLD_RANK:-}}}}}}
@@ -174,7 +171,7 @@ def job_env(hosts: int, per_host: int, rate: str | None, delay: float, no_shm: b
         linkdelay.ENV_STEP_FILE: os.path.join(rundir, "step"),
         "MPICOMM_EMU_SCHEDULE": os.path.abspath(schedule) if schedule else "",
         # the host layout mpicomm.topology reads (with --no-shm MPI sees no hosts at all)
-        ENV_HOST_SIZES: ",".join([str(per_host)] * hosts),
+        vnet.ENV_HOST_SIZES: ",".join([str(per_host)] * hosts),
     })
     return env
 
@@ -222,8 +219,6 @@ def _framed(args: argparse.Namespace) -> bool:
 def virtual_env(hosts: int, per_host: int, rate: str, delay: str, schedule: str | None,
                 base: dict[str, str] | None = None, framing: str = "none") -> dict[str, str]:
     """The environment of a ``--clock virtual`` job (see the module docstring)."""
-    from . import vnet
-
     env = dict(os.environ if base is None else base)
     env.update({"MPICOMM_CLOCK": "virtual", vnet.ENV_RATE: rate, vnet.ENV_DELAY: delay,
                 vnet.ENV_RANKS_PER_HOST: str(per_host),
@@ -235,7 +230,6 @@ def virtual_env(hosts: int, per_host: int, rate: str, delay: str, schedule: str 
 
 def _run_virtual(args: argparse.Namespace, cmd: list[str]) -> int:
     """``--clock virtual``: plain mpiexec with the platform in the environment."""
-    from . import vnet
     from .mpienv import find_mpiexec
 
     if args.rate is None:

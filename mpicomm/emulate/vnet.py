@@ -71,7 +71,8 @@ from dataclasses import dataclass, field
 from .netns import parse_rate
 from .schedule import Entry, parse_delay, read_schedule
 
-__all__ = ["Platform", "platform_from_env", "host_layout", "FifoLink", "GapLink",
+__all__ = ["Platform", "platform_from_env", "host_layout", "parse_host_sizes", "FifoLink",
+           "GapLink",
            "ENV_RATE", "ENV_DELAY", "ENV_RANKS_PER_HOST", "ENV_HOST_SIZES", "ENV_SCHEDULE",
            "ENV_SHM_RATE", "ENV_SHM_DELAY", "DEFAULT_SHM_RATE", "DEFAULT_SHM_DELAY",
            "ENV_STALL_S", "DEFAULT_STALL_S", "stall_seconds_from_env", "ENV_FRAMING",
@@ -204,25 +205,38 @@ class Platform:
         }
 
 
+def parse_host_sizes(text: str, size: int, name: str = ENV_HOST_SIZES) -> list[int]:
+    """The host sizes ``text`` gives (``"2,2,1"``: consecutive ranks per host) for a job
+    of ``size`` ranks.
+
+    ``ValueError`` naming ``name`` when ``text`` is not a list of positive integers or
+    does not add up to ``size`` (every rank reads the same value, so every rank raises).
+    """
+    try:
+        sizes = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected comma-separated positive integers "
+                         "such as 2,2,1 (ranks per host, consecutive ranks)") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"{name}={text!r}: every host needs at least one rank")
+    if sum(sizes) != size:
+        raise ValueError(f"{name}={text!r} places {sum(sizes)} ranks on {len(sizes)} "
+                         f"hosts but the job has {size} ranks; the sizes must add up to "
+                         "the number of ranks")
+    return sizes
+
+
 def host_layout(size: int, ranks_per_host: str | int | None = None,
                 host_sizes: str | None = None) -> tuple[int, ...]:
     """The host of every one of ``size`` ranks.
 
-    ``host_sizes`` (``"2,2,1"``: consecutive ranks per host) wins over
-    ``ranks_per_host`` (``R``: rank ``r`` on host ``r // R``; ``size`` must be a multiple
-    of ``R``). ``ValueError`` with the reason when the layout does not cover the ranks.
+    ``host_sizes`` (``"2,2,1"``: consecutive ranks per host, :func:`parse_host_sizes`)
+    wins over ``ranks_per_host`` (``R``: rank ``r`` on host ``r // R``; ``size`` must be
+    a multiple of ``R``). ``ValueError`` with the reason when the layout does not cover
+    the ranks.
     """
     if host_sizes is not None and str(host_sizes).strip():
-        try:
-            sizes = [int(s) for s in str(host_sizes).split(",")]
-        except ValueError:
-            raise ValueError(f"{ENV_HOST_SIZES}={host_sizes!r}: expected comma-separated "
-                             "positive integers such as 2,2,1") from None
-        if any(s < 1 for s in sizes):
-            raise ValueError(f"{ENV_HOST_SIZES}={host_sizes!r}: every host needs >= 1 rank")
-        if sum(sizes) != size:
-            raise ValueError(f"{ENV_HOST_SIZES}={host_sizes!r} places {sum(sizes)} ranks "
-                             f"but the job has {size}")
+        sizes = parse_host_sizes(str(host_sizes), size)
         return tuple(h for h, s in enumerate(sizes) for _ in range(s))
     text = "1" if ranks_per_host is None or str(ranks_per_host).strip() == "" \
         else str(ranks_per_host)
