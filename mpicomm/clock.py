@@ -33,7 +33,13 @@ the metrics and the benchmarks read. Two modes, chosen by ``MPICOMM_CLOCK``:
     created (:func:`mpicomm.init` or the first collective, collective; a bad platform
     raises one ``ValueError`` on every rank there); its origin is 0. Before that,
     :func:`now` reads the origin plus what :func:`compute` declared, and the clock
-    starts from there (so ``t0 = now()`` may come first).
+    starts from there (so ``t0 = now()`` may come first); what :func:`charge` charged
+    before the start is priced from the table when the clock starts (the table exists
+    only from then on) and added to the start as well.
+
+    Measuring is not working: while :func:`calibrate` or :func:`calibrate_calls` (or
+    the start's own measurement) times its kernels, their charges and declared compute
+    count for nothing on the measuring thread.
 
 Threads: a thread other than the one that started the clock gets its own virtual time,
 starting at the main thread's; work handed over through :class:`Queue` carries the
@@ -166,6 +172,11 @@ _mode: str | None = None
 #: virtual seconds declared by :func:`compute` before the clock started (the process's
 #: main thread starts from them)
 _before_start = 0.0
+#: ``(op, units)`` charged by :func:`charge` before the clock started: priced from the
+#: table when it starts, and the main thread starts that much later
+_charged_before_start: list[tuple[str, float]] = []
+#: per thread: ``on`` while a cost measurement runs (:func:`_measuring`)
+_measurement = threading.local()
 _start_lock = threading.Lock()
 
 
@@ -204,13 +215,17 @@ def now() -> float:
 
 
 def charge(op: str, units: float = 1.0) -> None:
-    """Charge ``units`` of compute ``op`` from the cost table (no-op on the wall clock).
+    """Charge ``units`` of compute ``op`` from the cost table (no-op on the wall clock;
+    before the virtual clock starts, priced when it starts and added to its start).
 
     Call it where the work is done, before doing it."""
     v = _virtual
-    if v is None:
+    if (v is None and mode() != "virtual") or getattr(_measurement, "on", False):
         return
-    v.actor().advance(v.table.cost(op, units))
+    if v is None:
+        _charged_before_start.append((op, float(units)))
+    else:
+        v.actor().advance(v.table.cost(op, units))
 
 
 def compute(seconds: float) -> None:
@@ -219,11 +234,25 @@ def compute(seconds: float) -> None:
     global _before_start
     if not seconds >= 0:
         raise ValueError(f"seconds must be >= 0, got {seconds}")
+    if getattr(_measurement, "on", False):
+        return
     v = _virtual
     if v is not None:
         v.actor().advance(float(seconds))
     elif mode() == "virtual":
         _before_start += float(seconds)
+
+
+@contextlib.contextmanager
+def _measuring() -> Iterator[None]:
+    """Within the block, this thread's :func:`charge` and :func:`compute` count for
+    nothing: a cost table's kernels run there to be timed, not as the job's work."""
+    outer = getattr(_measurement, "on", False)
+    _measurement.on = True
+    try:
+        yield
+    finally:
+        _measurement.on = outer
 
 
 def sleep(seconds: float) -> None:
@@ -438,8 +467,10 @@ def calibrate(ops: list[str] | None = None, repeats: int = costtable.REPEATS,
               mpi_comm: MPI.Comm | None = None, turns: int | None = None) -> CostTable:
     """Measure the registered compute kernels (:func:`mpicomm.costtable.calibrate`,
     ranks taking turns) into the clock's table; collective over ``mpi_comm`` (default
-    the world). Measures and returns a table on the wall clock too."""
-    measured = costtable.calibrate(mpi_comm, ops, repeats, turns)
+    the world). Measures and returns a table on the wall clock too. The kernels' own
+    charges count for nothing (measuring is not the job's work)."""
+    with _measuring():
+        measured = costtable.calibrate(mpi_comm, ops, repeats, turns)
     if _virtual is not None:
         _virtual.table.update(measured)
     return measured
@@ -449,8 +480,10 @@ def calibrate_calls(calls: dict[str, Any], repeats: int = costtable.REPEATS,
                     mpi_comm: MPI.Comm | None = None, turns: int | None = None) -> CostTable:
     """Measure whole operations (``{"step": fn, ...}``, zero-argument callables; ranks
     taking turns, :func:`mpicomm.costtable.measure_calls`) into the clock's table, each
-    then charged per call (``charge("step")``). Collective over ``mpi_comm``."""
-    measured = costtable.measure_calls(calls, mpi_comm, repeats, turns)
+    then charged per call (``charge("step")``). Collective over ``mpi_comm``; what the
+    calls charge while they are timed counts for nothing."""
+    with _measuring():
+        measured = costtable.measure_calls(calls, mpi_comm, repeats, turns)
     if _virtual is not None:
         _virtual.table.update(measured)
     return measured
@@ -492,14 +525,24 @@ def _begin(world: MPI.Intracomm, plat: Platform, table: CostTable | None,
     if rank == 0:
         os.unlink(path)
     if table is None:       # one rank measures, the others sleep (a few seconds)
-        table = costtable.calibrate(world, sorted(costtable.kernels()), turns=1)
+        with _measuring():
+            table = costtable.calibrate(world, sorted(costtable.kernels()), turns=1)
         table.info["source"] = "measured at start"
+    try:
+        charged = sum(table.cost(op, units) for op, units in _charged_before_start)
+    except KeyError as exc:
+        raise ValueError(f"{exc.args[0]} (it was charged before the clock started: "
+                         "declare it after mpicomm.init(), then charge it)") from None
+    finally:
+        _charged_before_start.clear()
     v = _Virtual(plat, engine, rank, table)
     v.stall_s = stall_s
     main = _Actor(engine, rank * engine.T, origin)
     v.main = main
     v.local.actor = main
     _virtual = v
+    if charged > 0:
+        main.advance(charged)
 
 
 @contextlib.contextmanager
