@@ -91,20 +91,26 @@ def _table_ratios(quiet: dict, loaded: dict) -> dict[str, dict[str, float | None
     return out
 
 
+def _table_options(args: argparse.Namespace) -> list[str]:
+    """The ``bench costs`` options of every table this script measures."""
+    return ([*(["--turns", args.turns] if args.turns else []),
+             *(["--repeats", str(args.repeats)] if args.repeats else [])])
+
+
 def _table_pairs(args: argparse.Namespace, out: Path) -> list[dict]:
     """``--table-pairs`` (quiet, hogs) cost tables measured back to back, each pair's
     per-entry ratios: the hogs' effect with the shared machine's load about the same."""
-    turns = ["--turns", args.turns] if args.turns else []
+    options = _table_options(args)
     pairs = []
     for i in range(args.table_pairs):
         paths = [out / f"vclock-costs-pair{i}-{kind}.json" for kind in ("quiet", "hogs")]
         pair: dict = {"loadavg": [os.getloadavg()]}
-        _run(args.load_ranks, ["costs", *turns, "--json", str(paths[0])], args.timeout)
+        _run(args.load_ranks, ["costs", *options, "--json", str(paths[0])], args.timeout)
         hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(2)]
         try:
             time.sleep(2)
             pair["loadavg"].append(os.getloadavg())
-            _run(args.load_ranks, ["costs", *turns, "--json", str(paths[1])], args.timeout)
+            _run(args.load_ranks, ["costs", *options, "--json", str(paths[1])], args.timeout)
         finally:
             for h in hogs:
                 h.kill()
@@ -130,6 +136,9 @@ def main() -> int:
                     help="then N more (quiet, hogs) table pairs back to back: the hogs' "
                          "effect apart from the shared machine's drifting load")
     ap.add_argument("--turns", default=None, help="ranks that measure each table")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="samples per kernel, size and turn of each table (default: the "
+                         "suite's)")
     ap.add_argument("--pairs-only", action="store_true",
                     help="only the --table-pairs, added to the existing summary")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -147,7 +156,8 @@ def main() -> int:
         return 0
     costs = out / "vclock-costs.json"
     loads = {"start": os.getloadavg()}
-    _run(args.load_ranks, ["costs", "--json", str(costs)], args.timeout)
+    _run(args.load_ranks, ["costs", *_table_options(args), "--json", str(costs)],
+         args.timeout)
     loads["quiet_costs"] = os.getloadavg()
     common = ["vclock", "--nets", args.nets, "--sizes", args.sizes, "--costs", str(costs)]
     summary: dict = {"nets": args.nets, "sizes": args.sizes, "per_ranks": {}}
@@ -164,7 +174,8 @@ def main() -> int:
         loaded = out / f"vclock-{args.load_ranks}-hogs.json"
         _run(args.load_ranks, [*common, "--json", str(loaded)], args.timeout)
         loaded_costs = out / "vclock-costs-hogs.json"
-        _run(args.load_ranks, ["costs", "--json", str(loaded_costs)], args.timeout)
+        _run(args.load_ranks, ["costs", *_table_options(args), "--json", str(loaded_costs)],
+             args.timeout)
         loads["hogs_costs"] = os.getloadavg()
     finally:
         for h in hogs:
