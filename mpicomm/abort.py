@@ -184,7 +184,9 @@ def release_mpi_shared_memory(maps: str = "/proc/self/maps") -> list[str]:
     ``MPI_Finalize`` removes them; ``MPI_Abort`` does not, so every aborted job would
     leave its node's segment (a few MB of memory) in ``/dev/shm``. Unlinking only drops
     the name: the ranks still running keep their mappings until they are ended. Linux
-    (``/proc``); elsewhere nothing."""
+    (``/proc``); elsewhere nothing. The world communicator drops the names as soon as
+    every rank maps them (:func:`drop_mpi_shared_memory_names`); this call at an abort
+    covers a job that fails before."""
     try:
         with open(maps) as f:
             paths = {line.split(maxsplit=5)[5].strip() for line in f
@@ -199,6 +201,28 @@ def release_mpi_shared_memory(maps: str = "/proc/self/maps") -> list[str]:
                 os.unlink(path)
                 gone.append(path)
     return gone
+
+
+def drop_mpi_shared_memory_names(mpi_comm: MPI.Intracomm) -> list[str]:
+    """Unlink the MPI library's named node segments once every rank of ``mpi_comm`` on
+    each node maps them: collective (a shared-memory split and a node-local barrier);
+    the first rank of each node unlinks (:func:`release_mpi_shared_memory`) and returns
+    the paths, the others ``[]``.
+
+    The mappings stay, so MPI goes on as before (its ``MPI_Finalize`` then finds the
+    name gone, which MPICH ignores); what this buys is that a job ended without
+    ``MPI_Finalize`` or ``MPI_Abort``, a rank killed by a signal (a launcher's or a
+    scheduler's time limit, the out-of-memory killer), leaves nothing in ``/dev/shm``:
+    the memory goes back when the last rank exits. Cost: one split and one barrier,
+    when the world communicator is made."""
+    if not sys.platform.startswith("linux"):
+        return []
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
+    try:
+        node.Barrier()          # every rank of the node has mapped the segment
+        return release_mpi_shared_memory() if node.Get_rank() == 0 else []
+    finally:
+        node.Free()
 
 
 # ---------------------------------------------------------------------- failure reports

@@ -41,7 +41,7 @@ from typing import Any
 from mpi4py import MPI
 
 from . import clock, vwire
-from .abort import abort_job, install_from_env
+from .abort import abort_job, drop_mpi_shared_memory_names, install_from_env
 from .config import env_flag
 from .topology import Topology, detect
 from .traffic import Traffic
@@ -518,6 +518,8 @@ def _open_world() -> Communicator:
         if _world is None:
             clock.start()   # the virtual clock, if MPICOMM_CLOCK=virtual (collective)
             _world = Communicator(MPI.COMM_WORLD)
+            # a rank killed by a signal then leaves no segment behind (collective)
+            drop_mpi_shared_memory_names(MPI.COMM_WORLD)
         return _world
 
 

@@ -120,24 +120,38 @@ def test_init_without_abort_on_error_removes_the_handler_the_import_installed():
     assert result.output.count("RESTORED") == 3, result.output
 
 
-_SEGMENTS = textwrap.dedent("""
+_NAMED_SEGMENTS = """
+from mpi4py import MPI                # MPI_Init: MPICH maps its named node segment
+named = [line.split()[-1] for line in open("/proc/self/maps")
+         if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)")]
+print("SEGMENTS", *sorted(set(named)), flush=True)
+"""
+
+_ABORTED = _NAMED_SEGMENTS + textwrap.dedent("""
     import time, numpy as np, mpicomm
     comm = mpicomm.init()
     mpicomm.allreduce(np.ones(4), comm=comm)
-    named = [line.split()[-1] for line in open("/proc/self/maps")
-             if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)")]
-    print("SEGMENTS", *sorted(set(named)), flush=True)
     if comm.rank == 1:
         time.sleep(0.3)
         raise RuntimeError("boom on rank 1")
     mpicomm.allreduce(np.ones(4), comm=comm)
 """)
 
+_KILLED = _NAMED_SEGMENTS + textwrap.dedent("""
+    import os, signal, numpy as np, mpicomm
+    comm = mpicomm.init()
+    mpicomm.allreduce(np.ones(4), comm=comm)
+    if comm.rank == 1:            # no handler runs: the launcher ends the others
+        os.kill(os.getpid(), signal.SIGKILL)
+    mpicomm.allreduce(np.ones(4), comm=comm)
+""")
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
-def test_an_aborted_job_leaves_no_mpi_shared_memory_behind():
-    result = run_job(3, [sys.executable, "-c", _SEGMENTS], timeout=120)
-    assert result.returncode == 1, result.output
+@pytest.mark.parametrize("script", [_ABORTED, _KILLED], ids=["aborted", "killed"])
+def test_a_failed_job_leaves_no_mpi_shared_memory_behind(script):
+    result = run_job(3, [sys.executable, "-c", script], timeout=120)
+    assert result.returncode != 0, result.output
     named = {p for line in result.output.splitlines() if line.startswith("SEGMENTS")
              for p in line.split()[1:]}
     if not named:
