@@ -204,25 +204,21 @@ def release_mpi_shared_memory(maps: str = "/proc/self/maps") -> list[str]:
 
 
 def drop_mpi_shared_memory_names(mpi_comm: MPI.Intracomm) -> list[str]:
-    """Unlink the MPI library's named node segments once every rank of ``mpi_comm`` on
-    each node maps them: collective (a shared-memory split and a node-local barrier);
-    the first rank of each node unlinks (:func:`release_mpi_shared_memory`) and returns
-    the paths, the others ``[]``.
+    """Unlink the MPI library's named node segments once every rank of ``mpi_comm``
+    maps them: collective (one barrier), then each rank unlinks what it maps
+    (:func:`release_mpi_shared_memory`; the ranks of a node share one segment, so one of
+    them finds the name and the others find it gone) and returns what it unlinked.
 
     The mappings stay, so MPI goes on as before (its ``MPI_Finalize`` then finds the
     name gone, which MPICH ignores); what this buys is that a job ended without
     ``MPI_Finalize`` or ``MPI_Abort``, a rank killed by a signal (a launcher's or a
     scheduler's time limit, the out-of-memory killer), leaves nothing in ``/dev/shm``:
-    the memory goes back when the last rank exits. Cost: one split and one barrier,
-    when the world communicator is made."""
+    the memory goes back when the last rank exits. Cost: one barrier and one read of
+    ``/proc/self/maps``, when the world communicator is made."""
     if not sys.platform.startswith("linux"):
         return []
-    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
-    try:
-        node.Barrier()          # every rank of the node has mapped the segment
-        return release_mpi_shared_memory() if node.Get_rank() == 0 else []
-    finally:
-        node.Free()
+    mpi_comm.Barrier()          # every rank has mapped its node's segment
+    return release_mpi_shared_memory()
 
 
 # ---------------------------------------------------------------------- failure reports
