@@ -225,6 +225,11 @@ def test_artopk_by_name_is_plain_error_feedback_with_a_density_ramp(comm):
     assert s.schedule.steps(0.001) == 1092 and s.schedule.steps(0.01) == 600
     assert [s._k(100_000, t, 0.001, None) for t in (0, 1091, 1092)] == [10_000, 101, 100]
     assert label_strategy("artopk", density=0.001).strategy.describe() == s.describe()
+    assert label_strategy("artopk+ef+largest+ramp:0.1,23.47",
+                          density=0.001).strategy.describe() == s.describe()
+    assert label_strategy("artopk+ef", density=0.001).strategy.source == "star"
+    with pytest.raises(ValueError, match="'largest' modifier is for artopk only"):
+        label_strategy("gtopk+ef+largest", density=0.001)
     assert strategies.make("artopk", schedule=None).schedule is None
     assert strategies.make("artopk", momentum_correction="optimizer").momentum_correction \
         == "optimizer"

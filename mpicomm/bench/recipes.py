@@ -43,7 +43,8 @@ BASES = {"topk": TopKAllgather, "gtopk": GTopK, "artopk": ARTopK}
 #: Schedules a label can name (``mpicomm.control.parse_schedule`` forms).
 SCHEDULES = {"gtopkwu": "gtopk", "dgc": "dgc", "linear": "linear:5", "linear2": "linear:2"}
 #: Label modifiers besides the schedules.
-FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "exact", "log8", "wd", "layer")
+FLAGS = ("ef", "noef", "mc", "mcnomask", "clip", "own", "exact", "largest", "log8", "wd",
+         "layer")
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,10 @@ def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
     for only_gtopk in ("own", "exact"):
         if only_gtopk in mods and base != "gtopk":
             raise ValueError(f"{label!r}: the {only_gtopk!r} modifier is for gtopk only")
+    if "largest" in mods:
+        if base != "artopk":
+            raise ValueError(f"{label!r}: the 'largest' modifier is for artopk only")
+        kwargs["source"] = "largest"
     if "log8" in mods:
         if base == "artopk":
             raise ValueError(f"{label!r}: the 'log8' modifier is for topk and gtopk only")

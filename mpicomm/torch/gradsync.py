@@ -123,10 +123,12 @@ class GradientSync:
 
         EF: error feedback (what was not sent is added to the next step's gradient).
         The strategies with EF (and qsgd) also take ``error_feedback``, ``schedule``
-        (a density warm-up), ``momentum_correction`` and ``clip_norm``; topk, gtopk and
-        artopk default to ``momentum_correction="optimizer"``: ``step(optimizer)``
-        moves an SGD optimizer's momentum into their memory at the first step (DGC's
-        momentum correction; docs/compression.md); every strategy
+        (a density warm-up), ``momentum_correction`` and ``clip_norm``. By name, topk,
+        gtopk and artopk build their measured recipe (``mpicomm.strategies.recipe``:
+        plain error feedback with the optimizer's momentum, gTop-k's and AR-Top-k's
+        density ramps; Top-k below density 0.003 ``momentum_correction="optimizer"``,
+        where ``step(optimizer)`` moves an SGD optimizer's momentum into the memory at
+        the first step, DGC's momentum correction; docs/compression.md); every strategy
         takes ``fusion_bytes``. Each class's docstring
         (``help(mpicomm.strategies.GTopK)``) gives its cost in bytes and tuning advice.
         A keyword that neither this class nor the strategy takes raises ``TypeError``
