@@ -92,7 +92,8 @@ def test_select_kept_is_measured_alike_on_every_rank_and_charges_gtopk_more(comm
 
     measured = costtable.calibrate(comm.mpi, ops=["select:kept"], repeats=1, turns=2)
     entry = measured.ops["select:kept"]
-    assert entry.per_call == 0.0 and entry.per_unit > 0
+    # one sample of a small slope may read 0 (clamped); the serial test checks a slope
+    assert entry.per_call == 0.0 and entry.per_unit >= 0.0
     assert comm.allgather_object(entry) == [entry] * comm.size
     zero = {op: OpCost(0.0, 0.0, unit) for op, unit in (
         ("reduce", "byte"), ("copy", "byte"), ("merge", "pair"), ("scatter", "element"),
