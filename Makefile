@@ -94,7 +94,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
-	bench-vclock-wall bench-virtual bench-workloads bench-controllers \
+	bench-vclock-wall bench-virtual bench-hierarchy bench-workloads bench-controllers \
 	bench-controllers-selector bench-ratios bench-recovery bench-recovery-restart \
 	bench-ps-convergence bench-ps-convergence-mnist1d bench-ps-convergence-mnist1d-8 report lint docs clean gpu-check
 
@@ -128,7 +128,7 @@ MPI_TEST_FILES = $(shell grep -l 'mark\.mpi' tests/test_*.py)
 # rounds, the butterfly of gTop-k, the (2,2) host layout. Every other multi-rank test runs
 # at 1 and TEST_RANKS, which hold 3 and 5 ranks (a 5-rank fold runs the 4-rank butterfly).
 POW2_TEST_FILES = tests/test_collectives.py tests/test_sparse.py tests/test_strategies.py \
-	tests/test_hierarchical.py tests/test_hier_virtual.py
+	tests/test_hierarchical.py tests/test_hier_virtual.py tests/test_host_nics.py
 
 # $(call mpi_suite,RANK COUNTS,FILES,NAME): the multi-rank tests of FILES under mpiexec at
 # each rank count in turn, stopping at the first failure
@@ -276,6 +276,21 @@ bench-virtual: $(STAMP)
 	  done; done; \
 	done
 	$(PY) benchmarks/vclock_claims.py --results $(BENCH_OUT)
+
+# Hierarchical against flat collectives at 32 ranks on the virtual clock (1 Gbit/s,
+# 0.1 ms): 8 hosts of 4 and 16 of 2, one network port per host and one per rank, d = 1e6
+# and 1e7 (3-4 minutes each on 2 quiet cores; the cost table of the committed runs).
+HIER_COSTS ?= benchmarks/results/vclock-costs.json
+bench-hierarchy: $(STAMP)
+	@mkdir -p $(BENCH_OUT)/hierarchy
+	for layout in 8x4 16x2; do r=$${layout#*x}; for nics in 1 $$r; do \
+	  for d in 1e6 1e7; do \
+	    tag=$$( [ $$nics = 1 ] && echo "" || echo "-$${nics}nic"); \
+	    MPICOMM_VIRTUAL_STALL_S=900 $(MPIEXEC) -n 32 $(PY) -m mpicomm.bench hierarchy \
+	      --clock virtual --rate 1gbit --delay 100us --ranks-per-host $$r \
+	      --nics-per-host $$nics --sizes $$d --costs $(HIER_COSTS) \
+	      --json $(BENCH_OUT)/hierarchy/hier-virtual-$$layout$$tag-1gbit-d$$d.json || exit 1; \
+	  done; done; done
 
 # The virtual clock against the wall clock of the tc-shaped emulated cluster (2 and 4
 # hosts, 100 Mbit/s, 1 ms, d = 1e6 and 1e7; root). The wall-clock half needs a quiet

@@ -2,7 +2,9 @@ r"""Which ranks share a host: the host layout behind the two link classes of a c
 
 A cluster has two kinds of links: ranks of one host exchange through shared memory
 (fast, and each pair on its own), ranks of different hosts through the network, where
-all ranks of a host share the host's port. Hierarchical collectives
+all ranks of a host share the host's port, or, with ``MPICOMM_HOST_NICS=N``, local rank
+``j`` uses port ``j mod N`` of its host (GPU servers with one NIC per GPU: ``N`` = the
+ranks per host). Hierarchical collectives
 (:mod:`mpicomm.collectives.hierarchical`, :mod:`mpicomm.sparse.hierarchical`) and the
 cost model (:class:`mpicomm.collectives.cost.HostCosts`) need to know which ranks share
 a host; this module is the one place that answers.
@@ -47,12 +49,12 @@ from mpi4py import MPI
 
 from . import clock
 from .emulate.linkdelay import world_ranks
-from .emulate.vnet import ENV_HOST_SIZES
+from .emulate.vnet import ENV_HOST_NICS, ENV_HOST_SIZES, parse_nics, port_layout
 from .emulate.vnet import parse_host_sizes as host_sizes
 from .validate import check_int
 
-__all__ = ["Topology", "detect", "world_layout", "parse_host_sizes", "ENV_HOST_SIZES"]
-
+__all__ = ["Topology", "detect", "world_layout", "parse_host_sizes", "ENV_HOST_SIZES",
+           "ENV_HOST_NICS"]
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,12 @@ class Topology:
 
     Build one with :meth:`from_sizes` (consecutive ranks per host), :meth:`from_hosts`
     (any placement) or :func:`detect`. ``ValueError`` for an empty layout or host
-    numbers that are not ``0..H-1`` in order of first appearance.
+    numbers that are not ``0..H-1`` in order of first appearance. ``ports[r]``: rank
+    r's network port (NIC), numbered across hosts; empty: one port per host.
     """
 
     hosts: tuple[int, ...]
+    ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.hosts:
@@ -76,28 +80,47 @@ class Topology:
                 raise ValueError(f"hosts must be numbered 0, 1, ... in order of first "
                                  f"appearance, got {self.hosts}")
             seen = max(seen, h + 1)
+        if self.ports:
+            owner: dict[int, int] = {}
+            if len(self.ports) != len(self.hosts) or any(
+                    owner.setdefault(q, h) != h for q, h in zip(self.ports, self.hosts)):
+                raise ValueError(f"ports must give every rank a port of its own host, got "
+                                 f"ports {self.ports} for hosts {self.hosts}")
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_sizes(cls, sizes: Sequence[int]) -> Topology:
-        """Consecutive ranks per host: ``(2, 2, 1)`` puts ranks 0-1, 2-3 and 4 together."""
+    def from_sizes(cls, sizes: Sequence[int], nics: int = 1) -> Topology:
+        """Consecutive ranks per host: ``(2, 2, 1)`` puts ranks 0-1, 2-3 and 4 together;
+        ``nics`` network ports per host (local rank j on port j mod nics)."""
         if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
             raise ValueError(f"host sizes must be a non-empty sequence of integers, "
                              f"got {sizes!r}")
         sizes = [check_int("host size", s, 1) for s in sizes]
-        return cls(tuple(h for h, s in enumerate(sizes) for _ in range(s)))
+        return cls.from_hosts([h for h, s in enumerate(sizes) for _ in range(s)], nics)
 
     @classmethod
-    def from_hosts(cls, hosts: Sequence[object]) -> Topology:
+    def from_hosts(cls, hosts: Sequence[object], nics: int = 1,
+                   ports: Sequence[object] | None = None) -> Topology:
         """Any placement: ``hosts[r]`` is a label of rank r's host (names, node ids);
         ranks with equal labels share a host. Labels are renumbered 0, 1, ... in order
-        of first appearance."""
+        of first appearance. Ports: ``ports[r]`` labels rank r's port if given, else each
+        host has ``nics`` (:func:`mpicomm.emulate.vnet.port_layout`)."""
         numbers: dict[object, int] = {}
-        return cls(tuple(numbers.setdefault(h, len(numbers)) for h in hosts))
+        layout = tuple(numbers.setdefault(h, len(numbers)) for h in hosts)
+        check_int("network ports per host", nics, 1)
+        if ports is not None:
+            labels: dict[object, int] = {}
+            numbered = tuple(labels.setdefault(q, len(labels)) for q in ports)
+        else:
+            numbered = port_layout(layout, nics)
+        # one port per host is the default layout: stored as ()
+        return cls(layout, () if numbered == port_layout(layout, 1) else numbered)
 
     def restrict(self, ranks: Sequence[int]) -> Topology:
-        """The layout of a communicator made of ``ranks`` of this one (in that order)."""
-        return Topology.from_hosts([self.hosts[r] for r in ranks])
+        """The layout of a communicator made of ``ranks`` of this one (in that order);
+        every rank keeps its port."""
+        return Topology.from_hosts([self.hosts[r] for r in ranks],
+                                   ports=[self.port(r) for r in ranks] if self.ports else None)
 
     def checked(self, size: int) -> Topology:
         """``self``, after checking that it places exactly ``size`` ranks (``ValueError``
@@ -132,6 +155,11 @@ class Topology:
         """Ranks per host, by host."""
         return tuple(len(m) for m in self.members)
 
+    def port(self, rank: int) -> int:
+        """The network port (NIC) ``rank`` sends and receives through; the host's only
+        port unless ``ports`` gives several per host."""
+        return self.ports[rank] if self.ports else self.hosts[rank]
+
     def local_rank(self, rank: int) -> int:
         """Position of ``rank`` among the ranks of its host."""
         return self.members[self.hosts[rank]].index(rank)
@@ -161,8 +189,9 @@ class Topology:
     def describe(self) -> str:
         """``"3 hosts of 1+2+3 ranks"``."""
         sizes = "+".join(str(s) for s in self.host_sizes)
+        ports = f", {max(self.ports) + 1} network ports" if self.ports else ""
         return f"{self.num_hosts} host{'s' if self.num_hosts > 1 else ''} of {sizes} " \
-               f"rank{'s' if self.size > 1 else ''}"
+               f"rank{'s' if self.size > 1 else ''}{ports}"
 
 
 def parse_host_sizes(text: str, size: int, name: str = ENV_HOST_SIZES) -> Topology:
@@ -176,12 +205,13 @@ def parse_host_sizes(text: str, size: int, name: str = ENV_HOST_SIZES) -> Topolo
 
 
 def world_layout() -> Topology | None:
-    """The world's layout from ``MPICOMM_HOST_SIZES``, or ``None`` when it is unset.
-    Local (reads the environment and the world's size)."""
+    """The world's layout from ``MPICOMM_HOST_SIZES`` (and ``MPICOMM_HOST_NICS``), or
+    ``None`` when it is unset. Local (reads the environment and the world's size)."""
     text = os.environ.get(ENV_HOST_SIZES, "").strip()
     if not text:
         return None
-    return parse_host_sizes(text, MPI.COMM_WORLD.Get_size())
+    layout = parse_host_sizes(text, MPI.COMM_WORLD.Get_size())
+    return Topology.from_hosts(layout.hosts, parse_nics(os.environ.get(ENV_HOST_NICS)))
 
 
 def detect(mpi_comm: MPI.Intracomm) -> Topology:
@@ -197,14 +227,17 @@ def detect(mpi_comm: MPI.Intracomm) -> Topology:
     if layout is not None:
         return layout.restrict(world_ranks(mpi_comm))
     virtual = clock.platform()
-    if virtual is not None:  # the simulated cluster's hosts
-        return Topology.from_hosts([virtual.hosts[w] for w in world_ranks(mpi_comm)])
+    if virtual is not None:  # the simulated cluster's hosts and ports
+        world = world_ranks(mpi_comm)
+        return Topology.from_hosts([virtual.hosts[w] for w in world],
+                                   ports=[virtual.ports[w] for w in world])
     if mpi_comm.Get_size() == 1:
         return Topology((0,))
     rank = mpi_comm.Get_rank()
+    nics = parse_nics(os.environ.get(ENV_HOST_NICS))
     local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     try:
         lowest = local.allreduce(rank, op=MPI.MIN)
     finally:
         local.Free()
-    return Topology.from_hosts(mpi_comm.allgather(lowest))
+    return Topology.from_hosts(mpi_comm.allgather(lowest), nics)

@@ -1,7 +1,7 @@
 """The suites' ``--clock`` options: time a suite on the wall clock or a virtual cluster.
 
-``--clock virtual --rate 1gbit --delay 100us [--ranks-per-host R] [--schedule FILE]
-[--costs FILE]`` under a plain ``mpiexec -n P`` makes the suite's ranks a virtual
+``--clock virtual --rate 1gbit --delay 100us [--ranks-per-host R] [--nics-per-host N]
+[--schedule FILE] [--costs FILE]`` under a plain ``mpiexec -n P`` makes the suite's ranks a virtual
 cluster of ``P/R`` hosts (:mod:`mpicomm.clock`): every time it reports is that
 cluster's, whatever else runs on the machine. The options only fill in the
 ``MPICOMM_CLOCK``/``MPICOMM_VIRTUAL_*`` variables before the clock starts, so a job
@@ -37,6 +37,9 @@ def add_arguments(ap: argparse.ArgumentParser, extra: tuple[str, ...] = (),
     g.add_argument("--rate", default=None, help="virtual: link rate per host (1gbit)")
     g.add_argument("--delay", default=None, help="virtual: one-way latency (100us)")
     g.add_argument("--ranks-per-host", default=None, help="virtual: ranks per host")
+    g.add_argument("--nics-per-host", default=None,
+                   help="virtual: network ports per host (default 1; the ranks per host "
+                        "for one NIC per rank)")
     g.add_argument(schedule_flag, default=None, dest="virtual_schedule",
                    help="virtual: a schedule file")
     g.add_argument("--costs", default=None,
@@ -51,12 +54,13 @@ def apply(args: argparse.Namespace) -> None:
         args.clock = want
     given = {vnet.ENV_RATE: args.rate, vnet.ENV_DELAY: args.delay,
              vnet.ENV_RANKS_PER_HOST: args.ranks_per_host,
+             vnet.ENV_HOST_NICS: args.nics_per_host,
              vnet.ENV_SCHEDULE: args.virtual_schedule,
              costtable.ENV_COSTS: args.costs}
     if want != "virtual":
         if any(v is not None for v in given.values()):
-            raise UsageError("--rate/--delay/--ranks-per-host/--schedule/--costs need "
-                             "--clock virtual")
+            raise UsageError("--rate/--delay/--ranks-per-host/--nics-per-host/--schedule/"
+                             "--costs need --clock virtual")
         return
     if clock.started():
         return

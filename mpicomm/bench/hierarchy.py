@@ -6,6 +6,8 @@ simulated cluster: its times do not depend on the machine's load), e.g. 8 hosts 
     mpiexec -n 32 python -m mpicomm.bench hierarchy --clock virtual --rate 1gbit \\
         --delay 100us --ranks-per-host 4 --costs costs.json --json hier-8x4.json
 
+(``--nics-per-host 4``: one network port per rank instead of one per host.)
+
 (``MPICOMM_HOST_SIZES=1,2,3`` for uneven hosts; on the wall clock the layout is what
 :mod:`mpicomm.topology` detects.) Each rank draws a heavy-tailed "gradient" of ``d``
 float32 (``x_r = sqrt(c)·T_shared + sqrt(1-c)·T_r``, Student-t) and the suite times:
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from dataclasses import asdict
 from typing import Any, Callable
@@ -53,6 +56,7 @@ from ..collectives.hierarchical import hierarchy
 from ..comm import Communicator, init
 from ..compress.topk_select import topk_indices
 from ..emulate.linkdelay import share_link
+from ..emulate.vnet import ENV_HOST_NICS, parse_nics
 from ..sparse import artopk, gtopk, hierarchical_topk, topk_allgather
 from ..topology import Topology
 from . import _clock
@@ -316,13 +320,14 @@ def _step(strategy: Any, d: int, p: int, topo: Topology, hosts: cost.HostCosts,
 
 
 def prediction(layouts: list[tuple[int, int]], sizes: list[int], densities: list[float],
-               hosts: cost.HostCosts) -> list[dict[str, Any]]:
-    """Cost-model-only rows (not measured) for ``H`` hosts of ``R``, with this run's
-    link classes: the dense ring against the hierarchical allreduce (communication), and
-    a whole step of the flat gTop-k against ``hier_gtopk`` and ``hier_gtopk_sliced``
-    (communication plus the modelled compute: selection, merges, densify, host sums,
-    from :func:`mpicomm.strategies.kernel_timing.measure_compute`, i.e. the cost table on
-    the virtual clock)."""
+               hosts: cost.HostCosts, nics: int = 1) -> list[dict[str, Any]]:
+    """Cost-model-only rows (not measured) for ``H`` hosts of ``R`` with ``nics``
+    network ports each, with this run's link classes: the dense ring against the
+    hierarchical allreduce (communication), and a whole step of the flat gTop-k against
+    ``hier_gtopk`` and ``hier_gtopk_sliced`` (communication plus the modelled compute:
+    selection, merges, densify, host sums, from
+    :func:`mpicomm.strategies.kernel_timing.measure_compute`, i.e. the cost table on the
+    virtual clock)."""
     from ..strategies import GTopK, HierarchicalGTopK
     from ..strategies.kernel_timing import measure_compute
 
@@ -337,12 +342,13 @@ def prediction(layouts: list[tuple[int, int]], sizes: list[int], densities: list
                                   scatter=rate("scatter"), flop=0.0, copy=rate("copy"))
     out = []
     for h, r in layouts:
-        topo, p = Topology.from_sizes((r,) * h), h * r
+        topo, p = Topology.from_sizes((r,) * h, nics=nics), h * r
+        label = f"{h}x{r}" + (f", {nics} NICs" if nics > 1 else "")
         model_ = cost.HostCosts(topo, hosts.local, hosts.network)
         for d in sizes:
             ring = cost.predict("allreduce", "ring", 4 * d, p, hosts=model_)
             hier = cost.predict("allreduce", "hierarchical", 4 * d, p, hosts=model_)
-            out.append({"layout": f"{h}x{r}", "d": d, "density": 1.0, "flat_ms": ring * 1e3,
+            out.append({"layout": label, "d": d, "density": 1.0, "flat_ms": ring * 1e3,
                         "hier_ms": hier * 1e3, "hier_sliced_ms": None,
                         "x_flat": ring / hier})
             for density in densities:
@@ -350,7 +356,7 @@ def prediction(layouts: list[tuple[int, int]], sizes: list[int], densities: list
                     _step(s, d, p, topo, hosts, work)
                     for s in (GTopK(density=density), HierarchicalGTopK(density=density),
                               HierarchicalGTopK(density=density, sliced=True)))
-                out.append({"layout": f"{h}x{r}", "d": d, "density": density,
+                out.append({"layout": label, "d": d, "density": density,
                             "flat_ms": flat * 1e3, "hier_ms": leader * 1e3,
                             "hier_sliced_ms": sliced * 1e3,
                             "x_flat": flat / min(leader, sliced)})
@@ -404,8 +410,9 @@ def run(args: argparse.Namespace) -> int:
         del x, total
     summary = targets(rows)
     if comm.rank == 0:
+        nics = parse_nics(os.environ.get(ENV_HOST_NICS))
         predicted = prediction(args.layouts, args.predict_sizes or args.sizes,
-                               args.densities, hosts)
+                               args.densities, hosts, nics)
         print(f"# {comm.size} ranks on {topo.describe()}; float32, median of "
               f"{args.repeats}; x_flat = flat baseline's time / the row's")
         print_table(rows, COLUMNS)
@@ -418,6 +425,7 @@ def run(args: argparse.Namespace) -> int:
         options = {k: v for k, v in vars(args).items() if k not in ("func", "layouts")}
         write_json(args.json, {"suite": "hierarchy", "machine": machine(),
                                "ranks": comm.size, "host_sizes": list(topo.host_sizes),
+                               "nics_per_host": nics,
                                "clock": _clock.describe(),
                                "cost_params": {"local": asdict(hosts.local),
                                                "network": asdict(hosts.network)},

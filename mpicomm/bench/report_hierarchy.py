@@ -11,8 +11,9 @@ from typing import Any
 def hierarchy_section(r: dict[str, Any], table: Callable[..., str]) -> str:
     """The hierarchy suite: its rows, then the best hierarchical row against its flat
     baseline with the target marked met or missed."""
-    sizes = r.get("host_sizes") or []
-    layout = (f"{len(sizes)} hosts of {'+'.join(str(s) for s in sizes)} ranks; "
+    sizes, nics = r.get("host_sizes") or [], r.get("nics_per_host") or 1
+    layout = (f"{len(sizes)} hosts of {'+'.join(str(s) for s in sizes)} ranks"
+              + (f", {nics} network ports (NICs) per host" if nics > 1 else "") + "; "
               if sizes else "")
     rows = table(r.get("rows", []), ("d", "density", "k", "method", "time_ms", "pred_ms",
                                      "sent_B", "x_flat", "x_cyclic", "overlap",
@@ -39,8 +40,10 @@ def virtual_label(r: dict[str, Any]) -> str:
     plat = _platform(r)
     if not plat:
         return ""
+    nics = plat.get("nics_per_host") or 1
     return (f"virtual clock, {plat['rate_bits'] / 1e9:g} Gbit/s, "
-            f"{plat['delay_s'] * 1e3:g} ms, {plat['hosts']} hosts")
+            f"{plat['delay_s'] * 1e3:g} ms, {plat['hosts']} hosts"
+            + (f", {nics} NICs each" if nics > 1 else ""))
 
 
 def virtual_conditions(r: dict[str, Any]) -> dict[str, Any]:
@@ -52,16 +55,22 @@ def virtual_conditions(r: dict[str, Any]) -> dict[str, Any]:
     sizes = plat.get("host_sizes") or []
     layout = " + ".join(str(x) for x in sizes) if len(set(sizes)) > 1 else \
         f"{len(sizes)} x {sizes[0] if sizes else '?'}"
+    if (plat.get("nics_per_host") or 1) > 1:
+        layout += f" ({plat['nics_per_host']} NICs per host)"
     return {"network": "virtual clock", "hosts x ranks/host": layout,
             "rate (tc tbf)": f"{plat['rate_bits'] / 1e9:g}gbit (model)",
             "delay (injected)": f"{plat['delay_s'] * 1e3:g} ms (model)"}
 
 
 def _layout(r: dict[str, Any]) -> str:
+    """``"8x4"`` (hosts x ranks per host, or the sizes of uneven hosts), with ``", 4
+    NICs"`` where a host has several network ports."""
     sizes = r.get("host_sizes") or []
+    nics = r.get("nics_per_host") or 1
+    ports = f", {nics} NICs" if nics > 1 else ""
     if sizes and len(set(sizes)) == 1:
-        return f"{len(sizes)}x{sizes[0]}"
-    return "+".join(str(s) for s in sizes) or "?"
+        return f"{len(sizes)}x{sizes[0]}{ports}"
+    return ("+".join(str(s) for s in sizes) or "?") + ports
 
 
 #: (panel, method, speed-up column, label) of the bars of the hierarchy plot.
@@ -85,13 +94,14 @@ def plot_hierarchy(results: Sequence[dict[str, Any]], path: str, plt: Any) -> bo
             mine = {row["method"]: row for row in r["rows"]
                     if (row["d"], row["density"]) == (d, density)}
             panel = "dense" if density == 1.0 else "gtopk"
-            label = f"{_layout(r)}\nd={d:.0e}".replace("e+0", "e") + ("" if panel == "dense"
-                                                   else f"\n{density:g}")
+            layout = _layout(r).replace(", ", "\n")
+            label = f"{layout}\nd={d:.0e}".replace("e+0", "e") + (
+                "" if panel == "dense" else f"\n{density:g}")
             bars = {name: mine[method][col] for p, method, col, name in _BARS
                     if p == panel and mine.get(method, {}).get(col)}
             if bars:
                 groups[panel].append((label, bars))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), squeeze=False,
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.6), squeeze=False,
                              gridspec_kw={"width_ratios": [1, 2]})
     for ax, (panel, target) in zip(axes[0], (("dense", 1.5), ("gtopk", 1.3))):
         names = [n for p, _, _, n in _BARS if p == panel]
@@ -104,7 +114,7 @@ def plot_hierarchy(results: Sequence[dict[str, Any]], path: str, plt: Any) -> bo
         ax.axhline(target, color="k", ls="--", lw=1)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks(range(len(groups[panel])), [lbl for lbl, _ in groups[panel]],
-                      fontsize=7)
+                      fontsize=6)
         ax.set(ylabel="speed-up (flat time / hierarchical time)",
                title=f"{'dense allreduce' if panel == 'dense' else 'gTop-k step'} "
                      f"(target {target:g}x, dashed)")

@@ -12,8 +12,8 @@ Every rank of a virtual-clock job (:mod:`mpicomm.clock`) maps one shared-memory 
   channel, bytes, virtual send time, the conditions in force) before MPI carries the
   data; the receiver finds it by ``(source, destination, communicator, tag, ordinal)``
   (MPI's non-overtaking rule makes the n-th receive on a channel match the n-th send);
-* per **host**: when its upload link (and, for hosts of several ranks, its download
-  link) is next free.
+* per network **port** (a host's NIC; one per host unless ``MPICOMM_HOST_NICS`` gives
+  more): when its upload link (and, for ports of several ranks, its download) is free.
 
 **Determinism.** A link shared by several actors must serve its messages in
 virtual-time order (ties: actor id, then sequence number), whatever order the operating
@@ -43,10 +43,9 @@ actors that only wait for each other gets no finite floor: that is a deadlock of
 program itself). Every resolution is a function of the posted messages alone, so any
 process may perform it (under one lock), and every run gives the same virtual times.
 
-A link used by one actor only (one rank per host, no helper thread) is resolved as soon
-as its message is posted: nothing waits. Downloads of a host with one rank are
-resolved by the receiving actor itself (:class:`mpicomm.emulate.vnet.GapLink`), in its
-program order; downloads of hosts with several ranks here, in virtual-time order.
+A link used by one actor only (one rank per port, no helper thread) is resolved when
+its message is posted. Downloads of a port with one rank are resolved by the receiver
+itself (:class:`mpicomm.emulate.vnet.GapLink`) in program order, others here.
 
 Costs: every post, state change and resolution takes a process lock and an ``flock``
 (a few microseconds); a waiting actor re-checks with a sleeping backoff (50 us to 2 ms)."""
@@ -99,8 +98,9 @@ class Engine:
         self.platform = platform
         self.P, self.T, self.N = platform.size, threads, slots
         self.A = self.P * self.T
-        self.H = platform.num_hosts
-        self.hosts = platform.hosts
+        self.H = platform.num_ports        # links are per port (NIC), not per host
+        self.hosts, self.ports = platform.hosts, platform.ports
+        self._port_host = {q: h for q, h in zip(self.ports, self.hosts)}
         self.lookahead = platform.min_delay()
         layout: list[tuple[str, str, int]] = [("hdr", "q", 8)]
         layout += [("up_free", "d", self.H), ("dl_free", "d", self.H)]
@@ -132,8 +132,8 @@ class Engine:
                 (self.P, self.T, self.N):
             raise RuntimeError(f"virtual clock: {path} is not this job's table")
         self._lock = threading.Lock()
-        #: hosts whose downloads are resolved here (several ranks)
-        self._multi = [len(platform.ranks_of(g)) > 1 for g in range(self.H)]
+        #: ports whose downloads are resolved here (several ranks)
+        self._multi = [len(platform.ranks_on_port(g)) > 1 for g in range(self.H)]
 
     # ------------------------------------------------------------------ locking
     def __enter__(self) -> Engine:
@@ -357,9 +357,9 @@ class Engine:
 
     def _advance(self) -> None:
         live = self._live()
-        per_host = [0] * self.H
+        per_port = [0] * self.H
         for a in live:
-            per_host[self.hosts[a // self.T]] += 1
+            per_port[self.ports[a // self.T]] += 1
         floors: dict[int, float] | None = None
         resolved = False
         # uploads (resolving one never enables another's conditions: the floors are
@@ -370,11 +370,11 @@ class Engine:
                 if nxt is None:
                     break
                 key, aid, seq = nxt
-                if per_host[h] > 1:
+                if per_port[h] > 1:
                     if floors is None:
                         floors = self.floors(live)
                     if not self._quiet(floors, key, aid,
-                                       (b for b in live if self.hosts[b // self.T] == h)):
+                                       (b for b in live if self.ports[b // self.T] == h)):
                         break
                 i = self._slot(aid, seq)
                 start = max(key, self.up_free[h])
@@ -386,7 +386,7 @@ class Engine:
                 resolved = True
         for g, cands, pending in self._downloads():
             cands.sort()
-            remote = [b for b in live if self.hosts[b // self.T] != g]
+            remote = [b for b in live if self.hosts[b // self.T] != self._port_host[g]]
             bounds: dict[int, float] | None = None
             for key, aid, seq in cands:
                 if pending <= key:   # a message not through its upload may come first
@@ -396,7 +396,7 @@ class Engine:
                         floors = self.floors(live)
                     # what a remote actor sends next leaves its host's upload link no
                     # earlier than that link is free
-                    bounds = {b: max(floors.get(b, INF), self.up_free[self.hosts[b // self.T]])
+                    bounds = {b: max(floors.get(b, INF), self.up_free[self.ports[b // self.T]])
                               for b in remote}
                 if not self._quiet(bounds, key - self.lookahead, aid, remote):
                     break
@@ -411,14 +411,14 @@ class Engine:
             self._changed()
 
     def _downloads(self) -> list[tuple[int, list[tuple[float, int, int]], float]]:
-        """Per host of several ranks with messages to resolve on its download link:
-        ``(host, [(download key, actor, seq)] of the messages through their upload,
+        """Per port of several ranks with messages to resolve on its download link:
+        ``(port, [(download key, actor, seq)] of the messages through their upload,
         lowest key a message still in its upload could have)`` (one scan of the
         messages in flight)."""
         multi = self._multi
         cands: dict[int, list[tuple[float, int, int]]] = {}
         pending: dict[int, float] = {}
-        hosts, flags_, dst_ = self.hosts, self.m_flags, self.m_dst
+        ports, flags_, dst_ = self.ports, self.m_flags, self.m_dst
         skip = DOWNLOADED | INTRA
         for aid in range(self.A):
             head, top = self.a_head[aid], self.a_seq[aid]
@@ -427,7 +427,7 @@ class Engine:
                 flags = flags_[i]
                 if flags & skip or not flags & POSTED:
                     continue
-                g = hosts[dst_[i]]
+                g = ports[dst_[i]]
                 if not multi[g]:
                     continue      # one rank: the receiver resolves its own download
                 if flags & UPLOADED:
@@ -452,7 +452,7 @@ class Engine:
 
     def _next_upload(self, h: int, live: list[int]) -> tuple[float, int, int] | None:
         best = None
-        for rank in self.platform.ranks_of(h):
+        for rank in self.platform.ranks_on_port(h):
             for aid in range(rank * self.T, (rank + 1) * self.T):
                 seq = self.a_up[aid]
                 while seq < self.a_seq[aid]:
@@ -488,8 +488,8 @@ class Engine:
             return self.m_arr[i]
 
     def receiver_resolves(self, dst: int) -> bool:
-        """True when ``dst``'s host has one rank: its receiver resolves its downloads."""
-        return len(self.platform.ranks_of(self.hosts[dst])) < 2
+        """True when ``dst``'s port has one rank: its receiver resolves its downloads."""
+        return len(self.platform.ranks_on_port(self.ports[dst])) < 2
 
     # ------------------------------------------------------------------ floors
     def _lower_bound(self, i: int) -> float:
@@ -512,7 +512,7 @@ class Engine:
         i = self._slot(aid, seq)
         if self.m_flags[i] & UPLOADED:
             return self.m_u1[i]
-        free = self.up_free[self.hosts[aid // self.T]]
+        free = self.up_free[self.ports[aid // self.T]]
         return max(self.m_tsend[i], free) + self.m_nbytes[i] / self.m_rate[i]
 
     def floors(self, live: list[int] | None = None) -> dict[int, float]:

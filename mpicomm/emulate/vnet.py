@@ -7,7 +7,9 @@ simulates under a plain ``mpiexec`` on one machine:
   ``MPICOMM_HOST_SIZES=2,2,1``, on consecutive hosts of the given sizes (uneven hosts);
 * every host has one **upload** and one **download** link of ``rate`` bytes/s (full
   duplex, as a NIC on a switch), and messages between hosts take a one-way **latency**
-  ``delay`` on top of their transmission;
+  ``delay`` on top of their transmission; with ``MPICOMM_HOST_NICS=N`` a host has ``N``
+  such NICs and its local rank ``j`` sends and receives through NIC ``j mod N`` (``N`` at
+  least the ranks per host: one NIC per rank, as on GPU servers with a NIC per GPU);
 * ranks of one host exchange through **shared memory** at ``shm_rate`` bytes/s with a
   latency of ``shm_delay`` and use no link;
 * a **schedule** (the emulated cluster's ``--schedule`` format,
@@ -50,6 +52,7 @@ Environment (read by :func:`platform_from_env`)::
     MPICOMM_VIRTUAL_DELAY           one-way latency between hosts (1ms, 50us, 0)
     MPICOMM_VIRTUAL_RANKS_PER_HOST  R (default 1); MPICOMM_HOST_SIZES overrides it
     MPICOMM_HOST_SIZES              consecutive ranks per host, e.g. 2,2,1
+    MPICOMM_HOST_NICS               network ports (NICs) per host (default 1)
     MPICOMM_VIRTUAL_SCHEDULE        a schedule file (TIME|step N  RATE  DELAY lines)
     MPICOMM_VIRTUAL_SHM_RATE        shared-memory rate (default 80gbit = 10 GB/s)
     MPICOMM_VIRTUAL_SHM_DELAY       shared-memory latency (default 1us)
@@ -67,12 +70,13 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .netns import parse_rate
 from .schedule import Entry, parse_delay, read_schedule
 
 __all__ = ["Platform", "platform_from_env", "host_layout", "parse_host_sizes", "FifoLink",
-           "GapLink",
+           "GapLink", "ENV_HOST_NICS", "parse_nics", "port_layout",
            "ENV_RATE", "ENV_DELAY", "ENV_RANKS_PER_HOST", "ENV_HOST_SIZES", "ENV_SCHEDULE",
            "ENV_SHM_RATE", "ENV_SHM_DELAY", "DEFAULT_SHM_RATE", "DEFAULT_SHM_DELAY",
            "ENV_STALL_S", "DEFAULT_STALL_S", "stall_seconds_from_env", "ENV_FRAMING",
@@ -82,6 +86,7 @@ ENV_RATE = "MPICOMM_VIRTUAL_RATE"
 ENV_DELAY = "MPICOMM_VIRTUAL_DELAY"
 ENV_RANKS_PER_HOST = "MPICOMM_VIRTUAL_RANKS_PER_HOST"
 ENV_HOST_SIZES = "MPICOMM_HOST_SIZES"
+ENV_HOST_NICS = "MPICOMM_HOST_NICS"
 ENV_SCHEDULE = "MPICOMM_VIRTUAL_SCHEDULE"
 ENV_SHM_RATE = "MPICOMM_VIRTUAL_SHM_RATE"
 ENV_SHM_DELAY = "MPICOMM_VIRTUAL_SHM_DELAY"
@@ -112,6 +117,8 @@ class Platform:
     schedule: tuple[Entry, ...] = ()
     #: (payload, header) bytes per frame on the links between hosts; (0, 0): none
     framing: tuple[int, int] = (0, 0)
+    #: network ports per host (local rank j uses port j mod nics)
+    nics: int = 1
     #: time entries sorted by time, step entries by step (see :meth:`conditions`)
     _times: tuple[float, ...] = field(default=(), repr=False, compare=False)
     _steps: tuple[float, ...] = field(default=(), repr=False, compare=False)
@@ -128,6 +135,9 @@ class Platform:
                 raise ValueError(f"virtual platform: {name} must be >= 0, got {value}")
         if not self.hosts:
             raise ValueError("virtual platform: no ranks")
+        if isinstance(self.nics, bool) or not isinstance(self.nics, int) or self.nics < 1:
+            raise ValueError(f"virtual platform: nics must be an integer >= 1, got "
+                             f"{self.nics!r}")
         payload, header = self.framing
         if (payload, header) != (0, 0) and not (payload >= 1 and header >= 0):
             raise ValueError(f"virtual platform: framing needs payload >= 1 and header >= 0 "
@@ -152,6 +162,19 @@ class Platform:
 
     def ranks_of(self, host: int) -> list[int]:
         return [r for r, h in enumerate(self.hosts) if h == host]
+
+    @cached_property
+    def ports(self) -> tuple[int, ...]:
+        """The network port (NIC) of every rank, numbered 0.. across hosts
+        (:func:`port_layout`); with one NIC per host, the host."""
+        return port_layout(self.hosts, self.nics)
+
+    @property
+    def num_ports(self) -> int:
+        return max(self.ports) + 1
+
+    def ranks_on_port(self, port: int) -> list[int]:
+        return [r for r, q in enumerate(self.ports) if q == port]
 
     def conditions(self, t: float, step: int = -1) -> tuple[float, float]:
         """``(rate, delay)`` in force at virtual time ``t`` once step ``step`` has been
@@ -197,7 +220,8 @@ class Platform:
         sizes = [self.hosts.count(h) for h in range(self.num_hosts)]
         return {
             "rate_bits": self.rate * 8, "delay_s": self.delay, "hosts": self.num_hosts,
-            "host_sizes": sizes, "shm_rate_bits": self.shm_rate * 8,
+            "host_sizes": sizes, "nics_per_host": self.nics,
+            "shm_rate_bits": self.shm_rate * 8,
             "shm_delay_s": self.shm_delay,
             "framing": {"payload_bytes": self.framing[0], "header_bytes": self.framing[1]},
             "schedule": [{"kind": e.kind, "at": e.at, "rate_bits": e.rate_bits,
@@ -224,6 +248,37 @@ def parse_host_sizes(text: str, size: int, name: str = ENV_HOST_SIZES) -> list[i
                          f"hosts but the job has {size} ranks; the sizes must add up to "
                          "the number of ranks")
     return sizes
+
+
+def parse_nics(text: str | None, name: str = ENV_HOST_NICS) -> int:
+    """Network ports per host from ``text`` (empty or None: 1); ``ValueError`` naming
+    ``name`` unless it is an integer >= 1."""
+    text = "" if text is None else str(text).strip()
+    if not text:
+        return 1
+    try:
+        nics = int(text)
+    except ValueError:
+        nics = 0
+    if nics < 1:
+        raise ValueError(f"{name}={text!r}: expected the number of network ports per host, "
+                         "an integer >= 1")
+    return nics
+
+
+def port_layout(hosts: Sequence[int], nics: int) -> tuple[int, ...]:
+    """The network port of every rank when each host has ``nics`` ports and its local
+    rank ``j`` (its ``j``-th rank in rank order) uses port ``j mod nics``. Ports are
+    numbered 0, 1, ... in order of first appearance, so with ``nics = 1`` the port is the
+    host. Cost: O(P)."""
+    seen: dict[int, int] = {}
+    numbers: dict[tuple[int, int], int] = {}
+    out = []
+    for h in hosts:
+        j = seen.get(h, 0)
+        seen[h] = j + 1
+        out.append(numbers.setdefault((h, j % nics), len(numbers)))
+    return tuple(out)
 
 
 def host_layout(size: int, ranks_per_host: str | int | None = None,
@@ -322,7 +377,8 @@ def platform_from_env(size: int, env: Mapping[str, str] | None = None) -> Platfo
     shm_rate = _rate(ENV_SHM_RATE, env.get(ENV_SHM_RATE, "").strip() or DEFAULT_SHM_RATE)
     shm_delay = _delay(ENV_SHM_DELAY, env.get(ENV_SHM_DELAY, "").strip() or DEFAULT_SHM_DELAY)
     framing = parse_framing(env.get(ENV_FRAMING, "").strip() or "none")
-    return Platform(rate, delay, hosts, shm_rate, shm_delay, schedule, framing)
+    nics = parse_nics(env.get(ENV_HOST_NICS))
+    return Platform(rate, delay, hosts, shm_rate, shm_delay, schedule, framing, nics)
 
 
 def stall_seconds_from_env(env: Mapping[str, str] | None = None) -> float:
