@@ -58,6 +58,8 @@ variable                            meaning
 ``MPICOMM_VIRTUAL_DELAY``           ... one-way latency between hosts (``100us``);
 ``MPICOMM_VIRTUAL_RANKS_PER_HOST``  ... ranks per host R (default 1);
 ``MPICOMM_HOST_SIZES``              ... consecutive ranks per host (``2,2,1``; wins over R);
+``MPICOMM_HOST_NICS``               network ports per host (default 1; local rank j on port
+                                    j mod N): the two-link cost model and the virtual links;
 ``MPICOMM_VIRTUAL_SCHEDULE``        ... a schedule file of rate/delay changes;
 ``MPICOMM_VIRTUAL_SHM_RATE``        ... shared memory within a host (default ``80gbit``)
 ``MPICOMM_VIRTUAL_SHM_DELAY``       ... and its latency (default ``1us``);
