@@ -394,7 +394,7 @@ class Engine:
                 if bounds is None:
                     if floors is None:
                         floors = self.floors(live)
-                    # what a remote actor sends next leaves its host's upload link no
+                    # what a remote actor sends next leaves its port's upload link no
                     # earlier than that link is free
                     bounds = {b: max(floors.get(b, INF), self.up_free[self.ports[b // self.T]])
                               for b in remote}
