@@ -132,11 +132,13 @@ def test_engine_queues_on_a_shared_port_only(nics, second):
 
 # ---------------------------------------------------------------------- whole jobs
 @contextlib.contextmanager
-def virtual(comm, nics: int):
-    """A virtual cluster of hosts of two ranks (the last one alone for an odd count) at
-    1 Gbit/s and 0.1 ms, ``nics`` ports per host, and a communicator that knows them."""
+def virtual(comm, nics: int, per_host: int = 2):
+    """A virtual cluster of hosts of ``per_host`` ranks (the last one smaller where the
+    count does not divide) at 1 Gbit/s and 0.1 ms, ``nics`` ports per host, and a
+    communicator that knows them."""
     p = comm.size
-    sizes = ",".join(["2"] * (p // 2) + ["1"] * (p % 2))
+    sizes = ",".join([str(per_host)] * (p // per_host) + ([str(p % per_host)]
+                                                          if p % per_host else []))
     plat = platform_from_env(p, {"MPICOMM_VIRTUAL_RATE": "1gbit",
                                  "MPICOMM_VIRTUAL_DELAY": "100us",
                                  "MPICOMM_HOST_SIZES": sizes,
@@ -190,6 +192,41 @@ def test_hierarchical_allreduce_with_a_port_per_rank(comm):
     elif comm.size >= 3:   # a host of one rank: one lane, so one port carries it all
         assert times[2, "hierarchical"] == pytest.approx(times[1, "hierarchical"])
     assert times[2, "ring"] == pytest.approx(times[1, "ring"], rel=0.02)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_two_ports_shared_by_three_ranks_of_a_host(comm):
+    """Hosts of three ranks with two ports: local ranks 0 and 2 share port 0, so the
+    virtual clock serves that port's messages in virtual-time order among two ranks
+    (and their downloads) while local rank 1 has port 1 to itself. The hierarchical
+    allreduce follows the two-link model with one port and with two (its two lanes on
+    ports of their own); the host-major ring, whose host-boundary ranks both use port
+    0, takes the same time either way (the model bounds a folded butterfly from above);
+    the results are the ring's."""
+    n = 120_000
+    x = (np.arange(n, dtype=np.float32) % 89) * (comm.rank + 1)
+    ref = mpicomm.allreduce(x, algorithm="ring", comm=comm)
+    times = {}
+    for nics in (1, 2):
+        with virtual(comm, nics, per_host=3) as vc:
+            model = cost.HostCosts(vc.topology, cost.CostParams(1e-6, 1 / 10e9, 1e-10),
+                                   cost.CostParams(100e-6, 8e-9, 1e-10))
+            for alg in ("ring", "recursive_doubling", "hierarchical"):
+                t, out = _elapsed(vc, lambda alg=alg: mpicomm.allreduce(x, algorithm=alg,
+                                                                          comm=vc))
+                times[nics, alg] = t
+                np.testing.assert_allclose(out, ref, rtol=1e-6)
+                pred = cost.predict("allreduce", alg, 4 * n, comm.size, hosts=model)
+                if comm.size == 1:
+                    assert t == 0.0
+                elif alg == "hierarchical":
+                    assert t == pytest.approx(pred, rel=0.1), nics
+                elif alg == "recursive_doubling" and comm.size & (comm.size - 1):
+                    assert 0.5 * pred < t <= pred * 1.02, nics
+    assert times[2, "ring"] == pytest.approx(times[1, "ring"])
+    if comm.size >= 4 and comm.size % 3 != 1:   # two lanes on every host
+        assert times[2, "hierarchical"] < 0.8 * times[1, "hierarchical"]
 
 
 # ---------------------------------------------------------------------- the suite
