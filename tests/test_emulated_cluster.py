@@ -161,6 +161,10 @@ def test_job_env_and_wrapper() -> None:
       "true"], "MPICOMM_VIRTUAL_FRAMING='jumbo'"),
     (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--ack-priority", "--",
       "true"], "--ack-priority"),
+    (["--hosts", "2", "--ranks-per-host", "2", "--nics-per-host", "2", "--", "true"],
+     "--nics-per-host is for --clock virtual"),
+    (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--nics-per-host", "0",
+      "--", "true"], "--nics-per-host must be >= 1"),
 ])
 def test_bad_arguments_exit_2_before_creating_anything(argv: list[str], message: str,
                                                        capsys: pytest.CaptureFixture) -> None:

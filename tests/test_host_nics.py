@@ -263,3 +263,20 @@ def test_nics_option_needs_the_virtual_clock():
                               nics_per_host="2", virtual_schedule=None, costs=None)
     with pytest.raises(UsageError, match="--nics-per-host"):
         _clock.apply(args)
+
+
+def test_the_launchers_virtual_cluster_takes_the_nics(tmp_path):
+    """``launchers/emulated-cluster --clock virtual --nics-per-host 2`` runs the job on
+    hosts of two ranks with a port each: the job's topology and platform say so."""
+    from mpicomm.emulate import run
+
+    out = tmp_path / "ports.json"
+    script = ("import json, mpicomm; from mpicomm import clock; c = mpicomm.init(); "
+              "t = c.topology; "
+              f"c.rank == 0 and open({str(out)!r}, 'w').write(json.dumps("
+              "[list(t.ports), clock.platform().nics]))")
+    status = run.main(["--hosts", "2", "--ranks-per-host", "2", "--clock", "virtual",
+                       "--rate", "1gbit", "--nics-per-host", "2", "--timeout", "120", "--",
+                       sys.executable, "-c", script])
+    assert status == 0
+    assert json.loads(out.read_text()) == [[0, 1, 2, 3], 2]

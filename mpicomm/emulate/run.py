@@ -2,7 +2,7 @@
 
 ``emulated-cluster --hosts H [--ranks-per-host R] [--rate RATE] [--delay DELAY]
 [--schedule FILE] [--burst BYTES] [--queue DELAY] [--ack-priority] [--timeout SECONDS]
-[--no-shm] [--clock wall|virtual] [--framing F] -- command args...``
+[--no-shm] [--clock wall|virtual] [--framing F] [--nics-per-host N] -- command args...``
 
 With ``--clock virtual`` nothing is shaped and no namespace is made (no root needed):
 the command runs under ``mpiexec -n H*R`` with the virtual clock's platform variables
@@ -12,6 +12,9 @@ the same cluster's timings in virtual time, whatever else runs on the machine. `
 is required then, and ``--no-shm`` does not apply. ``--framing tcp`` charges the
 TCP/IP/Ethernet headers against the virtual links' rate as tc does against the wall
 clock's (:mod:`mpicomm.emulate.vnet`); the default ``none`` charges the payload only.
+``--nics-per-host N`` gives every virtual host ``N`` network ports (``MPICOMM_HOST_NICS``;
+``N = R``: one per rank); the namespaces of a wall-clock run have one link each, so there
+it is refused.
 
 The steps of a wall-clock run:
 
@@ -131,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--framing", default="none",
                     help="--clock virtual: headers per frame charged on the links between "
                          "hosts: none (default), tcp, or PAYLOAD,HEADER bytes")
+    ap.add_argument("--nics-per-host", type=int, default=1,
+                    help="--clock virtual: network ports per host (default 1; R for one "
+                         "per rank)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command args...")
     return ap
 
@@ -170,8 +176,9 @@ def job_env(hosts: int, per_host: int, rate: str | None, delay: float, no_shm: b
         linkdelay.ENV_DELAY_FILE: os.path.join(rundir, "delay"),
         linkdelay.ENV_STEP_FILE: os.path.join(rundir, "step"),
         "MPICOMM_EMU_SCHEDULE": os.path.abspath(schedule) if schedule else "",
-        # the host layout mpicomm.topology reads (with --no-shm MPI sees no hosts at all)
-        vnet.ENV_HOST_SIZES: ",".join([str(per_host)] * hosts),
+        # the host layout mpicomm.topology reads (with --no-shm MPI sees no hosts at all);
+        # a namespace has one link, so one network port per host
+        vnet.ENV_HOST_SIZES: ",".join([str(per_host)] * hosts), vnet.ENV_HOST_NICS: "1",
     })
     return env
 
@@ -199,6 +206,11 @@ def _check(args: argparse.Namespace) -> tuple[list[str], float | None, float, li
         Cluster.check_queue(_queue_s(args))
     if args.ack_priority and args.clock == "virtual":
         raise ValueError("--ack-priority shapes tc queues; the virtual clock's links have none")
+    if args.nics_per_host < 1:
+        raise ValueError(f"--nics-per-host must be >= 1, got {args.nics_per_host}")
+    if args.clock == "wall" and args.nics_per_host > 1:
+        raise ValueError("--nics-per-host is for --clock virtual; an emulated host has one "
+                         "link")
     if args.clock == "wall" and _framed(args):
         raise ValueError("--framing is for --clock virtual; on the wall clock tc counts the "
                          "real headers")
@@ -217,13 +229,14 @@ def _framed(args: argparse.Namespace) -> bool:
 
 
 def virtual_env(hosts: int, per_host: int, rate: str, delay: str, schedule: str | None,
-                base: dict[str, str] | None = None, framing: str = "none") -> dict[str, str]:
+                base: dict[str, str] | None = None, framing: str = "none",
+                nics: int = 1) -> dict[str, str]:
     """The environment of a ``--clock virtual`` job (see the module docstring)."""
     env = dict(os.environ if base is None else base)
     env.update({"MPICOMM_CLOCK": "virtual", vnet.ENV_RATE: rate, vnet.ENV_DELAY: delay,
                 vnet.ENV_RANKS_PER_HOST: str(per_host),
                 vnet.ENV_SCHEDULE: os.path.abspath(schedule) if schedule else "",
-                vnet.ENV_FRAMING: framing})
+                vnet.ENV_FRAMING: framing, vnet.ENV_HOST_NICS: str(nics)})
     env.pop(vnet.ENV_HOST_SIZES, None)
     return env
 
@@ -240,7 +253,7 @@ def _run_virtual(args: argparse.Namespace, cmd: list[str]) -> int:
         return 2
     ranks = args.hosts * args.ranks_per_host
     env = virtual_env(args.hosts, args.ranks_per_host, args.rate, args.delay, args.schedule,
-                      framing=args.framing)
+                      framing=args.framing, nics=args.nics_per_host)
     try:   # the ranks would each raise it; say it once, before starting them
         vnet.platform_from_env(ranks, env)
         mpiexec = find_mpiexec()
@@ -250,7 +263,8 @@ def _run_virtual(args: argparse.Namespace, cmd: list[str]) -> int:
     _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s), virtual clock: rate "
          f"{args.rate}, delay {args.delay}" + (f", schedule {args.schedule}"
                                               if args.schedule else "")
-         + (f", framing {args.framing}" if _framed(args) else ""))
+         + (f", framing {args.framing}" if _framed(args) else "")
+         + (f", {args.nics_per_host} NICs per host" if args.nics_per_host > 1 else ""))
     proc = subprocess.Popen([mpiexec, "-n", str(ranks), *cmd], env=env,
                             start_new_session=True)
     try:
