@@ -279,7 +279,7 @@ bench-virtual: $(STAMP)
 
 # Hierarchical against flat collectives at 32 ranks on the virtual clock (1 Gbit/s,
 # 0.1 ms): 8 hosts of 4 and 16 of 2, one network port per host and one per rank, d = 1e6
-# and 1e7 (3-4 minutes each on 2 quiet cores; the cost table of the committed runs).
+# and 1e7 (1-4 minutes each on 2 quiet cores; the cost table of the committed runs).
 HIER_COSTS ?= benchmarks/results/vclock-costs.json
 bench-hierarchy: $(STAMP)
 	@mkdir -p $(BENCH_OUT)/hierarchy

@@ -113,8 +113,8 @@ class Topology:
             numbered = tuple(labels.setdefault(q, len(labels)) for q in ports)
         else:
             numbered = port_layout(layout, nics)
-        # one port per host is the default layout: stored as ()
-        return cls(layout, () if numbered == port_layout(layout, 1) else numbered)
+        # one port per host (the ports numbered as the hosts) is stored as ()
+        return cls(layout, () if numbered == layout else numbered)
 
     def restrict(self, ranks: Sequence[int]) -> Topology:
         """The layout of a communicator made of ``ranks`` of this one (in that order);

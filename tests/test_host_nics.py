@@ -50,7 +50,7 @@ def test_platform_ports_from_env():
     assert p.describe()["nics_per_host"] == 2
     q = platform_from_env(4, {"MPICOMM_VIRTUAL_RATE": "1gbit",
                               "MPICOMM_VIRTUAL_RANKS_PER_HOST": "2"})
-    assert q.nics == 1 and q.ports == q.hosts and q.ranks_on_port(1) == [2, 3]
+    assert q.nics == 1 and q.ports == q.hosts and q.ranks_on_port(1) == (2, 3)
     with pytest.raises(ValueError, match="nics"):
         Platform(rate=1e6, delay=0.0, hosts=(0, 0), nics=0)
 

@@ -160,9 +160,6 @@ class Platform:
     def num_hosts(self) -> int:
         return max(self.hosts) + 1
 
-    def ranks_of(self, host: int) -> list[int]:
-        return [r for r, h in enumerate(self.hosts) if h == host]
-
     @cached_property
     def ports(self) -> tuple[int, ...]:
         """The network port (NIC) of every rank, numbered 0.. across hosts
@@ -173,8 +170,17 @@ class Platform:
     def num_ports(self) -> int:
         return max(self.ports) + 1
 
-    def ranks_on_port(self, port: int) -> list[int]:
-        return [r for r, q in enumerate(self.ports) if q == port]
+    @cached_property
+    def _port_members(self) -> tuple[tuple[int, ...], ...]:
+        members: list[list[int]] = [[] for _ in range(max(self.ports) + 1)]
+        for r, q in enumerate(self.ports):
+            members[q].append(r)
+        return tuple(tuple(m) for m in members)
+
+    def ranks_on_port(self, port: int) -> tuple[int, ...]:
+        """The ranks that send and receive through ``port``, in rank order (computed
+        once: the virtual clock's link resolution asks for them on every pass)."""
+        return self._port_members[port]
 
     def conditions(self, t: float, step: int = -1) -> tuple[float, float]:
         """``(rate, delay)`` in force at virtual time ``t`` once step ``step`` has been
