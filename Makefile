@@ -94,7 +94,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider --color=no -q -x \
 	--timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
 .PHONY: install test test-serial test-mpi demo bench bench-cluster bench-crossover \
-	bench-vclock-wall bench-virtual bench-hierarchy bench-workloads bench-controllers \
+	bench-vclock-wall bench-virtual bench-hierarchy bench-hierarchy-wall bench-workloads bench-controllers \
 	bench-controllers-selector bench-ratios bench-recovery bench-recovery-restart \
 	bench-ps-convergence bench-ps-convergence-mnist1d bench-ps-convergence-mnist1d-8 report lint docs clean gpu-check
 
@@ -291,6 +291,21 @@ bench-hierarchy: $(STAMP)
 	      --nics-per-host $$nics --sizes $$d --costs $(HIER_COSTS) \
 	      --json $(BENCH_OUT)/hierarchy/hier-virtual-$$layout$$tag-1gbit-d$$d.json || exit 1; \
 	  done; done; done
+
+# The same on the wall clock: the tc-shaped emulated cluster (root), hosts of 2 ranks at
+# 1 Gbit/s and 0.1 ms, one network port per host and one per rank, d = 1e7. Needs a quiet
+# machine with a core per rank (HIER_WALL_HOSTS x 2 ranks); with fewer, the times
+# measure the scheduler.
+HIER_WALL_HOSTS ?= 4
+bench-hierarchy-wall: $(STAMP)
+	@mkdir -p $(BENCH_OUT)/hierarchy
+	for nics in 1 2; do tag=$$( [ $$nics = 1 ] && echo "" || echo "-2nic"); \
+	  MPICOMM_PYTHON=$(PY) launchers/emulated-cluster --hosts $(HIER_WALL_HOSTS) \
+	    --ranks-per-host 2 --nics-per-host $$nics --rate 1gbit --delay 100us \
+	    --timeout $(BENCH_TIMEOUT) -- $(PY) -m mpicomm.bench hierarchy --sizes 1e7 \
+	    --json $(BENCH_OUT)/hierarchy/hier-wall-$(HIER_WALL_HOSTS)x2$$tag-1gbit-d1e7.json \
+	    || exit 1; \
+	done
 
 # The virtual clock against the wall clock of the tc-shaped emulated cluster (2 and 4
 # hosts, 100 Mbit/s, 1 ms, d = 1e6 and 1e7; root). The wall-clock half needs a quiet

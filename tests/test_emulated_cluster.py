@@ -129,15 +129,27 @@ def test_job_env_and_wrapper() -> None:
     assert env["UCX_RNDV_THRESH"] == "inf"  # eager: both directions of an exchange at once
     kept = run.job_env(2, 1, "1gbit", 0.0, False, "/r", None, base={"UCX_RNDV_THRESH": "auto"})
     assert kept["UCX_RNDV_THRESH"] == "auto"
+    assert env["MPICOMM_HOST_NICS"] == "1"
     env = run.job_env(4, 2, None, 0.0, True, "/r", None, base={})
     assert env["MPIR_CVAR_NOLOCAL"] == "1" and env["MPICOMM_EMU_RATE"] == "unshaped"
-    # host-major placement in the per-rank wrapper: rank r -> host r // R
-    script = run.WRAPPER.format(prog="x", per_host=3, prefix="ns-h", ip="/sbin/ip")
-    for rank, host in ((0, 0), (2, 0), (3, 1), (7, 2)):
-        out = subprocess.run(["sh", "-c", script.replace("exec /sbin/ip netns exec", "echo"),
-                              "sh", "cmd"], env={"PMI_RANK": str(rank), "PATH": "/bin:/usr/bin"},
-                             capture_output=True, text=True)
-        assert out.stdout.split() == [f"ns-h{host}", "cmd"], out
+    # ports a rank can use: min(N, R)
+    assert run.job_env(2, 3, "1gbit", 0.0, False, "/r", None, base={},
+                       nics=2)["MPICOMM_HOST_NICS"] == "2"
+    assert run.job_env(2, 3, "1gbit", 0.0, False, "/r", None, base={},
+                       nics=8)["MPICOMM_HOST_NICS"] == "3"
+    # host-major placement in the per-rank wrapper: rank r -> host r // R, and with M
+    # ports per host -> namespace (r // R)·M + (r mod R) mod M
+    for per_host, ports, placed in ((3, 1, ((0, 0), (2, 0), (3, 1), (7, 2))),
+                                    (3, 2, ((0, 0), (1, 1), (2, 0), (3, 2), (4, 3), (5, 2))),
+                                    (2, 2, ((0, 0), (1, 1), (2, 2), (3, 3)))):
+        script = run.WRAPPER.format(prog="x", per_host=per_host, ports=ports, prefix="ns-h",
+                                    ip="/sbin/ip")
+        for rank, ns in placed:
+            out = subprocess.run(["sh", "-c", script.replace("exec /sbin/ip netns exec", "echo"),
+                                  "sh", "cmd"],
+                                 env={"PMI_RANK": str(rank), "PATH": "/bin:/usr/bin"},
+                                 capture_output=True, text=True)
+            assert out.stdout.split() == [f"ns-h{ns}", "cmd"], (per_host, ports, rank, out)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -161,8 +173,10 @@ def test_job_env_and_wrapper() -> None:
       "true"], "MPICOMM_VIRTUAL_FRAMING='jumbo'"),
     (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--ack-priority", "--",
       "true"], "--ack-priority"),
-    (["--hosts", "2", "--ranks-per-host", "2", "--nics-per-host", "2", "--", "true"],
-     "--nics-per-host is for --clock virtual"),
+    (["--hosts", "2", "--ranks-per-host", "2", "--nics-per-host", "2", "--no-shm", "--",
+      "true"], "--no-shm with --nics-per-host"),
+    (["--hosts", "600", "--ranks-per-host", "2", "--nics-per-host", "2", "--", "true"],
+     "1200 namespaces; at most 1000"),
     (["--hosts", "2", "--clock", "virtual", "--rate", "1gbit", "--nics-per-host", "0",
       "--", "true"], "--nics-per-host must be >= 1"),
 ])
@@ -312,6 +326,60 @@ def test_exit_status_schedule_and_placement() -> None:
     assert all("rate 300Mbit lat 5ms" in line and line.endswith(" 0.005 0.007")
                for line in lines), \
         res.stdout
+
+
+#: Job of the ports test: rank 0 prints every rank's namespace address, ports and the
+#: bytes its port sent during a hierarchical allreduce and during a flat ring allreduce.
+PORT_TRAFFIC_JOB = """
+import os, numpy as np, mpicomm
+from mpi4py import MPI
+from mpicomm.topology import detect
+w = MPI.COMM_WORLD
+def sent():
+    w.Barrier()
+    with open('/sys/class/net/eth0/statistics/tx_bytes') as f:
+        n = int(f.read())
+    w.Barrier()
+    return n
+x = np.full(1_200_000, w.rank + 1, dtype=np.float32)
+want = w.size * (w.size + 1) / 2
+out = []
+for algorithm in ('hierarchical', 'ring'):
+    before = sent()
+    ok = bool(np.all(mpicomm.allreduce(x, algorithm=algorithm) == want))
+    out += [str(sent() - before), str(ok)]
+addr = os.popen('ip -o -4 addr show dev eth0').read().split()[3]
+ports = ','.join(map(str, detect(w).ports))
+rows = w.gather(' '.join(['R', str(w.rank), addr, ports, *out]))
+if w.rank == 0:
+    print('\\n'.join(rows), flush=True)
+"""
+
+
+@needs_netns
+def test_each_port_is_a_shaped_link_of_its_own() -> None:
+    """``--nics-per-host 2`` with hosts of 3 ranks: local ranks 0 and 2 share a port
+    (one namespace, one address, one link), local rank 1 has its own; the topology sees
+    the same ports; the hierarchy's three lanes send exactly their slices through their
+    own ports (port 0 two lanes' worth, port 1 one), while the host-major ring sends
+    everything of a host through the port of its last rank."""
+    res = launch("--hosts", "2", "--ranks-per-host", "3", "--nics-per-host", "2", "--rate",
+                 "1gbit", "--timeout", "100", "--", sys.executable, "-c", PORT_TRAFFIC_JOB,
+                 timeout=120)
+    assert res.returncode == 0, res.stdout
+    assert "2 ports per host" in res.stdout
+    rows = [line.split()[1:] for line in res.stdout.splitlines() if line.startswith("R ")]
+    assert [row[0] for row in rows] == [str(r) for r in range(6)], res.stdout
+    assert [row[1] for row in rows] == ["10.77.0.1/16", "10.77.0.2/16", "10.77.0.1/16",
+                                        "10.77.0.3/16", "10.77.0.4/16", "10.77.0.3/16"], rows
+    assert {row[2] for row in rows} == {"0,1,0,2,3,2"}, rows
+    assert all(row[4] == row[6] == "True" for row in rows), rows
+    lane = 1_200_000 * 4 / 3          # a lane's slice: an allreduce of it between 2 hosts
+    ring = 2 * 5 / 6 * 1_200_000 * 4  # a host-major ring: one rank per host sends across
+    for rank, lanes, ring_part in ((0, 2, 1), (1, 1, 0), (3, 2, 1), (4, 1, 0)):
+        hier_bytes, ring_bytes = int(rows[rank][3]), int(rows[rank][5])
+        assert hier_bytes == pytest.approx(lanes * lane, rel=0.03), (rank, rows)
+        assert ring_bytes == pytest.approx(ring_part * ring, rel=0.03, abs=1e5), (rank, rows)
 
 
 @needs_netns

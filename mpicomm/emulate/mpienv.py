@@ -140,6 +140,7 @@ def network() -> dict[str, Any]:
         return {"kind": "shared memory", "hosts": 1}
     return {"kind": "emulated cluster", "hosts": int(hosts),
             "ranks_per_host": int(os.environ.get("MPICOMM_EMU_RANKS_PER_HOST", "1")),
+            "nics_per_host": int(os.environ.get("MPICOMM_HOST_NICS", "1") or 1),
             "rate": os.environ.get("MPICOMM_EMU_RATE", "unshaped"),
             "delay_s": float(os.environ.get("MPICOMM_EMU_DELAY", "0") or 0),
             "schedule": os.environ.get("MPICOMM_EMU_SCHEDULE") or None,

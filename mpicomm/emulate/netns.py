@@ -6,6 +6,9 @@ Layout of one run (``P`` = the emulator's process id, so concurrent runs never c
     netns mpcemu<P>-h<i>  lo + eth0 = 10.77.<i // 250>.<i % 250 + 1>/16
                           (egress shaped: host upload)
 
+A host with several network ports (``emulated-cluster --nics-per-host``) is several such
+namespaces, one per port (:mod:`mpicomm.emulate.run`); here each is a "host" of its own.
+
 Nothing is created in the caller's namespace except, for a moment, the veth pairs
 (``me<P>a<i>``/``me<P>b<i>``) before they are moved into their namespaces, so the
 traffic of a run stays inside the namespaces it created. :meth:`Cluster.teardown`

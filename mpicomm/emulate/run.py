@@ -12,9 +12,10 @@ the same cluster's timings in virtual time, whatever else runs on the machine. `
 is required then, and ``--no-shm`` does not apply. ``--framing tcp`` charges the
 TCP/IP/Ethernet headers against the virtual links' rate as tc does against the wall
 clock's (:mod:`mpicomm.emulate.vnet`); the default ``none`` charges the payload only.
-``--nics-per-host N`` gives every virtual host ``N`` network ports (``MPICOMM_HOST_NICS``;
-``N = R``: one per rank); the namespaces of a wall-clock run have one link each, so there
-it is refused.
+``--nics-per-host N`` gives every host ``N`` network ports (``MPICOMM_HOST_NICS``; ``N =
+R``: one per rank, as on servers with a NIC per GPU): local rank ``j`` sends and receives
+through port ``j mod N``. On the virtual clock the platform models them; on the wall clock
+each port is a namespace of its own with its own shaped link (below).
 
 The steps of a wall-clock run:
 
@@ -24,13 +25,18 @@ The steps of a wall-clock run:
 2. Creates the hosts (:class:`mpicomm.emulate.netns.Cluster`), shaped to ``RATE``.
 3. Runs ``mpiexec -n H*R <wrapper> command args...`` where the per-rank wrapper moves
    rank ``r`` (``PMI_RANK``) into host ``r // R`` with ``ip netns exec`` (host-major
-   placement). MPI traffic between hosts goes over TCP on ``eth0``:
+   placement). With ``--nics-per-host N``, host ``i`` is ``M = min(N, R)`` namespaces,
+   one per port, each with its own shaped link, and rank ``r`` runs in namespace
+   ``i·M + (r mod R) mod M``: the ranks of a port share its link, the ranks of a host
+   still share memory (MPICH's cliques below do not depend on namespaces). MPI traffic
+   between hosts goes over TCP on ``eth0``:
    ``UCX_TLS=tcp UCX_NET_DEVICES=eth0``, eager sends at every size
    (:data:`RNDV_THRESH`: both directions of an exchange at once), and MPICH's clique
    emulation (``MPIR_CVAR_NUM_CLIQUES=H``, ``MPIR_CVAR_CLIQUES_BY_BLOCK=1``: ranks of
    different hosts are not "local", so there is no shared-memory shortcut between
    them). With ``--no-shm``, ``MPIR_CVAR_NOLOCAL=1``: TCP between ranks of one host too
-   (over the host's loopback, which is not shaped, as on a real machine).
+   (over the host's loopback, which is not shaped, as on a real machine; refused with
+   several ports, whose namespaces have no common loopback).
 4. Latency: this kernel has no ``netem``; ``DELAY`` is injected by mpicomm's own
    point-to-point layer (:mod:`mpicomm.emulate.linkdelay`) which the wrapper's environment
    switches on. The MPI library's own collectives bypass it.
@@ -80,11 +86,12 @@ from .schedule import Applier, parse_delay, read_schedule, write_atomic
 __all__ = ["main", "build_parser", "job_env", "WRAPPER"]
 
 PROG = "emulated-cluster"
-#: Per-rank wrapper: rank from the launcher's environment, host = rank // R.
+#: Per-rank wrapper: rank from the launcher's environment; namespace = host·M + port,
+#: host = rank // R, port = (rank mod R) mod M (M = ports per host; 1: the host).
 WRAPPER = """#!/bin/sh
 r=${{PMI_RANK:-${{PMIX_RANK:-${{OMPI_COMM_WORLD_RANK:-}}}}}}
 if [ -z "$r" ]; then echo "{prog}: no PMI_RANK in the rank's environment" >&2; exit 97; fi
-h=$((r / {per_host}))
+h=$((r / {per_host} * {ports} + r % {per_host} % {ports}))
 exec {ip} netns exec {prefix}$h "$@"
 """
 
@@ -135,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--clock virtual: headers per frame charged on the links between "
                          "hosts: none (default), tcp, or PAYLOAD,HEADER bytes")
     ap.add_argument("--nics-per-host", type=int, default=1,
-                    help="--clock virtual: network ports per host (default 1; R for one "
-                         "per rank)")
+                    help="network ports per host, local rank j on port j mod N (default "
+                         "1; R for one per rank); each port its own shaped link")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command args...")
     return ap
 
@@ -157,9 +164,15 @@ def _log(msg: str) -> None:
 RNDV_THRESH = "inf"
 
 
+def ports_per_host(per_host: int, nics: int) -> int:
+    """Namespaces (shaped links) per host of a wall-clock run: ``min(N, R)``, as ports
+    no rank uses carry nothing."""
+    return min(nics, per_host)
+
+
 def job_env(hosts: int, per_host: int, rate: str | None, delay: float, no_shm: bool,
             rundir: str, schedule: str | None,
-            base: dict[str, str] | None = None) -> dict[str, str]:
+            base: dict[str, str] | None = None, nics: int = 1) -> dict[str, str]:
     """The environment of ``mpiexec`` and so of every rank."""
     env = dict(os.environ if base is None else base)
     env.update(UCX_TLS="tcp", UCX_NET_DEVICES="eth0")
@@ -176,9 +189,10 @@ def job_env(hosts: int, per_host: int, rate: str | None, delay: float, no_shm: b
         linkdelay.ENV_DELAY_FILE: os.path.join(rundir, "delay"),
         linkdelay.ENV_STEP_FILE: os.path.join(rundir, "step"),
         "MPICOMM_EMU_SCHEDULE": os.path.abspath(schedule) if schedule else "",
-        # the host layout mpicomm.topology reads (with --no-shm MPI sees no hosts at all);
-        # a namespace has one link, so one network port per host
-        vnet.ENV_HOST_SIZES: ",".join([str(per_host)] * hosts), vnet.ENV_HOST_NICS: "1",
+        # the host layout mpicomm.topology reads (with --no-shm MPI sees no hosts at all)
+        # and its ports: one shaped link per port namespace
+        vnet.ENV_HOST_SIZES: ",".join([str(per_host)] * hosts),
+        vnet.ENV_HOST_NICS: str(ports_per_host(per_host, nics)),
     })
     return env
 
@@ -208,9 +222,13 @@ def _check(args: argparse.Namespace) -> tuple[list[str], float | None, float, li
         raise ValueError("--ack-priority shapes tc queues; the virtual clock's links have none")
     if args.nics_per_host < 1:
         raise ValueError(f"--nics-per-host must be >= 1, got {args.nics_per_host}")
-    if args.clock == "wall" and args.nics_per_host > 1:
-        raise ValueError("--nics-per-host is for --clock virtual; an emulated host has one "
-                         "link")
+    ports = ports_per_host(args.ranks_per_host, args.nics_per_host)
+    if args.clock == "wall" and args.hosts * ports > 1000:
+        raise ValueError(f"--hosts x min(--nics-per-host, --ranks-per-host) = "
+                         f"{args.hosts * ports} namespaces; at most 1000")
+    if args.clock == "wall" and args.no_shm and ports > 1:
+        raise ValueError("--no-shm with --nics-per-host: the ranks of a host would meet "
+                         "over the shaped links of their ports, not over a loopback")
     if args.clock == "wall" and _framed(args):
         raise ValueError("--framing is for --clock virtual; on the wall clock tc counts the "
                          "real headers")
@@ -324,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
                                                     signal.SIGHUP)}
-    cluster = Cluster(args.hosts, rate, args.burst, _queue_s(args),
+    ports = ports_per_host(args.ranks_per_host, args.nics_per_host)
+    cluster = Cluster(args.hosts * ports, rate, args.burst, _queue_s(args),
                       ack_priority=args.ack_priority)
     rundir: str | None = None
     proc: subprocess.Popen | None = None
@@ -336,11 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_atomic(os.path.join(rundir, "delay"), repr(delay))
         wrapper = os.path.join(rundir, "rank")
         with open(wrapper, "w") as f:
-            f.write(WRAPPER.format(prog=PROG, per_host=args.ranks_per_host, ip=cluster.ip,
-                                   prefix=cluster.host(0)[:-1]))
+            f.write(WRAPPER.format(prog=PROG, per_host=args.ranks_per_host, ports=ports,
+                                   ip=cluster.ip, prefix=cluster.host(0)[:-1]))
         os.chmod(wrapper, 0o755)
         env = job_env(args.hosts, args.ranks_per_host, args.rate, delay, args.no_shm,
-                      rundir, args.schedule)
+                      rundir, args.schedule, nics=args.nics_per_host)
         if rate is not None:
             env["MPICOMM_EMU_BURST"] = str(burst_bytes(rate, args.burst))
             env["MPICOMM_EMU_QUEUE"] = repr(cluster.queue)
@@ -349,8 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         shaped = (f"{args.rate} (tc {qdisc}, bucket {burst_bytes(rate, args.burst)} B, queue "
                   f"{cluster.queue * 1e3:g} ms)"
                   if rate is not None else "unshaped")
-        _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s), rate {shaped}, "
-             f"delay {delay * 1e3:g} ms (injected by mpicomm p2p), "
+        _log(f"{args.hosts} host(s) x {args.ranks_per_host} rank(s)"
+             + (f", {ports} ports per host" if ports > 1 else "")
+             + f", rate {shaped}, delay {delay * 1e3:g} ms (injected by mpicomm p2p), "
              f"namespaces {cluster.host(0)[:-1]}*")
         proc = subprocess.Popen([mpiexec, "-n", str(ranks), wrapper, *cmd], env=env,
                                 start_new_session=True)
