@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpicomm.bench.adaptive import lgreco_summary, median_row, ratio_moves
+from mpicomm.abort import UsageError
+from mpicomm.bench.adaptive import auto_options, lgreco_summary, median_row, ratio_moves
 
 from .launch import load_script, run_job
 
@@ -33,6 +34,16 @@ def test_median_row_takes_medians_and_counts_a_miss_as_infinitely_slow():
     assert median_row(runs[:2])["time_to_target_s"] is None
     one = median_row(runs[:1])
     assert one["time_to_target_s"] == 3.0 and one["runs"] == runs[:1]
+
+
+def test_auto_options_reads_flags_numbers_and_tuples():
+    assert auto_options(["momentum_correction=false", "window=3", "weights=0.8,0.2"]) == {
+        "momentum_correction": False, "window": 3, "weights": (0.8, 0.2)}
+    for bad, why in ((["weights=0.8,x"], "must be a number"),
+                     (["weights=0.8,0.2,0.1"], "weights must be two positive numbers"),
+                     (["no_such_option=1"], "--auto-option")):
+        with pytest.raises(UsageError, match=why):
+            auto_options(bad)
 
 
 def test_ratio_moves_compares_the_ratio_before_a_change_with_the_settled_one():

@@ -133,7 +133,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: exploration window (steps per candidate ratio)")
     parser.add_argument("--auto-option", action="append", default=[], metavar="KEY=VALUE",
                         help="auto: one AutoConfig option (repeatable; VALUE a number, "
-                             "true or false), e.g. gain_weighted=false")
+                             "true or false, or numbers with commas for a tuple), e.g. "
+                             "gain_weighted=false, weights=0.8,0.2")
     parser.add_argument("--lgreco-ratio", type=float, default=0.01)
     parser.add_argument("--lgreco-families", default="topk,qsgd,powersgd",
                         help="comma-separated L-GreCo families to compare with uniform")
@@ -442,14 +443,21 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def auto_options(items: list[str]) -> dict[str, Any]:
-    """``--auto-option KEY=VALUE`` items as AutoConfig options (``true``/``false``, else
-    numbers), checked by :class:`~mpicomm.strategies.AutoConfig`: a usage error for an
-    unknown key or a bad value."""
+    """``--auto-option KEY=VALUE`` items as AutoConfig options (``true``/``false``,
+    numbers, or comma-separated numbers as a tuple: ``weights=0.8,0.2``), checked by
+    :class:`~mpicomm.strategies.AutoConfig`: a usage error for an unknown key or a bad
+    value."""
     out: dict[str, Any] = {}
     for item in items:
         key, _, value = item.partition("=")
-        out.update({key: value.lower() == "true"} if value.lower() in ("true", "false")
-                   else parse_options([item], "--auto-option"))
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        elif "," in value:
+            parts = [parse_options([f"{key}={v}"], "--auto-option")[key]
+                     for v in value.split(",")]
+            out[key] = tuple(parts)
+        else:
+            out.update(parse_options([item], "--auto-option"))
     try:
         AutoConfig.from_options(**out)
     except (TypeError, ValueError) as exc:
