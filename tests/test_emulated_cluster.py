@@ -328,11 +328,13 @@ def test_exit_status_schedule_and_placement() -> None:
         res.stdout
 
 
-#: Job of the ports test: rank 0 prints every rank's namespace address, ports and the
-#: bytes its port sent during a hierarchical allreduce and during a flat ring allreduce.
+#: Job of the ports test: rank 0 prints every rank's namespace address, ports, the bytes
+#: its port sent during a hierarchical allreduce and during a flat ring allreduce, and
+#: the ports per host the benchmarks record.
 PORT_TRAFFIC_JOB = """
 import os, numpy as np, mpicomm
 from mpi4py import MPI
+from mpicomm.emulate.mpienv import network
 from mpicomm.topology import detect
 w = MPI.COMM_WORLD
 def sent():
@@ -350,7 +352,8 @@ for algorithm in ('hierarchical', 'ring'):
     out += [str(sent() - before), str(ok)]
 addr = os.popen('ip -o -4 addr show dev eth0').read().split()[3]
 ports = ','.join(map(str, detect(w).ports))
-rows = w.gather(' '.join(['R', str(w.rank), addr, ports, *out]))
+recorded = str(network()['nics_per_host'])
+rows = w.gather(' '.join(['R', str(w.rank), addr, ports, *out, recorded]))
 if w.rank == 0:
     print('\\n'.join(rows), flush=True)
 """
@@ -374,6 +377,7 @@ def test_each_port_is_a_shaped_link_of_its_own() -> None:
                                         "10.77.0.3/16", "10.77.0.4/16", "10.77.0.3/16"], rows
     assert {row[2] for row in rows} == {"0,1,0,2,3,2"}, rows
     assert all(row[4] == row[6] == "True" for row in rows), rows
+    assert {row[7] for row in rows} == {"2"}, rows  # what the benchmarks record
     lane = 1_200_000 * 4 / 3          # a lane's slice: an allreduce of it between 2 hosts
     ring = 2 * 5 / 6 * 1_200_000 * 4  # a host-major ring: one rank per host sends across
     for rank, lanes, ring_part in ((0, 2, 1), (1, 1, 0), (3, 2, 1), (4, 1, 0)):

@@ -135,12 +135,14 @@ def network() -> dict[str, Any]:
     """The network the ranks ran on: the emulated cluster's conditions (from the
     ``MPICOMM_EMU_*`` variables ``launchers/emulated-cluster`` sets) or one host's
     shared memory."""
+    from .vnet import ENV_HOST_NICS, parse_nics
+
     hosts = os.environ.get("MPICOMM_EMU_HOSTS")
     if not hosts:
         return {"kind": "shared memory", "hosts": 1}
     return {"kind": "emulated cluster", "hosts": int(hosts),
             "ranks_per_host": int(os.environ.get("MPICOMM_EMU_RANKS_PER_HOST", "1")),
-            "nics_per_host": int(os.environ.get("MPICOMM_HOST_NICS", "1") or 1),
+            "nics_per_host": parse_nics(os.environ.get(ENV_HOST_NICS)),
             "rate": os.environ.get("MPICOMM_EMU_RATE", "unshaped"),
             "delay_s": float(os.environ.get("MPICOMM_EMU_DELAY", "0") or 0),
             "schedule": os.environ.get("MPICOMM_EMU_SCHEDULE") or None,
