@@ -47,7 +47,8 @@ from mpicomm.bench.harness import build  # noqa: E402
 from mpicomm.bench.sync import PSMethod  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train as peer  # noqa: E402  (examples/train.py: data, model, loop, summary)
+import summary_text  # noqa: E402  (examples/summary_text.py)
+import train as peer  # noqa: E402  (examples/train.py: data, model, loop)
 
 import mpicomm  # noqa: E402
 from mpicomm import workloads  # noqa: E402
@@ -133,7 +134,7 @@ def traffic_summary(worker_stats: list[dict[str, Any]], summary: dict[str, Any]
     total = [a + b for a, b in zip(pushed, pulled)]
     mean = sum(total) / len(total)
     dense = summary["dense_bytes_per_rank"]
-    mb = peer._mb
+    mb = summary_text.megabytes
     return {
         "pushed_bytes_per_worker": sum(pushed) / len(pushed),
         "pulled_bytes_per_worker": sum(pulled) / len(pulled),
@@ -144,7 +145,7 @@ def traffic_summary(worker_stats: list[dict[str, Any]], summary: dict[str, Any]
             f"per worker        pushed {mb(sum(pushed) / len(pushed))} + pulled "
             f"{mb(sum(pulled) / len(pulled))} = {mb(mean)} (max worker {mb(max(total))})",
             f"dense allreduce   sends {mb(dense)} and receives {mb(dense)} per worker for the "
-            f"same steps ({mb(2 * dense)}): {peer.compare_bytes(mean, 2 * dense)}",
+            f"same steps ({mb(2 * dense)}): {summary_text.compare_bytes(mean, 2 * dense)}",
         ],
     }
 
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         summary["roles"] = (f"{kv.workers} worker{'s' if kv.workers > 1 else ''}, "
                             f"{args.servers} server{'s' if args.servers > 1 else ''}")
         if comm.rank == 0:
-            peer.print_summary(summary)
+            summary_text.print_summary(summary)
             servers = summary["server_stats"]
             print(f"servers           {len(servers)}: max staleness "
                   f"{max(s['max_staleness'] for s in servers)}, updates "

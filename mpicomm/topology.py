@@ -187,9 +187,11 @@ class Topology:
         return 1 < self.num_hosts < self.size
 
     def describe(self) -> str:
-        """``"3 hosts of 1+2+3 ranks"``."""
+        """``"3 hosts of 1+2+3 ranks"``; with several ports on a host, their count per
+        host (``"2 hosts of 3+3 ranks, 2+2 network ports"``)."""
         sizes = "+".join(str(s) for s in self.host_sizes)
-        ports = f", {max(self.ports) + 1} network ports" if self.ports else ""
+        per_host = "+".join(str(len({self.port(r) for r in m})) for m in self.members)
+        ports = f", {per_host} network ports" if self.ports else ""
         return f"{self.num_hosts} host{'s' if self.num_hosts > 1 else ''} of {sizes} " \
                f"rank{'s' if self.size > 1 else ''}{ports}"
 

@@ -47,7 +47,7 @@ SCOPES = {
                  "mpicomm/bench/sync.py", "mpicomm/bench/train.py"],
     "plot": ["mpicomm/observe/plot.py"],
 }
-LOCAL = {"mpicomm", "train", "tests"}   # examples/train_ps.py imports its sibling train.py
+LOCAL = {"mpicomm", "train", "summary_text", "tests"}   # the examples' sibling modules
 DYNAMIC = ("require", "import_module")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from .launch import load_script, run_job
 
-train = load_script("examples/train.py")
+summary = load_script("examples/summary_text.py")
 train_ps = load_script("examples/train_ps.py")
 
 
@@ -23,11 +23,11 @@ train_ps = load_script("examples/train_ps.py")
     (0, 3e6, "n/a"),
 ])
 def test_compare_bytes(ours, dense, text):
-    assert train.compare_bytes(ours, dense) == text
+    assert summary.compare_bytes(ours, dense) == text
 
 
 def test_settings_are_rounded_not_json():
-    out = train.plain({"alpha": 3.0517578125e-05, "beta": 1.2345678901234e-09, "on": True,
+    out = summary.plain({"alpha": 3.0517578125e-05, "beta": 1.2345678901234e-09, "on": True,
                        "ratios": [0.1, 0.0333333333], "inner": {"x": 2.0 / 3.0}, "n": 7})
     assert out == ("{alpha=3.05e-05, beta=1.23e-09, on=True, ratios=[0.1, 0.0333], "
                    "inner={x=0.667}, n=7}")
@@ -51,7 +51,7 @@ def test_print_summary_names_the_script_and_roles(capsys):
          "test_metric": 0.9, "test_loss": 0.3, "train_accuracy": 0.9, "train_loss": 0.3,
          "wall_s": 1.0, "train_s": 0.5, "tau_history": None,
          "traffic": ["per worker        pushed 1 MB + pulled 1 MB = 2 MB"]}
-    train.print_summary(s)
+    summary.print_summary(s)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == ("== mpicomm examples/train_ps.py: 3 ranks (2 workers, 1 server), "
                       "parameter server (sync), 1 epoch, 10 steps")

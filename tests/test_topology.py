@@ -36,6 +36,10 @@ def test_layout_from_sizes_and_from_hosts():
     assert [t.local_rank(r) for r in range(6)] == [0, 0, 1, 0, 1, 2]
     assert t.lanes == 1 and t.hierarchical and t.consecutive and not t.uniform
     assert t.describe() == "3 hosts of 1+2+3 ranks"
+    two_ports = Topology.from_hosts([0, 0, 0, 1, 1, 1], nics=2)
+    assert two_ports.describe() == "2 hosts of 3+3 ranks, 2+2 network ports"
+    uneven = Topology.from_hosts([0, 0, 1, 1], ports=["a", "b", "c", "c"])
+    assert uneven.describe() == "2 hosts of 2+2 ranks, 2+1 network ports"
     rr = Topology.from_hosts(["a", "b", "a", "b"])
     assert rr.hosts == (0, 1, 0, 1) and not rr.consecutive and rr.lanes == 2
     assert rr.restrict([1, 3]).hosts == (0, 0)
