@@ -109,8 +109,9 @@ class GTopK(SparsifyingStrategy):
     8 ranks) it misses at density 0.001: -3.73%, -2.99% and -3.02% of dense's perplexity
     (seeds 0-2) at 89.8x fewer bytes, each parameter changed about 3.6 times in the run;
     at 0.002 -0.04%, -1.40% and -1.41% at 66.7x (seeds 0-2), within the 2% and 50x
-    bounds; at 0.01 +1.22%, +0.67% and +1.40% at 48.0x (seeds 0-2). At 16 ranks (1 551 steps
-    on CPython 3.12's corpus, seed 0, density 0.001) -12.5% at 41.8x: four rounds
+    bounds (at 0.0015 -0.91%, -3.04% and -2.77% at 76.7x: outside 2%); at 0.01
+    +1.22%, +0.67% and +1.40% at 48.0x (seeds 0-2). At 16 ranks (1 551 steps on
+    CPython 3.12's corpus, seed 0, density 0.001) -12.5% at 41.8x: four rounds
     instead of three, and half the changes per parameter. Pass ``schedule=None`` for no
     ramp, ``exact_values=False, coding=None`` for the butterfly's own values; the
     class's own default has neither ramp, nor exact values, nor coding.
