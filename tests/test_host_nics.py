@@ -58,7 +58,7 @@ def test_platform_ports_from_env():
 def test_topology_keeps_each_ranks_port():
     t = Topology.from_sizes((3, 3), nics=2)
     assert [t.port(r) for r in range(6)] == [0, 1, 0, 2, 3, 2]
-    assert "4 network ports" in t.describe()
+    assert "3+3 ranks, 2+2 network ports" in t.describe()
     # a lane (local rank 1 of every host) keeps the ports it had in the parent
     lane = t.restrict([1, 4])
     assert lane.hosts == (0, 1) and [lane.port(r) for r in range(2)] == [0, 1]
@@ -243,7 +243,7 @@ def test_hierarchy_suite_records_the_ports(tmp_path):
                          str(ROOT / "benchmarks" / "results" / "vclock-costs.json"),
                          "--predict-layouts", "2x2", "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.output[-3000:]
-    assert "4 network ports" in result.output
+    assert "2+2 network ports" in result.output
     data = json.loads(out.read_text())
     assert data["nics_per_host"] == 2 and data["clock"]["platform"]["nics_per_host"] == 2
     assert {r["layout"] for r in data["predicted"]} == {"2x2, 2 NICs"}
