@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .vnet import ENV_HOST_NICS, parse_nics
+
 __all__ = ["library_version", "mpi_flavor", "find_mpiexec", "own_python", "usable_cores",
            "launcher_env", "machine", "network", "SHAPING_ACK_FIRST", "shaping_name"]
 
@@ -135,8 +137,6 @@ def network() -> dict[str, Any]:
     """The network the ranks ran on: the emulated cluster's conditions (from the
     ``MPICOMM_EMU_*`` variables ``launchers/emulated-cluster`` sets) or one host's
     shared memory."""
-    from .vnet import ENV_HOST_NICS, parse_nics
-
     hosts = os.environ.get("MPICOMM_EMU_HOSTS")
     if not hosts:
         return {"kind": "shared memory", "hosts": 1}
