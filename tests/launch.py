@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import subprocess
@@ -10,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 from mpicomm.emulate.mpienv import find_mpiexec
 
@@ -55,6 +57,46 @@ def run_job(ranks: int, args: list[str], timeout: float = 120, **env: str) -> Re
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
     return Result(proc.returncode, proc.stdout, time.monotonic() - start)
+
+
+# MPICH's launcher (hydra) writes the machine's hwloc topology to a file of this name in
+# /tmp for its proxies and removes it only when the job ends cleanly: every job ended by
+# MPI_Abort (the failure tests) leaves one behind.
+HYDRA_TOPOLOGY_FILES = "hydra_hwloc_xmlfile_*"
+LAUNCHERS = frozenset({"mpiexec", "mpiexec.hydra", "mpirun", "hydra_pmi_proxy"})
+
+
+def launchers_running(proc: str = "/proc") -> bool:
+    """Whether any MPI launcher or hydra proxy process is alive on this machine."""
+    for entry in os.listdir(proc):
+        if entry.isdigit():
+            try:
+                with open(os.path.join(proc, entry, "comm")) as f:
+                    if f.read().strip() in LAUNCHERS:
+                        return True
+            except OSError:  # the process ended meanwhile
+                continue
+    return False
+
+
+def remove_hydra_topology_files(folder: str = "/tmp",
+                                running: Callable[[], bool] = launchers_running) -> list[str]:
+    """Delete this user's hydra topology files in ``folder`` when no launcher is alive
+    (only a live job reads its file, at start-up); the paths removed. Files written after
+    the check (a job started meanwhile) are newer than it and kept."""
+    checked = time.time()
+    if running():
+        return []
+    removed = []
+    for path in glob.glob(os.path.join(folder, HYDRA_TOPOLOGY_FILES)):
+        try:
+            info = os.stat(path)
+            if info.st_uid == os.getuid() and info.st_mtime < checked:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:  # removed by someone else meanwhile
+            continue
+    return removed
 
 
 def load_script(relative: str) -> ModuleType:

@@ -439,3 +439,42 @@ def test_load_note_speaks_for_each_machine_and_the_conditions_list_every_file():
     listed = report.conditions(many)
     assert "more rows" not in listed
     assert all(f"| r{i}.json |" in listed for i in range(70))
+
+
+def test_tradeoff_plot_numbers_every_point_in_its_legend(tmp_path: Path) -> None:
+    """Two strategies at the same place stay apart: each point gets a number and the
+    legend names it with its ratio and gap; a gap far below the bound switches the y axis
+    to linear-near-zero, logarithmic beyond."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mpicomm.bench import report_ratios
+
+    def row(strategy: str, ratio: float, gap: float) -> dict[str, Any]:
+        return {"workload": "text-lm", "ranks": 8, "strategy": strategy, "density": 0.001,
+                "steps": 100, "bytes_vs_dense": ratio, "metric_gap": gap}
+
+    legends: list[list[str]] = []
+    scales: list[str] = []
+    real_save = report_ratios._save
+
+    def keep(fig: Any, plt_: Any, folder: str, name: str, fit: bool = False) -> str:
+        ax = fig.axes[0]
+        legends.append([t.get_text() for t in ax.get_legend().get_texts()])
+        scales.append(ax.get_yscale())
+        return real_save(fig, plt_, folder, name, fit)
+
+    rows = [row("gtopk", 89.8, -3.0), row("artopk", 89.8, -3.0), row("dense", float("nan"), 0)]
+    report_ratios._save, saved = keep, report_ratios._save
+    try:
+        names = report_ratios.plot_tradeoff(rows, str(tmp_path), plt)
+        names += report_ratios.plot_tradeoff([dict(r, ranks=16) for r in rows[:1]]
+                                             + [row("x", 600.0, -40.0) | {"ranks": 16}],
+                                             str(tmp_path), plt)
+    finally:
+        report_ratios._save = saved
+    assert names == ["ratios-tradeoff-text-lm-8.png", "ratios-tradeoff-text-lm-16.png"]
+    assert all((tmp_path / n).stat().st_size > 0 for n in names)
+    assert legends[0] == ["1: artopk@0.001 (89.8x, -3.00)", "2: gtopk@0.001 (89.8x, -3.00)"]
+    assert scales == ["linear", "symlog"]

@@ -1,10 +1,13 @@
-"""tests/launch.py: child jobs see the project first and keep the inherited PYTHONPATH."""
+"""tests/launch.py: child jobs see the project first and keep the inherited PYTHONPATH;
+the launcher's leftover topology files are cleaned up."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
+from . import launch
 from .launch import ROOT, clean_env, python_path, run_job
 
 
@@ -35,3 +38,30 @@ def test_child_job_imports_from_the_inherited_path(tmp_path, monkeypatch):
                      timeout=60)
     assert result.returncode == 0, result.output
     assert "got 42" in result.output
+
+
+def test_hydra_topology_files_go_only_when_no_launcher_is_alive(tmp_path):
+    """The clean-up at the end of the serial run: this user's leftover topology files are
+    removed when no launcher runs, kept while one does; other names stay."""
+    left = [tmp_path / "hydra_hwloc_xmlfile_a1B2c3", tmp_path / "hydra_hwloc_xmlfile_Zz9"]
+    other = tmp_path / "hydra_pmi_other"
+    for path in (*left, other):
+        path.write_text("<topology/>")
+    past = time.time() - 5
+    for path in (*left, other):
+        os.utime(path, (past, past))
+    assert launch.remove_hydra_topology_files(str(tmp_path), running=lambda: True) == []
+    assert all(p.exists() for p in left)
+    removed = launch.remove_hydra_topology_files(str(tmp_path), running=lambda: False)
+    assert sorted(removed) == sorted(map(str, left))
+    assert not any(p.exists() for p in left) and other.exists()
+
+
+def test_launchers_running_reads_the_process_names(tmp_path):
+    for pid, name in (("12", "python3\n"), ("34", "bash\n"), ("self", "mpiexec\n")):
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "comm").write_text(name)
+    assert not launch.launchers_running(str(tmp_path))  # "self" is not a process number
+    (tmp_path / "56").mkdir()
+    (tmp_path / "56" / "comm").write_text("hydra_pmi_proxy\n")
+    assert launch.launchers_running(str(tmp_path))

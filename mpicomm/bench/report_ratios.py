@@ -126,33 +126,49 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], folder: str, plt: Any) -> list
     for row in rows:
         groups.setdefault((row["workload"], row["ranks"]), []).append(row)
     for (workload, ranks), mine in sorted(groups.items()):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
         longest = max((row.get("steps") or 0) for row in mine)
-        for row in mine:
+        # each point carries a number and the legend names it: labels written beside the
+        # points overlap where several strategies end at the same place
+        shown = [row for row in mine if row["bytes_vs_dense"] is not None
+                 and row["bytes_vs_dense"] == row["bytes_vs_dense"]]  # NaN: one rank
+        shown.sort(key=lambda row: (row["bytes_vs_dense"], row["metric_gap"], row["strategy"]))
+        fig, ax = plt.subplots(figsize=(10, max(4.8, 1.2 + 0.12 * len(shown))))
+        for number, row in enumerate(shown, 1):
             x, y = row["bytes_vs_dense"], row["metric_gap"]
-            if x is None or x != x:  # no ratio (one rank)
-                continue
             label = row["strategy"] + (f"@{row['density']:g}" if row["density"] else "")
             if (row.get("steps") or longest) < longest:
                 label += f" ({row['steps']} steps)"
-            ax.scatter([x], [y], s=18)
-            ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            ax.scatter([x], [y], s=18, label=f"{number}: {label} ({x:.1f}x, {y:+.2f})")
+            ax.annotate(str(number), (x, y), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        if shown:
+            ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
         unit = "% of perplexity" if "lm" in workload else "points of accuracy"
         ax.axhline(-0.5 if unit.startswith("points") else -2.0, color="grey", linestyle=":")
         for target in (20, 50):
             ax.axvline(target, color="grey", linestyle=":", linewidth=0.8)
         ax.set_xscale("log")
+        if shown and min(row["metric_gap"] for row in shown) < -10:
+            # linear within 2 of dense, where the bound lies; logarithmic beyond
+            ax.set_yscale("symlog", linthresh=2, linscale=1.5)
+            ax.set_yticks([t for t in (-50, -20, -10, -5, -2, -1, -0.5, 0, 1, 2, 5)
+                           if t >= min(row["metric_gap"] for row in shown) * 1.2])
+            ax.set_yticklabels([f"{t:g}" for t in ax.get_yticks()])
+            ax.set_ylim(top=max(row["metric_gap"] for row in shown) + 0.5)
         ax.set_xlabel("dense's bytes / the strategy's (whole run, all ranks)")
         ax.set_ylabel(f"gap to dense, {unit} (median over seeds)")
         ax.set_title(f"{workload}, {ranks} ranks: bytes saved against the metric lost",
                      fontsize=9)
-        made.append(_save(fig, plt, folder, f"ratios-tradeoff-{workload}-{ranks}.png"))
+        made.append(_save(fig, plt, folder, f"ratios-tradeoff-{workload}-{ranks}.png",
+                          fit=True))
     return made
 
 
-def _save(fig: Any, plt: Any, folder: str, name: str) -> str:
+def _save(fig: Any, plt: Any, folder: str, name: str, fit: bool = False) -> str:
+    """Write the figure as ``folder/name`` and close it (``fit``: grow the image to hold
+    what sits outside the axes, such as a legend beside them)."""
     fig.tight_layout()
-    fig.savefig(os.path.join(folder, name), dpi=90)
+    fig.savefig(os.path.join(folder, name), dpi=90, bbox_inches="tight" if fit else None)
     plt.close(fig)
     return name
 
