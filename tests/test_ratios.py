@@ -138,6 +138,25 @@ def test_layer_modifier_gives_every_tensor_its_own_buffer():
     assert label_density("gtopk+ef+layer", 0.01) == 0.01
 
 
+def test_finish_modifier_ends_the_label_schedule_denser():
+    """``+finish:D,S``: the label's schedule (or none) and density at least D from step
+    S; with the default's options spelled out it is the default at 0.001 up to S."""
+    label = "gtopk+ef+own+exact+ramp:0.03,6.2+finish:0.01,3263"
+    s = label_strategy(label, density=0.001).strategy
+    default = strategies.make("gtopk", density=0.001).describe()
+    d = s.describe()
+    assert d["schedule"] == "ramp:0.03,6.2+finish:0.01,3263"
+    assert {**d, "schedule": default["schedule"]} == default
+    assert [s.schedule(t, 0.001) for t in (0, 3262, 3263)] == [0.03, 0.001, 0.01]
+    assert label_strategy("topk+ef+finish:0.05,10").strategy.describe()["schedule"] == \
+        "finish:0.05,10"
+    assert label_density(label, 0.001) == 0.001
+    for bad, message in (("topk+ef+finish:0.05", "bad final phase"),
+                         ("topk+finish:0.1,5+finish:0.2,6", "at most one finish")):
+        with pytest.raises(ValueError, match=message):
+            label_strategy(bad)
+
+
 def test_metric_gap_signs():
     acc = {"metric": "accuracy", "direction": "max"}
     ppl = {"metric": "perplexity", "direction": "min"}

@@ -18,11 +18,13 @@ from mpi4py import MPI
 from mpicomm.compress.topk import k_for
 from mpicomm.control import (
     BudgetRamp,
+    FinalPhase,
     Schedule,
     dgc_warmup,
     exp_warmup,
     gtopk_warmup,
     linear_warmup,
+    parse_finish,
     parse_schedule,
 )
 from mpicomm.strategies import (
@@ -99,6 +101,33 @@ def test_budget_ramp_spends_the_same_density_steps_at_any_final_density():
     for bad in ("ramp:0.03", "ramp:0.03,9@step", "ramp:0.03,-1", "ramp:2,5"):
         with pytest.raises(ValueError, match="bad schedule"):
             parse_schedule(bad, steps_per_epoch=2)
+
+
+def test_final_phase_ends_denser_after_its_inner_schedule():
+    ramp = BudgetRamp(0.03, 6.2)
+    f = FinalPhase(0.01, 3263, ramp)
+    values = [f(t, 0.001) for t in range(3626)]
+    assert values[:3263] == [ramp(t, 0.001) for t in range(3263)]
+    assert values[0] == 0.03 and values[3262] == 0.001 and set(values[3263:]) == {0.01}
+    # never below the final density; no inner schedule: the final density before start
+    assert FinalPhase(0.01, 2)(5, 0.05) == 0.05
+    assert [FinalPhase(0.01, 2)(t, 0.001) for t in range(4)] == [0.001, 0.001, 0.01, 0.01]
+    assert f.spec() == "ramp:0.03,6.2+finish:0.01,3263"
+    assert FinalPhase(0.004, 10).spec() == "finish:0.004,10"
+    assert parse_finish("finish:0.01,3263", ramp) == f
+    for bad in ("finish:0.01", "finish:2,5", "finish:0.01,-1", "finish:0.01,1.5",
+                "end:0.01,5"):
+        with pytest.raises(ValueError, match="bad final phase"):
+            parse_finish(bad)
+    with pytest.raises(ValueError, match="schedule"):
+        FinalPhase(0.01, 5, "ramp")
+    strategy = TopKAllgather(density=0.01, schedule=FinalPhase(0.1, 3))
+    ks = []
+    for _ in range(5):
+        strategy.aggregate([torch.randn(1000)], ["w"])
+        ks.append(strategy.stats.extra["k"]["w"])
+    assert ks == [10, 10, 10, 100, 100]
+    assert strategy.describe()["schedule"] == "finish:0.1,3"
 
 
 def test_relative_traffic_and_spec_round_trip():

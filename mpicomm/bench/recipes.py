@@ -17,7 +17,9 @@
   layer's own top-k at the density) and at most one
   warm-up schedule: ``gtopkwu``, ``dgc``, ``linear``, ``linear2`` or any
   :func:`mpicomm.control.parse_schedule` form (``linear:8,0.25``, ``dgc:2``,
-  ``warmup:0.25,0.0625/3``, ``dgc:10@step``; by epochs unless ``@step``).
+  ``warmup:0.25,0.0625/3``, ``dgc:10@step``; by epochs unless ``@step``), and at most
+  one final phase ``finish:D,S`` (density at least D from step S on,
+  :class:`mpicomm.control.FinalPhase`, after the warm-up schedule if any).
 * ``SCHEME@RATIO``: one of the auto selector's schemes at a fixed ratio
   (``allgather_topk@0.01``, ``gtopk@0.01``, ``artopk_tree@0.01``, ...).
 * any other name of :func:`mpicomm.strategies.available` (``auto``, ``qsgd``,
@@ -35,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..control import parse_schedule
+from ..control import parse_finish, parse_schedule
 from ..strategies import ARTopK, Dense, GTopK, Strategy, TopKAllgather
 
 #: Base strategies a label can start with.
@@ -153,14 +155,15 @@ def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
     base, *mods = label.replace("-noef", "+noef").split("+")
     if base not in BASES and not mods and base in strategies.available():
         return Recipe(strategies.make(base), False)
-    specs = [SCHEDULES.get(m, m) for m in mods if m not in FLAGS]
-    if base not in BASES or len(specs) > 1 or \
+    finishes = [m for m in mods if m.startswith("finish:")]
+    specs = [SCHEDULES.get(m, m) for m in mods if m not in FLAGS and m not in finishes]
+    if base not in BASES or len(specs) > 1 or len(finishes) > 1 or \
             any(not _is_schedule(m, steps_per_epoch) for m in specs):
         raise ValueError(f"unknown strategy label {label!r}: dense, SCHEME@RATIO, a name of "
                          f"mpicomm.strategies.available(), or BASE[+MOD..] with BASE in "
                          f"{sorted(BASES)} and MOD in {sorted([*FLAGS, *SCHEDULES])} or "
                          "one mpicomm.control.parse_schedule form (e.g. linear:8, dgc:2, "
-                         "warmup:0.25,0.0625/3)")
+                         "warmup:0.25,0.0625/3), and at most one finish:DENSITY,START_STEP")
     mc = "mc" in mods or "mcnomask" in mods
     kwargs: dict[str, Any] = {
         "density": density,
@@ -171,6 +174,11 @@ def label_strategy(label: str, *, density: float = 0.01, momentum: float = 0.9,
         "momentum_masking": "mcnomask" not in mods,
         "clip_norm": clip_norm if "clip" in mods else None,
     }
+    if finishes:
+        try:
+            kwargs["schedule"] = parse_finish(finishes[0], kwargs["schedule"])
+        except ValueError as exc:
+            raise ValueError(f"strategy label {label!r}: {exc}") from None
     if "layer" in mods:
         kwargs["fusion_bytes"] = 1
     for only_gtopk in ("own", "exact"):

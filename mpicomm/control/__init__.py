@@ -23,17 +23,20 @@ from .cr import CRController
 from .lgreco import LGreco, lgreco_solve
 from .schedules import (
     BudgetRamp,
+    FinalPhase,
     Schedule,
     dgc_warmup,
     exp_warmup,
     gtopk_warmup,
     linear_warmup,
+    parse_finish,
     parse_schedule,
 )
 
-__all__ = ["AdaComm", "initial_period", "Schedule", "BudgetRamp", "gtopk_warmup", "dgc_warmup",
-           "linear_warmup", "exp_warmup", "parse_schedule", "predict", "lgreco_solve", "LGreco",
-           "CRController", "OnlineCalibration"]
+__all__ = ["AdaComm", "initial_period", "Schedule", "BudgetRamp", "FinalPhase",
+           "gtopk_warmup", "dgc_warmup", "linear_warmup", "exp_warmup", "parse_schedule",
+           "parse_finish", "predict", "lgreco_solve", "LGreco", "CRController",
+           "OnlineCalibration"]
 
 
 def __dir__() -> list[str]:
