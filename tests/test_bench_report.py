@@ -441,7 +441,9 @@ def test_load_note_speaks_for_each_machine_and_the_conditions_list_every_file():
     assert all(f"| r{i}.json |" in listed for i in range(70))
 
 
-def test_tradeoff_plot_numbers_every_point_in_its_legend(tmp_path: Path) -> None:
+def test_tradeoff_plot_numbers_every_point_in_its_legend(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
     """Two strategies at the same place stay apart: each point gets a number and the
     legend names it with its ratio and gap; a gap far below the bound switches the y axis
     to linear-near-zero, logarithmic beyond."""
@@ -466,14 +468,11 @@ def test_tradeoff_plot_numbers_every_point_in_its_legend(tmp_path: Path) -> None
         return real_save(fig, plt_, folder, name, fit)
 
     rows = [row("gtopk", 89.8, -3.0), row("artopk", 89.8, -3.0), row("dense", float("nan"), 0)]
-    report_ratios._save, saved = keep, report_ratios._save
-    try:
-        names = report_ratios.plot_tradeoff(rows, str(tmp_path), plt)
-        names += report_ratios.plot_tradeoff([dict(r, ranks=16) for r in rows[:1]]
-                                             + [row("x", 600.0, -40.0) | {"ranks": 16}],
-                                             str(tmp_path), plt)
-    finally:
-        report_ratios._save = saved
+    monkeypatch.setattr(report_ratios, "_save", keep)
+    names = report_ratios.plot_tradeoff(rows, str(tmp_path), plt)
+    names += report_ratios.plot_tradeoff([dict(r, ranks=16) for r in rows[:1]]
+                                         + [row("x", 600.0, -40.0) | {"ranks": 16}],
+                                         str(tmp_path), plt)
     assert names == ["ratios-tradeoff-text-lm-8.png", "ratios-tradeoff-text-lm-16.png"]
     assert all((tmp_path / n).stat().st_size > 0 for n in names)
     assert legends[0] == ["1: artopk@0.001 (89.8x, -3.00)", "2: gtopk@0.001 (89.8x, -3.00)"]

@@ -148,13 +148,14 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], folder: str, plt: Any) -> list
         for target in (20, 50):
             ax.axvline(target, color="grey", linestyle=":", linewidth=0.8)
         ax.set_xscale("log")
-        if shown and min(row["metric_gap"] for row in shown) < -10:
+        gaps = [row["metric_gap"] for row in shown]
+        if gaps and min(gaps) < -10:
             # linear within 2 of dense, where the bound lies; logarithmic beyond
             ax.set_yscale("symlog", linthresh=2, linscale=1.5)
             ax.set_yticks([t for t in (-50, -20, -10, -5, -2, -1, -0.5, 0, 1, 2, 5)
-                           if t >= min(row["metric_gap"] for row in shown) * 1.2])
+                           if t >= min(gaps) * 1.2])
             ax.set_yticklabels([f"{t:g}" for t in ax.get_yticks()])
-            ax.set_ylim(top=max(row["metric_gap"] for row in shown) + 0.5)
+            ax.set_ylim(top=max(gaps) + 0.5)
         ax.set_xlabel("dense's bytes / the strategy's (whole run, all ranks)")
         ax.set_ylabel(f"gap to dense, {unit} (median over seeds)")
         ax.set_title(f"{workload}, {ranks} ranks: bytes saved against the metric lost",
