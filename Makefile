@@ -127,8 +127,10 @@ MPI_TEST_FILES = $(shell grep -l 'mark\.mpi' tests/test_*.py)
 # message pattern changes with it: recursive doubling/halving without a fold and several
 # rounds, the butterfly of gTop-k, the (2,2) host layout. Every other multi-rank test runs
 # at 1 and TEST_RANKS, which hold 3 and 5 ranks (a 5-rank fold runs the 4-rank butterfly).
-POW2_TEST_FILES = tests/test_collectives.py tests/test_sparse.py tests/test_strategies.py \
-	tests/test_hierarchical.py tests/test_hier_virtual.py tests/test_host_nics.py
+POW2_TEST_FILES = tests/test_collectives.py tests/test_collectives_errors_traffic.py \
+	tests/test_sparse.py tests/test_sparse_gtopk.py tests/test_strategies.py \
+	tests/test_strategy_algorithms.py tests/test_hierarchical.py tests/test_hier_virtual.py \
+	tests/test_host_nics.py
 
 # $(call mpi_suite,RANK COUNTS,FILES,NAME): the multi-rank tests of FILES under mpiexec at
 # each rank count in turn, stopping at the first failure

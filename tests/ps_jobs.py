@@ -1,4 +1,5 @@
-"""Child jobs for tests/test_ps.py: ``python tests/ps_jobs.py SCENARIO`` under mpiexec.
+"""Child jobs for tests/test_ps_compression_checkpoints.py: ``python tests/ps_jobs.py
+SCENARIO`` under mpiexec.
 
 ``worker-raises``   worker 1 raises in the middle of training (servers and the other
                     workers are waiting on it): the job must end, naming rank 1.

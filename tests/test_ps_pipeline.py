@@ -1,7 +1,7 @@
 """Chunked pieces and the pipelined ``KVStore.push_pull`` (:mod:`mpicomm.ps`).
 
 Multi-rank tests run every (servers, workers) split the rank count allows, as in
-``test_ps.py``; at one rank a parameter server cannot exist and they skip (the
+``ps_cases.py``; at one rank a parameter server cannot exist and they skip (the
 configuration test checks the error instead).
 """
 
@@ -18,7 +18,7 @@ from mpicomm import hooks
 from mpicomm.ps import KVStore
 from mpicomm.ps.sharding import DEFAULT_CHUNK_BYTES, ShardPlan
 
-from .test_ps import finish, splits, worker_comm
+from .ps_cases import finish, splits, worker_comm
 
 torch.set_num_threads(1)
 
