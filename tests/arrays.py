@@ -117,6 +117,22 @@ def cases(dtypes: Iterable[str] = ALL_DTYPES) -> list[Any]:
     return params
 
 
+def as_numpy(a: Any) -> np.ndarray:
+    """Any backend's array as numpy: floating point widened to float64 (bfloat16
+    included), integers as they are."""
+    if not isinstance(a, np.ndarray):
+        if type(a).__module__.startswith("cupy"):
+            a = _cupy_to_numpy(a)
+        else:
+            a = _torch_to_numpy(a)
+    return a.astype(np.float64) if a.dtype.kind == "f" else a
+
+
+def gaussian(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """Seeded standard normal float64 data of ``shape``."""
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
 def tolerance(dtype: str, terms: int = 1) -> dict[str, float]:
     """assert_allclose tolerances for a sum of ``terms`` values in ``dtype`` (0 for ints)."""
     eps = {"float16": 2**-10, "bfloat16": 2**-7, "float32": 2**-23, "float64": 2**-52}

@@ -1,5 +1,5 @@
 """Serial tests of mpicomm.compress (no MPI): what every compressor promises over every
-array backend (tests/compress_backends.py: numpy, torch CPU, torch CUDA and cupy, the
+array backend (tests/arrays.py: numpy, torch CPU, torch CUDA and cupy, the
 last two skipped with a reason where unavailable, x float16, bfloat16, float32 and
 float64): the round trip, the wire sizes, the registry and capabilities, summable
 payloads of the allreduce-compatible ones, an untouched global RNG, the checks of bad
@@ -33,7 +33,7 @@ from mpicomm.compress import (
     make,
 )
 
-from .compress_backends import backend_dtype_params, cupy, gaussian, make_array, to_np
+from .arrays import FLOATS, Backend, as_numpy, cases, gaussian
 
 
 def shares_memory(a: Any, b: Any) -> bool:
@@ -44,7 +44,9 @@ def shares_memory(a: Any, b: Any) -> bool:
             return False
         a0, b0 = a.data_ptr(), b.data_ptr()
         return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
-    if cupy is not None and isinstance(a, cupy.ndarray):
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
         return bool(cupy.shares_memory(a, b))
     return False
 
@@ -74,14 +76,14 @@ def compressor_params() -> list[Any]:
 
 
 @pytest.mark.parametrize("cname", compressor_params())
-@pytest.mark.parametrize("backend,dtype", backend_dtype_params())
+@pytest.mark.parametrize("backend,dtype", cases(FLOATS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_round_trip(backend: str, dtype: str, cname: str, shape: tuple[int, ...]) -> None:
-    if cname == "bf16" and not backend.startswith("torch"):
+def test_round_trip(backend: Backend, dtype: str, cname: str, shape: tuple[int, ...]) -> None:
+    if cname == "bf16" and not backend.name.startswith("torch"):
         pytest.skip("bfloat16 payloads exist only in torch (TypeError tested separately)")
     comp = FACTORIES[cname]()
-    x = make_array(backend, gaussian(shape, seed=1), dtype)
-    before = to_np(x).copy()
+    x = backend.make(gaussian(shape, seed=1), dtype)
+    before = as_numpy(x).copy()
     payload = comp.compress(x, name="w", step=3)
     assert isinstance(payload, Payload)
     xi = inspect(x)
@@ -94,8 +96,8 @@ def test_round_trip(backend: str, dtype: str, cname: str, shape: tuple[int, ...]
     yi = inspect(y)
     assert (yi.framework, yi.dtype, yi.shape, yi.device) == (xi.framework, xi.dtype,
                                                              xi.shape, xi.device)
-    np.testing.assert_array_equal(to_np(x), before)  # input untouched
-    xs, ys = to_np(x), to_np(y)
+    np.testing.assert_array_equal(as_numpy(x), before)  # input untouched
+    xs, ys = as_numpy(x), as_numpy(y)
     if cname == "none":
         np.testing.assert_array_equal(ys, xs)
     elif cname.startswith(("topk", "sampled")):
@@ -121,7 +123,7 @@ def test_wire_bytes_match_payload(cname: str, dtype: str, shape: tuple[int, ...]
     numel = math.prod(shape)
     if cname == "topk-k" and numel < 5 or cname == "randomk-rescale" and numel < 7:
         pytest.skip("k exceeds numel")
-    x = make_array("torch", gaussian(shape, seed=2), dtype)
+    x = torch.from_numpy(gaussian(shape, seed=2)).to(getattr(torch, dtype))
     payload = comp.compress(x, name="w")
     itemsize = x.element_size()
     expected = comp.wire_bytes(numel, itemsize, shape=shape)
@@ -192,43 +194,42 @@ def test_global_rng_untouched() -> None:
 
 
 # ---------------------------------------------------------------------- ErrorFeedback
-@pytest.mark.parametrize("backend,dtype", backend_dtype_params(["float16", "float32",
-                                                                "float64"]))
-def test_error_feedback_conservation(backend: str, dtype: str) -> None:
+@pytest.mark.parametrize("backend,dtype", cases(["float16", "float32", "float64"]))
+def test_error_feedback_conservation(backend: Backend, dtype: str) -> None:
     ef = ErrorFeedback()
     comp = TopK(density=0.05)
     residual_expected = np.zeros((10, 20))
     for step in range(3):
-        g = make_array(backend, gaussian((10, 20), seed=step), dtype)
+        g = backend.make(gaussian((10, 20), seed=step), dtype)
         gc = ef.compensate("w", g)
         # the float64 sum is exact here; rounding it to dtype is the dtype's own addition
-        expected = (to_np(g) + residual_expected).astype(dtype)
-        np.testing.assert_array_equal(to_np(gc), expected)
+        expected = (as_numpy(g) + residual_expected).astype(dtype)
+        np.testing.assert_array_equal(as_numpy(gc), expected)
         assert not shares_memory(gc, g)
         sent = comp.decompress(comp.compress(gc, name="w", step=step))
         ef.update("w", gc, sent)
         r = ef.residual("w")
         assert inspect(r) == inspect(g)
-        np.testing.assert_array_equal(to_np(sent) + to_np(r), to_np(gc))  # exact
-        residual_expected = to_np(r)
+        np.testing.assert_array_equal(as_numpy(sent) + as_numpy(r), as_numpy(gc))  # exact
+        residual_expected = as_numpy(r)
     assert ef.norm() == pytest.approx(np.linalg.norm(residual_expected), rel=1e-12)
     assert ef.norm("w") == ef.norm()
 
 
-@pytest.mark.parametrize("backend,dtype", backend_dtype_params(["float32"]))
-def test_error_feedback_update_sparse(backend: str, dtype: str) -> None:
+@pytest.mark.parametrize("backend,dtype", cases(["float32"]))
+def test_error_feedback_update_sparse(backend: Backend, dtype: str) -> None:
     dense_ef, sparse_ef = ErrorFeedback(), ErrorFeedback()
     comp = TopK(k=17)
     for step in range(3):
-        g = make_array(backend, gaussian((300,), seed=step), dtype)
+        g = backend.make(gaussian((300,), seed=step), dtype)
         a, b = dense_ef.compensate("w", g), sparse_ef.compensate("w", g)
         p = comp.compress(b, name="w")
         dense_ef.update("w", a, comp.decompress(comp.compress(a, name="w")))
         sparse_ef.update_sparse("w", b, p.arrays["indices"])
         assert shares_memory(sparse_ef.residual("w"), b)  # kept in place, no copy
-        assert np.all(to_np(b)[to_np(p.arrays["indices"])] == 0)
-        np.testing.assert_array_equal(to_np(sparse_ef.residual("w")),
-                                      to_np(dense_ef.residual("w")))
+        assert np.all(as_numpy(b)[as_numpy(p.arrays["indices"])] == 0)
+        np.testing.assert_array_equal(as_numpy(sparse_ef.residual("w")),
+                                      as_numpy(dense_ef.residual("w")))
     g = torch.ones(5)
     ef = ErrorFeedback()
     c = ef.compensate("x", g)
@@ -239,8 +240,8 @@ def test_error_feedback_update_sparse(backend: str, dtype: str) -> None:
         ef.update_sparse("x", c, torch.tensor([5]))
 
 
-@pytest.mark.parametrize("backend,dtype", backend_dtype_params(["float32", "float64"]))
-def test_error_feedback_tracks_the_sent_mass(backend: str, dtype: str) -> None:
+@pytest.mark.parametrize("backend,dtype", cases(["float32", "float64"]))
+def test_error_feedback_tracks_the_sent_mass(backend: Backend, dtype: str) -> None:
     """``track_sent``: ``sent_sq`` is ``||compensated[indices]||²`` of the last sparse
     update (taken once), and with the residual's squared norm it makes up the
     compensated one (disjoint entries); off by default, nothing after a dense update."""
@@ -248,17 +249,17 @@ def test_error_feedback_tracks_the_sent_mass(backend: str, dtype: str) -> None:
     ef.track_sent = True
     comp = TopK(k=17)
     for step in range(3):
-        c = ef.compensate("w", make_array(backend, gaussian((300,), seed=step), dtype))
-        values = to_np(c).astype(np.float64)
+        c = ef.compensate("w", backend.make(gaussian((300,), seed=step), dtype))
+        values = as_numpy(c).astype(np.float64)
         p = comp.compress(c, name="w")
-        want = float(np.sum(values[to_np(p.arrays["indices"])] ** 2))
+        want = float(np.sum(values[as_numpy(p.arrays["indices"])] ** 2))
         ef.update_sparse("w", c, p.arrays["indices"])
         assert ef.sent_sq("w") == pytest.approx(want, rel=1e-12)
-        left = float(np.sum(to_np(ef.residual("w")).astype(np.float64) ** 2))
+        left = float(np.sum(as_numpy(ef.residual("w")).astype(np.float64) ** 2))
         assert want + left == pytest.approx(float(np.sum(values ** 2)), rel=1e-12)
     with pytest.raises(KeyError, match="no sent norm"):
         ef.sent_sq("w")                                  # taken
-    c = ef.compensate("w", make_array(backend, gaussian((300,), seed=9), dtype))
+    c = ef.compensate("w", backend.make(gaussian((300,), seed=9), dtype))
     ef.update("w", c, c)
     with pytest.raises(KeyError, match="no sent norm"):
         ef.sent_sq("w")                                  # a dense update keeps none

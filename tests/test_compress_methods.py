@@ -3,7 +3,7 @@ brute-force or closed-form references: top-k selection and its tie-break, sample
 top-k's recall and exactness, random-k's shared indices and unbiased rescaling, QSGD's
 unbiased stochastic levels on every device and its bit packing, PowerSGD's low-rank
 exactness, warm start and phases, and SignSGD's scale; over the array backends of
-tests/compress_backends.py where the method depends on them.
+tests/arrays.py where the method depends on them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mpicomm.compress import (
 from mpicomm.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
 from mpicomm.compress.randomk import random_indices
 
-from .compress_backends import HAVE_CUDA, backend_dtype_params, gaussian, make_array, to_np
+from .arrays import Backend, as_numpy, cases, gaussian
 
 
 # ---------------------------------------------------------------------- TopK
@@ -36,20 +36,20 @@ def brute_topk(x: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.array(order[:k], dtype=np.int64))
 
 
-@pytest.mark.parametrize("backend,dtype", backend_dtype_params(["float32", "float64"]))
+@pytest.mark.parametrize("backend,dtype", cases(["float32", "float64"]))
 @pytest.mark.parametrize("k", [1, 3, 50, 299, 300])
-def test_topk_matches_brute_force_with_ties(backend: str, dtype: str, k: int) -> None:
+def test_topk_matches_brute_force_with_ties(backend: Backend, dtype: str, k: int) -> None:
     rng = np.random.default_rng(k)
     data = rng.integers(-3, 4, size=300).astype(np.float64)  # many equal magnitudes
-    x = make_array(backend, data, dtype)
+    x = backend.make(data, dtype)
     p = TopK(k=k).compress(x, name="t")
-    idx = to_np(p.arrays["indices"])
+    idx = as_numpy(p.arrays["indices"])
     assert idx.dtype == np.int32
     np.testing.assert_array_equal(idx, brute_topk(data, k))
-    np.testing.assert_array_equal(to_np(p.arrays["values"]), data[idx])
+    np.testing.assert_array_equal(as_numpy(p.arrays["values"]), data[idx])
     dense = np.zeros(300)
     dense[idx] = data[idx]
-    np.testing.assert_array_equal(to_np(TopK(k=k).decompress(p)), dense)
+    np.testing.assert_array_equal(as_numpy(TopK(k=k).decompress(p)), dense)
 
 
 def test_topk_tie_break_is_by_index() -> None:
@@ -218,7 +218,8 @@ def test_qsgd_levels_bounded() -> None:
 
 DEVICES = [pytest.param("cpu", id="cpu"),
            pytest.param("cuda", id="cuda", marks=[
-               pytest.mark.gpu, pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device")])]
+               pytest.mark.gpu,
+               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -274,13 +275,13 @@ def low_rank(n: int, m: int, r: int, seed: int = 0) -> np.ndarray:
     return rng.standard_normal((n, r)) @ rng.standard_normal((r, m))
 
 
-@pytest.mark.parametrize("backend,dtype", backend_dtype_params(["float32", "float64"]))
+@pytest.mark.parametrize("backend,dtype", cases(["float32", "float64"]))
 @pytest.mark.parametrize("matrix_rank", [1, 3, 4])
-def test_powersgd_exact_for_low_rank(backend: str, dtype: str, matrix_rank: int) -> None:
-    m = make_array(backend, low_rank(64, 48, matrix_rank), dtype)
+def test_powersgd_exact_for_low_rank(backend: Backend, dtype: str, matrix_rank: int) -> None:
+    m = backend.make(low_rank(64, 48, matrix_rank), dtype)
     comp = PowerSGD(rank=4, min_compression_rate=1.0)
     y = comp.decompress(comp.compress(m, name="w"))
-    rel = np.linalg.norm(to_np(y) - to_np(m)) / np.linalg.norm(to_np(m))
+    rel = np.linalg.norm(as_numpy(y) - as_numpy(m)) / np.linalg.norm(as_numpy(m))
     assert rel < 1e-5, rel
 
 
@@ -361,16 +362,16 @@ def test_powersgd_phases_three_ranks() -> None:
 
 
 # ---------------------------------------------------------------------- SignSGD
-@pytest.mark.parametrize("backend,dtype", backend_dtype_params(["float32", "float64"]))
-def test_sign_scale(backend: str, dtype: str) -> None:
+@pytest.mark.parametrize("backend,dtype", cases(["float32", "float64"]))
+def test_sign_scale(backend: Backend, dtype: str) -> None:
     data = gaussian((1001,), seed=4)
     data[10] = 0.0
-    x = make_array(backend, data, dtype)
+    x = backend.make(data, dtype)
     p = SignSGD().compress(x)
-    assert to_np(p.arrays["signs"]).size == math.ceil(1001 / 8)
-    scale = float(to_np(p.arrays["scale"])[0])
+    assert as_numpy(p.arrays["signs"]).size == math.ceil(1001 / 8)
+    scale = float(as_numpy(p.arrays["scale"])[0])
     assert scale == pytest.approx(np.abs(data).mean(), rel=1e-6)
-    y = to_np(SignSGD().decompress(p))
+    y = as_numpy(SignSGD().decompress(p))
     np.testing.assert_allclose(y, np.where(data < 0, -scale, scale), rtol=1e-6)
-    y1 = to_np(SignSGD(scale=False).decompress(SignSGD(scale=False).compress(x)))
+    y1 = as_numpy(SignSGD(scale=False).decompress(SignSGD(scale=False).compress(x)))
     np.testing.assert_array_equal(y1, np.where(data < 0, -1.0, 1.0))
