@@ -10,7 +10,9 @@ Run under MPI (each rank trains on its own disjoint shard of the training set)::
 Task: a workload of :mod:`mpicomm.workloads` (``--workload``, default ``digits-mlp``:
 scikit-learn's bundled ``load_digits``, 1797 8x8 images of handwritten digits, a fixed
 stratified 80/20 split, an MLP 64-H-H-10 with ``--hidden`` H; ``mnist1d-cnn``,
-``text-lm``, ``cnn-large-synthetic``; ``--option KEY=VALUE`` sets a workload option).
+``text-lm``, ``cnn-large-synthetic``; ``--option KEY=VALUE`` sets a workload option;
+``--epochs``, ``--batch-size``, ``--lr``, ``--momentum`` and ``--weight-decay`` default
+to the workload's recipe, :func:`mpicomm.workloads.defaults`, which the benchmarks use).
 Every epoch the training set is permuted with a seed shared by all ranks and cut into
 ``size`` disjoint equal shards, so the ranks never see the same example in one epoch and
 all take the same number of steps. The loop is the time-to-accuracy harness
@@ -27,7 +29,10 @@ Two ways to synchronize:
   ``--momentum-correction`` moves the momentum into the strategy's error-feedback memory
   (the optimizer then runs without momentum and weight decay is added to the loss),
   ``--clip-norm`` clips each rank's gradient at ``C / sqrt(size)``, ``--warmup-dense``
-  makes the warm-up steps dense where that sends fewer bytes.
+  makes the warm-up steps dense where that sends fewer bytes. ``--finish 0.01`` ends the
+  run denser: density 0.01 for its last tenth (:meth:`mpicomm.control.FinalPhase.for_run`
+  over ``--epochs`` epochs; on the language model at 8 ranks and ``--density 0.001``
+  this brought gTop-k and AR-Top-k within 2% of dense's perplexity, docs/compression.md).
 * ``--local-sgd fixed|adacomm``: every rank takes local optimizer steps and
   :class:`mpicomm.torch.LocalSGD` averages the *parameters* every ``tau`` steps (fixed
   ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``; ``auto``
@@ -70,7 +75,6 @@ import argparse  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -87,12 +91,13 @@ from mpicomm.bench.sync import GradientMethod, LocalSGDMethod  # noqa: E402
 from mpicomm.bench.train import parse_options  # noqa: E402
 from mpicomm.checkpoint import ENV_CHECKPOINT_DIR, Checkpointer, CheckpointError  # noqa: E402
 from mpicomm.cli import RankZeroParser  # noqa: E402  (rank 0 prints usage errors)
-from mpicomm.control import AdaComm, parse_schedule  # noqa: E402
+from mpicomm.control import AdaComm, FinalPhase, parse_schedule  # noqa: E402
 from mpicomm.observe.metrics import Metrics  # noqa: E402
 from mpicomm.strategies import Dense, Strategy  # noqa: E402
 from mpicomm.workloads import Workload  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from recipe_options import add_recipe_arguments, fill_recipe  # noqa: E402  (examples/)
 from summary_text import print_summary  # noqa: E402  (examples/summary_text.py)
 
 log = logging.getLogger("train")
@@ -106,18 +111,13 @@ STRATEGY_OPTIONS = ("density", "bits", "rank", "source", "schedule", "momentum_c
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = RankZeroParser(
         prog=os.path.basename(__file__),
-        description="Train an MLP on scikit-learn's digits with mpicomm "
-                    "(run under mpiexec; rank 0 prints the summary).")
+        description="Train a workload (default: an MLP on scikit-learn's digits) with "
+                    "mpicomm (run under mpiexec; rank 0 prints the summary).")
     ap.add_argument("--workload", default="digits-mlp",
                     help="a workload of python -m mpicomm.bench workloads")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="a workload option (repeatable; digits-mlp: --hidden sets hidden)")
-    ap.add_argument("--epochs", type=int, default=30, help="passes over the training set")
-    ap.add_argument("--batch-size", type=int, default=32, help="minibatch size per rank")
-    ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    ap.add_argument("--weight-decay", type=float, default=1e-3,
-                    help="SGD weight decay")
+    add_recipe_arguments(ap)
     ap.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the weights and of the per-epoch shuffles (shared by ranks)")
@@ -143,7 +143,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="density warm-up of a compressing strategy, by epochs unless "
                          "@step: gtopk (0.004 for epoch 0), dgc (0.25, 0.0625, 0.015625, "
                          "0.004), linear[:N] (dense to final over N epochs), "
-                         "warmup:V1,V2[/N]; default none")
+                         "warmup:V1,V2[/N]; default: the strategy's own")
+    ap.add_argument("--finish", default=None, metavar="DENSITY[,FRACTION]",
+                    help="a denser end (topk, gtopk, artopk, ...): at least DENSITY for the "
+                         "last FRACTION of the run's steps (default 0.1), after --schedule "
+                         "or the strategy's own warm-up; e.g. 0.01 with --density 0.001")
     ap.add_argument("--momentum-correction", action="store_const", const=True, default=None,
                     help="DGC momentum correction: the strategy keeps the velocity "
                          "(--momentum) in its error-feedback memory, the optimizer runs "
@@ -176,14 +180,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "file per rank with {rank} in PATH) and their plots as PATH.png "
                          "when matplotlib is installed")
     args = ap.parse_args(argv)
-    for name in ("epochs", "batch_size", "hidden", "period"):
+    fill_recipe(ap, args)
+    for name in ("hidden", "period"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         args.tau0 = parse_tau0(args.tau0)
     except ValueError as exc:
         ap.error(str(exc))
-    check_optimizer_arguments(ap, args)
     check_checkpoint_arguments(ap, args)
     try:
         args.options = parse_options(args.option)
@@ -192,7 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.workload == "digits-mlp":
         args.options.setdefault("hidden", args.hidden)
     if args.local_sgd != "none":
-        given = [f"--{opt.replace('_', '-')}" for opt in ("strategy", *STRATEGY_OPTIONS)
+        given = [f"--{opt.replace('_', '-')}"
+                 for opt in ("strategy", *STRATEGY_OPTIONS, "finish")
                  if getattr(args, opt) is not None]
         if given:
             ap.error(f"--local-sgd {args.local_sgd} averages parameters densely and takes no "
@@ -213,13 +218,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the value handed to the strategy (None: not given, the strategy's default)
     args.momentum_correction = args.momentum if args.momentum_correction else None
     try:  # constructing a strategy validates its options without communicating
-        kwargs = strategy_kwargs(args.strategy, args)
-        if "schedule" in kwargs:
-            kwargs["schedule"] = parse_schedule(kwargs["schedule"], steps_per_epoch=1)
-        strategies.make(args.strategy, **kwargs)
+        args.finish = parse_finish_option(args.finish)
+        build_strategy(args, steps_per_epoch=1)
     except (ValueError, TypeError) as exc:
         ap.error(f"--strategy {args.strategy}: {exc}")
     return args
+
+
+def parse_finish_option(spec: str | None) -> tuple[float, float] | None:
+    """``--finish DENSITY[,FRACTION]`` -> ``(density, fraction)`` (fraction 0.1 when not
+    given); ``None`` for ``None``. ``ValueError`` for anything else."""
+    if spec is None:
+        return None
+    density, _, fraction = spec.partition(",")
+    try:
+        out = (float(density), float(fraction) if fraction else 0.1)
+        FinalPhase.for_run(1, *out)   # the same checks as the strategy's
+    except ValueError as exc:
+        raise ValueError(f"bad --finish {spec!r}: {exc}; expected DENSITY[,FRACTION], "
+                         "e.g. 0.01 or 0.01,0.1") from None
+    return out
+
+
+def build_strategy(args: argparse.Namespace, steps_per_epoch: int) -> Strategy:
+    """The strategy the options ask for: ``--schedule`` by epochs of ``steps_per_epoch``
+    steps, and with ``--finish`` a :class:`~mpicomm.control.FinalPhase` over the run's
+    ``--epochs`` x ``steps_per_epoch`` steps around it (or around the schedule the
+    strategy's name brings, :func:`mpicomm.strategies.recipe`)."""
+    kwargs = strategy_kwargs(args.strategy, args)
+    if "schedule" in kwargs:
+        kwargs["schedule"] = parse_schedule(kwargs["schedule"],
+                                            steps_per_epoch=steps_per_epoch)
+    if args.finish is not None:
+        if "schedule" not in strategy_options(args.strategy):
+            raise ValueError("takes no --finish (it has no density schedule)")
+        inner = kwargs["schedule"] if "schedule" in kwargs else \
+            strategies.recipe(args.strategy, args.density).get("schedule")
+        kwargs["schedule"] = FinalPhase.for_run(args.epochs * steps_per_epoch, *args.finish,
+                                                schedule=inner)
+    return strategies.make(args.strategy, **kwargs)
 
 
 def add_checkpoint_arguments(ap: argparse.ArgumentParser) -> None:
@@ -233,17 +270,6 @@ def add_checkpoint_arguments(ap: argparse.ArgumentParser) -> None:
                     help="steps between checkpoints (with --checkpoint-dir)")
     ap.add_argument("--save-model", metavar="PATH", default=None,
                     help="rank 0 writes the final model's state_dict here (torch.save)")
-
-
-def check_optimizer_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--lr`` > 0, ``0 <= --momentum < 1``, ``--weight-decay`` >= 0 (finite), checked
-    before MPI starts (also examples/train_ps.py)."""
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        ap.error(f"--lr must be a positive number, got {args.lr}")
-    if not 0.0 <= args.momentum < 1.0:
-        ap.error(f"--momentum must be in [0, 1), got {args.momentum}")
-    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-        ap.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
 
 
 def check_checkpoint_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -326,11 +352,12 @@ def setup_logging(rank: int) -> None:
 
 # ---------------------------------------------------------------------- training
 def spec_of(args: argparse.Namespace) -> Spec:
-    """The harness's description of this run (a test evaluation after every epoch)."""
+    """The harness's description of this run (a test evaluation after every epoch; the
+    synchronized gradient clipped where the workload's recipe says so, ``text-lm``)."""
     return Spec(workload=args.workload, seed=args.seed, batch=args.batch_size,
                 options=args.options, epochs=args.epochs, lr=args.lr, momentum=args.momentum,
                 weight_decay=args.weight_decay,
-                decay_in_loss=bool(getattr(args, "momentum_correction", None)), clip_norm=0.0)
+                decay_in_loss=bool(getattr(args, "momentum_correction", None)))
 
 
 def dense_bytes_per_step(model: torch.nn.Module, comm: mpicomm.Communicator) -> int:
@@ -417,11 +444,8 @@ class Outcome:
 def train_gradient_sync(w: Workload, args: argparse.Namespace,
                         comm: mpicomm.Communicator) -> Outcome:
     """Average gradients every step with the chosen strategy (GradientSync)."""
-    kwargs = strategy_kwargs(args.strategy, args)
-    if "schedule" in kwargs:  # by epochs: needs the steps each rank takes per epoch
-        kwargs["schedule"] = parse_schedule(kwargs["schedule"],
-                                            steps_per_epoch=w.info.steps_per_epoch)
-    strategy = strategies.make(args.strategy, **kwargs)
+    # by epochs, and the run's length: needs the steps each rank takes per epoch
+    strategy = build_strategy(args, w.info.steps_per_epoch)
     metrics = Metrics(args.metrics) if args.metrics else None  # else MPICOMM_METRICS
     method = GradientMethod(strategy, label=args.strategy,
                             owns_momentum=bool(args.momentum_correction), metrics=metrics)

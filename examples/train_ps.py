@@ -49,6 +49,7 @@ from mpicomm.bench.sync import PSMethod  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import summary_text  # noqa: E402  (examples/summary_text.py)
 import train as peer  # noqa: E402  (examples/train.py: data, model, loop)
+from recipe_options import add_recipe_arguments, fill_recipe  # noqa: E402  (examples/)
 
 import mpicomm  # noqa: E402
 from mpicomm import workloads  # noqa: E402
@@ -80,11 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a workload of python -m mpicomm.bench workloads")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="a workload option (repeatable)")
-    ap.add_argument("--epochs", type=int, default=30)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--momentum", type=float, default=0.9)
-    ap.add_argument("--weight-decay", type=float, default=1e-3)
+    add_recipe_arguments(ap)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
@@ -92,14 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true")
     peer.add_checkpoint_arguments(ap)
     args = ap.parse_args(argv)
-    for name in ("epochs", "batch_size", "hidden"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    fill_recipe(ap, args)
+    if args.hidden < 1:
+        ap.error("--hidden must be >= 1")
     if args.rank < 1:
         ap.error("--rank must be >= 1")
     if args.slow_factor < 1:
         ap.error("--slow-factor must be >= 1")
-    peer.check_optimizer_arguments(ap, args)
     peer.check_checkpoint_arguments(ap, args)
     try:
         args.options = peer.parse_options(args.option)

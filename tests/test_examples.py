@@ -19,6 +19,9 @@ from typing import Any
 
 import pytest
 
+from mpicomm import strategies
+from mpicomm.control import FinalPhase
+
 from .launch import ROOT, clean_env, load_script, run_job
 
 TRAIN = ["--epochs", "2", "--threads", "1"]
@@ -135,6 +138,12 @@ def _train_module() -> Any:
     (["--local-sgd", "adacomm", "--density", "0.1"], "takes no --density"),
     (["--local-sgd", "adacomm", "--tau0", "0"], "--tau0 must be an integer >= 1 or 'auto'"),
     (["--local-sgd", "adacomm", "--tau0", "fast"], "got 'fast'"),
+    (["--local-sgd", "fixed", "--finish", "0.01"], "takes no --finish"),
+    # a denser end: its spec, and a strategy without a density schedule
+    (["--strategy", "gtopk", "--finish", "2"], "bad --finish '2': density must be"),
+    (["--strategy", "gtopk", "--finish", "0.01,0"], "fraction must be in (0, 1]"),
+    (["--strategy", "topk", "--finish", "0.01,x"], "expected DENSITY[,FRACTION]"),
+    (["--strategy", "dense", "--finish", "0.01"], "--strategy dense: takes no --finish"),
     # the optimizer's numbers
     (["--lr", "-0.1"], "--lr must be a positive number, got -0.1"),
     (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
@@ -273,3 +282,38 @@ def test_train_warmup_dense(tmp_path: Path) -> None:
     assert s["describe"]["warmup_dense"] is True
     k = -(-26122 // 100)
     assert s["sent_bytes_per_rank"] == 4 * 26122 + 8 * (s["steps"] - 1) * k
+
+
+def test_train_finish_ends_the_run_denser(tmp_path: Path) -> None:
+    """``--finish 0.1,0.25``: density 0.1 for the last quarter of the run's steps, the
+    density 0.01 before (Top-k's Allgather at 2 ranks: 8 bytes a pair); and around the
+    schedule a name brings when ``--schedule`` is not given (gTop-k's ramp)."""
+    _, s = train(tmp_path, "--strategy", "topk", "--density", "0.01", "--coding", "none",
+                 "--finish", "0.1,0.25", "--no-progress")
+    check_summary(s)
+    steps = s["steps"]
+    start = steps - round(steps / 4)
+    assert s["describe"]["schedule"] == f"finish:0.1,{start}"
+    k, k_end = -(-26122 // 100), -(-26122 // 10)
+    assert s["sent_bytes_per_rank"] == 8 * (start * k + (steps - start) * k_end)
+    assert s["test_accuracy"] > 0.5
+    train_py = _train_module()
+    args = train_py.parse_args(["--strategy", "gtopk", "--density", "0.001", "--finish",
+                                "0.01", "--epochs", "10"])
+    schedule = train_py.build_strategy(args, steps_per_epoch=30).schedule
+    assert schedule == FinalPhase(0.01, 270, strategies.recipe("gtopk", 0.001)["schedule"])
+
+
+
+def test_train_takes_the_workloads_recipe_where_no_option_is_given() -> None:
+    """The optimizer settings, epochs and batch left out are the workload's (what the
+    benchmarks train it with), a given one wins, and the synchronized gradient is clipped
+    as the recipe says (``text-lm``: 0.5, from the harness)."""
+    train_py = _train_module()
+    lm = train_py.parse_args(["--workload", "text-lm", "--strategy", "topk"])
+    assert (lm.lr, lm.momentum, lm.weight_decay, lm.epochs, lm.batch_size) == \
+        (5.0, 0.0, 0.0, 1, 3)
+    assert train_py.spec_of(lm).clip_norm is None   # the harness reads the recipe's
+    digits = train_py.parse_args(["--lr", "0.2", "--epochs", "3"])
+    assert (digits.lr, digits.momentum, digits.weight_decay, digits.epochs,
+            digits.batch_size) == (0.2, 0.9, 1e-3, 3, 32)

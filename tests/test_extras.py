@@ -47,7 +47,8 @@ SCOPES = {
                  "mpicomm/bench/sync.py", "mpicomm/bench/train.py"],
     "plot": ["mpicomm/observe/plot.py"],
 }
-LOCAL = {"mpicomm", "train", "summary_text", "tests"}   # the examples' sibling modules
+# the examples' sibling modules
+LOCAL = {"mpicomm", "train", "summary_text", "recipe_options", "tests"}
 DYNAMIC = ("require", "import_module")
 
 

@@ -130,6 +130,19 @@ def test_final_phase_ends_denser_after_its_inner_schedule():
     assert strategy.describe()["schedule"] == "finish:0.1,3"
 
 
+def test_final_phase_for_a_run_covers_its_last_fraction():
+    ramp = BudgetRamp(0.03, 6.2)
+    assert FinalPhase.for_run(3626, 0.01, 0.1, ramp) == FinalPhase(0.01, 3263, ramp)
+    assert FinalPhase.for_run(3626, 0.01) == FinalPhase(0.01, 3263)   # a tenth by default
+    assert FinalPhase.for_run(7, 0.1, 0.01).start == 6   # at least the last step
+    assert FinalPhase.for_run(5, 0.1, 1.0).start == 0    # the whole run
+    for steps, fraction in ((0, 0.1), (10, 0.0), (10, 1.5), (10, True)):
+        with pytest.raises(ValueError, match="steps|fraction"):
+            FinalPhase.for_run(steps, 0.01, fraction)
+    with pytest.raises(ValueError, match="density"):
+        FinalPhase.for_run(10, 0.0)
+
+
 def test_relative_traffic_and_spec_round_trip():
     s = dgc_warmup(steps_per_epoch=1)
     assert s.relative_traffic(5, 0.001) == pytest.approx(

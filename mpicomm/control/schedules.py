@@ -264,7 +264,8 @@ class FinalPhase:
     the density whose full-run accuracy is the target; the strategy does not know the
     run's length, so ``start`` is a step number (the count of aggregations of a buffer).
     Example: ``FinalPhase(0.01, 3263, BudgetRamp(0.03, 6.2))`` for the last 363 of 3 626
-    steps.
+    steps, which :meth:`for_run` spells ``FinalPhase.for_run(3626, 0.01, 0.1,
+    BudgetRamp(0.03, 6.2))``.
     """
 
     density: float
@@ -276,6 +277,18 @@ class FinalPhase:
         check_int("start", self.start, 0)
         if self.schedule is not None and not callable(self.schedule):
             raise ValueError(f"schedule must be a schedule or None, got {self.schedule!r}")
+
+    @classmethod
+    def for_run(cls, steps: int, density: float, fraction: float = 0.1,
+                schedule: Any = None) -> FinalPhase:
+        """The last ``fraction`` of a run of ``steps`` aggregations at ``density``:
+        ``start = steps - max(1, round(fraction·steps))``, ``schedule`` before it.
+        ``ValueError`` for ``steps < 1`` or ``fraction`` outside (0, 1]."""
+        steps = check_int("steps", steps, 1)
+        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or \
+                not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+        return cls(density, steps - max(1, round(fraction * steps)), schedule)
 
     def __call__(self, step: int, final: float) -> float:
         """Density of step ``step`` (>= 0) for a strategy whose own density is ``final``."""
