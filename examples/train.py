@@ -31,8 +31,8 @@ Two ways to synchronize:
   ``--clip-norm`` clips each rank's gradient at ``C / sqrt(size)``, ``--warmup-dense``
   makes the warm-up steps dense where that sends fewer bytes. ``--finish 0.01`` ends the
   run denser: density 0.01 for its last tenth (:meth:`mpicomm.control.FinalPhase.for_run`
-  over ``--epochs`` epochs; on the language model at 8 ranks and ``--density 0.001``
-  this brought gTop-k and AR-Top-k within 2% of dense's perplexity, docs/compression.md).
+  over ``--epochs`` epochs; measured with ``--density 0.001`` on the language model at
+  8 ranks: docs/compression.md, "A denser end").
 * ``--local-sgd fixed|adacomm``: every rank takes local optimizer steps and
   :class:`mpicomm.torch.LocalSGD` averages the *parameters* every ``tau`` steps (fixed
   ``--period``, or chosen by :class:`mpicomm.control.AdaComm` from ``--tau0``; ``auto``

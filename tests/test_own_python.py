@@ -86,3 +86,21 @@ def test_machine_record_drops_the_nul_open_mpi_counts_in_its_version(monkeypatch
     assert mpienv.library_version() == "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6"
     assert mpienv.machine()["mpi"] == "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6"
     assert mpienv.mpi_flavor(mpienv.library_version()) == "openmpi"
+
+
+def test_machine_record_names_the_cpu_and_torchs_kernels(monkeypatch):
+    """Every result records the CPU model and, where the benchmark loaded torch, its
+    version and CPU kernel level: training runs repeat bit for bit on one kind of CPU
+    only. Without torch loaded the record leaves it out (and does not import it)."""
+    import torch
+
+    from mpicomm.emulate import mpienv
+
+    m = mpienv.machine()
+    assert isinstance(m["cpu"], str) and m["cpu"]
+    assert m["torch"] == {"version": str(torch.__version__),
+                          "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    monkeypatch.delitem(sys.modules, "torch")
+    assert "torch" not in mpienv.machine() and "torch" not in sys.modules
+    monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError()))
+    assert mpienv.cpu_model()   # platform.processor() or the machine's architecture

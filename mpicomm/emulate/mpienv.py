@@ -29,7 +29,8 @@ from typing import Any
 from .vnet import ENV_HOST_NICS, parse_nics
 
 __all__ = ["library_version", "mpi_flavor", "find_mpiexec", "own_python", "usable_cores",
-           "launcher_env", "machine", "network", "SHAPING_ACK_FIRST", "shaping_name"]
+           "cpu_model", "launcher_env", "machine", "network", "SHAPING_ACK_FIRST",
+           "shaping_name"]
 
 #: ``MPICOMM_EMU_SHAPING`` of an emulated cluster run with ``--ack-priority``.
 SHAPING_ACK_FIRST = "htb-ack-first"
@@ -123,14 +124,37 @@ def launcher_env(flavor: str, ranks: int, base: dict[str, str] | None = None
 
 
 def machine() -> dict[str, Any]:
-    """The machine a measurement ran on (host, cores, Python, MPI library, ranks, load
-    average) and its :func:`network`, as recorded in every benchmark's JSON."""
+    """The machine a measurement ran on (host, cores, CPU model, Python, MPI library,
+    torch's version and the CPU kernels it dispatches to when torch is loaded, ranks,
+    load average) and its :func:`network`, as recorded in every benchmark's JSON.
+
+    The CPU model and torch's kernel level matter for training results: the same code,
+    data and seed repeat bit for bit on one machine, but another CPU (AVX2 against
+    AVX-512 kernels) rounds differently, and a long run then ends elsewhere."""
     from mpi4py import MPI
 
-    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "mpi": library_version().splitlines()[0].strip(),
-            "ranks": MPI.COMM_WORLD.Get_size(), "loadavg": list(os.getloadavg()),
-            "network": network()}
+    out = {"host": platform.node(), "cpus": os.cpu_count(), "cpu": cpu_model(),
+           "python": platform.python_version(),
+           "mpi": library_version().splitlines()[0].strip(),
+           "ranks": MPI.COMM_WORLD.Get_size(), "loadavg": list(os.getloadavg()),
+           "network": network()}
+    torch = sys.modules.get("torch")   # recorded where the benchmark uses it, not imported
+    if torch is not None:
+        out["torch"] = {"version": str(torch.__version__),
+                        "cpu_capability": str(torch.backends.cpu.get_cpu_capability())}
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def network() -> dict[str, Any]:
