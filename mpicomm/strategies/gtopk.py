@@ -113,10 +113,11 @@ class GTopK(SparsifyingStrategy):
     +1.22%, +0.67% and +1.40% at 48.0x (seeds 0-2). At 16 ranks (1 551 steps on
     CPython 3.12's corpus, seed 0, density 0.001) -12.5% at 41.8x: four rounds
     instead of three, and half the changes per parameter. With the run's length known,
-    a final phase at a higher density closes the gap at 0.001: ``schedule=FinalPhase(0.01,
+    a final phase at a higher density narrows the gap at 0.001: ``schedule=FinalPhase(0.01,
     3263, BudgetRamp(0.03, 6.2))`` (the last 363 of those 3 626 steps at 0.01) gave
-    -1.97%, -1.50% and -1.13% at 66.1x (:class:`~mpicomm.control.FinalPhase`). Tuning:
-    start it a tenth of the run before the end. Pass ``schedule=None`` for no
+    -3.63%, -2.38% and -0.98% (seeds 0-2, dense on the same machine) at 66.1x
+    (:class:`~mpicomm.control.FinalPhase`). Tuning: start it a tenth of the run before
+    the end. Pass ``schedule=None`` for no
     ramp, ``exact_values=False, coding=None`` for the butterfly's own values; the
     class's own default has neither ramp, nor exact values, nor coding.
 
