@@ -15,6 +15,8 @@ from mpicomm import workloads
 #: and that recipe's key for each.
 RECIPE_OPTIONS = {"epochs": "epochs", "batch_size": "batch", "lr": "lr",
                   "momentum": "momentum", "weight_decay": "weight_decay"}
+#: Those of them that are counts (integers, at least 1); the others are floats.
+COUNT_OPTIONS = ("epochs", "batch_size")
 
 
 def add_recipe_arguments(ap: argparse.ArgumentParser) -> None:
@@ -26,7 +28,7 @@ def add_recipe_arguments(ap: argparse.ArgumentParser) -> None:
              "weight_decay": "SGD weight decay"}
     for opt, key in RECIPE_OPTIONS.items():
         ap.add_argument(f"--{opt.replace('_', '-')}", default=None,
-                        type=int if opt in ("epochs", "batch_size") else float,
+                        type=int if opt in COUNT_OPTIONS else float,
                         help=f"{helps[opt]} (default: the workload's; digits-mlp: "
                              f"{digits[key]:g})")
 
@@ -43,8 +45,8 @@ def fill_recipe(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for opt, key in RECIPE_OPTIONS.items():
         if getattr(args, opt) is None:
             value = recipe[key]
-            setattr(args, opt, int(value) if opt in ("epochs", "batch_size") else value)
-    for name in ("epochs", "batch_size"):
+            setattr(args, opt, int(value) if opt in COUNT_OPTIONS else value)
+    for name in COUNT_OPTIONS:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     check_optimizer_arguments(ap, args)

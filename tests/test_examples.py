@@ -304,7 +304,6 @@ def test_train_finish_ends_the_run_denser(tmp_path: Path) -> None:
     assert schedule == FinalPhase(0.01, 270, strategies.recipe("gtopk", 0.001)["schedule"])
 
 
-
 def test_train_takes_the_workloads_recipe_where_no_option_is_given() -> None:
     """The optimizer settings, epochs and batch left out are the workload's (what the
     benchmarks train it with), a given one wins, and the synchronized gradient is clipped

@@ -102,5 +102,8 @@ def test_machine_record_names_the_cpu_and_torchs_kernels(monkeypatch):
                           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     monkeypatch.delitem(sys.modules, "torch")
     assert "torch" not in mpienv.machine() and "torch" not in sys.modules
-    monkeypatch.setattr("builtins.open", lambda *a, **k: (_ for _ in ()).throw(OSError()))
+    def no_cpuinfo(*args, **kwargs):
+        raise OSError("no /proc/cpuinfo")
+
+    monkeypatch.setattr(mpienv, "open", no_cpuinfo, raising=False)  # this module's only
     assert mpienv.cpu_model()   # platform.processor() or the machine's architecture
