@@ -22,7 +22,12 @@ import torch.distributed as dist
 
 import mpicomm
 from mpicomm.torch import process_group, rendezvous
-from mpicomm.torch.rendezvous import STORE_PREFIX, loopback_devices, rendezvous_store
+from mpicomm.torch.rendezvous import (
+    STORE_PREFIX,
+    loopback_devices,
+    remove_store_file,
+    rendezvous_store,
+)
 
 from .launch import run_job
 
@@ -171,6 +176,8 @@ def test_file_store_opens_no_socket_and_is_private(comm: mpicomm.Communicator):
     assert os.stat(path).st_mode & 0o077 == 0
     comm.barrier()
     del store
+    remove_store_file(comm, path)
+    assert not os.path.exists(path)
 
 
 @pytest.mark.mpi
@@ -193,6 +200,22 @@ def test_store_file_goes_when_the_last_rank_lets_go(comm: mpicomm.Communicator):
     assert not os.path.exists(path)
     with process_group(comm):
         path = dist.distributed_c10d._get_default_store().underlying_store.path
+    comm.barrier()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.mpi
+def test_destroying_the_group_removes_its_file_while_stores_live_on(
+        comm: mpicomm.Communicator):
+    """Every rank still holds the group's store (as a live DDP model does), so torch's
+    own clean-up has not run: ``destroy_process_group`` removes the file all the same,
+    and the stores destroyed afterwards do not write it anew."""
+    with process_group(comm):
+        held = dist.distributed_c10d._get_default_store()
+        path = held.underlying_store.path
+        assert os.path.isfile(path)
+    assert not os.path.exists(path)
+    del held
     comm.barrier()
     assert not os.path.exists(path)
 

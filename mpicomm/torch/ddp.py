@@ -68,7 +68,7 @@ import torch.distributed as dist
 from .. import clock, hooks
 from ..comm import Communicator, resolve
 from ..strategies import Strategy
-from .rendezvous import loopback_devices, rendezvous_store
+from .rendezvous import loopback_devices, remove_store_file, rendezvous_store
 from .strategy_options import build_strategy
 
 __all__ = ["init_process_group", "destroy_process_group", "process_group",
@@ -76,6 +76,9 @@ __all__ = ["init_process_group", "destroy_process_group", "process_group",
 
 
 # ---------------------------------------------------------------------- process group
+_group_store_file: str | None = None    # the default group's one-node store file
+
+
 def init_process_group(comm: Communicator | None = None, backend: str = "gloo", *,
                        timeout_s: float = 300.0) -> None:
     """Start ``torch.distributed``'s default process group over the ranks of ``comm``.
@@ -95,6 +98,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     connection ("Connection closed by peer"). Release with
     ``destroy_process_group`` (or use ``process_group``).
     """
+    global _group_store_file
     comm = resolve(comm)
     error: Exception | None = None
     if dist.is_initialized():
@@ -111,6 +115,7 @@ def init_process_group(comm: Communicator | None = None, backend: str = "gloo", 
     with loopback_devices(comm):
         dist.init_process_group(backend, store=store, rank=comm.rank, world_size=comm.size,
                                 timeout=timeout)
+    _group_store_file = getattr(store, "path", None)
     comm.barrier()
 
 
@@ -124,11 +129,19 @@ def destroy_process_group(comm: Communicator | None = None, *, wait: bool = True
     fail that peer's operation. After the barrier every rank has left every operation
     of the group. ``wait=False`` skips the barrier: for an error path, where the other
     ranks may never reach it.
+
+    On one node rank 0 then removes the rendezvous store's file between two more
+    barriers (``mpicomm.torch.rendezvous.remove_store_file``), which
+    torch's own clean-up can miss; ``wait=False`` leaves the file to that clean-up.
     """
+    global _group_store_file
     comm = resolve(comm)
     if wait:
         comm.barrier()
     dist.destroy_process_group()
+    path, _group_store_file = _group_store_file, None
+    if wait and path:
+        remove_store_file(comm, path)
 
 
 @contextlib.contextmanager

@@ -5,12 +5,17 @@ over MPI and exposed to no one else.
 
 * every rank on one node (``comm.nodes == 1``): a ``torch.distributed.FileStore`` in a
   private temporary file (``mkstemp``: a new file of a random name, mode 0600, owned by
-  the user) that rank 0 creates and broadcasts over MPI. No socket is opened. The store
-  removes the file when the last of the ranks' stores is destroyed: at
-  ``destroy_process_group``, or at the latest when the processes exit (a
-  ``DistributedDataParallel`` model keeps its group's store alive until then), so
-  nothing is left behind. A job ended by ``MPI_Abort`` leaves the file under the
-  temporary directory (a few bytes, readable by its owner only).
+  the user) that rank 0 creates and broadcasts over MPI. No socket is opened.
+  ``mpicomm.torch.destroy_process_group`` removes the file once every rank has let go of
+  its group (``remove_store_file``), also when a ``DistributedDataParallel`` model
+  still holds the group's store (that store, destroyed at exit, then finds no file and
+  writes none). Left to itself, the store's destructor removes the file when the last
+  rank's store goes, but torch's ``FileStore`` counts its finished and its live users
+  in two separate updates, so when ranks destroy their stores at the same moment no
+  rank may see both counts complete and the file stays. So a group never destroyed, a
+  store from ``rendezvous_store`` dropped by every rank at once, or a job ended by
+  ``MPI_Abort`` can leave the file under the temporary directory (a few bytes,
+  readable by its owner only).
 * gloo's own connections (``loopback_devices``, used by
   ``mpicomm.torch.init_process_group``): on one node they listen on the loopback
   interface, unless ``GLOO_SOCKET_IFNAME`` says otherwise.
@@ -40,7 +45,7 @@ import torch.distributed as dist
 
 from ..comm import Communicator
 
-__all__ = ["rendezvous_store", "loopback_devices", "STORE_PREFIX"]
+__all__ = ["rendezvous_store", "remove_store_file", "loopback_devices", "STORE_PREFIX"]
 
 #: Name prefix of the private files that hold a one-node job's FileStore.
 STORE_PREFIX = "mpicomm-store-"
@@ -62,6 +67,20 @@ def _file_store(comm: Communicator) -> Any:
     if path.startswith("error: "):
         raise RuntimeError(path[len("error: "):])
     return dist.FileStore(path, comm.size)
+
+
+def remove_store_file(comm: Communicator, path: str | None) -> None:
+    """Remove a one-node store's file (``store.path``; ``None``, a TCP store's, does
+    nothing) once every rank of ``comm`` has destroyed its handle on the store or handed
+    it to an object that outlives the call. Collective: a barrier, rank 0 removes the
+    file, a barrier; on return the file is gone for every rank. The first barrier
+    matters: a rank still inside its store's destructor would otherwise write the file
+    anew after the removal. Cost: two barriers."""
+    comm.barrier()
+    if comm.rank == 0 and path:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    comm.barrier()
 
 
 def _tcp_store(comm: Communicator, host: str | None, timeout: datetime.timedelta) -> Any:
