@@ -19,7 +19,15 @@ from mpicomm import strategies, workloads
 from mpicomm.bench._util import UsageError
 from mpicomm.bench.harness import Spec, train
 from mpicomm.bench.probe import CompressionProbe
-from mpicomm.bench.ratios import ROW_KEYS, collect, is_rows, medians, metric_gap, stale_default
+from mpicomm.bench.ratios import (
+    ROW_KEYS,
+    collect,
+    is_rows,
+    medians,
+    metric_gap,
+    runs_by_file,
+    stale_default,
+)
 from mpicomm.bench.recipes import label_density, label_strategy, named_options
 from mpicomm.bench.sync import GradientMethod
 
@@ -211,6 +219,28 @@ def test_collect_compares_runs_of_the_same_length():
     got = {r["strategy"]: (r["metric_gap"], r["bytes_vs_dense"]) for r in rows}
     assert got == {"gtopk": (pytest.approx(-1.0), 100.0),
                    "gtopk+ef": (pytest.approx(-1.0), 100.0)}
+
+
+def test_collect_prefers_the_dense_run_of_the_runs_own_file():
+    """Two files each with a dense run of the same seed and length (two jobs, perhaps two
+    machines): a run is compared with its own file's, whichever file is read last; a
+    file without a dense run of its own borrows the last one read."""
+    def run(label, ppl, sent=1000):
+        return {"workload": "w", "ranks": 8, "seed": 0, "steps": 100, "label": label,
+                "metric": "perplexity", "direction": "min", "density": 0.001,
+                "curve": [{"perplexity": ppl}], "sent_bytes_total": sent}
+
+    files = [{"training_runs": [run("dense", 100.0), run("topk", 101.0, 10)]},
+             {"training_runs": [run("dense", 110.0), run("gtopk", 111.0, 20)]},
+             {"training_runs": [run("artopk", 112.0, 40)]}]
+    got = {r["strategy"]: (r["metric_gap"], r["bytes_vs_dense"])
+           for r in collect(runs_by_file(files))}
+    assert got == {"topk": (pytest.approx(-1.0), 100.0),
+                   "gtopk": (pytest.approx(-100 / 110, abs=1e-4), 50.0),
+                   "artopk": (pytest.approx(-200 / 110, abs=1e-4), 25.0)}
+    flat = [x for data in files for x in data["training_runs"]]       # no sources: last read
+    assert {r["strategy"]: r["metric_gap"] for r in collect(flat)}["topk"] == \
+        pytest.approx(100 * (110 - 101) / 110, abs=1e-4)
 
 
 def test_medians_keep_short_and_full_runs_apart():

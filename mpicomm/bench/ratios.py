@@ -135,15 +135,24 @@ def train_all(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- collecting
 def load_runs(folders: Sequence[str]) -> list[dict[str, Any]]:
-    """Every run record of the ``ratios`` results under ``folders``."""
-    runs = []
+    """Every run record of the ``ratios`` results under ``folders``
+    (:func:`runs_by_file`)."""
+    files = []
     for folder in folders:
         for path in sorted(glob.glob(os.path.join(folder, "**", "*.json"), recursive=True)):
             with open(path) as f:
                 data = json.load(f)
             if isinstance(data, dict) and data.get("suite") == "ratios":
-                runs.extend(data.get("training_runs", []))
-    return runs
+                files.append(data)
+    return runs_by_file(files)
+
+
+def runs_by_file(files: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run records of ``ratios`` results ``files``, each (a copy) with a ``source``
+    key, the index of its file, by which :func:`collect` pairs a run with a dense run of
+    its own file (the same job, so the same machine) before any other."""
+    return [{**run, "source": index} for index, data in enumerate(files)
+            for run in data.get("training_runs", [])]
 
 
 def metric_gap(run: dict[str, Any], dense: dict[str, Any]) -> float:
@@ -230,8 +239,12 @@ def check_labels(runs: Sequence[dict[str, Any]], density: float | None = None,
 def collect(runs: Sequence[dict[str, Any]], *, steps: bool = False
             ) -> list[dict[str, Any]]:
     """One row (:data:`ROW_KEYS`) per non-dense run that has a dense run of the same
-    workload, rank count, seed and number of steps (the last one read, if several): a
-    run cut short is never compared with a full-length dense run. ``steps=True`` adds the
+    workload, rank count, seed and number of steps: the one of its own file (the
+    ``source`` key of :func:`runs_by_file`) if there is one, else the last one read. A
+    run cut short is never compared with a full-length dense run, and a run is compared
+    with a dense run of another job only when its own job ran none: the same code can
+    end a language-model run a point of perplexity apart on machines whose arithmetic
+    differs. ``steps=True`` adds the
     run's step count to each row (a ``steps`` key, which the rows file does not hold), so
     that :func:`medians` keeps short and full-length runs of one label apart.
     :class:`UsageError` naming every run whose label no longer builds what it ran
@@ -242,9 +255,10 @@ def collect(runs: Sequence[dict[str, Any]], *, steps: bool = False
         return r["workload"], r["ranks"], r["seed"], r["steps"]
 
     dense = {key(r): r for r in runs if r["label"] == "dense"}
+    own_dense = {(r.get("source"), *key(r)): r for r in runs if r["label"] == "dense"}
     rows = []
     for r in runs:
-        ref = dense.get(key(r))
+        ref = own_dense.get((r.get("source"), *key(r))) or dense.get(key(r))
         if r["label"] == "dense" or ref is None:
             continue
         rows.append({"workload": r["workload"], "strategy": r["label"],

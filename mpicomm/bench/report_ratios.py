@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .ratios import collect, medians
+from .ratios import collect, medians, runs_by_file
 
 #: Hand-written remarks on the ratios results, read from the plots folder when present.
 NOTES = "ratios-notes.md"
@@ -34,7 +34,7 @@ def ratio_results(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def summary_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The medians table over every ``ratios`` file of ``results``."""
-    runs = [x for r in ratio_results(results) for x in r.get("training_runs", [])]
+    runs = runs_by_file(ratio_results(results))
     metrics = {x["workload"]: x["metric"] for x in runs}
     rows = medians(collect(runs, steps=True), metrics)
     for row in rows:
@@ -185,14 +185,14 @@ def section(results: Sequence[dict[str, Any]], folder: str, rel: str,
         plt = pyplot()
     except ImportError:
         plt = None
-    raw = medians(collect([x for r in files for x in r.get("training_runs", [])],
-                          steps=True))
+    raw = medians(collect(runs_by_file(files), steps=True))
     rows = summary_rows(results)
     out = ["## Compression ratios against dense, whole runs\n",
            "From `python -m mpicomm.bench ratios` (`make bench-ratios`). Per workload, "
            "rank count, strategy, density and run length (steps): the median over seeds "
-           "of the gap to dense of the same seed (`pp`: points of accuracy; `% ppl`: "
-           "percent of dense's perplexity; negative = worse), the worst seed, and "
+           "of the gap to dense of the same seed, from the same job where it ran one "
+           "(`pp`: points of accuracy; `% ppl`: percent of dense's perplexity; "
+           "negative = worse), the worst seed, and "
            "dense's total bytes over the strategy's (every byte of the run summed over "
            "the ranks, warm-up included). `met`: gap within 0.5 pp / 2% perplexity and, "
            "at densities 0.001 and 0.01, at least 50x / 20x fewer bytes. One row per "
