@@ -70,7 +70,7 @@ def _file_store(comm: Communicator) -> Any:
 
 
 def remove_store_file(comm: Communicator, path: str | None) -> None:
-    """Remove a one-node store's file (``store.path``; ``None``, a TCP store's, does
+    """Remove a one-node store's file (``store.path``; ``None``, for a TCP store, removes
     nothing) once every rank of ``comm`` has destroyed its handle on the store or handed
     it to an object that outlives the call. Collective: a barrier, rank 0 removes the
     file, a barrier; on return the file is gone for every rank. The first barrier
