@@ -25,6 +25,7 @@ from mpicomm.bench.ratios import (
     is_rows,
     medians,
     metric_gap,
+    platform,
     runs_by_file,
     stale_default,
 )
@@ -241,6 +242,29 @@ def test_collect_prefers_the_dense_run_of_the_runs_own_file():
     flat = [x for data in files for x in data["training_runs"]]       # no sources: last read
     assert {r["strategy"]: r["metric_gap"] for r in collect(flat)}["topk"] == \
         pytest.approx(100 * (110 - 101) / 110, abs=1e-4)
+
+
+def test_collect_borrows_a_dense_run_of_the_same_platform():
+    """A file without a dense run borrows one from a file whose machine record names the
+    same CPU and torch build, even when another machine's file is read later; a file of
+    unrecorded platform borrows from another such file."""
+    def run(label, ppl, sent=1000):
+        return {"workload": "w", "ranks": 8, "seed": 0, "steps": 100, "label": label,
+                "metric": "perplexity", "direction": "min", "density": 0.001,
+                "curve": [{"perplexity": ppl}], "sent_bytes_total": sent}
+
+    epyc = {"cpu": "AMD EPYC", "torch": {"version": "2.13.0+cpu", "cpu_capability": "AVX2"}}
+    xeon = {"cpu": "Intel Xeon", "torch": {"version": "2.13.0+cpu",
+                                           "cpu_capability": "AVX512"}}
+    files = [{"machine": {}, "training_runs": [run("dense", 100.0)]},
+             {"machine": epyc, "training_runs": [run("dense", 110.0)]},
+             {"machine": {}, "training_runs": [run("topk", 101.0, 10)]},
+             {"machine": epyc, "training_runs": [run("gtopk", 111.0, 20)]},
+             {"machine": xeon, "training_runs": [run("dense", 120.0)]}]
+    got = {r["strategy"]: r["metric_gap"] for r in collect(runs_by_file(files))}
+    assert got == {"topk": pytest.approx(-1.0), "gtopk": pytest.approx(-100 / 110, abs=1e-4)}
+    assert platform(epyc) == ("AMD EPYC", "2.13.0+cpu", "AVX2")
+    assert platform({}) == (None, None, None)
 
 
 def test_medians_keep_short_and_full_runs_apart():

@@ -148,11 +148,19 @@ def load_runs(folders: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def runs_by_file(files: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The run records of ``ratios`` results ``files``, each (a copy) with a ``source``
-    key, the index of its file, by which :func:`collect` pairs a run with a dense run of
-    its own file (the same job, so the same machine) before any other."""
-    return [{**run, "source": index} for index, data in enumerate(files)
-            for run in data.get("training_runs", [])]
+    """The run records of ``ratios`` results ``files``, each (a copy) with two keys by
+    which :func:`collect` chooses a run's dense run: ``source``, the index of its file
+    (the same job, so the same machine), and ``platform``, what the file's machine
+    record says of the arithmetic (:func:`platform`)."""
+    return [{**run, "source": index, "platform": platform(data.get("machine") or {})}
+            for index, data in enumerate(files) for run in data.get("training_runs", [])]
+
+
+def platform(machine: dict[str, Any]) -> tuple[Any, ...]:
+    """The parts of a machine record that decide a run's floating-point results: the CPU
+    model and torch's version and CPU kernels (``None`` where a record lacks them)."""
+    torch_info = machine.get("torch") or {}
+    return machine.get("cpu"), torch_info.get("version"), torch_info.get("cpu_capability")
 
 
 def metric_gap(run: dict[str, Any], dense: dict[str, Any]) -> float:
@@ -240,11 +248,11 @@ def collect(runs: Sequence[dict[str, Any]], *, steps: bool = False
             ) -> list[dict[str, Any]]:
     """One row (:data:`ROW_KEYS`) per non-dense run that has a dense run of the same
     workload, rank count, seed and number of steps: the one of its own file (the
-    ``source`` key of :func:`runs_by_file`) if there is one, else the last one read. A
-    run cut short is never compared with a full-length dense run, and a run is compared
-    with a dense run of another job only when its own job ran none: the same code can
-    end a language-model run a point of perplexity apart on machines whose arithmetic
-    differs. ``steps=True`` adds the
+    ``source`` key of :func:`runs_by_file`) if there is one, else the last one read of
+    the same ``platform``, else the last one read. A run cut short is never compared
+    with a full-length dense run, and a run is compared with a dense run of another job
+    only when its own job ran none: the same code can end a language-model run a point
+    of perplexity apart on machines whose arithmetic differs. ``steps=True`` adds the
     run's step count to each row (a ``steps`` key, which the rows file does not hold), so
     that :func:`medians` keeps short and full-length runs of one label apart.
     :class:`UsageError` naming every run whose label no longer builds what it ran
@@ -254,11 +262,14 @@ def collect(runs: Sequence[dict[str, Any]], *, steps: bool = False
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
         return r["workload"], r["ranks"], r["seed"], r["steps"]
 
-    dense = {key(r): r for r in runs if r["label"] == "dense"}
-    own_dense = {(r.get("source"), *key(r)): r for r in runs if r["label"] == "dense"}
+    def choices(r: dict[str, Any]) -> tuple[tuple[Any, ...], ...]:
+        return (("file", r.get("source"), *key(r)), ("platform", r.get("platform"), *key(r)),
+                key(r))
+
+    dense = {choice: r for r in runs if r["label"] == "dense" for choice in choices(r)}
     rows = []
     for r in runs:
-        ref = own_dense.get((r.get("source"), *key(r))) or dense.get(key(r))
+        ref = next((dense[c] for c in choices(r) if c in dense), None)
         if r["label"] == "dense" or ref is None:
             continue
         rows.append({"workload": r["workload"], "strategy": r["label"],
