@@ -222,18 +222,20 @@ def test_collect_compares_runs_of_the_same_length():
                    "gtopk+ef": (pytest.approx(-1.0), 100.0)}
 
 
+def _lm_run(label: str, ppl: float, sent: int = 1000) -> dict:
+    """A run record of seed 0 that ended at perplexity ``ppl`` having sent ``sent`` bytes."""
+    return {"workload": "w", "ranks": 8, "seed": 0, "steps": 100, "label": label,
+            "metric": "perplexity", "direction": "min", "density": 0.001,
+            "curve": [{"perplexity": ppl}], "sent_bytes_total": sent}
+
+
 def test_collect_prefers_the_dense_run_of_the_runs_own_file():
     """Two files each with a dense run of the same seed and length (two jobs, perhaps two
     machines): a run is compared with its own file's, whichever file is read last; a
     file without a dense run of its own borrows the last one read."""
-    def run(label, ppl, sent=1000):
-        return {"workload": "w", "ranks": 8, "seed": 0, "steps": 100, "label": label,
-                "metric": "perplexity", "direction": "min", "density": 0.001,
-                "curve": [{"perplexity": ppl}], "sent_bytes_total": sent}
-
-    files = [{"training_runs": [run("dense", 100.0), run("topk", 101.0, 10)]},
-             {"training_runs": [run("dense", 110.0), run("gtopk", 111.0, 20)]},
-             {"training_runs": [run("artopk", 112.0, 40)]}]
+    files = [{"training_runs": [_lm_run("dense", 100.0), _lm_run("topk", 101.0, 10)]},
+             {"training_runs": [_lm_run("dense", 110.0), _lm_run("gtopk", 111.0, 20)]},
+             {"training_runs": [_lm_run("artopk", 112.0, 40)]}]
     got = {r["strategy"]: (r["metric_gap"], r["bytes_vs_dense"])
            for r in collect(runs_by_file(files))}
     assert got == {"topk": (pytest.approx(-1.0), 100.0),
@@ -248,19 +250,14 @@ def test_collect_borrows_a_dense_run_of_the_same_platform():
     """A file without a dense run borrows one from a file whose machine record names the
     same CPU and torch build, even when another machine's file is read later; a file of
     unrecorded platform borrows from another such file."""
-    def run(label, ppl, sent=1000):
-        return {"workload": "w", "ranks": 8, "seed": 0, "steps": 100, "label": label,
-                "metric": "perplexity", "direction": "min", "density": 0.001,
-                "curve": [{"perplexity": ppl}], "sent_bytes_total": sent}
-
     epyc = {"cpu": "AMD EPYC", "torch": {"version": "2.13.0+cpu", "cpu_capability": "AVX2"}}
     xeon = {"cpu": "Intel Xeon", "torch": {"version": "2.13.0+cpu",
                                            "cpu_capability": "AVX512"}}
-    files = [{"machine": {}, "training_runs": [run("dense", 100.0)]},
-             {"machine": epyc, "training_runs": [run("dense", 110.0)]},
-             {"machine": {}, "training_runs": [run("topk", 101.0, 10)]},
-             {"machine": epyc, "training_runs": [run("gtopk", 111.0, 20)]},
-             {"machine": xeon, "training_runs": [run("dense", 120.0)]}]
+    files = [{"machine": {}, "training_runs": [_lm_run("dense", 100.0)]},
+             {"machine": epyc, "training_runs": [_lm_run("dense", 110.0)]},
+             {"machine": {}, "training_runs": [_lm_run("topk", 101.0, 10)]},
+             {"machine": epyc, "training_runs": [_lm_run("gtopk", 111.0, 20)]},
+             {"machine": xeon, "training_runs": [_lm_run("dense", 120.0)]}]
     got = {r["strategy"]: r["metric_gap"] for r in collect(runs_by_file(files))}
     assert got == {"topk": pytest.approx(-1.0), "gtopk": pytest.approx(-100 / 110, abs=1e-4)}
     assert platform(epyc) == ("AMD EPYC", "2.13.0+cpu", "AVX2")
